@@ -1,0 +1,65 @@
+"""pyengine: PyTorch's autograd execution engine for Python frameworks.
+
+A framework describes its backward graph with :class:`Node` subclasses
+(``apply(grads)`` plus ``next_edges``) and pyengine runs it with the
+semantics of ``torch/csrc/autograd/engine.cpp``: dependency counting, a ready
+queue ordered by sequence number, gradient accumulation in InputBuffers,
+``validate_outputs``, hooks, reentrant backward, ``retain_graph`` and
+``create_graph``. The hot core is compiled Cython; ``PYENGINE_PURE=1`` runs
+its pure-Python twin instead.
+"""
+
+from ._core import IMPLEMENTATION, InputMetadata, is_checkpoint_valid
+from .anomaly_mode import detect_anomaly, is_anomaly_enabled, set_detect_anomaly
+from .autograd import (
+    backward,
+    grad,
+    grad_accumulator,
+    gradient_edge,
+    register_post_accumulate_grad_hook,
+    register_tensor_hook,
+    retain_grad,
+)
+from .backends import ArrayBackend, backend_of, register_backend
+from .device import CPU, Device
+from .engine import Engine, get_default_engine, queue_callback, set_default_engine
+from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from .node import AccumulateGrad, Edge, Node, RemovableHandle
+
+GradientEdge = Edge
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "IMPLEMENTATION",
+    "AccumulateGrad",
+    "ArrayBackend",
+    "CPU",
+    "Device",
+    "Edge",
+    "Engine",
+    "GradientEdge",
+    "InputMetadata",
+    "Node",
+    "RemovableHandle",
+    "backend_of",
+    "backward",
+    "detect_anomaly",
+    "enable_grad",
+    "get_default_engine",
+    "grad",
+    "grad_accumulator",
+    "gradient_edge",
+    "is_anomaly_enabled",
+    "is_checkpoint_valid",
+    "is_grad_enabled",
+    "no_grad",
+    "queue_callback",
+    "register_backend",
+    "register_post_accumulate_grad_hook",
+    "register_tensor_hook",
+    "retain_grad",
+    "set_default_engine",
+    "set_detect_anomaly",
+    "set_grad_enabled",
+]

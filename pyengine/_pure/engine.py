@@ -1,0 +1,553 @@
+"""The engine: runs a backward graph task to completion.
+
+Twin of ``pyengine/_engine.pyx``: ``validate_outputs``, ``GraphRoot``,
+``call_function``, and ``Engine`` with ``execute``, ``compute_dependencies``,
+``thread_main``, ``evaluate_function``, reentrant backward and its thread
+pool. Read it beside PyTorch's ``torch/csrc/autograd/engine.cpp``.
+
+Note [CPU work runs on the caller]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The thread that calls ``execute`` drives the graph task itself: it pushes
+the root task onto a ReadyQueue of its own (one per thread, made on first
+use) and runs ``thread_main`` until the graph task completes. It never hands
+CPU work to another thread, so a backward with only CPU nodes takes no
+thread switch at all.
+
+Note [Reentrant backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A backward started inside a node's ``apply`` (or a hook) is reentrant. Its
+graph task gets ``reentrant_depth`` one more than the task that was running,
+shares the caller's ReadyQueue, and runs on the same thread, recursively:
+its tasks sort before the parent's (See Note [Ready queue order]), so the
+child completes before the parent's queued work continues. Each level costs
+Python and C stack, so past ``max_recursion_depth`` levels on one thread the
+child graph task goes to a pool thread that serves the same queue, with a
+fresh stack, while the caller blocks (with the GIL released) until the child
+completes. A pool thread may in turn go ``max_recursion_depth`` levels deep
+before handing off again, so chains thousands of levels deep complete.
+
+Note [AccumulateGrad first]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+AccumulateGrad nodes carry the largest sequence number, so a leaf's
+gradient is written (and the InputBuffer holding it freed) as soon as it is
+ready, before any other node runs.
+"""
+
+import atexit
+import os
+import threading
+
+from ..backends import backend_of, is_expandable_to
+from . import state
+from .graph_task import GraphTask
+from .input_buffer import InputBuffer
+from .node import NodeBase
+from .ready_queue import NodeTask, ReadyQueue
+
+# worker_device values: the thread runs no engine loop, or the CPU loop.
+# Device workers (issue: devices) use the device index.
+NO_DEVICE = -2
+CPU_DEVICE = -1
+
+# Levels of reentrant backward run inline on one thread before a pool thread
+# takes over. See Note [Reentrant backward].
+MAX_RECURSION_DEPTH = 60
+
+
+class _WorkerState(threading.local):
+    """The engine's per-thread state; each attribute is per thread."""
+
+    worker_device = NO_DEVICE
+    # Reentrant levels running inline on this thread.
+    current_depth = 0
+    # Reentrant levels in all, on this thread and the threads that handed off to it.
+    total_depth = 0
+    local_ready_queue = None
+
+
+_worker_state = _WorkerState()
+
+
+# -- validate_outputs -----------------------------------------------------
+
+def validate_outputs(edges, grads, format_error):
+    """Check and fix ``grads`` (a list, edited in place) against ``edges``.
+
+    For each gradient that flows along an edge into a slot with metadata:
+    reduce a broadcast shape with ``sum_to``, cast to the slot's dtype,
+    move a 0-d value to the slot's device; any other mismatch raises with
+    ``format_error(message)``, naming the index, expected and got.
+    """
+    if len(grads) != len(edges):
+        raise RuntimeError(format_error(
+            f"invalid number of gradients - expected {len(edges)}, but got {len(grads)}"))
+    for i, edge in enumerate(edges):
+        grad = grads[i]
+        if edge is None or grad is None:
+            continue
+        backend = backend_of(grad)
+        if backend is None:
+            raise TypeError(format_error(
+                f"invalid gradient at index {i} - expected an array, but got {type(grad).__name__}"))
+        all_metadata = edge.node._input_metadata
+        metadata = all_metadata[edge.input_nr] if edge.input_nr < len(all_metadata) else None
+        if metadata is None:
+            continue
+        grads[i] = _validate_one(i, grad, backend, metadata, format_error)
+
+
+def _validate_one(i, grad, backend, metadata, format_error):
+    shape = backend.shape(grad)
+    if shape != metadata.shape:
+        if not is_expandable_to(metadata.shape, shape):
+            raise RuntimeError(format_error(
+                f"invalid gradient at index {i} - got {shape} but expected shape "
+                f"compatible with {metadata.shape}"))
+        grad = backend.sum_to(grad, metadata.shape)
+    dtype = backend.dtype(grad)
+    kind = backend.dtype_kind(dtype)
+    if kind not in ("f", "c"):
+        raise RuntimeError(format_error(
+            f"invalid gradient at index {i} - expected dtype {metadata.dtype} but got {dtype} "
+            "(gradients must be floating point or complex)"))
+    if dtype != metadata.dtype:
+        if (kind == "c") != (backend.dtype_kind(metadata.dtype) == "c"):
+            raise RuntimeError(format_error(
+                f"invalid gradient at index {i} - expected dtype {metadata.dtype} but got {dtype}"))
+        grad = backend.cast(grad, metadata.dtype)
+    device = backend.device(grad)
+    if device != metadata.device:
+        if len(shape) != 0:
+            raise RuntimeError(format_error(
+                f"invalid gradient at index {i} - expected device {metadata.device} but got {device}"))
+        grad = backend.to_device(grad, metadata.device)
+    return grad
+
+
+# -- GraphRoot --------------------------------------------------------------
+
+class GraphRoot(NodeBase):
+    """The node a backward with several roots starts from: it returns the
+    root gradients along the root edges."""
+
+    def __init__(self, roots, grads):
+        super().__init__(next_edges=roots)
+        self.outputs = list(grads)
+
+    def apply(self, grads):
+        return list(self.outputs)
+
+    def name(self):
+        return "GraphRoot"
+
+
+def node_name(node):
+    name = getattr(node, "name", None)
+    return name() if callable(name) else type(node).__name__
+
+
+# -- hooks and call_function ------------------------------------------------
+
+def _hook_name(hook):
+    return getattr(hook, "__name__", repr(hook))
+
+
+def _check_hook_value(node, hook, index, original, result):
+    """A hook may replace a gradient only by one of the same shape, dtype, device."""
+    if original is None:
+        raise RuntimeError(f"hook '{_hook_name(hook)}' on {node_name(node)} can't replace a None "
+                           f"gradient with a non-None value at index {index}")
+    old, new = backend_of(original), backend_of(result)
+    if new is None:
+        raise TypeError(f"hook '{_hook_name(hook)}' on {node_name(node)} returned "
+                        f"{type(result).__name__} at index {index}, expected an array")
+    for what, get in (("shape", "shape"), ("dtype", "dtype"), ("device", "device")):
+        was, got = getattr(old, get)(original), getattr(new, get)(result)
+        if was != got:
+            raise RuntimeError(f"hook '{_hook_name(hook)}' on {node_name(node)} has changed the "
+                               f"{what} of the gradient at index {index} (was {was}, got {got})")
+
+
+def _apply_hook_results(node, hook, values, results):
+    """``values`` with each non-None entry of ``results`` put in its place."""
+    if not isinstance(results, (tuple, list)):
+        raise TypeError(f"hook '{_hook_name(hook)}' on {node_name(node)} must return a tuple of "
+                        f"gradients or None, got {type(results).__name__}")
+    if len(results) != len(values):
+        raise RuntimeError(f"hook '{_hook_name(hook)}' on {node_name(node)} has returned an "
+                           f"incorrect number of values (got {len(results)}, but expected {len(values)})")
+    values = list(values)
+    for i, result in enumerate(results):
+        if result is not None and result is not values[i]:
+            _check_hook_value(node, hook, i, values[i], result)
+            values[i] = result
+    return values
+
+
+def call_tensor_pre_hooks(node, grads):
+    """Tensor hooks, then the retains-grad hooks (always last), per input slot."""
+    if node._tensor_pre_hooks:
+        for _, input_nr, hook in list(node._tensor_pre_hooks):
+            if input_nr < len(grads) and grads[input_nr] is not None:
+                result = hook(grads[input_nr])
+                if result is not None:
+                    _check_hook_value(node, hook, input_nr, grads[input_nr], result)
+                    grads[input_nr] = result
+    if node._retains_grad_hooks:
+        for input_nr, hook in list(node._retains_grad_hooks.items()):
+            if input_nr < len(grads) and grads[input_nr] is not None:
+                hook(grads[input_nr])
+    return grads
+
+
+def call_function(graph_task, node, inputs):
+    """Hooks and ``apply`` in PyTorch's order: tensor pre-hooks, retains-grad
+    hooks, node pre-hooks, ``apply``, ``validate_outputs``, node post-hooks."""
+    grads = inputs.buffer
+    if node._tensor_pre_hooks or node._retains_grad_hooks:
+        grads = call_tensor_pre_hooks(node, grads)
+    if node._pre_hooks:
+        for _, hook in list(node._pre_hooks):
+            result = hook(tuple(grads))
+            if result is not None:
+                grads = _apply_hook_results(node, hook, grads, result)
+    has_post_hooks = bool(node._post_hooks)
+    # apply may edit the list it gets; post-hooks must see the inputs unchanged.
+    outputs = node.apply(list(grads) if has_post_hooks else grads)
+    if type(outputs) is not list:
+        if not isinstance(outputs, (tuple, list)):
+            raise TypeError(f"Function {node_name(node)}.apply must return a tuple or list of "
+                            f"gradients, got {type(outputs).__name__}")
+        outputs = list(outputs)
+    validate_outputs(node._next_edges, outputs,
+                     lambda message: f"Function {node_name(node)} returned an {message}")
+    if has_post_hooks:
+        grad_outputs = tuple(grads)
+        for _, hook in list(node._post_hooks):
+            result = hook(tuple(outputs), grad_outputs)
+            if result is not None:
+                outputs = _apply_hook_results(node, hook, outputs, result)
+    return outputs
+
+
+def _check_nan(node, outputs):
+    for i, output in enumerate(outputs):
+        if output is not None and backend_of(output).has_nan(output):
+            raise RuntimeError(f"Function '{node_name(node)}' returned nan values in its {i}th output.")
+
+
+def _add_anomaly_note(error, node):
+    if state.is_anomaly_enabled() and node is not None and isinstance(node, NodeBase):
+        traceback = (node._metadata or {}).get("traceback_")
+        note = f"Error detected in {node_name(node)}."
+        if traceback:
+            note += f" Traceback of forward call that caused the error:\n{traceback}"
+        else:
+            note += (" No forward pass information available. Enable detect anomaly during "
+                     "forward pass for more information.")
+        error.add_note(note)
+
+
+# -- the reentrant thread pool -------------------------------------------------
+
+class _ThreadPoolShared:
+    """Graph tasks handed off by a too-deep reentrant backward, and the pool
+    threads that run them. ``graph_tasks``, ``num_idle`` and ``threads`` are
+    guarded by ``condition``'s lock."""
+
+    def __init__(self):
+        self.condition = threading.Condition(threading.Lock())
+        self.graph_tasks = []
+        self.num_idle = 0
+        self.threads = []
+        self.stopping = False
+
+
+# -- the engine -------------------------------------------------------------
+
+class Engine:
+    """PyTorch's autograd engine. One default instance serves every thread;
+    see :func:`pyengine.get_default_engine`."""
+
+    def __init__(self, max_recursion_depth=MAX_RECURSION_DEPTH):
+        self.max_recursion_depth = max_recursion_depth
+        self._pool = _ThreadPoolShared()
+
+    # -- entry point --
+
+    def execute(self, roots, grads, keep_graph, create_graph, accumulate_grad, outputs=None):
+        """Run backward from ``roots`` (Edges) with ``grads`` (one per root).
+
+        ``outputs`` (Edges or None): with ``accumulate_grad=False`` (``grad``),
+        return the gradient flowing into each; with ``accumulate_grad=True``
+        (``backward(inputs=)``), run only the nodes on a path to them.
+        Returns the captured gradients (empty without ``outputs``).
+        """
+        roots = list(roots)
+        grads = list(grads)
+        if not roots:
+            raise RuntimeError("execute needs at least one root edge")
+        for i, root in enumerate(roots):
+            if root is None or not hasattr(root, "node") or not isinstance(root.node, NodeBase):
+                raise TypeError(f"roots[{i}] must be an Edge, got {type(root).__name__}")
+        validate_outputs(roots, grads, lambda message: message)
+
+        worker = _worker_state
+        if worker.local_ready_queue is None:
+            worker.local_ready_queue = ReadyQueue()
+        graph_task = GraphTask(
+            keep_graph, create_graph,
+            0 if worker.worker_device == NO_DEVICE else worker.total_depth + 1,
+            worker.local_ready_queue)
+
+        # A single root starts the task itself; several hang off a GraphRoot.
+        if len(roots) == 1:
+            graph_root = roots[0].node
+            input_buffer = InputBuffer(len(graph_root._input_metadata))
+            input_buffer.add(roots[0].input_nr, grads[0], create_graph)
+        else:
+            graph_root = GraphRoot(roots, grads)
+            input_buffer = InputBuffer(0)
+        graph_task.graph_root = graph_root
+        self.compute_dependencies(graph_root, graph_task)
+        if outputs:
+            graph_task.init_to_execute(graph_root, list(outputs), accumulate_grad)
+
+        self.execute_with_graph_task(graph_task, graph_root, input_buffer)
+        graph_task.wait()
+        if graph_task.exception is not None:
+            raise graph_task.exception
+        return graph_task.captured_vars
+
+    def execute_with_graph_task(self, graph_task, graph_root, input_buffer):
+        """Queue the root task and drive the graph task: inline on this thread,
+        or on a pool thread past the reentrant depth limit."""
+        worker = _worker_state
+        queue = graph_task.cpu_ready_queue
+        if worker.worker_device == NO_DEVICE:
+            # Not inside the engine: this thread drives the graph task.
+            # See Note [CPU work runs on the caller].
+            worker.worker_device = CPU_DEVICE
+            graph_task.owner = CPU_DEVICE
+            queue.push(NodeTask(graph_task, graph_root, input_buffer))
+            try:
+                self.thread_main(graph_task)
+            finally:
+                worker.worker_device = NO_DEVICE
+        else:
+            # A reentrant backward. See Note [Reentrant backward].
+            graph_task.owner = worker.worker_device
+            queue.push(NodeTask(graph_task, graph_root, input_buffer))
+            if worker.current_depth >= self.max_recursion_depth:
+                self.add_thread_pool_task(graph_task)
+            else:
+                worker.total_depth += 1
+                worker.current_depth += 1
+                try:
+                    self.thread_main(graph_task)
+                finally:
+                    worker.current_depth -= 1
+                    worker.total_depth -= 1
+
+    def compute_dependencies(self, graph_root, graph_task):
+        """Count, for each node reachable from ``graph_root``, the edges into it."""
+        dependencies = graph_task.dependencies
+        seen = {id(graph_root)}
+        stack = [graph_root]
+        while stack:
+            node = stack.pop()
+            for edge in node._next_edges:
+                if edge is None:
+                    continue
+                key = id(edge.node)
+                dependencies[key] = dependencies.get(key, 0) + 1
+                if key not in seen:
+                    seen.add(key)
+                    stack.append(edge.node)
+
+    # -- the loop --
+
+    def thread_main(self, graph_task):
+        """Pop and run tasks until ``graph_task`` completes (forever for None)."""
+        worker = _worker_state
+        queue = worker.local_ready_queue
+        while graph_task is None or not graph_task.future_completed:
+            task = queue.pop()
+            if task.is_shutdown:
+                break
+            local_graph_task = task.graph_task
+            if task.node is None:
+                # A wake-up task: loop back and look at graph_task again.
+                continue
+            previous_graph_task = state.set_current_graph_task(local_graph_task)
+            previous_grad_mode = state.is_grad_enabled()
+            state.set_grad_enabled(local_graph_task.grad_mode)
+            try:
+                if not local_graph_task.has_error:
+                    self.evaluate_function(local_graph_task, task.node, task.inputs,
+                                           local_graph_task.cpu_ready_queue)
+            except BaseException as error:
+                _add_anomaly_note(error, task.node)
+                local_graph_task.set_exception(error)
+            finally:
+                state.set_grad_enabled(previous_grad_mode)
+                state.set_current_graph_task(previous_graph_task)
+            # Drop the task's references before the graph task may complete.
+            del task
+            local_graph_task.decrement_outstanding_tasks()
+            if local_graph_task.completed():
+                local_graph_task.mark_as_completed_and_run_post_processing()
+                owner = local_graph_task.owner
+                if worker.worker_device != owner:
+                    # The owner may sleep in pop(): wake it up.
+                    local_graph_task.cpu_ready_queue.push(NodeTask(local_graph_task, None, None))
+        if graph_task is not None and graph_task.has_error:
+            queue.discard_graph_task(graph_task)
+
+    def evaluate_function(self, graph_task, node, inputs, cpu_ready_queue):
+        """Run one node and pass its gradients on to the nodes they flow into."""
+        exec_info = graph_task.exec_info
+        if exec_info:
+            info = exec_info.get(id(node))
+            if info is None:
+                return
+            if not info.needed:
+                # Tensor pre-hooks run exactly once: here, or in call_function.
+                call_tensor_pre_hooks(node, inputs.buffer)
+            if info.captures:
+                with graph_task.mutex:
+                    for input_nr, output_idx in info.captures:
+                        if input_nr < len(inputs.buffer):
+                            graph_task.captured_vars[output_idx] = inputs.buffer[input_nr]
+            if not info.needed:
+                return
+
+        outputs = call_function(graph_task, node, inputs)
+        if not graph_task.keep_graph:
+            node.release_variables()
+            node._released = True
+        if not outputs:
+            return
+        if state.is_anomaly_enabled() and state.is_anomaly_check_nan_enabled():
+            _check_nan(node, outputs)
+
+        next_edges = node._next_edges
+        grad_mode = graph_task.grad_mode
+        with graph_task.mutex:
+            dependencies = graph_task.dependencies
+            not_ready = graph_task.not_ready
+            for i, output in enumerate(outputs):
+                edge = next_edges[i]
+                if edge is None:
+                    continue
+                next_node = edge.node
+                key = id(next_node)
+                remaining = dependencies.get(key)
+                if remaining is None:
+                    raise RuntimeError(f"dependency not found for {node_name(next_node)}")
+                is_ready = remaining == 1
+                if is_ready:
+                    del dependencies[key]
+                else:
+                    dependencies[key] = remaining - 1
+
+                input_buffer = not_ready.get(key)
+                if input_buffer is None:
+                    if exec_info:
+                        info = exec_info.get(key)
+                        if info is None or not info.should_execute():
+                            continue
+                    input_buffer = InputBuffer(len(next_node._input_metadata))
+                    input_buffer.add(edge.input_nr, output, grad_mode)
+                    if is_ready:
+                        cpu_ready_queue.push(NodeTask(graph_task, next_node, input_buffer))
+                    else:
+                        not_ready[key] = input_buffer
+                else:
+                    input_buffer.add(edge.input_nr, output, grad_mode)
+                    if is_ready:
+                        del not_ready[key]
+                        cpu_ready_queue.push(NodeTask(graph_task, next_node, input_buffer))
+
+    # -- reentrant pool --
+
+    def add_thread_pool_task(self, graph_task):
+        """Hand ``graph_task`` to a pool thread and block until it completes.
+        See Note [Reentrant backward]."""
+        pool = self._pool
+        with pool.condition:
+            pool.graph_tasks.append(graph_task)
+            if pool.num_idle < len(pool.graph_tasks):
+                thread = threading.Thread(target=self._reentrant_thread_main,
+                                          name="pyengine-reentrant", daemon=True)
+                pool.threads.append(thread)
+                thread.start()
+            pool.condition.notify()
+        graph_task.wait()
+
+    def _reentrant_thread_main(self):
+        pool = self._pool
+        worker = _worker_state
+        while True:
+            with pool.condition:
+                pool.num_idle += 1
+                while not pool.graph_tasks and not pool.stopping:
+                    pool.condition.wait()
+                pool.num_idle -= 1
+                if pool.stopping:
+                    pool.threads.remove(threading.current_thread())
+                    return
+                graph_task = pool.graph_tasks.pop(0)
+            worker.worker_device = graph_task.owner
+            worker.local_ready_queue = graph_task.cpu_ready_queue
+            worker.total_depth = graph_task.reentrant_depth
+            worker.current_depth = 0
+            self.thread_main(graph_task)
+            worker.local_ready_queue = None
+            worker.worker_device = NO_DEVICE
+            del graph_task
+
+    def stop(self, timeout=1.0):
+        """Stop the pool threads (at interpreter exit)."""
+        pool = self._pool
+        with pool.condition:
+            pool.stopping = True
+            threads = list(pool.threads)
+            pool.condition.notify_all()
+        for thread in threads:
+            thread.join(timeout)
+
+    def _reset_after_fork(self):
+        # The child has only the forking thread: the pool's threads are gone.
+        self._pool = _ThreadPoolShared()
+
+    # -- callbacks --
+
+    def queue_callback(self, callback):
+        """Run ``callback`` once the current backward completes."""
+        graph_task = state.get_current_graph_task()
+        if graph_task is None:
+            raise RuntimeError("Final callbacks can only be installed during backward pass.")
+        graph_task.final_callbacks.append(callback)
+
+
+def is_checkpoint_valid():
+    """False inside a backward that prunes nodes (``grad``, ``inputs=``)."""
+    graph_task = state.get_current_graph_task()
+    return graph_task is None or graph_task.can_checkpoint()
+
+
+def _reset_worker_state_after_fork():
+    global _worker_state
+    _worker_state = _WorkerState()
+
+
+def _register_engine(engine):
+    """Stop ``engine``'s pool at exit and reset it in a forked child."""
+    atexit.register(engine.stop)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=engine._reset_after_fork)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_worker_state_after_fork)

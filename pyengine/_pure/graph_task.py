@@ -1,0 +1,214 @@
+"""GraphTask: the state of one backward or grad call.
+
+Twin of ``pyengine/_graph_task.pyx``. A GraphTask lives from ``execute`` until
+its caller has read its result; NodeTasks point back to it.
+"""
+
+import threading
+
+from . import state
+
+
+class ExecInfo:
+    """Whether a node runs under ``grad(inputs=)`` / ``backward(inputs=)``
+    pruning, and which of its inputs to capture as results.
+
+    ``captures`` holds ``(input_nr, output_idx)`` pairs. Written only by
+    ``init_to_execute``, before any task runs.
+    """
+
+    __slots__ = ("needed", "captures")
+
+    def __init__(self):
+        self.needed = False
+        self.captures = []
+
+    def should_execute(self):
+        return self.needed or bool(self.captures)
+
+
+class GraphTask:
+    """Fields and how they are guarded:
+
+    Immutable after ``execute`` pushed the first task: ``keep_graph``,
+    ``grad_mode``, ``reentrant_depth``, ``cpu_ready_queue``, ``owner``,
+    ``exec_info``.
+
+    Guarded by ``mutex``: ``dependencies`` and ``not_ready`` (both keyed by
+    ``id(node)``: nodes are kept alive by the graph, and a user's ``__eq__``
+    must not matter), ``captured_vars``, ``leaf_streams``.
+
+    Guarded by ``_outstanding_lock`` (it stands for C++'s std::atomic):
+    ``outstanding_tasks``.
+
+    Set once, under ``_completion``'s lock: ``future_completed``,
+    ``exception``, ``_completing``; ``has_error`` is written under it and read without it.
+
+    ``final_callbacks``: appended and iterated under the GIL.
+    """
+
+    def __init__(self, keep_graph, grad_mode, reentrant_depth, cpu_ready_queue, exit_on_error=False):
+        self.keep_graph = keep_graph
+        self.grad_mode = grad_mode
+        self.reentrant_depth = reentrant_depth
+        self.cpu_ready_queue = cpu_ready_queue
+        self.exit_on_error = exit_on_error
+        self.owner = None
+        self.graph_root = None
+        self.mutex = threading.Lock()
+        self.dependencies = {}
+        self.not_ready = {}
+        self.exec_info = {}
+        self.captured_vars = []
+        self.leaf_streams = []
+        self.final_callbacks = []
+        self.outstanding_tasks = 0
+        self._outstanding_lock = threading.Lock()
+        self.has_error = False
+        self.exception = None
+        self.future_completed = False
+        self._completing = False
+        self._completion = threading.Condition(threading.Lock())
+
+    # -- outstanding tasks ------------------------------------------------
+
+    def increment_outstanding_tasks(self):
+        with self._outstanding_lock:
+            self.outstanding_tasks += 1
+
+    def decrement_outstanding_tasks(self):
+        with self._outstanding_lock:
+            self.outstanding_tasks -= 1
+
+    def completed(self):
+        """All tasks ran (or failed, when the task exits on the first error)."""
+        return self.outstanding_tasks == 0 or (self.exit_on_error and self.has_error)
+
+    def can_checkpoint(self):
+        """A reentrant checkpoint needs every node to run: no pruning."""
+        return not self.exec_info
+
+    # -- execution plan ---------------------------------------------------
+
+    def init_to_execute(self, graph_root, outputs, accumulate_grad):
+        """Mark the nodes on a path from ``graph_root`` to an edge of ``outputs``.
+
+        An output edge's node is captured (``grad``) or run (``backward(inputs=)``,
+        ``accumulate_grad``). A node runs when it is needed or captures; the
+        others are skipped. Iterative version of::
+
+            is_needed = {fn: True for fn in outputs}             # (0)
+            seen = {}
+            def compute_is_needed(fn):
+                for next_edge in fn.next_edges:
+                    child_fn = next_edge.node
+                    if child_fn in seen and is_needed[child_fn]:  # (1)
+                        is_needed[fn] = True
+                    else:
+                        seen.add(child_fn)
+                        if compute_is_needed(child_fn):
+                            is_needed[fn] = True                 # (2)
+                                                                 # (3) end of loop
+                return is_needed[fn]
+            compute_is_needed(graph_root)
+
+        where a frame, once its children are all visited, updates its
+        parent (3) instead of returning a value.
+        """
+        exec_info = self.exec_info
+        for output_idx, edge in enumerate(outputs):
+            info = exec_info.get(id(edge.node))
+            if info is None:
+                info = exec_info[id(edge.node)] = ExecInfo()
+            if accumulate_grad:
+                info.needed = True
+            else:
+                info.captures.append((edge.input_nr, output_idx))
+        self.captured_vars = [None] * len(outputs)
+
+        def should_execute(node):
+            info = exec_info.get(id(node))
+            return info is not None and info.should_execute()
+
+        def mark_needed(node):
+            info = exec_info.get(id(node))
+            if info is None:
+                info = exec_info[id(node)] = ExecInfo()
+            info.needed = True
+
+        if id(graph_root) not in exec_info:
+            exec_info[id(graph_root)] = ExecInfo()
+        # A frame is [node, index of the next edge to visit].
+        stack = [[graph_root, 0]]
+        seen = set()
+        while stack:
+            frame = stack[-1]
+            node, edges = frame[0], frame[0]._next_edges
+            child = None
+            while frame[1] < len(edges):
+                edge = edges[frame[1]]
+                frame[1] += 1
+                if edge is None:
+                    continue
+                if id(edge.node) in seen:
+                    if should_execute(edge.node):                  # (1)
+                        mark_needed(node)
+                    continue
+                seen.add(id(edge.node))
+                child = edge.node
+                break
+            if child is not None:
+                stack.append([child, 0])                           # (2)
+            else:
+                stack.pop()                                        # (3)
+                if stack and should_execute(node):
+                    mark_needed(stack[-1][0])
+
+    # -- completion -------------------------------------------------------
+
+    def set_exception(self, exception):
+        """Record the first error and complete the task's future with it."""
+        with self._completion:
+            self.has_error = True
+            if not self.future_completed:
+                self.exception = exception
+                # No final callback runs after an error.
+                self._completing = True
+                self.future_completed = True
+                self._completion.notify_all()
+
+    def mark_as_completed_and_run_post_processing(self):
+        """Run the final callbacks and complete the future, once, on one thread;
+        another thread that gets here waits until that is done."""
+        with self._completion:
+            if self._completing:
+                while not self.future_completed:
+                    self._completion.wait()
+                return
+            self._completing = True
+        try:
+            self.exec_post_processing()
+        except BaseException as error:
+            self.set_exception(error)
+            return
+        with self._completion:
+            if not self.future_completed:
+                self.future_completed = True
+                self._completion.notify_all()
+
+    def exec_post_processing(self):
+        """Run final callbacks; a callback may queue more, which run too."""
+        previous = state.set_current_graph_task(self)
+        try:
+            i = 0
+            while i < len(self.final_callbacks):
+                self.final_callbacks[i]()
+                i += 1
+        finally:
+            state.set_current_graph_task(previous)
+
+    def wait(self):
+        """Block until the future completed."""
+        with self._completion:
+            while not self.future_completed:
+                self._completion.wait()

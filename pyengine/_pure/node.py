@@ -1,0 +1,203 @@
+"""The engine's view of a backward-graph node: NodeBase, Edge, InputMetadata.
+
+Twin of ``pyengine/_node.pyx``. ``NodeBase`` holds exactly the per-node state
+the engine reads while it runs (next edges, input metadata, sequence number,
+hook lists, stream); the user-facing methods live on
+:class:`pyengine.Node`, which subclasses it.
+"""
+
+import threading
+
+from ..backends import backend_of
+from ..device import CPU
+from . import state
+
+# AccumulateGrad sorts before every other node: See Note [AccumulateGrad first].
+ACCUMULATE_GRAD_SEQUENCE_NR = 2**64 - 1
+
+
+class _SequenceCounter(threading.local):
+    # Per thread, as PyTorch's at::sequence_number: no lock needed.
+    next_value = 0
+
+
+_sequence_counter = _SequenceCounter()
+
+
+def peek_sequence_nr() -> int:
+    """The sequence number the next node created on this thread will get."""
+    return _sequence_counter.next_value
+
+
+class InputMetadata:
+    """Shape, dtype and device of the forward output an input slot stands for.
+
+    Immutable after construction.
+    """
+
+    __slots__ = ("shape", "dtype", "device")
+
+    def __init__(self, shape, dtype, device=CPU):
+        self.shape = tuple(int(size) for size in shape)
+        self.dtype = dtype
+        self.device = device
+
+    @classmethod
+    def from_value(cls, value):
+        """Metadata of an array or framework value, read through its backend."""
+        backend = backend_of(value)
+        if backend is None:
+            raise TypeError(f"no value backend for {type(value).__name__}; register one with "
+                            "pyengine.register_backend")
+        return cls(backend.shape(value), backend.dtype(value), backend.device(value))
+
+    def __eq__(self, other):
+        if not isinstance(other, InputMetadata):
+            return NotImplemented
+        return (self.shape, self.dtype, self.device) == (other.shape, other.dtype, other.device)
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"InputMetadata(shape={self.shape}, dtype={self.dtype}, device={self.device})"
+
+
+def as_input_metadata(spec):
+    """An InputMetadata from an InputMetadata, ``None``, a ``(shape, dtype[, device])``
+    tuple or a value to read it from."""
+    if spec is None or isinstance(spec, InputMetadata):
+        return spec
+    if isinstance(spec, tuple) and 2 <= len(spec) <= 3:
+        return InputMetadata(*spec)
+    return InputMetadata.from_value(spec)
+
+
+class Edge:
+    """Which input slot (``input_nr``) of which ``node`` a gradient flows into.
+
+    Immutable after construction; equal when both node (by identity) and
+    slot are.
+    """
+
+    __slots__ = ("node", "input_nr")
+
+    def __init__(self, node, input_nr=0):
+        if not isinstance(node, NodeBase):
+            raise TypeError(f"Edge needs a Node, got {type(node).__name__}")
+        self.node = node
+        self.input_nr = int(input_nr)
+
+    def __eq__(self, other):
+        if not isinstance(other, Edge):
+            return NotImplemented
+        return self.node is other.node and self.input_nr == other.input_nr
+
+    def __hash__(self):
+        return hash((id(self.node), self.input_nr))
+
+    def __iter__(self):
+        # Unpacks like PyTorch's next_functions pairs: ``node, input_nr = edge``.
+        yield self.node
+        yield self.input_nr
+
+    def __repr__(self):
+        return f"Edge({self.node.name()}, {self.input_nr})"
+
+
+def _check_next_edges(next_edges):
+    next_edges = tuple(next_edges)
+    for i, edge in enumerate(next_edges):
+        if edge is not None and not isinstance(edge, Edge):
+            raise TypeError(f"next_edges[{i}] must be an Edge or None, got {type(edge).__name__}")
+    return next_edges
+
+
+class NodeBase:
+    """The per-node state the engine reads; see :class:`pyengine.Node`.
+
+    Fields, all guarded by the GIL:
+      _next_edges: tuple of Edge or None, one per gradient ``apply`` returns.
+      _input_metadata: list of InputMetadata or None, one per input slot.
+      _sequence_nr: immutable after construction.
+      _pre_hooks, _post_hooks, _tensor_pre_hooks: None or a list of
+        ``(handle_id, fn)`` (tensor pre-hooks: ``(handle_id, input_nr, fn)``).
+      _retains_grad_hooks: None or a dict ``input_nr -> fn``.
+      _saved_values: what ``save_for_backward`` stored; cleared on release.
+      _released: set by the engine once ``release_variables`` ran.
+      _stream: the stream current at creation on a device, else None.
+      _metadata: None or a dict, created on first access.
+    """
+
+    __slots__ = (
+        "_next_edges", "_input_metadata", "_sequence_nr", "_pre_hooks", "_post_hooks",
+        "_tensor_pre_hooks", "_retains_grad_hooks", "_saved_values", "_released",
+        "_stream", "_metadata", "__weakref__", "__dict__",
+    )
+
+    def __init__(self, next_edges=(), input_metadata=()):
+        self._next_edges = _check_next_edges(next_edges)
+        self._input_metadata = [as_input_metadata(spec) for spec in input_metadata]
+        self._sequence_nr = _sequence_counter.next_value
+        _sequence_counter.next_value += 1
+        self._pre_hooks = None
+        self._post_hooks = None
+        self._tensor_pre_hooks = None
+        self._retains_grad_hooks = None
+        self._saved_values = None
+        self._released = False
+        self._stream = None
+        self._metadata = None
+        if state.is_anomaly_enabled():
+            _record_forward_traceback(self)
+
+    @property
+    def sequence_nr(self):
+        return self._sequence_nr
+
+    @property
+    def next_edges(self):
+        return self._next_edges
+
+    @next_edges.setter
+    def next_edges(self, next_edges):
+        self._next_edges = _check_next_edges(next_edges)
+
+    @property
+    def input_metadata(self):
+        return tuple(self._input_metadata)
+
+    def num_inputs(self):
+        return len(self._input_metadata)
+
+    def add_input_metadata(self, spec):
+        """Append an input slot described by ``spec``; return its index."""
+        self._input_metadata.append(as_input_metadata(spec))
+        return len(self._input_metadata) - 1
+
+    @property
+    def metadata(self):
+        if self._metadata is None:
+            self._metadata = {}
+        return self._metadata
+
+    @property
+    def stream(self):
+        return self._stream
+
+    def apply(self, grads):
+        raise NotImplementedError(f"{type(self).__name__} must override apply(grads)")
+
+    def release_variables(self):
+        """Drop what the node saved for backward. Override to free more."""
+        self._saved_values = None
+
+
+def _record_forward_traceback(node):
+    import traceback
+
+    node.metadata["traceback_"] = "".join(traceback.format_stack()[:-2])
+
+
+def _set_sequence_nr(node, sequence_nr):
+    """Give ``node`` a fixed sequence number (AccumulateGrad); engine use only."""
+    node._sequence_nr = sequence_nr

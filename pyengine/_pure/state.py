@@ -1,0 +1,55 @@
+"""Per-thread and global engine state: grad mode, anomaly mode, the graph
+task running on this thread.
+
+Twin of ``pyengine/_state.pyx``. Grad mode and the current graph task are
+per thread; anomaly mode is global, as in PyTorch.
+"""
+
+import threading
+
+
+class _ThreadState(threading.local):
+    # Each attribute is per thread: no lock needed.
+    grad_enabled = True
+    # The GraphTask whose node this thread is running, or None outside backward.
+    current_graph_task = None
+
+
+_thread_state = _ThreadState()
+
+# Global, written rarely, read per node: guarded by the GIL.
+_anomaly_enabled = False
+_anomaly_check_nan = True
+
+
+def is_grad_enabled() -> bool:
+    return _thread_state.grad_enabled
+
+
+def set_grad_enabled(enabled: bool) -> None:
+    _thread_state.grad_enabled = bool(enabled)
+
+
+def is_anomaly_enabled() -> bool:
+    return _anomaly_enabled
+
+
+def is_anomaly_check_nan_enabled() -> bool:
+    return _anomaly_check_nan
+
+
+def set_anomaly_enabled(enabled: bool, check_nan: bool = True) -> None:
+    global _anomaly_enabled, _anomaly_check_nan
+    _anomaly_enabled = bool(enabled)
+    _anomaly_check_nan = bool(check_nan)
+
+
+def get_current_graph_task():
+    return _thread_state.current_graph_task
+
+
+def set_current_graph_task(graph_task):
+    """Make ``graph_task`` current on this thread; return the previous one."""
+    previous = _thread_state.current_graph_task
+    _thread_state.current_graph_task = graph_task
+    return previous

@@ -1,0 +1,59 @@
+"""Anomaly mode: forward tracebacks on nodes, NaN checks on gradients.
+
+While anomaly mode is on, every node created keeps the stack of its
+creation in ``node.metadata["traceback_"]``; an error raised while running
+a node gets a note naming the node and showing that forward traceback; and,
+with ``check_nan``, a node returning NaN raises ``RuntimeError("Function 'X'
+returned nan values in its 0th output.")``. The mode is global, as in
+PyTorch. It slows the engine down: use it to debug.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ._core import is_anomaly_check_nan_enabled, is_anomaly_enabled, set_anomaly_enabled
+
+__all__ = ["detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
+           "is_anomaly_check_nan_enabled"]
+
+
+class detect_anomaly:
+    """Context manager (and decorator) that turns anomaly mode on."""
+
+    def __init__(self, check_nan: bool = True):
+        self.check_nan = check_nan
+        warnings.warn("Anomaly Detection has been enabled. This mode will increase the runtime "
+                      "and should only be enabled for debugging.", stacklevel=2)
+
+    def __enter__(self):
+        self._previous = (is_anomaly_enabled(), is_anomaly_check_nan_enabled())
+        set_anomaly_enabled(True, self.check_nan)
+        return self
+
+    def __exit__(self, *exc_info):
+        set_anomaly_enabled(*self._previous)
+        return False
+
+    def __call__(self, function):
+        def wrapper(*args, **kwargs):
+            with self.__class__(self.check_nan):
+                return function(*args, **kwargs)
+
+        return wrapper
+
+
+class set_detect_anomaly:
+    """``set_detect_anomaly(mode, check_nan=True)`` sets anomaly mode at once and,
+    used as a context manager, restores the previous mode on exit."""
+
+    def __init__(self, mode: bool, check_nan: bool = True):
+        self._previous = (is_anomaly_enabled(), is_anomaly_check_nan_enabled())
+        set_anomaly_enabled(mode, check_nan)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        set_anomaly_enabled(*self._previous)
+        return False

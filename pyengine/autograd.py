@@ -1,0 +1,340 @@
+"""The public API: ``backward``, ``grad``, and the tensor protocol they read.
+
+A framework's tensor needs: ``grad_fn`` (a Node or None), ``output_nr`` (which
+output of ``grad_fn`` it is), ``requires_grad``, a writable ``grad``, and its
+array value as ``data``. Leaves (``grad_fn is None`` and ``requires_grad``)
+get their gradient through an :class:`AccumulateGrad` made on first use and
+kept, weakly, on the tensor as ``_pyengine_grad_accumulator``; the tensor
+must accept that attribute (and ``_pyengine_leaf_hooks`` for hooks). An
+:class:`Edge` (PyTorch's GradientEdge) may stand wherever a tensor does.
+
+Errors follow PyTorch's texts, so a user coming from ``torch.autograd`` can
+search them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+from .backends import backend_of
+from .engine import get_default_engine
+from .node import AccumulateGrad, Edge, Node, RemovableHandle, _leaf_hooks
+
+__all__ = [
+    "backward",
+    "grad",
+    "gradient_edge",
+    "grad_accumulator",
+    "register_tensor_hook",
+    "register_post_accumulate_grad_hook",
+    "retain_grad",
+]
+
+
+# -- the tensor protocol ----------------------------------------------------------
+
+def _is_edge(value):
+    return isinstance(value, Edge)
+
+
+def grad_accumulator(tensor) -> AccumulateGrad:
+    """The AccumulateGrad of a leaf that requires grad, made on first use."""
+    if getattr(tensor, "grad_fn", None) is not None:
+        raise RuntimeError("grad_accumulator() is only valid for leaf tensors")
+    if not getattr(tensor, "requires_grad", False):
+        raise RuntimeError("grad_accumulator() of a tensor that does not require grad")
+    ref = getattr(tensor, "_pyengine_grad_accumulator", None)
+    accumulator = ref() if ref is not None else None
+    if accumulator is None:
+        accumulator = AccumulateGrad(tensor)
+        # Weak: the accumulator holds the tensor, the graph holds the accumulator.
+        tensor._pyengine_grad_accumulator = weakref.ref(accumulator)
+    return accumulator
+
+
+def _try_get_grad_accumulator(tensor):
+    ref = getattr(tensor, "_pyengine_grad_accumulator", None)
+    return ref() if ref is not None else None
+
+
+def gradient_edge(tensor) -> Edge | None:
+    """Where a gradient for ``tensor`` enters the graph, or None if it does not
+    require grad."""
+    if _is_edge(tensor):
+        return tensor
+    grad_fn = getattr(tensor, "grad_fn", None)
+    if grad_fn is not None:
+        return Edge(grad_fn, getattr(tensor, "output_nr", 0))
+    if getattr(tensor, "requires_grad", False):
+        return Edge(grad_accumulator(tensor), 0)
+    return None
+
+
+# -- tensor hooks -------------------------------------------------------------------
+
+def register_tensor_hook(tensor, fn) -> RemovableHandle:
+    """``fn(grad) -> new grad or None`` runs when a gradient for ``tensor`` is
+    computed, before it is accumulated or flows on."""
+    if not getattr(tensor, "requires_grad", False):
+        raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+    grad_fn = getattr(tensor, "grad_fn", None)
+    if grad_fn is not None:
+        return grad_fn.register_tensor_prehook(getattr(tensor, "output_nr", 0), fn)
+    hooks = _leaf_hooks(tensor, create=True)
+
+    def remove(handle_id):
+        hooks.tensor_pre_hooks = [entry for entry in hooks.tensor_pre_hooks or ()
+                                  if entry[0] != handle_id] or None
+        _sync_accumulator_hooks(tensor, hooks)
+
+    handle = RemovableHandle(remove)
+    hooks.tensor_pre_hooks = (hooks.tensor_pre_hooks or []) + [(handle.id, 0, fn)]
+    _sync_accumulator_hooks(tensor, hooks)
+    return handle
+
+
+def _sync_accumulator_hooks(tensor, hooks):
+    accumulator = _try_get_grad_accumulator(tensor)
+    if accumulator is not None:
+        accumulator._tensor_pre_hooks = hooks.tensor_pre_hooks
+
+
+def register_post_accumulate_grad_hook(tensor, fn) -> RemovableHandle:
+    """``fn(tensor)`` runs after a gradient was accumulated into leaf ``tensor.grad``."""
+    if getattr(tensor, "grad_fn", None) is not None:
+        raise RuntimeError("post accumulate grad hooks cannot be registered on non-leaf tensors")
+    if not getattr(tensor, "requires_grad", False):
+        raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+    hooks = _leaf_hooks(tensor, create=True)
+
+    def remove(handle_id):
+        hooks.post_accumulate_grad_hooks = [
+            entry for entry in hooks.post_accumulate_grad_hooks or () if entry[0] != handle_id] or None
+
+    handle = RemovableHandle(remove)
+    hooks.post_accumulate_grad_hooks = (hooks.post_accumulate_grad_hooks or []) + [(handle.id, fn)]
+    return handle
+
+
+def retain_grad(tensor) -> None:
+    """Make a non-leaf ``tensor`` keep its gradient in ``.grad`` (summed over
+    backward calls, as PyTorch does); a no-op on a leaf."""
+    grad_fn = getattr(tensor, "grad_fn", None)
+    if grad_fn is None:
+        if not getattr(tensor, "requires_grad", False):
+            raise RuntimeError("can't retain_grad on Tensor that has requires_grad=False")
+        return
+    try:
+        tensor_ref = weakref.ref(tensor)
+    except TypeError:
+        # Not weakly referenceable: the hook keeps the tensor alive with its graph.
+        tensor_ref = lambda: tensor  # noqa: E731
+
+    def retains_grad_hook(new_grad):
+        owner = tensor_ref()
+        if owner is None:
+            return
+        old_grad = owner.grad
+        if old_grad is None:
+            owner.grad = backend_of(new_grad).copy(new_grad)
+        else:
+            owner.grad = backend_of(old_grad).add(old_grad, new_grad)
+
+    grad_fn.set_retains_grad_hook(getattr(tensor, "output_nr", 0), retains_grad_hook)
+
+
+# -- backward and grad --------------------------------------------------------------
+
+def _as_tuple(values, what):
+    if values is None:
+        return ()
+    if _is_edge(values) or not isinstance(values, Sequence) or hasattr(values, "grad_fn"):
+        return (values,)
+    return tuple(values)
+
+
+def _grads_as_tuple(grads, count):
+    if grads is None:
+        return (None,) * count
+    if isinstance(grads, (list, tuple)):
+        return tuple(grads)
+    return (grads,)
+
+
+def _output_metadata(output):
+    """Shape and dtype of an output tensor or Edge, for implicit gradients."""
+    if _is_edge(output):
+        metadata = output.node._input_metadata
+        if output.input_nr >= len(metadata) or metadata[output.input_nr] is None:
+            return None
+        return metadata[output.input_nr]
+    return None
+
+
+def _make_grads(outputs, grads):
+    """Check given gradients against their outputs; make implicit ones (ones,
+    for scalar outputs only)."""
+    if len(grads) != len(outputs):
+        raise RuntimeError(f"got {len(outputs)} tensors and {len(grads)} gradients")
+    new_grads = []
+    for i, (output, grad) in enumerate(zip(outputs, grads)):
+        edge_metadata = _output_metadata(output)
+        if edge_metadata is not None:
+            out_shape, out_dtype = edge_metadata.shape, edge_metadata.dtype
+            out_backend = None
+        elif _is_edge(output):
+            out_shape = out_dtype = out_backend = None
+        else:
+            value = output.data
+            out_backend = backend_of(value)
+            if out_backend is None:
+                raise TypeError(f"output {i} has a value of type {type(value).__name__} that no "
+                                "value backend handles")
+            out_shape, out_dtype = out_backend.shape(value), out_backend.dtype(value)
+        if grad is not None:
+            grad_backend = backend_of(grad)
+            if grad_backend is None:
+                raise TypeError("gradients can be either arrays or None, but got "
+                                f"{type(grad).__name__}")
+            if out_shape is not None and tuple(grad_backend.shape(grad)) != tuple(out_shape):
+                raise RuntimeError(
+                    f"Mismatch in shape: grad_output[{i}] has a shape of {grad_backend.shape(grad)} "
+                    f"and output[{i}] has a shape of {out_shape}.")
+            new_grads.append(grad)
+            continue
+        if not _is_edge(output) and not output.requires_grad:
+            new_grads.append(None)
+            continue
+        if out_shape is None:
+            raise RuntimeError(f"grad_output[{i}] must be given for a GradientEdge output whose "
+                               "node has no input metadata")
+        size = 1
+        for extent in out_shape:
+            size *= extent
+        if size != 1:
+            raise RuntimeError("grad can be implicitly created only for scalar outputs")
+        if out_backend is not None:
+            kind = out_backend.dtype_kind(out_dtype)
+            if kind != "f":
+                raise RuntimeError("grad can be implicitly created only for real scalar outputs "
+                                   f"but got {out_dtype}")
+            new_grads.append(out_backend.ones_like(output.data))
+        else:
+            import numpy as np
+
+            new_grads.append(np.ones(out_shape, dtype=out_dtype))
+    return tuple(new_grads)
+
+
+def _root_edges(outputs):
+    edges = []
+    for i, output in enumerate(outputs):
+        if output is None:
+            raise TypeError(f"element {i} of tensors is None")
+        edge = gradient_edge(output)
+        if edge is None:
+            raise RuntimeError(f"element {i} of tensors does not require grad and does not have "
+                               "a grad_fn")
+        edges.append(edge)
+    return edges
+
+
+class _Unreachable(Node):
+    """Stands for an input that no graph can reach (a leaf without an
+    accumulator): pruning then marks nothing as needed for it."""
+
+    def apply(self, grads):
+        return ()
+
+
+def _input_edges(inputs, accumulate_grad):
+    edges = []
+    for i, tensor in enumerate(inputs):
+        if tensor is None:
+            raise TypeError(f"element {i} of inputs is None")
+        if _is_edge(tensor):
+            edges.append(tensor)
+            continue
+        if not getattr(tensor, "requires_grad", False):
+            raise RuntimeError("One of the differentiated Tensors does not require grad")
+        grad_fn = getattr(tensor, "grad_fn", None)
+        if grad_fn is not None:
+            if accumulate_grad:
+                retain_grad(tensor)
+            edges.append(Edge(grad_fn, getattr(tensor, "output_nr", 0)))
+            continue
+        accumulator = _try_get_grad_accumulator(tensor)
+        edges.append(Edge(accumulator if accumulator is not None else _Unreachable(), 0))
+    return edges
+
+
+def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+    """Accumulate the gradients of ``tensors`` into the ``.grad`` of the leaves.
+
+    As ``torch.autograd.backward``: ``grad_tensors`` may be omitted for scalar
+    outputs; ``retain_graph`` defaults to ``create_graph``; ``inputs`` limits
+    accumulation to those tensors (non-leaf inputs retain their grad) and runs
+    only the nodes on a path to them.
+    """
+    if inputs is not None and not _as_tuple(inputs, "inputs"):
+        raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
+    outputs = _as_tuple(tensors, "tensors")
+    input_tuple = _as_tuple(inputs, "inputs")
+    grads = _make_grads(outputs, _grads_as_tuple(grad_tensors, len(outputs)))
+    if retain_graph is None:
+        retain_graph = create_graph
+    roots = _root_edges(outputs)
+    output_edges = _input_edges(input_tuple, accumulate_grad=True) if input_tuple else None
+    get_default_engine().execute(roots, grads, bool(retain_graph), bool(create_graph),
+                                 True, output_edges)
+
+
+def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+         allow_unused=None, materialize_grads=False):
+    """The gradients of ``outputs`` with respect to ``inputs``, as a tuple;
+    nothing is accumulated into ``.grad``.
+
+    As ``torch.autograd.grad``: an input that no output depends on raises
+    unless ``allow_unused`` (its gradient is then None, or zeros with
+    ``materialize_grads``). Only nodes on a path to an input run.
+    """
+    if materialize_grads and allow_unused is False:
+        raise ValueError("Expected allow_unused to be True or not passed when materialize_grads=True, "
+                         "but got: allow_unused=False.")
+    if allow_unused is None:
+        allow_unused = materialize_grads
+    output_tuple = _as_tuple(outputs, "outputs")
+    input_tuple = _as_tuple(inputs, "inputs")
+    if not input_tuple:
+        raise RuntimeError("grad requires non-empty inputs.")
+    grads = _make_grads(output_tuple, _grads_as_tuple(grad_outputs, len(output_tuple)))
+    if retain_graph is None:
+        retain_graph = create_graph
+    roots = _root_edges(output_tuple)
+    output_edges = _input_edges(input_tuple, accumulate_grad=False)
+    results = get_default_engine().execute(roots, grads, bool(retain_graph), bool(create_graph),
+                                           False, output_edges)
+    results = list(results)
+    for i, result in enumerate(results):
+        if result is not None:
+            continue
+        if not allow_unused:
+            raise RuntimeError("One of the differentiated Tensors appears to not have been used in "
+                               "the graph. Set allow_unused=True if this is the desired behavior.")
+        if materialize_grads:
+            results[i] = _zeros_like_input(input_tuple[i])
+    return tuple(results)
+
+
+def _zeros_like_input(tensor):
+    if _is_edge(tensor):
+        metadata = _output_metadata(tensor)
+        if metadata is None:
+            raise RuntimeError("materialize_grads needs input metadata for a GradientEdge input")
+        import numpy as np
+
+        return np.zeros(metadata.shape, dtype=metadata.dtype)
+    value = tensor.data
+    backend = backend_of(value)
+    return backend.zeros(backend.shape(value), backend.dtype(value), backend.device(value))

@@ -1,0 +1,197 @@
+"""Value backends: the few operations the engine needs on a gradient value.
+
+A gradient flowing through the engine is a *value*: a numpy array, a cupy
+array, or (under ``create_graph=True``) a framework tensor. The engine never
+does arithmetic itself; it asks the backend registered for the value's type
+for: shape, dtype, device, out-of-place ``add``, in-place ``add_`` (used only
+on arrays the engine allocated itself), ``sum_to`` (reduce a broadcast
+gradient), ``cast``, ``copy``, ``to_device``, ``zeros``, ``ones_like`` and a
+NaN check.
+
+numpy is built in (and the compiled core has a fast path for it that never
+comes here on the common path). Another array type or a framework's tensor
+type plugs in with :func:`register_backend`; lookups walk the type's MRO, so
+registering a base class covers its subclasses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .device import CPU, Device
+
+__all__ = [
+    "ArrayBackend",
+    "NumpyBackend",
+    "register_backend",
+    "backend_of",
+    "is_expandable_to",
+    "sum_to_shape_axes",
+]
+
+
+class ArrayBackend:
+    """The operations of one value type. Subclass it and override them all.
+
+    ``dtype_kind`` returns ``"f"`` (floating), ``"c"`` (complex) or anything
+    else (not differentiable); the engine refuses gradients of other kinds.
+    """
+
+    name = "abstract"
+
+    def shape(self, value) -> tuple:
+        raise NotImplementedError
+
+    def dtype(self, value):
+        raise NotImplementedError
+
+    def device(self, value) -> Device:
+        raise NotImplementedError
+
+    def dtype_kind(self, dtype) -> str:
+        raise NotImplementedError
+
+    def add(self, a, b):
+        """``a + b`` in a new value; neither argument is modified."""
+        raise NotImplementedError
+
+    def add_(self, a, b):
+        """Add ``b`` into ``a`` in place and return ``a``; may return a new value
+        where the type has no in-place add."""
+        return self.add(a, b)
+
+    def sum_to(self, value, shape: tuple):
+        """Sum a gradient of a broadcast shape down to ``shape``."""
+        raise NotImplementedError
+
+    def cast(self, value, dtype):
+        raise NotImplementedError
+
+    def copy(self, value):
+        """A new value equal to ``value`` that shares no memory with it."""
+        raise NotImplementedError
+
+    def to_device(self, value, device: Device):
+        raise NotImplementedError
+
+    def zeros(self, shape: tuple, dtype, device: Device):
+        raise NotImplementedError
+
+    def ones_like(self, value):
+        raise NotImplementedError
+
+    def has_nan(self, value) -> bool:
+        raise NotImplementedError
+
+
+def sum_to_shape_axes(value_shape: tuple, shape: tuple) -> tuple:
+    """The axes of ``value_shape`` to sum (keeping dims) to reach ``shape``.
+
+    ``shape`` must be expandable to ``value_shape`` (see :func:`is_expandable_to`).
+    """
+    lead = len(value_shape) - len(shape)
+    axes = list(range(lead))
+    for i, size in enumerate(shape):
+        if size == 1 and value_shape[lead + i] != 1:
+            axes.append(lead + i)
+    return tuple(axes)
+
+
+def is_expandable_to(shape: tuple, target: tuple) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` (numpy's rules, one way)."""
+    if len(shape) > len(target):
+        return False
+    lead = len(target) - len(shape)
+    for i, size in enumerate(shape):
+        if size != 1 and size != target[lead + i]:
+            return False
+    return True
+
+
+class NumpyBackend(ArrayBackend):
+    """numpy arrays and numpy scalars; always on the CPU."""
+
+    name = "numpy"
+
+    def shape(self, value):
+        return np.shape(value)
+
+    def dtype(self, value):
+        return value.dtype
+
+    def device(self, value):
+        return CPU
+
+    def dtype_kind(self, dtype):
+        return np.dtype(dtype).kind
+
+    def add(self, a, b):
+        return np.add(a, b)
+
+    def add_(self, a, b):
+        if isinstance(a, np.ndarray) and a.flags.writeable:
+            np.add(a, b, out=a)
+            return a
+        return np.add(a, b)
+
+    def sum_to(self, value, shape):
+        value = np.asarray(value)
+        axes = sum_to_shape_axes(value.shape, shape)
+        if axes:
+            value = value.sum(axis=axes, keepdims=True)
+        return value.reshape(shape)
+
+    def cast(self, value, dtype):
+        return np.asarray(value).astype(dtype)
+
+    def copy(self, value):
+        return np.array(value, copy=True)
+
+    def to_device(self, value, device):
+        if device != CPU:
+            raise ValueError(f"numpy values live on the cpu, cannot move one to {device}")
+        return value
+
+    def zeros(self, shape, dtype, device):
+        self.to_device(None, device)
+        return np.zeros(shape, dtype=dtype)
+
+    def ones_like(self, value):
+        return np.ones_like(value)
+
+    def has_nan(self, value):
+        return bool(np.isnan(value).any())
+
+
+_backends: dict[type, ArrayBackend] = {}
+# Lookups by exact type, filled lazily from the MRO; cleared on registration.
+_backend_cache: dict[type, ArrayBackend | None] = {}
+
+
+def register_backend(value_type: type, backend: ArrayBackend) -> None:
+    """Make ``backend`` handle values of ``value_type`` and its subclasses."""
+    if not isinstance(backend, ArrayBackend):
+        raise TypeError(f"backend must be an ArrayBackend, got {type(backend).__name__}")
+    _backends[value_type] = backend
+    _backend_cache.clear()
+
+
+def backend_of(value) -> ArrayBackend | None:
+    """The backend for ``value``'s type, or ``None`` if no backend handles it."""
+    value_type = type(value)
+    try:
+        return _backend_cache[value_type]
+    except KeyError:
+        pass
+    found = None
+    for base in value_type.__mro__:
+        if base in _backends:
+            found = _backends[base]
+            break
+    _backend_cache[value_type] = found
+    return found
+
+
+NUMPY = NumpyBackend()
+register_backend(np.ndarray, NUMPY)
+register_backend(np.generic, NUMPY)

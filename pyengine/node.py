@@ -1,0 +1,252 @@
+"""Nodes of the backward graph, as users subclass and inspect them.
+
+``Node`` is what a framework subclasses for each backward formula: pass it
+one ``Edge`` (or ``None``) per forward input, describe its input slots (one
+per forward output) with ``input_metadata``, and override ``apply(grads)``.
+``AccumulateGrad`` is the sink of a leaf tensor. The per-node state the
+engine reads lives in the core's ``NodeBase`` (compiled or pure).
+
+Hooks follow ``torch.autograd.graph.Node``:
+
+- ``register_prehook(fn)``: ``fn(grad_outputs) -> new grad_outputs or None``,
+  before ``apply``;
+- ``register_hook(fn)``: ``fn(grad_inputs, grad_outputs) -> new grad_inputs
+  or None``, after ``apply`` (``grad_inputs`` are what ``apply`` returned);
+- ``register_tensor_prehook(input_nr, fn)``: ``fn(grad) -> new grad or None``
+  for one input slot; this is what a tensor hook on a non-leaf becomes. It is
+  not called for a slot that received no gradient.
+
+A hook may replace a gradient only by one of the same shape, dtype and
+device. Each registration returns a handle whose ``remove()`` undoes it.
+
+Concurrency: ``apply`` of one node may run on two threads at once when two
+backward calls share a retained graph; a node that mutates its own state in
+``apply`` must lock. ``AccumulateGrad`` does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+
+import numpy as np
+
+from . import _core
+from ._core import ACCUMULATE_GRAD_SEQUENCE_NR, Edge, InputMetadata, NodeBase
+from .backends import backend_of
+
+__all__ = ["Node", "Edge", "InputMetadata", "AccumulateGrad", "RemovableHandle"]
+
+_handle_ids = itertools.count()
+
+RELEASED_ERROR = (
+    "Trying to backward through the graph a second time (or directly access saved tensors "
+    "after they have already been freed). Saved intermediate values of the graph are freed "
+    "when you call .backward() or autograd.grad(). Specify retain_graph=True if you need to "
+    "backward through the graph a second time or if you need to access saved tensors after "
+    "calling backward."
+)
+
+
+class RemovableHandle:
+    """Undoes one hook registration; also a context manager."""
+
+    __slots__ = ("id", "_remove")
+
+    def __init__(self, remove):
+        self.id = next(_handle_ids)
+        self._remove = remove
+
+    def remove(self):
+        if self._remove is not None:
+            self._remove(self.id)
+            self._remove = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.remove()
+
+
+def _remover(owner, attribute):
+    """A function that drops the entry with a given handle id from a hook list."""
+
+    def remove(handle_id):
+        hooks = getattr(owner, attribute)
+        if hooks:
+            # Rebind rather than edit: a backward may be iterating the old list.
+            setattr(owner, attribute, [entry for entry in hooks if entry[0] != handle_id] or None)
+
+    return remove
+
+
+class Node(NodeBase):
+    """A backward function: override ``apply(grads)``.
+
+    ``Node(next_edges=(), input_metadata=())``: ``next_edges`` has one Edge
+    (or None) per gradient ``apply`` returns; ``input_metadata`` one entry per
+    input slot: an ``InputMetadata``, a ``(shape, dtype[, device])`` tuple, a
+    value to read them from, or ``None`` (that slot's gradients are not
+    checked). A gradient may arrive at a slot the node declared no metadata
+    for; the node then gets as many slots as the highest one used.
+    """
+
+    def name(self) -> str:
+        return type(self).__name__
+
+    @property
+    def next_functions(self):
+        """``((node, input_nr), ...)``, ``(None, 0)`` for a missing edge, as in PyTorch."""
+        return tuple((None, 0) if edge is None else (edge.node, edge.input_nr)
+                     for edge in self._next_edges)
+
+    def apply(self, grads):
+        """One gradient per input slot in; one per next edge out."""
+        raise NotImplementedError(f"{self.name()} must override apply(grads)")
+
+    def __call__(self, *grads):
+        return self.apply(list(grads))
+
+    # -- saved values --
+
+    def save_for_backward(self, *values):
+        """Keep ``values`` for ``apply``; released after backward unless retained."""
+        self._saved_values = values
+        self._released = False
+
+    @property
+    def saved_values(self):
+        """What ``save_for_backward`` stored; raises once the graph was released."""
+        if self._released:
+            raise RuntimeError(RELEASED_ERROR)
+        return self._saved_values if self._saved_values is not None else ()
+
+    # -- hooks --
+
+    def register_hook(self, fn) -> RemovableHandle:
+        handle = RemovableHandle(_remover(self, "_post_hooks"))
+        self._post_hooks = (self._post_hooks or []) + [(handle.id, fn)]
+        return handle
+
+    def register_prehook(self, fn) -> RemovableHandle:
+        handle = RemovableHandle(_remover(self, "_pre_hooks"))
+        self._pre_hooks = (self._pre_hooks or []) + [(handle.id, fn)]
+        return handle
+
+    def register_tensor_prehook(self, input_nr: int, fn) -> RemovableHandle:
+        handle = RemovableHandle(_remover(self, "_tensor_pre_hooks"))
+        self._tensor_pre_hooks = (self._tensor_pre_hooks or []) + [(handle.id, int(input_nr), fn)]
+        return handle
+
+    def set_retains_grad_hook(self, input_nr: int, fn) -> None:
+        """The hook that stores slot ``input_nr``'s gradient (one per slot); runs
+        after every tensor pre-hook. ``fn=None`` removes it."""
+        hooks = dict(self._retains_grad_hooks or {})
+        if fn is None:
+            hooks.pop(input_nr, None)
+        else:
+            hooks[int(input_nr)] = fn
+        self._retains_grad_hooks = hooks or None
+
+    def __repr__(self):
+        return f"<{self.name()} sequence_nr={self.sequence_nr}>"
+
+
+class AccumulateGrad(Node):
+    """The sink of a leaf ``variable``: adds the gradient into ``variable.grad``.
+
+    Writing ``.grad`` (PyTorch's rules, under a per-node lock):
+
+    - no ``.grad`` yet: take the incoming array if nothing else can see it
+      (a fresh numpy array only the engine references), else store a copy;
+      under ``create_graph`` store the incoming value as it is, so that it
+      keeps its graph;
+    - ``.grad`` is an array this node stored: add in place;
+    - otherwise (the user assigned ``.grad``, or ``create_graph``): add out of
+      place and store the sum.
+
+    Then the variable's post-accumulate-grad hooks run, ``fn(variable)``.
+    Leaf tensor hooks and post-accumulate-grad hooks live on the variable
+    (see :func:`pyengine.register_tensor_hook`), so they outlive this node.
+    """
+
+    def __init__(self, variable, metadata=None):
+        if metadata is None:
+            metadata = InputMetadata.from_value(variable.data)
+        super().__init__(next_edges=(), input_metadata=(metadata,))
+        _core.set_sequence_nr(self, ACCUMULATE_GRAD_SEQUENCE_NR)
+        self.variable = variable
+        # Guards variable.grad and _owned_grad against two backward calls at once.
+        self._lock = threading.Lock()
+        # The .grad value this node allocated or took over, never a user's array.
+        self._owned_grad = None
+        leaf_hooks = _leaf_hooks(variable, create=False)
+        if leaf_hooks is not None:
+            self._tensor_pre_hooks = leaf_hooks.tensor_pre_hooks
+
+    def name(self) -> str:
+        return "AccumulateGrad"
+
+    def apply(self, grads):
+        new_grad = grads[0]
+        if new_grad is None:
+            return ()
+        # Drop the buffer's reference so that a fresh array is seen as stealable.
+        grads[0] = None
+        variable = self.variable
+        create_graph = _core.is_grad_enabled()
+        with self._lock:
+            old_grad = variable.grad
+            if old_grad is None:
+                if not create_graph and not _can_steal(new_grad):
+                    new_grad = backend_of(new_grad).copy(new_grad)
+                variable.grad = new_grad
+                self._owned_grad = None if create_graph else new_grad
+            else:
+                backend = backend_of(old_grad)
+                if old_grad is self._owned_grad and not create_graph:
+                    variable.grad = backend.add_(old_grad, new_grad)
+                else:
+                    variable.grad = backend.add(old_grad, new_grad)
+                self._owned_grad = None if create_graph else variable.grad
+        leaf_hooks = _leaf_hooks(variable, create=False)
+        if leaf_hooks is not None and leaf_hooks.post_accumulate_grad_hooks:
+            for _, hook in list(leaf_hooks.post_accumulate_grad_hooks):
+                hook(variable)
+        return ()
+
+
+# The references to an array that only AccumulateGrad.apply holds, seen from
+# _can_steal: apply's local, _can_steal's argument, getrefcount's argument.
+_STEALABLE_REFCOUNT = 3
+
+
+def _can_steal(value) -> bool:
+    """Whether nothing outside the engine can see ``value``, so that it may
+    become ``.grad`` without a copy (PyTorch's use_count test)."""
+    return (type(value) is np.ndarray and value.base is None and value.flags.owndata
+            and value.flags.writeable and sys.getrefcount(value) <= _STEALABLE_REFCOUNT)
+
+
+class LeafHooks:
+    """Hooks of one leaf tensor, kept on the tensor as ``_pyengine_leaf_hooks``.
+
+    ``tensor_pre_hooks`` is the very list its AccumulateGrad runs as tensor
+    pre-hooks; both lists hold ``(handle_id, ...)`` entries.
+    """
+
+    __slots__ = ("tensor_pre_hooks", "post_accumulate_grad_hooks")
+
+    def __init__(self):
+        self.tensor_pre_hooks = None
+        self.post_accumulate_grad_hooks = None
+
+
+def _leaf_hooks(variable, create):
+    hooks = getattr(variable, "_pyengine_leaf_hooks", None)
+    if hooks is None and create:
+        hooks = LeafHooks()
+        variable._pyengine_leaf_hooks = hooks
+    return hooks
