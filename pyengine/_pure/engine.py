@@ -37,12 +37,13 @@ import atexit
 import os
 import threading
 
-from ..backends import backend_of, is_expandable_to
 from . import state
 from .graph_task import GraphTask
+from .hooks import add_anomaly_note, call_function, call_tensor_pre_hooks, check_nan, node_name
 from .input_buffer import InputBuffer
 from .node import NodeBase
 from .ready_queue import NodeTask, ReadyQueue
+from .validate_outputs import validate_outputs
 
 # worker_device values: the thread runs no engine loop, or the CPU loop.
 # Device workers (issue: devices) use the device index.
@@ -68,62 +69,6 @@ class _WorkerState(threading.local):
 _worker_state = _WorkerState()
 
 
-# -- validate_outputs -----------------------------------------------------
-
-def validate_outputs(edges, grads, format_error):
-    """Check and fix ``grads`` (a list, edited in place) against ``edges``.
-
-    For each gradient that flows along an edge into a slot with metadata:
-    reduce a broadcast shape with ``sum_to``, cast to the slot's dtype,
-    move a 0-d value to the slot's device; any other mismatch raises with
-    ``format_error(message)``, naming the index, expected and got.
-    """
-    if len(grads) != len(edges):
-        raise RuntimeError(format_error(
-            f"invalid number of gradients - expected {len(edges)}, but got {len(grads)}"))
-    for i, edge in enumerate(edges):
-        grad = grads[i]
-        if edge is None or grad is None:
-            continue
-        backend = backend_of(grad)
-        if backend is None:
-            raise TypeError(format_error(
-                f"invalid gradient at index {i} - expected an array, but got {type(grad).__name__}"))
-        all_metadata = edge.node._input_metadata
-        metadata = all_metadata[edge.input_nr] if edge.input_nr < len(all_metadata) else None
-        if metadata is None:
-            continue
-        grads[i] = _validate_one(i, grad, backend, metadata, format_error)
-
-
-def _validate_one(i, grad, backend, metadata, format_error):
-    shape = backend.shape(grad)
-    if shape != metadata.shape:
-        if not is_expandable_to(metadata.shape, shape):
-            raise RuntimeError(format_error(
-                f"invalid gradient at index {i} - got {shape} but expected shape "
-                f"compatible with {metadata.shape}"))
-        grad = backend.sum_to(grad, metadata.shape)
-    dtype = backend.dtype(grad)
-    kind = backend.dtype_kind(dtype)
-    if kind not in ("f", "c"):
-        raise RuntimeError(format_error(
-            f"invalid gradient at index {i} - expected dtype {metadata.dtype} but got {dtype} "
-            "(gradients must be floating point or complex)"))
-    if dtype != metadata.dtype:
-        if (kind == "c") != (backend.dtype_kind(metadata.dtype) == "c"):
-            raise RuntimeError(format_error(
-                f"invalid gradient at index {i} - expected dtype {metadata.dtype} but got {dtype}"))
-        grad = backend.cast(grad, metadata.dtype)
-    device = backend.device(grad)
-    if device != metadata.device:
-        if len(shape) != 0:
-            raise RuntimeError(format_error(
-                f"invalid gradient at index {i} - expected device {metadata.device} but got {device}"))
-        grad = backend.to_device(grad, metadata.device)
-    return grad
-
-
 # -- GraphRoot --------------------------------------------------------------
 
 class GraphRoot(NodeBase):
@@ -139,113 +84,6 @@ class GraphRoot(NodeBase):
 
     def name(self):
         return "GraphRoot"
-
-
-def node_name(node):
-    name = getattr(node, "name", None)
-    return name() if callable(name) else type(node).__name__
-
-
-# -- hooks and call_function ------------------------------------------------
-
-def _hook_name(hook):
-    return getattr(hook, "__name__", repr(hook))
-
-
-def _check_hook_value(node, hook, index, original, result):
-    """A hook may replace a gradient only by one of the same shape, dtype, device."""
-    if original is None:
-        raise RuntimeError(f"hook '{_hook_name(hook)}' on {node_name(node)} can't replace a None "
-                           f"gradient with a non-None value at index {index}")
-    old, new = backend_of(original), backend_of(result)
-    if new is None:
-        raise TypeError(f"hook '{_hook_name(hook)}' on {node_name(node)} returned "
-                        f"{type(result).__name__} at index {index}, expected an array")
-    for what, get in (("shape", "shape"), ("dtype", "dtype"), ("device", "device")):
-        was, got = getattr(old, get)(original), getattr(new, get)(result)
-        if was != got:
-            raise RuntimeError(f"hook '{_hook_name(hook)}' on {node_name(node)} has changed the "
-                               f"{what} of the gradient at index {index} (was {was}, got {got})")
-
-
-def _apply_hook_results(node, hook, values, results):
-    """``values`` with each non-None entry of ``results`` put in its place."""
-    if not isinstance(results, (tuple, list)):
-        raise TypeError(f"hook '{_hook_name(hook)}' on {node_name(node)} must return a tuple of "
-                        f"gradients or None, got {type(results).__name__}")
-    if len(results) != len(values):
-        raise RuntimeError(f"hook '{_hook_name(hook)}' on {node_name(node)} has returned an "
-                           f"incorrect number of values (got {len(results)}, but expected {len(values)})")
-    values = list(values)
-    for i, result in enumerate(results):
-        if result is not None and result is not values[i]:
-            _check_hook_value(node, hook, i, values[i], result)
-            values[i] = result
-    return values
-
-
-def call_tensor_pre_hooks(node, grads):
-    """Tensor hooks, then the retains-grad hooks (always last), per input slot."""
-    if node._tensor_pre_hooks:
-        for _, input_nr, hook in list(node._tensor_pre_hooks):
-            if input_nr < len(grads) and grads[input_nr] is not None:
-                result = hook(grads[input_nr])
-                if result is not None:
-                    _check_hook_value(node, hook, input_nr, grads[input_nr], result)
-                    grads[input_nr] = result
-    if node._retains_grad_hooks:
-        for input_nr, hook in list(node._retains_grad_hooks.items()):
-            if input_nr < len(grads) and grads[input_nr] is not None:
-                hook(grads[input_nr])
-    return grads
-
-
-def call_function(graph_task, node, inputs):
-    """Hooks and ``apply`` in PyTorch's order: tensor pre-hooks, retains-grad
-    hooks, node pre-hooks, ``apply``, ``validate_outputs``, node post-hooks."""
-    grads = inputs.buffer
-    if node._tensor_pre_hooks or node._retains_grad_hooks:
-        grads = call_tensor_pre_hooks(node, grads)
-    if node._pre_hooks:
-        for _, hook in list(node._pre_hooks):
-            result = hook(tuple(grads))
-            if result is not None:
-                grads = _apply_hook_results(node, hook, grads, result)
-    has_post_hooks = bool(node._post_hooks)
-    # apply may edit the list it gets; post-hooks must see the inputs unchanged.
-    outputs = node.apply(list(grads) if has_post_hooks else grads)
-    if type(outputs) is not list:
-        if not isinstance(outputs, (tuple, list)):
-            raise TypeError(f"Function {node_name(node)}.apply must return a tuple or list of "
-                            f"gradients, got {type(outputs).__name__}")
-        outputs = list(outputs)
-    validate_outputs(node._next_edges, outputs,
-                     lambda message: f"Function {node_name(node)} returned an {message}")
-    if has_post_hooks:
-        grad_outputs = tuple(grads)
-        for _, hook in list(node._post_hooks):
-            result = hook(tuple(outputs), grad_outputs)
-            if result is not None:
-                outputs = _apply_hook_results(node, hook, outputs, result)
-    return outputs
-
-
-def _check_nan(node, outputs):
-    for i, output in enumerate(outputs):
-        if output is not None and backend_of(output).has_nan(output):
-            raise RuntimeError(f"Function '{node_name(node)}' returned nan values in its {i}th output.")
-
-
-def _add_anomaly_note(error, node):
-    if state.is_anomaly_enabled() and node is not None and isinstance(node, NodeBase):
-        traceback = (node._metadata or {}).get("traceback_")
-        note = f"Error detected in {node_name(node)}."
-        if traceback:
-            note += f" Traceback of forward call that caused the error:\n{traceback}"
-        else:
-            note += (" No forward pass information available. Enable detect anomaly during "
-                     "forward pass for more information.")
-        error.add_note(note)
 
 
 # -- the reentrant thread pool -------------------------------------------------
@@ -316,7 +154,9 @@ class Engine:
         self.execute_with_graph_task(graph_task, graph_root, input_buffer)
         graph_task.wait()
         if graph_task.exception is not None:
-            raise graph_task.exception
+            # Take the error off the task: the traceback must not keep the task alive.
+            error, graph_task.exception = graph_task.exception, None
+            raise error
         return graph_task.captured_vars
 
     def execute_with_graph_task(self, graph_task, graph_root, input_buffer):
@@ -356,6 +196,9 @@ class Engine:
         stack = [graph_root]
         while stack:
             node = stack.pop()
+            if not getattr(node, "_initialized", False):
+                raise RuntimeError(f"{type(node).__name__} was not initialized: its __init__ must "
+                                   "call super().__init__(next_edges, input_metadata)")
             for edge in node._next_edges:
                 if edge is None:
                     continue
@@ -387,7 +230,8 @@ class Engine:
                     self.evaluate_function(local_graph_task, task.node, task.inputs,
                                            local_graph_task.cpu_ready_queue)
             except BaseException as error:
-                _add_anomaly_note(error, task.node)
+                if state.is_anomaly_enabled():
+                    add_anomaly_note(error, task.node)
                 local_graph_task.set_exception(error)
             finally:
                 state.set_grad_enabled(previous_grad_mode)
@@ -429,7 +273,7 @@ class Engine:
         if not outputs:
             return
         if state.is_anomaly_enabled() and state.is_anomaly_check_nan_enabled():
-            _check_nan(node, outputs)
+            check_nan(node, outputs)
 
         next_edges = node._next_edges
         grad_mode = graph_task.grad_mode

@@ -8,6 +8,8 @@ hook lists, stream); the user-facing methods live on
 
 import threading
 
+import numpy as np
+
 from ..backends import backend_of
 from ..device import CPU
 from . import state
@@ -29,6 +31,17 @@ def peek_sequence_nr() -> int:
     return _sequence_counter.next_value
 
 
+def _normalize_dtype(dtype):
+    # numpy dtypes are kept as np.dtype objects (the compiled core compares
+    # their descriptors by identity); other dtypes (a framework's) stay as given.
+    if isinstance(dtype, np.dtype):
+        return dtype
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return dtype
+
+
 class InputMetadata:
     """Shape, dtype and device of the forward output an input slot stands for.
 
@@ -39,7 +52,7 @@ class InputMetadata:
 
     def __init__(self, shape, dtype, device=CPU):
         self.shape = tuple(int(size) for size in shape)
-        self.dtype = dtype
+        self.dtype = _normalize_dtype(dtype)
         self.device = device
 
     @classmethod
@@ -126,12 +139,13 @@ class NodeBase:
       _released: set by the engine once ``release_variables`` ran.
       _stream: the stream current at creation on a device, else None.
       _metadata: None or a dict, created on first access.
+      _initialized: set by ``__init__``; the engine refuses a node without it.
     """
 
     __slots__ = (
         "_next_edges", "_input_metadata", "_sequence_nr", "_pre_hooks", "_post_hooks",
         "_tensor_pre_hooks", "_retains_grad_hooks", "_saved_values", "_released",
-        "_stream", "_metadata", "__weakref__", "__dict__",
+        "_stream", "_metadata", "_initialized", "__weakref__", "__dict__",
     )
 
     def __init__(self, next_edges=(), input_metadata=()):
@@ -147,6 +161,7 @@ class NodeBase:
         self._released = False
         self._stream = None
         self._metadata = None
+        self._initialized = True
         if state.is_anomaly_enabled():
             _record_forward_traceback(self)
 
@@ -195,6 +210,7 @@ class NodeBase:
 def _record_forward_traceback(node):
     import traceback
 
+    # Drop this function's frame and NodeBase.__init__'s: the stack ends in user code.
     node.metadata["traceback_"] = "".join(traceback.format_stack()[:-2])
 
 

@@ -1,0 +1,598 @@
+"""The engine: runs a backward graph task to completion.
+
+The compiled twin of ``pyengine/_pure/engine.py``, whose Notes explain the
+design: Note [CPU work runs on the caller], Note [Reentrant backward], Note
+[AccumulateGrad first], Note [Ready queue order]. Per node and per edge
+everything here is C: records move through the ReadyQueue, dependencies
+are a C++ map keyed by node pointer, a numpy gradient of the right shape,
+dtype and device is checked in C, and a node without hooks is called
+directly. Hooks, broadcast reductions, casts, other value types and anomaly
+mode go through the twin's functions (See Note [Slow paths are shared]).
+
+Note [Accumulating under the graph task lock]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+As in PyTorch, a gradient is added into the InputBuffer of the node it
+flows into while the GraphTask mutex is held: two producers on different
+threads may feed one buffer. The sum calls the value backend (numpy's add,
+or a framework's under ``create_graph``), which is not user code in the
+sense of Note [Locks and the GIL]: it runs no node, hook or callback and
+never starts a backward. It may release the GIL (a large numpy add does);
+a thread that then wants the same mutex waits without the GIL, so nothing
+deadlocks.
+"""
+
+cimport cython
+cimport numpy as cnp
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from cython.operator cimport dereference as deref
+from libc.string cimport memcmp
+from libcpp.condition_variable cimport condition_variable
+from libcpp.deque cimport deque
+from libcpp.mutex cimport mutex, unique_lock
+from libcpp.utility cimport pair
+from libcpp.vector cimport vector
+
+from pyengine._graph_task cimport GraphTask, NodePtr
+from pyengine._input_buffer cimport InputBuffer, new_input_buffer
+from pyengine._locks cimport lock_releasing_gil
+from pyengine._node cimport Edge, InputMetadata, NodeBase
+from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
+from pyengine._state cimport (anomaly_check_nan, anomaly_enabled, current_graph_task,
+                              grad_enabled, set_grad_mode, swap_current_graph_task)
+
+import atexit
+import os
+import threading
+
+from pyengine._pure import hooks as _hooks
+from pyengine._pure.validate_outputs import validate_gradient
+
+cnp.import_array()
+
+# worker_device values: the thread runs no engine loop, or the CPU loop.
+# Device workers use the device index.
+DEF NO_DEVICE = -2
+DEF CPU_DEVICE = -1
+
+# Levels of reentrant backward run inline on one thread before a pool thread
+# takes over. See Note [Reentrant backward].
+MAX_RECURSION_DEPTH = 60
+
+
+# -- per-thread worker state --------------------------------------------------------
+
+@cython.final
+cdef class WorkerState:
+    """The engine's per-thread state; one object per thread, so unguarded."""
+    cdef int worker_device
+    # Reentrant levels running inline on this thread.
+    cdef int current_depth
+    # Reentrant levels in all, on this thread and the threads that handed off to it.
+    cdef int total_depth
+    cdef ReadyQueue local_ready_queue
+
+    def __cinit__(self):
+        self.worker_device = NO_DEVICE
+
+
+_thread_local = threading.local()
+
+
+cdef WorkerState get_worker_state():
+    try:
+        return <WorkerState>_thread_local.state
+    except AttributeError:
+        state = WorkerState()
+        _thread_local.state = state
+        return state
+
+
+# -- validate_outputs ---------------------------------------------------------------
+
+cdef inline bint numpy_gradient_matches(InputMetadata metadata, object grad) noexcept:
+    """The fast path: a numpy array whose dtype, shape and device are the slot's."""
+    if metadata.numpy_dtype is None or type(grad) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray array = <cnp.ndarray>grad
+    if <PyObject*>cnp.PyArray_DESCR(array) != <PyObject*>metadata.numpy_dtype:
+        return False
+    cdef size_t ndim = <size_t>cnp.PyArray_NDIM(array)
+    if ndim != metadata.dims.size():
+        return False
+    return ndim == 0 or memcmp(cnp.PyArray_DIMS(array), metadata.dims.data(),
+                               ndim * sizeof(cnp.npy_intp)) == 0
+
+
+class _NodeErrorFormat:
+    """``format_error`` for gradients returned by ``node``, as PyTorch words it."""
+
+    def __init__(self, node):
+        self.node = node
+
+    def __call__(self, message):
+        return f"Function {_hooks.node_name(self.node)} returned an {message}"
+
+
+def _plain_error_format(message):
+    return message
+
+
+cdef int validate_outputs_impl(tuple edges, list grads, object format_error) except -1:
+    """See the twin's ``validate_outputs``; ``grads`` is edited in place."""
+    cdef Py_ssize_t num_edges = PyTuple_GET_SIZE(edges)
+    cdef Edge edge
+    cdef list slots
+    if PyList_GET_SIZE(grads) != num_edges:
+        raise RuntimeError(format_error(
+            f"invalid number of gradients - expected {num_edges}, but got {len(grads)}"))
+    for i in range(num_edges):
+        edge_object = <object>PyTuple_GET_ITEM(edges, i)
+        grad = <object>PyList_GET_ITEM(grads, i)
+        if edge_object is None or grad is None:
+            continue
+        edge = <Edge>edge_object
+        slots = edge.node._input_metadata
+        metadata = <object>PyList_GET_ITEM(slots, edge.input_nr) if edge.input_nr < PyList_GET_SIZE(slots) else None
+        if metadata is not None and numpy_gradient_matches(<InputMetadata>metadata, grad):
+            continue
+        grads[i] = validate_gradient(i, grad, metadata, format_error)
+    return 0
+
+
+def validate_outputs(edges, list grads, format_error):
+    """Check and fix ``grads`` against ``edges``; see the twin's docstring."""
+    validate_outputs_impl(tuple(edges), grads, format_error)
+
+
+# -- GraphRoot ----------------------------------------------------------------------
+
+cdef class GraphRoot(NodeBase):
+    """The node a backward with several roots starts from: it returns the
+    root gradients along the root edges."""
+    cdef public list outputs
+
+    def __init__(self, roots, grads):
+        super().__init__(next_edges=roots)
+        self.outputs = list(grads)
+
+    def apply(self, grads):
+        return list(self.outputs)
+
+    def name(self):
+        return "GraphRoot"
+
+
+# -- call_function ------------------------------------------------------------------
+
+cdef inline bint has_hooks(NodeBase node) noexcept:
+    return bool(node._tensor_pre_hooks or node._retains_grad_hooks or node._pre_hooks
+                or node._post_hooks)
+
+
+cdef list call_function(GraphTask graph_task, NodeBase node, InputBuffer inputs):
+    """A node without hooks: ``apply`` and ``validate_outputs``, here. With
+    hooks: the twin's ``call_function``, which runs them in PyTorch's order."""
+    if has_hooks(node):
+        return _hooks.call_function(graph_task, node, inputs)
+    outputs = node.apply(inputs.buffer)
+    if type(outputs) is not list:
+        if not isinstance(outputs, (tuple, list)):
+            raise TypeError(f"Function {_hooks.node_name(node)}.apply must return a tuple or list "
+                            f"of gradients, got {type(outputs).__name__}")
+        outputs = list(outputs)
+    cdef list checked = <list>outputs
+    cdef tuple next_edges = node._next_edges
+    if PyList_GET_SIZE(checked) != PyTuple_GET_SIZE(next_edges):
+        validate_outputs_impl(next_edges, checked, _NodeErrorFormat(node))
+    for i in range(PyList_GET_SIZE(checked)):
+        edge_object = <object>PyTuple_GET_ITEM(next_edges, i)
+        grad = <object>PyList_GET_ITEM(checked, i)
+        if edge_object is None or grad is None:
+            continue
+        slots = (<Edge>edge_object).node._input_metadata
+        input_nr = (<Edge>edge_object).input_nr
+        if input_nr < PyList_GET_SIZE(slots):
+            metadata = <object>PyList_GET_ITEM(slots, input_nr)
+            if metadata is not None and numpy_gradient_matches(<InputMetadata>metadata, grad):
+                continue
+        # A gradient the fast path cannot vouch for: check them all, slowly.
+        validate_outputs_impl(next_edges, checked, _NodeErrorFormat(node))
+        break
+    return checked
+
+
+# -- the reentrant thread pool --------------------------------------------------------
+
+@cython.final
+cdef class _ThreadPoolShared:
+    """Graph tasks handed off by a too-deep reentrant backward, and the pool
+    threads that run them. ``graph_tasks`` (owned references), ``num_idle``
+    and ``stopping`` are guarded by ``mutex_``; ``work`` is signalled under
+    it. ``threads`` is guarded by the GIL."""
+    cdef mutex mutex_
+    cdef condition_variable work
+    cdef deque[PyObject*] graph_tasks
+    cdef size_t num_idle
+    cdef bint stopping
+    cdef list threads
+
+    def __cinit__(self):
+        self.threads = []
+
+    def __dealloc__(self):
+        while not self.graph_tasks.empty():
+            Py_DECREF(<object>self.graph_tasks.front())
+            self.graph_tasks.pop_front()
+
+
+# -- the engine -------------------------------------------------------------------------
+
+cdef class Engine:
+    """PyTorch's autograd engine. One default instance serves every thread;
+    see :func:`pyengine.get_default_engine`."""
+    cdef public int max_recursion_depth
+    cdef _ThreadPoolShared _pool
+
+    def __init__(self, int max_recursion_depth=MAX_RECURSION_DEPTH):
+        self.max_recursion_depth = max_recursion_depth
+        self._pool = _ThreadPoolShared()
+
+    # -- entry point --
+
+    def execute(self, roots, grads, keep_graph, create_graph, accumulate_grad, outputs=None):
+        """Run backward from ``roots`` (Edges) with ``grads`` (one per root).
+
+        ``outputs`` (Edges or None): with ``accumulate_grad=False`` (``grad``),
+        return the gradient flowing into each; with ``accumulate_grad=True``
+        (``backward(inputs=)``), run only the nodes on a path to them.
+        Returns the captured gradients (empty without ``outputs``).
+        """
+        cdef tuple root_edges = tuple(roots)
+        cdef list root_grads = list(grads)
+        cdef bint keep = keep_graph
+        cdef bint grad_mode = create_graph
+        if not root_edges:
+            raise RuntimeError("execute needs at least one root edge")
+        for i, root in enumerate(root_edges):
+            if not isinstance(root, Edge):
+                raise TypeError(f"roots[{i}] must be an Edge, got {type(root).__name__}")
+        validate_outputs_impl(root_edges, root_grads, _plain_error_format)
+
+        cdef WorkerState worker = get_worker_state()
+        if worker.local_ready_queue is None:
+            worker.local_ready_queue = ReadyQueue()
+        cdef GraphTask graph_task = GraphTask(
+            keep, grad_mode, 0 if worker.worker_device == NO_DEVICE else worker.total_depth + 1,
+            worker.local_ready_queue)
+
+        # A single root starts the task itself; several hang off a GraphRoot.
+        cdef NodeBase graph_root
+        cdef InputBuffer input_buffer
+        cdef Edge root_edge
+        if len(root_edges) == 1:
+            root_edge = <Edge>root_edges[0]
+            graph_root = root_edge.node
+            input_buffer = new_input_buffer(len(graph_root._input_metadata))
+            input_buffer.add(root_edge.input_nr, root_grads[0], grad_mode)
+        else:
+            graph_root = GraphRoot(root_edges, root_grads)
+            input_buffer = new_input_buffer(0)
+        graph_task.graph_root = graph_root
+        compute_dependencies(graph_root, graph_task)
+        if outputs:
+            graph_task.init_to_execute(graph_root, list(outputs), accumulate_grad)
+
+        self.execute_with_graph_task(graph_task, graph_root, input_buffer)
+        graph_task.wait()
+        if graph_task.exception_ is not None:
+            # Take the error off the task: the traceback must not keep the task alive.
+            error = graph_task.exception_
+            graph_task.exception_ = None
+            raise error
+        return graph_task.captured_vars
+
+    cdef int execute_with_graph_task(self, GraphTask graph_task, NodeBase graph_root,
+                                     InputBuffer input_buffer) except -1:
+        """Queue the root task and drive the graph task: inline on this thread,
+        or on a pool thread past the reentrant depth limit."""
+        cdef WorkerState worker = get_worker_state()
+        cdef ReadyQueue queue = graph_task.cpu_ready_queue
+        if worker.worker_device == NO_DEVICE:
+            # Not inside the engine: this thread drives the graph task.
+            # See Note [CPU work runs on the caller].
+            worker.worker_device = CPU_DEVICE
+            graph_task.owner = CPU_DEVICE
+            push_task(queue, graph_task, graph_root, input_buffer)
+            try:
+                self.thread_main(graph_task)
+            finally:
+                worker.worker_device = NO_DEVICE
+        else:
+            # A reentrant backward. See Note [Reentrant backward].
+            graph_task.owner = worker.worker_device
+            push_task(queue, graph_task, graph_root, input_buffer)
+            if worker.current_depth >= self.max_recursion_depth:
+                self.add_thread_pool_task(graph_task)
+            else:
+                worker.total_depth += 1
+                worker.current_depth += 1
+                try:
+                    self.thread_main(graph_task)
+                finally:
+                    worker.current_depth -= 1
+                    worker.total_depth -= 1
+        return 0
+
+    # -- the loop --
+
+    cdef int thread_main(self, GraphTask graph_task) except -1:
+        """Pop and run tasks until ``graph_task`` completes (forever for None)."""
+        cdef WorkerState worker = get_worker_state()
+        cdef ReadyQueue queue = worker.local_ready_queue
+        cdef NodeTaskRecord record
+        cdef GraphTask local_graph_task
+        cdef PyObject* previous_graph_task
+        cdef bint previous_grad_mode
+        while graph_task is None or not graph_task.future_completed_.load():
+            if not queue.try_pop_record(&record):
+                with nogil:
+                    record = queue.pop_record()
+            if record.is_shutdown:
+                release_record(&record)
+                break
+            if record.node == NULL:
+                # A wake-up task: loop back and look at graph_task again.
+                release_record(&record)
+                continue
+            local_graph_task = <GraphTask>record.graph_task
+            previous_graph_task = swap_current_graph_task(record.graph_task)
+            previous_grad_mode = grad_enabled()
+            set_grad_mode(local_graph_task.grad_mode)
+            try:
+                if not local_graph_task.has_error_.load():
+                    self.evaluate_function(local_graph_task, <NodeBase>record.node,
+                                           <InputBuffer>record.inputs,
+                                           local_graph_task.cpu_ready_queue)
+            except BaseException as error:
+                if anomaly_enabled():
+                    _hooks.add_anomaly_note(error, <object>record.node)
+                local_graph_task.set_exception(error)
+            finally:
+                set_grad_mode(previous_grad_mode)
+                swap_current_graph_task(previous_graph_task)
+                # Drop the task's references before the graph task may complete.
+                release_record(&record)
+            local_graph_task.outstanding_tasks_.fetch_sub(1)
+            if (local_graph_task.outstanding_tasks_.load() == 0
+                    or (local_graph_task.exit_on_error and local_graph_task.has_error_.load())):
+                local_graph_task.mark_as_completed_and_run_post_processing()
+                if worker.worker_device != local_graph_task.owner:
+                    # The owner may sleep in pop(): wake it up.
+                    local_graph_task.cpu_ready_queue.push_record(
+                        make_record(local_graph_task, None, None, 0, 0))
+        if graph_task is not None and graph_task.has_error_.load():
+            queue.discard_graph_task(graph_task)
+        return 0
+
+    cdef int evaluate_function(self, GraphTask graph_task, NodeBase node, InputBuffer inputs,
+                               ReadyQueue cpu_ready_queue) except -1:
+        """Run one node and pass its gradients on to the nodes they flow into."""
+        cdef dict exec_info = graph_task.exec_info
+        if exec_info:
+            info = exec_info.get(id(node))
+            if info is None:
+                return 0
+            if not info.needed:
+                # Tensor pre-hooks run exactly once: here, or in call_function.
+                _hooks.call_tensor_pre_hooks(node, inputs.buffer)
+            if info.captures:
+                lock_releasing_gil(graph_task.mutex_)
+                try:
+                    for input_nr, output_idx in info.captures:
+                        if input_nr < len(inputs.buffer):
+                            graph_task.captured_vars[output_idx] = inputs.buffer[input_nr]
+                finally:
+                    graph_task.mutex_.unlock()
+            if not info.needed:
+                return 0
+
+        cdef list outputs = call_function(graph_task, node, inputs)
+        if not graph_task.keep_graph:
+            node.release_variables()
+            node._released = True
+        cdef Py_ssize_t num_outputs = PyList_GET_SIZE(outputs)
+        if num_outputs == 0:
+            return 0
+        if anomaly_enabled() and anomaly_check_nan():
+            _hooks.check_nan(node, outputs)
+
+        cdef tuple next_edges = node._next_edges
+        cdef bint grad_mode = graph_task.grad_mode
+        cdef Edge edge
+        cdef NodeBase next_node
+        cdef PyObject* key
+        cdef bint is_ready
+        cdef InputBuffer input_buffer
+        # See Note [Accumulating under the graph task lock].
+        lock_releasing_gil(graph_task.mutex_)
+        try:
+            for i in range(num_outputs):
+                edge_object = <object>PyTuple_GET_ITEM(next_edges, i)
+                if edge_object is None:
+                    continue
+                edge = <Edge>edge_object
+                next_node = edge.node
+                key = <PyObject*>next_node
+                dependency = graph_task.dependencies_.find(key)
+                if dependency == graph_task.dependencies_.end():
+                    raise RuntimeError(f"dependency not found for {_hooks.node_name(next_node)}")
+                deref(dependency).second -= 1
+                is_ready = deref(dependency).second == 0
+                if is_ready:
+                    graph_task.dependencies_.erase(dependency)
+
+                buffered = graph_task.not_ready_.find(key)
+                if buffered == graph_task.not_ready_.end():
+                    if exec_info and not _should_execute(exec_info, next_node):
+                        continue
+                    input_buffer = new_input_buffer(PyList_GET_SIZE(next_node._input_metadata))
+                    input_buffer.add(edge.input_nr, <object>PyList_GET_ITEM(outputs, i), grad_mode)
+                    if is_ready:
+                        push_task(cpu_ready_queue, graph_task, next_node, input_buffer)
+                    else:
+                        Py_INCREF(input_buffer)
+                        graph_task.not_ready_[key] = <PyObject*>input_buffer
+                else:
+                    input_buffer = <InputBuffer>deref(buffered).second
+                    input_buffer.add(edge.input_nr, <object>PyList_GET_ITEM(outputs, i), grad_mode)
+                    if is_ready:
+                        graph_task.not_ready_.erase(buffered)
+                        push_task(cpu_ready_queue, graph_task, next_node, input_buffer)
+                        # The map's reference; input_buffer still holds one.
+                        Py_DECREF(input_buffer)
+        finally:
+            graph_task.mutex_.unlock()
+        return 0
+
+    # -- reentrant pool --
+
+    cdef int add_thread_pool_task(self, GraphTask graph_task) except -1:
+        """Hand ``graph_task`` to a pool thread and block, without the GIL, until
+        it completes. See Note [Reentrant backward]."""
+        cdef _ThreadPoolShared pool = self._pool
+        lock_releasing_gil(pool.mutex_)
+        Py_INCREF(graph_task)
+        pool.graph_tasks.push_back(<PyObject*>graph_task)
+        cdef bint start_thread = pool.num_idle < pool.graph_tasks.size()
+        pool.mutex_.unlock()
+        if start_thread:
+            thread = threading.Thread(target=self._reentrant_thread_main,
+                                      name="pyengine-reentrant", daemon=True)
+            pool.threads.append(thread)
+            thread.start()
+        pool.work.notify_one()
+        graph_task.wait()
+        return 0
+
+    def _reentrant_thread_main(self):
+        cdef _ThreadPoolShared pool = self._pool
+        cdef WorkerState worker = get_worker_state()
+        cdef PyObject* next_graph_task = NULL
+        cdef GraphTask graph_task
+        cdef unique_lock[mutex] lock
+        while True:
+            with nogil:
+                lock = unique_lock[mutex](pool.mutex_)
+                pool.num_idle += 1
+                while pool.graph_tasks.empty() and not pool.stopping:
+                    pool.work.wait(lock)
+                pool.num_idle -= 1
+                if pool.stopping:
+                    next_graph_task = NULL
+                else:
+                    next_graph_task = pool.graph_tasks.front()
+                    pool.graph_tasks.pop_front()
+                lock.unlock()
+            if next_graph_task == NULL:
+                pool.threads.remove(threading.current_thread())
+                return
+            graph_task = <GraphTask>next_graph_task
+            Py_DECREF(graph_task)  # the pool's reference; graph_task holds one
+            worker.worker_device = graph_task.owner
+            worker.local_ready_queue = graph_task.cpu_ready_queue
+            worker.total_depth = graph_task.reentrant_depth
+            worker.current_depth = 0
+            self.thread_main(graph_task)
+            worker.local_ready_queue = None
+            worker.worker_device = NO_DEVICE
+            graph_task = None
+
+    def stop(self, timeout=1.0):
+        """Stop the pool threads (at interpreter exit)."""
+        cdef _ThreadPoolShared pool = self._pool
+        lock_releasing_gil(pool.mutex_)
+        pool.stopping = True
+        pool.mutex_.unlock()
+        pool.work.notify_all()
+        for thread in list(pool.threads):
+            thread.join(timeout)
+
+    def _reset_after_fork(self):
+        # The child has only the forking thread: the pool's threads are gone,
+        # and its mutex may have been held by one of them.
+        self._pool = _ThreadPoolShared()
+
+    # -- callbacks --
+
+    def queue_callback(self, callback):
+        """Run ``callback`` once the current backward completes."""
+        cdef PyObject* graph_task = current_graph_task()
+        if graph_task == NULL:
+            raise RuntimeError("Final callbacks can only be installed during backward pass.")
+        (<GraphTask>graph_task).final_callbacks.append(callback)
+
+
+cdef inline void push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node,
+                           InputBuffer inputs) noexcept:
+    graph_task.outstanding_tasks_.fetch_add(1)
+    queue.push_record(make_record(graph_task, node, inputs, graph_task.reentrant_depth,
+                                  node._sequence_nr))
+
+
+cdef bint _should_execute(dict exec_info, NodeBase node) except -1:
+    info = exec_info.get(id(node))
+    return info is not None and info.should_execute()
+
+
+cdef int compute_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
+    """Count, for each node reachable from ``graph_root``, the edges into it.
+    Iterative: graphs of millions of nodes, deep or wide, use no C stack."""
+    cdef vector[PyObject*] stack
+    cdef NodeBase node
+    cdef tuple edges
+    cdef PyObject* edge
+    cdef PyObject* next_node
+    stack.push_back(<PyObject*>graph_root)
+    while not stack.empty():
+        # Borrowed: the graph keeps its nodes alive, and no Python code runs here.
+        node = <NodeBase>stack.back()
+        stack.pop_back()
+        if not node._initialized:
+            raise RuntimeError(f"{type(node).__name__} was not initialized: its __init__ must call "
+                               "super().__init__(next_edges, input_metadata)")
+        edges = node._next_edges
+        for i in range(PyTuple_GET_SIZE(edges)):
+            edge = PyTuple_GET_ITEM(edges, i)
+            if edge == <PyObject*>None:
+                continue
+            next_node = <PyObject*>(<Edge>edge).node
+            inserted = graph_task.dependencies_.insert(pair[NodePtr, Py_ssize_t](next_node, 0))
+            deref(inserted.first).second += 1
+            if inserted.second:
+                stack.push_back(next_node)
+    return 0
+
+
+def is_checkpoint_valid():
+    """False inside a backward that prunes nodes (``grad``, ``inputs=``)."""
+    cdef PyObject* graph_task = current_graph_task()
+    return graph_task == NULL or not (<GraphTask>graph_task).exec_info
+
+
+def _reset_worker_state_after_fork():
+    global _thread_local
+    _thread_local = threading.local()
+
+
+def _register_engine(engine):
+    """Stop ``engine``'s pool at exit and reset it in a forked child."""
+    atexit.register(engine.stop)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=engine._reset_after_fork)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_worker_state_after_fork)

@@ -1,0 +1,12 @@
+# InputBuffer; see _input_buffer.pyx.
+
+cdef class InputBuffer:
+    cdef public list buffer
+    cdef public object device
+    # _owned[i]: the value the buffer allocated for slot i, or None.
+    cdef list _owned
+
+    cpdef int add(self, Py_ssize_t pos, object value, bint create_graph) except -1
+
+
+cdef InputBuffer new_input_buffer(Py_ssize_t size)

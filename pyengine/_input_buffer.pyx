@@ -1,0 +1,78 @@
+"""InputBuffer: the gradients flowing into one node, summed per input slot.
+
+See Note [InputBuffer ownership] in the twin, ``pyengine/_pure/input_buffer.py``.
+An InputBuffer is owned by one NodeTask or by its GraphTask's ``not_ready``
+map, whose mutex guards it.
+"""
+
+cimport cython
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
+from cpython.ref cimport Py_INCREF
+
+from pyengine.backends import backend_of
+from pyengine.device import CPU
+
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef object _CPU = CPU
+
+
+cdef list _none_list(Py_ssize_t size):
+    cdef list result = PyList_New(size)
+    for i in range(size):
+        Py_INCREF(None)
+        PyList_SET_ITEM(result, i, None)
+    return result
+
+
+cdef InputBuffer new_input_buffer(Py_ssize_t size):
+    """An InputBuffer of ``size`` empty slots, without calling ``__init__``."""
+    cdef InputBuffer input_buffer = InputBuffer.__new__(InputBuffer)
+    input_buffer.buffer = _none_list(size)
+    input_buffer.device = _CPU
+    return input_buffer
+
+
+@cython.final
+@cython.freelist(64)
+cdef class InputBuffer:
+    """Per-slot gradient sums for one node.
+
+    ``buffer`` holds one value (or None) per input slot; ``device`` is the
+    device of the first non-CPU value added, else the CPU.
+    """
+
+    def __init__(self, Py_ssize_t size):
+        self.buffer = _none_list(size)
+        self.device = _CPU
+
+    cpdef int add(self, Py_ssize_t pos, object value, bint create_graph) except -1:
+        """Add ``value`` into slot ``pos`` (See Note [InputBuffer ownership])."""
+        if value is None:
+            return 0
+        cdef list buffer = self.buffer
+        if pos >= PyList_GET_SIZE(buffer):
+            # A node that declared no metadata for this slot: grow to fit.
+            buffer.extend([None] * (pos + 1 - PyList_GET_SIZE(buffer)))
+        old = <object>PyList_GET_ITEM(buffer, pos)
+        if old is None:
+            buffer[pos] = value
+            if self.device is _CPU and type(value) is not cnp.ndarray:
+                backend = backend_of(value)
+                if backend is not None:
+                    self.device = backend.device(value)
+            return 0
+        backend = backend_of(old)
+        if self._owned is None:
+            self._owned = _none_list(PyList_GET_SIZE(buffer))
+        elif pos >= PyList_GET_SIZE(self._owned):
+            self._owned.extend([None] * (pos + 1 - PyList_GET_SIZE(self._owned)))
+        if self._owned[pos] is old and not create_graph:
+            total = backend.add_(old, value)
+        else:
+            total = backend.add(old, value)
+        buffer[pos] = total
+        self._owned[pos] = total
+        return 0

@@ -1,0 +1,39 @@
+# The engine's view of a node; see _node.pyx.
+
+from libc.stdint cimport uint64_t
+from libcpp.vector cimport vector
+
+cimport numpy as cnp
+
+
+cdef class InputMetadata:
+    cdef readonly tuple shape
+    cdef readonly object dtype
+    cdef readonly object device
+    # For validate_outputs' numpy fast path: set when dtype is a numpy dtype
+    # and device is the CPU; immutable after construction.
+    cdef cnp.dtype numpy_dtype
+    cdef vector[cnp.npy_intp] dims
+
+
+cdef class NodeBase:
+    cdef public tuple _next_edges
+    cdef public list _input_metadata
+    cdef readonly uint64_t _sequence_nr
+    cdef public list _pre_hooks
+    cdef public list _post_hooks
+    cdef public list _tensor_pre_hooks
+    cdef public dict _retains_grad_hooks
+    cdef public object _saved_values
+    cdef public bint _released
+    cdef public object _stream
+    cdef public dict _metadata
+    cdef readonly bint _initialized
+    cdef object __weakref__
+
+    cpdef release_variables(self)
+
+
+cdef class Edge:
+    cdef readonly NodeBase node
+    cdef readonly Py_ssize_t input_nr

@@ -1,0 +1,60 @@
+"""NodeBase, Edge, InputMetadata (compiled; twin: pyengine/_pure/node.py)."""
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from pyengine.device import Device
+
+ACCUMULATE_GRAD_SEQUENCE_NR: int
+
+def peek_sequence_nr() -> int: ...
+
+class InputMetadata:
+    shape: tuple[int, ...]
+    dtype: Any
+    device: Device
+    def __init__(self, shape: Iterable[int], dtype: Any, device: Device = ...) -> None: ...
+    @classmethod
+    def from_value(cls, value: Any) -> InputMetadata: ...
+
+def as_input_metadata(spec: Any) -> InputMetadata | None: ...
+
+class Edge:
+    node: NodeBase
+    input_nr: int
+    def __init__(self, node: NodeBase, input_nr: int = ...) -> None: ...
+    def __iter__(self) -> Iterator[Any]: ...
+
+class NodeBase:
+    _next_edges: tuple[Edge | None, ...]
+    _input_metadata: list[InputMetadata | None]
+    _sequence_nr: int
+    _pre_hooks: list[Any] | None
+    _post_hooks: list[Any] | None
+    _tensor_pre_hooks: list[Any] | None
+    _retains_grad_hooks: dict[int, Any] | None
+    _saved_values: Any
+    _released: bool
+    _stream: Any
+    _metadata: dict[str, Any] | None
+    _initialized: bool
+    def __init__(self, next_edges: Iterable[Edge | None] = ...,
+                 input_metadata: Iterable[Any] = ...) -> None: ...
+    @property
+    def sequence_nr(self) -> int: ...
+    @property
+    def next_edges(self) -> tuple[Edge | None, ...]: ...
+    @next_edges.setter
+    def next_edges(self, next_edges: Iterable[Edge | None]) -> None: ...
+    @property
+    def input_metadata(self) -> tuple[InputMetadata | None, ...]: ...
+    def num_inputs(self) -> int: ...
+    def add_input_metadata(self, spec: Any) -> int: ...
+    @property
+    def metadata(self) -> dict[str, Any]: ...
+    @property
+    def stream(self) -> Any: ...
+    def apply(self, grads: list[Any]) -> Sequence[Any]: ...
+    def release_variables(self) -> None: ...
+
+def _set_sequence_nr(node: NodeBase, sequence_nr: int) -> None: ...

@@ -1,0 +1,116 @@
+"""Hooks around ``apply``, in PyTorch's order, and the anomaly-mode checks.
+
+Twin code shared by both cores: the compiled engine runs a node without
+hooks itself and comes here only for a node that has some. See Note [Slow
+paths are shared].
+"""
+
+from ..backends import backend_of
+from .validate_outputs import validate_outputs
+
+
+def node_name(node):
+    name = getattr(node, "name", None)
+    return name() if callable(name) else type(node).__name__
+
+
+def _hook_name(hook):
+    return getattr(hook, "__name__", repr(hook))
+
+
+def _check_hook_value(node, hook, index, original, result):
+    """A hook may replace a gradient only by one of the same shape, dtype, device."""
+    if original is None:
+        raise RuntimeError(f"hook '{_hook_name(hook)}' on {node_name(node)} can't replace a None "
+                           f"gradient with a non-None value at index {index}")
+    old, new = backend_of(original), backend_of(result)
+    if new is None:
+        raise TypeError(f"hook '{_hook_name(hook)}' on {node_name(node)} returned "
+                        f"{type(result).__name__} at index {index}, expected an array")
+    for what, get in (("shape", "shape"), ("dtype", "dtype"), ("device", "device")):
+        was, got = getattr(old, get)(original), getattr(new, get)(result)
+        if was != got:
+            raise RuntimeError(f"hook '{_hook_name(hook)}' on {node_name(node)} has changed the "
+                               f"{what} of the gradient at index {index} (was {was}, got {got})")
+
+
+def _apply_hook_results(node, hook, values, results):
+    """``values`` with each non-None entry of ``results`` put in its place."""
+    if not isinstance(results, (tuple, list)):
+        raise TypeError(f"hook '{_hook_name(hook)}' on {node_name(node)} must return a tuple of "
+                        f"gradients or None, got {type(results).__name__}")
+    if len(results) != len(values):
+        raise RuntimeError(f"hook '{_hook_name(hook)}' on {node_name(node)} has returned an "
+                           f"incorrect number of values (got {len(results)}, but expected {len(values)})")
+    values = list(values)
+    for i, result in enumerate(results):
+        if result is not None and result is not values[i]:
+            _check_hook_value(node, hook, i, values[i], result)
+            values[i] = result
+    return values
+
+
+def call_tensor_pre_hooks(node, grads):
+    """Tensor hooks, then the retains-grad hooks (always last), per input slot."""
+    if node._tensor_pre_hooks:
+        for _, input_nr, hook in list(node._tensor_pre_hooks):
+            if input_nr < len(grads) and grads[input_nr] is not None:
+                result = hook(grads[input_nr])
+                if result is not None:
+                    _check_hook_value(node, hook, input_nr, grads[input_nr], result)
+                    grads[input_nr] = result
+    if node._retains_grad_hooks:
+        for input_nr, hook in list(node._retains_grad_hooks.items()):
+            if input_nr < len(grads) and grads[input_nr] is not None:
+                hook(grads[input_nr])
+    return grads
+
+
+def call_function(graph_task, node, inputs):
+    """Hooks and ``apply`` in PyTorch's order: tensor pre-hooks, retains-grad
+    hooks, node pre-hooks, ``apply``, ``validate_outputs``, node post-hooks."""
+    grads = inputs.buffer
+    if node._tensor_pre_hooks or node._retains_grad_hooks:
+        grads = call_tensor_pre_hooks(node, grads)
+    if node._pre_hooks:
+        for _, hook in list(node._pre_hooks):
+            result = hook(tuple(grads))
+            if result is not None:
+                grads = _apply_hook_results(node, hook, grads, result)
+    has_post_hooks = bool(node._post_hooks)
+    # apply may edit the list it gets; post-hooks must see the inputs unchanged.
+    outputs = node.apply(list(grads) if has_post_hooks else grads)
+    if type(outputs) is not list:
+        if not isinstance(outputs, (tuple, list)):
+            raise TypeError(f"Function {node_name(node)}.apply must return a tuple or list of "
+                            f"gradients, got {type(outputs).__name__}")
+        outputs = list(outputs)
+    validate_outputs(node._next_edges, outputs,
+                     lambda message: f"Function {node_name(node)} returned an {message}")
+    if has_post_hooks:
+        grad_outputs = tuple(grads)
+        for _, hook in list(node._post_hooks):
+            result = hook(tuple(outputs), grad_outputs)
+            if result is not None:
+                outputs = _apply_hook_results(node, hook, outputs, result)
+    return outputs
+
+
+def check_nan(node, outputs):
+    """Anomaly mode's NaN check on the gradients a node returned."""
+    for i, output in enumerate(outputs):
+        if output is not None and backend_of(output).has_nan(output):
+            raise RuntimeError(f"Function '{node_name(node)}' returned nan values in its {i}th output.")
+
+
+def add_anomaly_note(error, node):
+    """Name the failing node, with its forward traceback, on ``error`` (anomaly mode)."""
+    metadata = getattr(node, "_metadata", None) or {}
+    traceback = metadata.get("traceback_")
+    note = f"Error detected in {node_name(node)}."
+    if traceback:
+        note += f" Traceback of forward call that caused the error:\n{traceback}"
+    else:
+        note += (" No forward pass information available. Enable detect anomaly during "
+                 "forward pass for more information.")
+    error.add_note(note)

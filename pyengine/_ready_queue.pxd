@@ -1,0 +1,46 @@
+# NodeTask records, CompareNodeTaskTime and ReadyQueue; see _ready_queue.pyx.
+
+from cpython.object cimport PyObject
+from libc.stdint cimport uint64_t
+from libcpp.condition_variable cimport condition_variable
+from libcpp.mutex cimport mutex
+from libcpp.vector cimport vector
+
+
+cdef struct NodeTaskRecord:
+    # Owned references (NULL where absent), handed over with the record.
+    PyObject* graph_task
+    PyObject* node
+    PyObject* inputs
+    # Copied in when the task is made, so that ordering never touches a node.
+    uint64_t sequence_nr
+    int reentrant_depth
+    bint is_shutdown
+    # Insertion order: first in, first out among equals.
+    uint64_t insertion
+
+
+cdef class NodeTask:
+    cdef readonly object graph_task
+    cdef readonly object node
+    cdef readonly object inputs
+    cdef readonly bint is_shutdown
+    cdef readonly int reentrant_depth
+    cdef readonly uint64_t sequence_nr
+
+
+cdef class ReadyQueue:
+    # heap and counter are guarded by mutex_; not_empty is signalled under it.
+    cdef vector[NodeTaskRecord] heap
+    cdef uint64_t counter
+    cdef mutex mutex_
+    cdef condition_variable not_empty
+
+    cdef void push_record(self, NodeTaskRecord record) noexcept
+    cdef NodeTaskRecord pop_record(self) noexcept nogil
+    cdef bint try_pop_record(self, NodeTaskRecord* record) noexcept nogil
+
+
+cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
+                                int reentrant_depth, uint64_t sequence_nr) noexcept
+cdef void release_record(NodeTaskRecord* record) noexcept

@@ -1,0 +1,189 @@
+"""NodeTask, CompareNodeTaskTime and ReadyQueue: what runs next on one thread.
+
+A ReadyQueue is a C++ heap of NodeTaskRecords under a std::mutex and a
+condition variable. Records own references to their graph task, node and
+input buffer: taken (with the GIL) when a record is made, handed over
+through the queue, and released (with the GIL) by whoever popped it.
+``pop`` waits with the GIL released. The order is that of Note [Ready queue
+order] in the twin, ``pyengine/_pure/ready_queue.py``.
+"""
+
+cimport cython
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_XDECREF, Py_XINCREF
+from libc.stdint cimport uint64_t
+from libcpp.algorithm cimport make_heap, pop_heap, push_heap
+from libcpp.mutex cimport unique_lock
+from libcpp.vector cimport vector
+
+from pyengine._locks cimport lock_releasing_gil
+
+
+cdef bint compare_node_task_time(const NodeTaskRecord& t1, const NodeTaskRecord& t2) noexcept nogil:
+    """True when ``t1`` runs after ``t2``: the comparator of the max-heap.
+
+    See Note [Ready queue order]: shutdown tasks, then empty wake-up tasks,
+    then higher reentrant depth, then higher sequence_nr, then first in.
+    """
+    if t2.is_shutdown:
+        return not t1.is_shutdown or t2.insertion < t1.insertion
+    if t1.is_shutdown:
+        return False
+    if t1.node == NULL:
+        return t2.node == NULL and t2.insertion < t1.insertion
+    if t2.node == NULL:
+        return True
+    if t1.reentrant_depth != t2.reentrant_depth:
+        return t1.reentrant_depth < t2.reentrant_depth
+    if t1.sequence_nr != t2.sequence_nr:
+        return t1.sequence_nr < t2.sequence_nr
+    return t1.insertion > t2.insertion
+
+
+cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
+                                int reentrant_depth, uint64_t sequence_nr) noexcept:
+    cdef NodeTaskRecord record
+    record.graph_task = <PyObject*>graph_task if graph_task is not None else NULL
+    record.node = <PyObject*>node if node is not None else NULL
+    record.inputs = <PyObject*>inputs if inputs is not None else NULL
+    Py_XINCREF(record.graph_task)
+    Py_XINCREF(record.node)
+    Py_XINCREF(record.inputs)
+    record.reentrant_depth = reentrant_depth
+    record.sequence_nr = sequence_nr
+    record.is_shutdown = False
+    record.insertion = 0
+    return record
+
+
+cdef void release_record(NodeTaskRecord* record) noexcept:
+    """Drop a record's references; needs the GIL."""
+    Py_XDECREF(record.inputs)
+    Py_XDECREF(record.node)
+    Py_XDECREF(record.graph_task)
+    record.inputs = record.node = record.graph_task = NULL
+
+
+@cython.final
+cdef class NodeTask:
+    """One unit of work: run ``node`` of ``graph_task`` on ``inputs``, as a
+    Python object (the engine itself moves NodeTaskRecords).
+
+    ``node is None`` marks an empty wake-up task; ``is_shutdown`` a task that
+    stops the worker popping it. Immutable after construction.
+    """
+
+    def __init__(self, graph_task, node, inputs, is_shutdown=False):
+        self.graph_task = graph_task
+        self.node = node
+        self.inputs = inputs
+        self.is_shutdown = is_shutdown
+        self.reentrant_depth = graph_task.reentrant_depth if graph_task is not None else 0
+        self.sequence_nr = node._sequence_nr if node is not None else 0
+
+    @classmethod
+    def shutdown(cls):
+        return cls(None, None, None, is_shutdown=True)
+
+
+@cython.final
+cdef class ReadyQueue:
+    """A priority queue of tasks under a mutex and a condition variable."""
+
+    def __dealloc__(self):
+        for i in range(self.heap.size()):
+            release_record(&self.heap[i])
+        self.heap.clear()
+
+    cdef void push_record(self, NodeTaskRecord record) noexcept:
+        """Queue ``record``, taking over its references; needs the GIL (it
+        never blocks with it: See Note [Locks and the GIL])."""
+        lock_releasing_gil(self.mutex_)
+        record.insertion = self.counter
+        self.counter += 1
+        self.heap.push_back(record)
+        push_heap(self.heap.begin(), self.heap.end(), compare_node_task_time)
+        self.mutex_.unlock()
+        self.not_empty.notify_one()
+
+    cdef NodeTaskRecord pop_record(self) noexcept nogil:
+        """The next record, its references now the caller's; waits while empty.
+        Call it without the GIL."""
+        cdef unique_lock[mutex] lock = unique_lock[mutex](self.mutex_)
+        while self.heap.empty():
+            self.not_empty.wait(lock)
+        pop_heap(self.heap.begin(), self.heap.end(), compare_node_task_time)
+        cdef NodeTaskRecord record = self.heap.back()
+        self.heap.pop_back()
+        return record
+
+    cdef bint try_pop_record(self, NodeTaskRecord* record) noexcept nogil:
+        """Pop into ``record`` if the lock is free and a task is queued; never
+        waits, so the engine loop may call it holding the GIL."""
+        if not self.mutex_.try_lock():
+            return False
+        if self.heap.empty():
+            self.mutex_.unlock()
+            return False
+        pop_heap(self.heap.begin(), self.heap.end(), compare_node_task_time)
+        record[0] = self.heap.back()
+        self.heap.pop_back()
+        self.mutex_.unlock()
+        return True
+
+    def push(self, NodeTask task, increment_outstanding_tasks=True):
+        """Queue ``task``; count it as outstanding in its graph task unless it is
+        a wake-up or shutdown task or ``increment_outstanding_tasks`` is false."""
+        if increment_outstanding_tasks and task.node is not None:
+            task.graph_task.increment_outstanding_tasks()
+        cdef NodeTaskRecord record = make_record(task.graph_task, task.node, task.inputs,
+                                                 task.reentrant_depth, task.sequence_nr)
+        record.is_shutdown = task.is_shutdown
+        self.push_record(record)
+
+    def push_shutdown(self):
+        cdef NodeTaskRecord record = make_record(None, None, None, 0, 0)
+        record.is_shutdown = True
+        self.push_record(record)
+
+    def pop(self):
+        """The next task; waits (without the GIL) while the queue is empty."""
+        cdef NodeTaskRecord record
+        with nogil:
+            record = self.pop_record()
+        task = NodeTask.__new__(NodeTask)
+        task.graph_task = <object>record.graph_task if record.graph_task != NULL else None
+        task.node = <object>record.node if record.node != NULL else None
+        task.inputs = <object>record.inputs if record.inputs != NULL else None
+        task.is_shutdown = record.is_shutdown
+        task.reentrant_depth = record.reentrant_depth
+        task.sequence_nr = record.sequence_nr
+        release_record(&record)
+        return task
+
+    def discard_graph_task(self, graph_task):
+        """Drop every queued task of ``graph_task`` (after it failed); return how many."""
+        cdef vector[NodeTaskRecord] dropped
+        cdef vector[NodeTaskRecord] kept
+        lock_releasing_gil(self.mutex_)
+        for i in range(self.heap.size()):
+            if self.heap[i].graph_task == <PyObject*>graph_task:
+                dropped.push_back(self.heap[i])
+            else:
+                kept.push_back(self.heap[i])
+        self.heap.swap(kept)
+        make_heap(self.heap.begin(), self.heap.end(), compare_node_task_time)
+        self.mutex_.unlock()
+        # Release outside the lock: dropping a reference can run arbitrary code.
+        for i in range(dropped.size()):
+            release_record(&dropped[i])
+        return dropped.size()
+
+    def __len__(self):
+        lock_releasing_gil(self.mutex_)
+        size = self.heap.size()
+        self.mutex_.unlock()
+        return size
+
+    def empty(self):
+        return len(self) == 0

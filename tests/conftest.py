@@ -1,0 +1,82 @@
+"""Shared fixtures.
+
+- ``torch``: the torch module, or the test is skipped where torch is missing
+  (torch is an oracle only: the same graph built in PyTorch).
+- ``Counter`` / ``make_logger``: nodes that count their calls or log their
+  names, to check which nodes ran and in what order.
+- an autouse fixture that checks, after every test, that the global state
+  (grad mode, anomaly mode, default engine) is back to normal and that the
+  default engine still runs a plain backward correctly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import pyengine  # noqa: E402
+from minitensor import leaf  # noqa: E402
+
+_ORIGINAL_ENGINE = pyengine.get_default_engine()
+
+
+@pytest.fixture
+def torch():
+    """The torch module; skips the test when torch is not installed."""
+    return pytest.importorskip("torch")
+
+
+@pytest.fixture
+def no_anomaly_warning():
+    """Silence detect_anomaly's "Anomaly Detection has been enabled" warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+        yield
+
+
+@pytest.fixture(autouse=True)
+def engine_still_works():
+    """After each test: global state restored, and the engine still works."""
+    yield
+    assert pyengine.get_default_engine() is _ORIGINAL_ENGINE, "a test left another default engine"
+    assert pyengine.is_grad_enabled(), "a test left grad mode off"
+    assert not pyengine.is_anomaly_enabled(), "a test left anomaly mode on"
+    assert pyengine.is_checkpoint_valid()
+    with pytest.raises(RuntimeError):
+        pyengine.queue_callback(lambda: None)  # no backward is running any more
+    x = leaf([1.0, 2.0])
+    ((x * x).sum()).backward()
+    np.testing.assert_array_equal(x.grad, [2.0, 4.0])
+
+
+class Counter(pyengine.Node):
+    """A pass-through node that counts its calls (and logs its tag, if given)."""
+
+    def __init__(self, next_edges=(), input_metadata=(), tag=None, log=None):
+        super().__init__(next_edges=next_edges, input_metadata=input_metadata)
+        self.calls = 0
+        self.tag = tag
+        self.log = log
+
+    def apply(self, grads):
+        self.calls += 1
+        if self.log is not None:
+            self.log.append(self.tag)
+        return [grads[0]] * len(self.next_edges)
+
+
+def tap(x, tag=None, log=None):
+    """``x`` passed through a :class:`Counter` node: returns ``(out, node)``."""
+    from minitensor import T
+
+    out = T(x.data)
+    node = Counter(next_edges=[pyengine.gradient_edge(x)], input_metadata=[out.data],
+                   tag=tag, log=log)
+    out.grad_fn, out.requires_grad = node, True
+    return out, node
