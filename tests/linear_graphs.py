@@ -415,6 +415,76 @@ def root_grad_arrays(roots, read_only=True):
     return arrays
 
 
+# -- seeded graphs (outside hypothesis) ------------------------------------------------
+
+def random_spec(rng, n_leaves=3, n_ops=12, dims=(1, 2, 3)):
+    """A GraphSpec drawn with ``rng`` (a ``random.Random``), like
+    :func:`graph_specs` but for tests that need a fixed graph of a given size."""
+    spec = GraphSpec([rng.choice(dims) for _ in range(n_leaves)])
+    refs = [("leaf", i) for i in range(n_leaves)]
+    for k in range(n_ops):
+        inputs = []
+        for _ in range(rng.randint(1, 3)):
+            choice = rng.randint(0, 9)
+            if choice <= 4:
+                inputs.append(refs[-1 - rng.randint(0, min(3, len(refs) - 1))])
+            elif choice <= 6:
+                inputs.append(rng.choice(refs))
+            elif choice <= 8:
+                inputs.append(("leaf", rng.randrange(n_leaves)))
+            else:
+                inputs.append(("const", rng.choice(dims)))
+        out_dims = [rng.choice(dims) for _ in range(rng.randint(1, 3))]
+        terms = []
+        for ref in inputs:
+            in_dim = spec.dim(ref)
+            term_list = []
+            for slot in range(len(out_dims)):
+                if rng.randint(0, 3) == 3:
+                    continue
+                kinds = ["scalar", "matrix"] + (["identity"] if in_dim == out_dims[slot] else [])
+                kind = rng.choice(kinds)
+                if kind == "identity":
+                    coefficient = ("identity",)
+                elif kind == "scalar" and in_dim == out_dims[slot]:
+                    coefficient = ("scalar", rng.choice(SCALARS))
+                else:
+                    coefficient = ("matrix", [[rng.randint(-2, 2) for _ in range(out_dims[slot])]
+                                              for _ in range(in_dim)])
+                term_list.append((slot, coefficient))
+            terms.append(term_list)
+        spec.ops.append(OpSpec(inputs, out_dims, terms))
+        refs.extend(("op", k, i) for i in range(len(out_dims)))
+    return spec
+
+
+def random_roots(rng, spec, n_roots=2):
+    """Root pairs on the outputs of the last ops, with small integer gradients."""
+    op_refs = [ref for ref in spec.all_refs() if ref[0] == "op"]
+    roots = []
+    for _ in range(n_roots):
+        ref = op_refs[-1 - rng.randint(0, min(2, len(op_refs) - 1))]
+        roots.append((ref, [rng.randint(-3, 3) for _ in range(spec.dim(ref))]))
+    return roots
+
+
+def seeded_case(seed, n_leaves=3, n_ops=12, n_roots=2, repeats=1, min_reached_leaves=1):
+    """(spec, roots, oracle) for the first seed at or after ``seed`` whose graph
+    gives at least ``min_reached_leaves`` leaves a gradient and stays exact
+    for ``repeats`` runs; deterministic."""
+    import random
+
+    while True:
+        rng = random.Random(seed)
+        spec = random_spec(rng, n_leaves, n_ops)
+        roots = random_roots(rng, spec, n_roots)
+        expected = oracle(spec, roots)
+        reached = sum(expected[("leaf", i)] is not None for i in range(n_leaves))
+        if reached >= min_reached_leaves and exactness_bits(spec, roots, repeats) <= 53:
+            return spec, roots, expected
+        seed += 1000003
+
+
 # -- fixed shapes: chains and wide graphs --------------------------------------------
 
 class ScaleNode(pyengine.Node):

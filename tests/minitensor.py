@@ -135,8 +135,9 @@ def _record(node_type, inputs, outputs, saved=(), **attrs):
         return None
     node = node_type(next_edges=[pyengine.gradient_edge(t) for t in inputs],
                      input_metadata=[out.data for out in outputs])
-    node.save_for_backward(*saved)
-    node.__dict__.update(attrs)
+    if saved:  # a node that saved nothing can run again after release
+        node.save_for_backward(*saved)
+    node.__dict__.update(attrs, saves=bool(saved))
     for i, out in enumerate(outputs):
         out.grad_fn, out.output_nr, out.requires_grad = node, i, True
     return node
@@ -149,11 +150,11 @@ class Backward(pyengine.Node):
     def apply(self, grads):
         if all(g is None for g in grads):
             return [None] * len(self.next_edges)
+        saved = self.saved_values if self.saves else ()  # raises once released
         if pyengine.is_grad_enabled():
             grads = [None if g is None else as_tensor(g) for g in grads]
-            saved = self.saved_values
         else:
-            saved = [value.data for value in self.saved_values]
+            saved = [value.data for value in saved]
         return self.formula(grads, *saved)
 
     def formula(self, grads, *saved):
