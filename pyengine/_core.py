@@ -51,7 +51,6 @@ GraphTask = graph_task_module.GraphTask
 Engine = engine_module.Engine
 GraphRoot = engine_module.GraphRoot
 validate_outputs = engine_module.validate_outputs
-is_checkpoint_valid = engine_module.is_checkpoint_valid
 register_engine = engine_module._register_engine
 
 is_grad_enabled = state_module.is_grad_enabled
@@ -59,3 +58,4 @@ set_grad_enabled = state_module.set_grad_enabled
 is_anomaly_enabled = state_module.is_anomaly_enabled
 is_anomaly_check_nan_enabled = state_module.is_anomaly_check_nan_enabled
 set_anomaly_enabled = state_module.set_anomaly_enabled
+is_checkpoint_valid = state_module.is_checkpoint_valid

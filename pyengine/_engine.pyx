@@ -32,7 +32,7 @@ from libc.string cimport memcmp
 from libcpp.condition_variable cimport condition_variable
 from libcpp.deque cimport deque
 from libcpp.mutex cimport mutex, unique_lock
-from libcpp.utility cimport pair
+from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport GraphTask, NodePtr
@@ -41,7 +41,8 @@ from pyengine._locks cimport lock_releasing_gil
 from pyengine._node cimport Edge, InputMetadata, NodeBase
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
 from pyengine._state cimport (anomaly_check_nan, anomaly_enabled, current_graph_task,
-                              grad_enabled, set_grad_mode, swap_current_graph_task)
+                              grad_enabled, set_grad_mode, swap_checkpoint_valid,
+                              swap_current_graph_task)
 
 import atexit
 import os
@@ -51,6 +52,34 @@ from pyengine._pure import hooks as _hooks
 from pyengine._pure.validate_outputs import validate_gradient
 
 cnp.import_array()
+
+cdef extern from *:
+    """
+    #include <unordered_map>
+
+    /* Count one more edge into node; true when node was not in the map yet. */
+    static inline bool pyengine_add_dependency(
+            std::unordered_map<PyObject*, Py_ssize_t>& dependencies, PyObject* node) {
+        auto inserted = dependencies.try_emplace(node, 0);
+        ++inserted.first->second;
+        return inserted.second;
+    }
+
+    /* One edge into node delivered: 1 when that was its last (node leaves the
+       map), 0 when more are due, -1 when node has no dependencies at all. */
+    static inline int pyengine_remove_dependency(
+            std::unordered_map<PyObject*, Py_ssize_t>& dependencies, PyObject* node) {
+        auto found = dependencies.find(node);
+        if (found == dependencies.end()) return -1;
+        if (--found->second > 0) return 0;
+        dependencies.erase(found);
+        return 1;
+    }
+    """
+    bint add_dependency "pyengine_add_dependency" (
+        unordered_map[NodePtr, Py_ssize_t]& dependencies, PyObject* node) noexcept nogil
+    int remove_dependency "pyengine_remove_dependency" (
+        unordered_map[NodePtr, Py_ssize_t]& dependencies, PyObject* node) noexcept nogil
 
 # worker_device values: the thread runs no engine loop, or the CPU loop.
 # Device workers use the device index.
@@ -336,6 +365,7 @@ cdef class Engine:
         cdef GraphTask local_graph_task
         cdef PyObject* previous_graph_task
         cdef bint previous_grad_mode
+        cdef bint previous_checkpoint_valid
         while graph_task is None or not graph_task.future_completed_.load():
             if not queue.try_pop_record(&record):
                 with nogil:
@@ -351,6 +381,7 @@ cdef class Engine:
             previous_graph_task = swap_current_graph_task(record.graph_task)
             previous_grad_mode = grad_enabled()
             set_grad_mode(local_graph_task.grad_mode)
+            previous_checkpoint_valid = swap_checkpoint_valid(not local_graph_task.exec_info)
             try:
                 if not local_graph_task.has_error_.load():
                     self.evaluate_function(local_graph_task, <NodeBase>record.node,
@@ -361,6 +392,7 @@ cdef class Engine:
                     _hooks.add_anomaly_note(error, <object>record.node)
                 local_graph_task.set_exception(error)
             finally:
+                swap_checkpoint_valid(previous_checkpoint_valid)
                 set_grad_mode(previous_grad_mode)
                 swap_current_graph_task(previous_graph_task)
                 # Drop the task's references before the graph task may complete.
@@ -415,6 +447,7 @@ cdef class Engine:
         cdef NodeBase next_node
         cdef PyObject* key
         cdef bint is_ready
+        cdef int remaining
         cdef InputBuffer input_buffer
         # See Note [Accumulating under the graph task lock].
         lock_releasing_gil(graph_task.mutex_)
@@ -426,13 +459,10 @@ cdef class Engine:
                 edge = <Edge>edge_object
                 next_node = edge.node
                 key = <PyObject*>next_node
-                dependency = graph_task.dependencies_.find(key)
-                if dependency == graph_task.dependencies_.end():
+                remaining = remove_dependency(graph_task.dependencies_, key)
+                if remaining < 0:
                     raise RuntimeError(f"dependency not found for {_hooks.node_name(next_node)}")
-                deref(dependency).second -= 1
-                is_ready = deref(dependency).second == 0
-                if is_ready:
-                    graph_task.dependencies_.erase(dependency)
+                is_ready = remaining == 1
 
                 buffered = graph_task.not_ready_.find(key)
                 if buffered == graph_task.not_ready_.end():
@@ -569,17 +599,9 @@ cdef int compute_dependencies(NodeBase graph_root, GraphTask graph_task) except 
             if edge == <PyObject*>None:
                 continue
             next_node = <PyObject*>(<Edge>edge).node
-            inserted = graph_task.dependencies_.insert(pair[NodePtr, Py_ssize_t](next_node, 0))
-            deref(inserted.first).second += 1
-            if inserted.second:
+            if add_dependency(graph_task.dependencies_, next_node):
                 stack.push_back(next_node)
     return 0
-
-
-def is_checkpoint_valid():
-    """False inside a backward that prunes nodes (``grad``, ``inputs=``)."""
-    cdef PyObject* graph_task = current_graph_task()
-    return graph_task == NULL or not (<GraphTask>graph_task).exec_info
 
 
 def _reset_worker_state_after_fork():

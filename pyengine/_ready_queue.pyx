@@ -149,9 +149,9 @@ cdef class ReadyQueue:
     def pop(self):
         """The next task; waits (without the GIL) while the queue is empty."""
         cdef NodeTaskRecord record
+        cdef NodeTask task = NodeTask.__new__(NodeTask)
         with nogil:
             record = self.pop_record()
-        task = NodeTask.__new__(NodeTask)
         task.graph_task = <object>record.graph_task if record.graph_task != NULL else None
         task.node = <object>record.node if record.node != NULL else None
         task.inputs = <object>record.inputs if record.inputs != NULL else None

@@ -1,5 +1,5 @@
 """Per-thread and global engine state: grad mode, anomaly mode, the graph
-task running on this thread.
+task running on this thread, whether a reentrant checkpoint is valid here.
 
 Grad mode and the current graph task are C++ ``thread_local`` variables, so
 that the engine loop sets and restores them per task for free; anomaly mode
@@ -14,12 +14,15 @@ cdef extern from *:
     """
     static thread_local int pyengine_grad_enabled = 1;
     static thread_local PyObject *pyengine_current_graph_task = NULL;
+    /* False while a node of a pruning graph task (grad, inputs=) runs. */
+    static thread_local int pyengine_checkpoint_valid = 1;
     /* Global; written under the GIL, read per node. */
     static int pyengine_anomaly_enabled = 0;
     static int pyengine_anomaly_check_nan = 1;
     """
     int pyengine_grad_enabled
     PyObject* pyengine_current_graph_task
+    int pyengine_checkpoint_valid
     int pyengine_anomaly_enabled
     int pyengine_anomaly_check_nan
 
@@ -39,6 +42,17 @@ cdef bint anomaly_enabled() noexcept nogil:
 
 cdef bint anomaly_check_nan() noexcept nogil:
     return pyengine_anomaly_check_nan
+
+
+cdef bint checkpoint_valid() noexcept nogil:
+    return pyengine_checkpoint_valid
+
+
+cdef bint swap_checkpoint_valid(bint valid) noexcept nogil:
+    global pyengine_checkpoint_valid
+    cdef bint previous = pyengine_checkpoint_valid
+    pyengine_checkpoint_valid = valid
+    return previous
 
 
 cdef PyObject* current_graph_task() noexcept nogil:
@@ -72,6 +86,12 @@ def set_anomaly_enabled(enabled, check_nan=True):
     global pyengine_anomaly_enabled, pyengine_anomaly_check_nan
     pyengine_anomaly_enabled = bool(enabled)
     pyengine_anomaly_check_nan = bool(check_nan)
+
+
+def is_checkpoint_valid():
+    """False while a node of a backward that prunes nodes (``grad``,
+    ``inputs=``) runs on this thread; True elsewhere, final callbacks included."""
+    return bool(pyengine_checkpoint_valid)
 
 
 def get_current_graph_task():

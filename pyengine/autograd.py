@@ -4,8 +4,9 @@ A framework's tensor needs: ``grad_fn`` (a Node or None), ``output_nr`` (which
 output of ``grad_fn`` it is), ``requires_grad``, a writable ``grad``, and its
 array value as ``data``. Leaves (``grad_fn is None`` and ``requires_grad``)
 get their gradient through an :class:`AccumulateGrad` made on first use and
-kept, weakly, on the tensor as ``_pyengine_grad_accumulator``; the tensor
-must accept that attribute (and ``_pyengine_leaf_hooks`` for hooks). An
+kept, weakly, in the :class:`~pyengine.node.LeafState` that pyengine
+stores on the tensor as ``_pyengine_leaf``: the tensor must accept that
+attribute. An
 :class:`Edge` (PyTorch's GradientEdge) may stand wherever a tensor does.
 
 Errors follow PyTorch's texts, so a user coming from ``torch.autograd`` can
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 from .backends import backend_of
 from .engine import get_default_engine
-from .node import AccumulateGrad, Edge, Node, RemovableHandle, _leaf_hooks
+from .node import AccumulateGrad, Edge, Node, RemovableHandle, leaf_state
 
 __all__ = [
     "backward",
@@ -44,18 +45,21 @@ def grad_accumulator(tensor) -> AccumulateGrad:
         raise RuntimeError("grad_accumulator() is only valid for leaf tensors")
     if not getattr(tensor, "requires_grad", False):
         raise RuntimeError("grad_accumulator() of a tensor that does not require grad")
-    ref = getattr(tensor, "_pyengine_grad_accumulator", None)
-    accumulator = ref() if ref is not None else None
-    if accumulator is None:
-        accumulator = AccumulateGrad(tensor)
-        # Weak: the accumulator holds the tensor, the graph holds the accumulator.
-        tensor._pyengine_grad_accumulator = weakref.ref(accumulator)
+    state = leaf_state(tensor)
+    with state.lock:
+        accumulator = state.accumulator() if state.accumulator is not None else None
+        if accumulator is None:
+            accumulator = AccumulateGrad(tensor)
+            # Weak: the accumulator holds the tensor, the graph holds the accumulator.
+            state.accumulator = weakref.ref(accumulator)
     return accumulator
 
 
 def _try_get_grad_accumulator(tensor):
-    ref = getattr(tensor, "_pyengine_grad_accumulator", None)
-    return ref() if ref is not None else None
+    state = getattr(tensor, "_pyengine_leaf", None)
+    if state is None or state.accumulator is None:
+        return None
+    return state.accumulator()
 
 
 def gradient_edge(tensor) -> Edge | None:
@@ -81,7 +85,7 @@ def register_tensor_hook(tensor, fn) -> RemovableHandle:
     grad_fn = getattr(tensor, "grad_fn", None)
     if grad_fn is not None:
         return grad_fn.register_tensor_prehook(getattr(tensor, "output_nr", 0), fn)
-    hooks = _leaf_hooks(tensor, create=True)
+    hooks = leaf_state(tensor)
 
     def remove(handle_id):
         hooks.tensor_pre_hooks = [entry for entry in hooks.tensor_pre_hooks or ()
@@ -106,7 +110,7 @@ def register_post_accumulate_grad_hook(tensor, fn) -> RemovableHandle:
         raise RuntimeError("post accumulate grad hooks cannot be registered on non-leaf tensors")
     if not getattr(tensor, "requires_grad", False):
         raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
-    hooks = _leaf_hooks(tensor, create=True)
+    hooks = leaf_state(tensor)
 
     def remove(handle_id):
         hooks.post_accumulate_grad_hooks = [

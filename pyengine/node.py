@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -157,19 +158,19 @@ class Node(NodeBase):
 class AccumulateGrad(Node):
     """The sink of a leaf ``variable``: adds the gradient into ``variable.grad``.
 
-    Writing ``.grad`` (PyTorch's rules, under a per-node lock):
+    Writing ``.grad`` (PyTorch's rules, under the leaf's lock):
 
     - no ``.grad`` yet: take the incoming array if nothing else can see it
-      (a fresh numpy array only the engine references), else store a copy;
-      under ``create_graph`` store the incoming value as it is, so that it
-      keeps its graph;
-    - ``.grad`` is an array this node stored: add in place;
+      (a fresh numpy array only the engine references), else store a copy
+      (under ``create_graph`` always a copy, made by the value's backend, so
+      that a framework can record it);
+    - ``.grad`` is an array pyengine stored there itself: add in place;
     - otherwise (the user assigned ``.grad``, or ``create_graph``): add out of
       place and store the sum.
 
     Then the variable's post-accumulate-grad hooks run, ``fn(variable)``.
-    Leaf tensor hooks and post-accumulate-grad hooks live on the variable
-    (see :func:`pyengine.register_tensor_hook`), so they outlive this node.
+    What must outlive this node (a new forward pass makes a new one) lives
+    on the variable, in its :class:`LeafState`.
     """
 
     def __init__(self, variable, metadata=None):
@@ -178,13 +179,8 @@ class AccumulateGrad(Node):
         super().__init__(next_edges=(), input_metadata=(metadata,))
         _core.set_sequence_nr(self, ACCUMULATE_GRAD_SEQUENCE_NR)
         self.variable = variable
-        # Guards variable.grad and _owned_grad against two backward calls at once.
-        self._lock = threading.Lock()
-        # The .grad value this node allocated or took over, never a user's array.
-        self._owned_grad = None
-        leaf_hooks = _leaf_hooks(variable, create=False)
-        if leaf_hooks is not None:
-            self._tensor_pre_hooks = leaf_hooks.tensor_pre_hooks
+        self.leaf_state = leaf_state(variable)
+        self._tensor_pre_hooks = self.leaf_state.tensor_pre_hooks
 
     def name(self) -> str:
         return "AccumulateGrad"
@@ -196,24 +192,24 @@ class AccumulateGrad(Node):
         # Drop the buffer's reference so that a fresh array is seen as stealable.
         grads[0] = None
         variable = self.variable
+        state = self.leaf_state
         create_graph = _core.is_grad_enabled()
-        with self._lock:
+        with state.lock:
             old_grad = variable.grad
             if old_grad is None:
-                if not create_graph and not _can_steal(new_grad):
+                # Under create_graph the copy is the backend's (a framework's
+                # differentiable clone), as PyTorch clones there too.
+                if create_graph or not _can_steal(new_grad):
                     new_grad = backend_of(new_grad).copy(new_grad)
                 variable.grad = new_grad
-                self._owned_grad = None if create_graph else new_grad
+            elif old_grad is state.owned_grad() and not create_graph:
+                variable.grad = backend_of(old_grad).add_(old_grad, new_grad)
             else:
-                backend = backend_of(old_grad)
-                if old_grad is self._owned_grad and not create_graph:
-                    variable.grad = backend.add_(old_grad, new_grad)
-                else:
-                    variable.grad = backend.add(old_grad, new_grad)
-                self._owned_grad = None if create_graph else variable.grad
-        leaf_hooks = _leaf_hooks(variable, create=False)
-        if leaf_hooks is not None and leaf_hooks.post_accumulate_grad_hooks:
-            for _, hook in list(leaf_hooks.post_accumulate_grad_hooks):
+                variable.grad = backend_of(old_grad).add(old_grad, new_grad)
+            state.set_owned_grad(None if create_graph else variable.grad)
+        hooks = state.post_accumulate_grad_hooks
+        if hooks:
+            for _, hook in list(hooks):
                 hook(variable)
         return ()
 
@@ -230,23 +226,52 @@ def _can_steal(value) -> bool:
             and value.flags.writeable and sys.getrefcount(value) <= _STEALABLE_REFCOUNT)
 
 
-class LeafHooks:
-    """Hooks of one leaf tensor, kept on the tensor as ``_pyengine_leaf_hooks``.
+def _no_owned_grad():
+    return None
 
-    ``tensor_pre_hooks`` is the very list its AccumulateGrad runs as tensor
-    pre-hooks; both lists hold ``(handle_id, ...)`` entries.
+
+class LeafState:
+    """What pyengine keeps on a leaf tensor, as its ``_pyengine_leaf`` attribute.
+
+    Fields:
+      lock: guards the tensor's ``.grad`` and ``owned_grad`` while a gradient
+        is accumulated, across every AccumulateGrad of this tensor.
+      accumulator: weak reference to the current AccumulateGrad (the graph,
+        not the tensor, keeps it alive, as in PyTorch), or None.
+      owned_grad: weak reference to the ``.grad`` array pyengine stored, the
+        only one it may add into in place; guarded by ``lock``.
+      tensor_pre_hooks, post_accumulate_grad_hooks: None or lists of
+        ``(handle_id, ...)`` entries, replaced (never edited) under the GIL.
+        The AccumulateGrad runs ``tensor_pre_hooks`` as its tensor pre-hooks.
     """
 
-    __slots__ = ("tensor_pre_hooks", "post_accumulate_grad_hooks")
+    __slots__ = ("lock", "accumulator", "owned_grad", "tensor_pre_hooks",
+                 "post_accumulate_grad_hooks")
 
     def __init__(self):
+        self.lock = threading.Lock()
+        self.accumulator = None
+        self.owned_grad = _no_owned_grad
         self.tensor_pre_hooks = None
         self.post_accumulate_grad_hooks = None
 
+    def set_owned_grad(self, grad):
+        try:
+            self.owned_grad = _no_owned_grad if grad is None else weakref.ref(grad)
+        except TypeError:
+            # Not weakly referenceable: never add into it in place.
+            self.owned_grad = _no_owned_grad
 
-def _leaf_hooks(variable, create):
-    hooks = getattr(variable, "_pyengine_leaf_hooks", None)
-    if hooks is None and create:
-        hooks = LeafHooks()
-        variable._pyengine_leaf_hooks = hooks
-    return hooks
+
+_leaf_state_lock = threading.Lock()
+
+
+def leaf_state(variable) -> LeafState:
+    """The LeafState of ``variable``, made on first use."""
+    state = getattr(variable, "_pyengine_leaf", None)
+    if state is None:
+        with _leaf_state_lock:
+            state = getattr(variable, "_pyengine_leaf", None)
+            if state is None:
+                state = variable._pyengine_leaf = LeafState()
+    return state

@@ -225,6 +225,7 @@ class Engine:
             previous_graph_task = state.set_current_graph_task(local_graph_task)
             previous_grad_mode = state.is_grad_enabled()
             state.set_grad_enabled(local_graph_task.grad_mode)
+            previous_checkpoint_valid = state.swap_checkpoint_valid(local_graph_task.can_checkpoint())
             try:
                 if not local_graph_task.has_error:
                     self.evaluate_function(local_graph_task, task.node, task.inputs,
@@ -234,6 +235,7 @@ class Engine:
                     add_anomaly_note(error, task.node)
                 local_graph_task.set_exception(error)
             finally:
+                state.swap_checkpoint_valid(previous_checkpoint_valid)
                 state.set_grad_enabled(previous_grad_mode)
                 state.set_current_graph_task(previous_graph_task)
             # Drop the task's references before the graph task may complete.
@@ -373,12 +375,6 @@ class Engine:
         if graph_task is None:
             raise RuntimeError("Final callbacks can only be installed during backward pass.")
         graph_task.final_callbacks.append(callback)
-
-
-def is_checkpoint_valid():
-    """False inside a backward that prunes nodes (``grad``, ``inputs=``)."""
-    graph_task = state.get_current_graph_task()
-    return graph_task is None or graph_task.can_checkpoint()
 
 
 def _reset_worker_state_after_fork():

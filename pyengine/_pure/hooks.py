@@ -35,19 +35,21 @@ def _check_hook_value(node, hook, index, original, result):
 
 
 def _apply_hook_results(node, hook, values, results):
-    """``values`` with each non-None entry of ``results`` put in its place."""
+    """The gradients a node pre- or post-hook returned in place of ``values``.
+
+    As in PyTorch, the tuple replaces them all: a ``None`` entry means no
+    gradient; any other entry must match the original's shape, dtype, device.
+    """
     if not isinstance(results, (tuple, list)):
         raise TypeError(f"hook '{_hook_name(hook)}' on {node_name(node)} must return a tuple of "
                         f"gradients or None, got {type(results).__name__}")
     if len(results) != len(values):
         raise RuntimeError(f"hook '{_hook_name(hook)}' on {node_name(node)} has returned an "
                            f"incorrect number of values (got {len(results)}, but expected {len(values)})")
-    values = list(values)
     for i, result in enumerate(results):
         if result is not None and result is not values[i]:
             _check_hook_value(node, hook, i, values[i], result)
-            values[i] = result
-    return values
+    return list(results)
 
 
 def call_tensor_pre_hooks(node, grads):

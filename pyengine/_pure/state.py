@@ -1,5 +1,5 @@
 """Per-thread and global engine state: grad mode, anomaly mode, the graph
-task running on this thread.
+task running on this thread, whether a reentrant checkpoint is valid here.
 
 Twin of ``pyengine/_state.pyx``. Grad mode and the current graph task are
 per thread; anomaly mode is global, as in PyTorch.
@@ -13,6 +13,8 @@ class _ThreadState(threading.local):
     grad_enabled = True
     # The GraphTask whose node this thread is running, or None outside backward.
     current_graph_task = None
+    # False while a node of a pruning graph task (grad, inputs=) runs.
+    checkpoint_valid = True
 
 
 _thread_state = _ThreadState()
@@ -42,6 +44,19 @@ def set_anomaly_enabled(enabled: bool, check_nan: bool = True) -> None:
     global _anomaly_enabled, _anomaly_check_nan
     _anomaly_enabled = bool(enabled)
     _anomaly_check_nan = bool(check_nan)
+
+
+def is_checkpoint_valid() -> bool:
+    """False while a node of a backward that prunes nodes (``grad``,
+    ``inputs=``) runs on this thread; True elsewhere, final callbacks included."""
+    return _thread_state.checkpoint_valid
+
+
+def swap_checkpoint_valid(valid):
+    """Set whether a checkpoint is valid on this thread; return the previous value."""
+    previous = _thread_state.checkpoint_valid
+    _thread_state.checkpoint_valid = valid
+    return previous
 
 
 def get_current_graph_task():
