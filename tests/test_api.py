@@ -609,3 +609,185 @@ def test_node_call_and_name():
     assert_close(node(np.array([1.0]))[0], [2.0])
     assert "Twice" in repr(node)
     assert isinstance(node.metadata, dict)
+
+
+# -- more shapes of calls ----------------------------------------------------------------
+
+def test_grad_same_input_twice():
+    x = leaf([1.0, 2.0])
+    g1, g2 = pyengine.grad((x * x).sum(), [x, x])
+    assert_close(g1, 2 * x.data)
+    assert_close(g2, 2 * x.data)
+
+
+def test_grad_of_output_with_respect_to_itself():
+    x = leaf([1.0, 2.0])
+    y = x * 2.0
+    (gy,) = pyengine.grad(y, y, grad_outputs=np.array([3.0, 4.0]))
+    assert_close(gy, [3.0, 4.0])
+
+
+def test_backward_from_second_output_of_split(torch):
+    x = leaf([1.0, 2.0, 3.0])
+    a, b = split(x * 2.0, 1)
+    pyengine.backward(b, np.array([5.0, 7.0]))
+    tx = torch.tensor(x.data, requires_grad=True)
+    ta, tb = torch.split(tx * 2.0, [1, 2])
+    torch.autograd.backward(tb, torch.tensor([5.0, 7.0], dtype=torch.float64))
+    assert_close(x.grad, tx.grad.numpy())
+
+
+def test_backward_leaf_and_non_leaf_roots():
+    x = leaf([1.0, 2.0])
+    y = x * 3.0
+    pyengine.backward([x, y], [np.array([1.0, 1.0]), np.array([2.0, -1.0])])
+    assert_close(x.grad, [7.0, -2.0])
+
+
+def test_same_root_twice_sums_its_gradients(torch):
+    x = leaf([1.0, 2.0])
+    y = exp(x)
+    pyengine.backward([y, y], [np.array([1.0, 2.0]), np.array([3.0, 4.0])])
+    tx = torch.tensor(x.data, requires_grad=True)
+    ty = tx.exp()
+    torch.autograd.backward([ty, ty], [torch.tensor([1.0, 2.0], dtype=torch.float64),
+                                       torch.tensor([3.0, 4.0], dtype=torch.float64)])
+    assert_close(x.grad, tx.grad.numpy())
+
+
+def test_several_roots_with_inputs(torch):
+    x = leaf([1.0, 2.0])
+    w = leaf([0.5, 0.25])
+    y1, y2 = (x * w).sum(), (exp(x) * w).sum()
+    pyengine.backward([y1, y2], inputs=[w])
+    tx = torch.tensor(x.data, requires_grad=True)
+    tw = torch.tensor(w.data, requires_grad=True)
+    torch.autograd.backward([(tx * tw).sum(), (tx.exp() * tw).sum()], inputs=[tw])
+    assert_close(w.grad, tw.grad.numpy())
+    assert x.grad is None and tx.grad is None
+
+
+def test_grad_with_one_root_not_reaching_the_input():
+    x = leaf([1.0, 2.0])
+    z = leaf([3.0])
+    zt, z_node = tap(z)
+    (gx,) = pyengine.grad([(x * x).sum(), zt.sum()], x)
+    assert_close(gx, 2 * x.data)
+    assert z_node.calls == 0
+
+
+def test_materialize_grads_for_an_edge_input():
+    x = leaf([1.0, 2.0])
+    h = x * 2.0
+    z = leaf(np.zeros((2, 2)), dtype=np.float32)
+    zh = z * 1.0
+    gx, gz = pyengine.grad((h * h).sum(), [x, gradient_edge(zh)], materialize_grads=True)
+    assert_close(gx, 8 * x.data)
+    assert gz.shape == (2, 2) and gz.dtype == np.float32 and not gz.any()
+
+
+def test_root_grad_cast_on_a_leaf_root():
+    x = leaf([1.0, 2.0], dtype=np.float32)
+    pyengine.backward(x, np.array([1.0, 2.0], dtype=np.float64))
+    assert x.grad.dtype == np.float32
+    assert_close(x.grad, [1.0, 2.0])
+
+
+def test_float32_graph_keeps_float32(torch):
+    x = leaf([0.5, 1.5], dtype=np.float32)
+    w = leaf([[1.0, 2.0], [3.0, 4.0]], dtype=np.float32)
+    y = (exp(x * 0.5) + const([[1.0, 0.0]], dtype=np.float32) @ w).sum()
+    y.backward()
+    assert x.grad.dtype == np.float32 and w.grad.dtype == np.float32
+    tx = torch.tensor(x.data, requires_grad=True)
+    tw = torch.tensor(w.data, requires_grad=True)
+    ((tx * 0.5).exp() + torch.tensor([[1.0, 0.0]]) @ tw).sum().backward()
+    np.testing.assert_allclose(x.grad, tx.grad.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(w.grad, tw.grad.numpy(), rtol=1e-6)
+
+
+def test_fresh_gradient_becomes_grad_without_a_copy():
+    # AccumulateGrad takes over an array nothing else can see (PyTorch's
+    # use_count test) instead of copying it.
+    import weakref
+
+    class Fresh(pyengine.Node):
+        def apply(self, grads):
+            fresh = grads[0] * 2.0
+            self.ref = weakref.ref(fresh)
+            return [fresh]
+
+    x = leaf([1.0, 2.0])
+    node = Fresh(next_edges=[gradient_edge(x)], input_metadata=[x.data])
+    pyengine.backward(Edge(node, 0), np.ones(2))
+    assert x.grad is node.ref()
+    assert_close(x.grad, [2.0, 2.0])
+
+
+def test_queue_callback_goes_to_the_default_engine():
+    class Recording(CountingEngine):
+        callbacks = 0
+
+        def queue_callback(self, callback):
+            Recording.callbacks += 1
+            return self.inner.queue_callback(callback)
+
+    original = pyengine.get_default_engine()
+    engine = Recording(original)
+    pyengine.set_default_engine(engine)
+    try:
+        ran = []
+        x = leaf([1.0])
+        h = x * 2.0
+        h.register_hook(lambda g: pyengine.queue_callback(lambda: ran.append(1)))
+        h.sum().backward()
+    finally:
+        pyengine.set_default_engine(original)
+    assert ran == [1] and Recording.callbacks == 1 and engine.executes == 1
+
+
+def test_grad_input_that_is_also_on_the_path_matches_torch(torch):
+    # h is captured and also needed (x lies below it): as in PyTorch, the
+    # capture is taken before h's tensor hooks run, and x sees the hooked value.
+    def build(x):
+        h = x * 3.0
+        h.register_hook(lambda g: g * 10.0)
+        return h, (h * h).sum()
+
+    x = leaf([1.0, 2.0])
+    h, y = build(x)
+    gh, gx = pyengine.grad(y, [h, x])
+    tx = torch.tensor(x.data, requires_grad=True)
+    th, ty = build(tx)
+    tgh, tgx = torch.autograd.grad(ty, [th, tx])
+    assert_close(gh, tgh.numpy())
+    assert_close(gx, tgx.numpy())
+
+
+def test_node_without_metadata_gets_a_slot_per_gradient():
+    class Two(pyengine.Node):  # declares no input metadata
+        def apply(self, grads):
+            self.got = list(grads)
+            return [grads[0] + grads[1]]
+
+    x = leaf([1.0, 2.0])
+    sink = Two(next_edges=[gradient_edge(x)])
+    top = Counter(next_edges=[Edge(sink, 0), Edge(sink, 1)], input_metadata=[x.data])
+    pyengine.backward(Edge(top, 0), np.array([1.0, 3.0]))
+    assert len(sink.got) == 2
+    assert_close(sink.got[0], [1.0, 3.0])
+    assert_close(sink.got[1], [1.0, 3.0])
+    assert_close(x.grad, [2.0, 6.0])
+
+
+def test_edge_equality_and_hash():
+    a, b = Counter(), Counter()
+    assert Edge(a, 0) == Edge(a, 0)
+    assert hash(Edge(a, 0)) == hash(Edge(a, 0))
+    assert Edge(a, 0) != Edge(a, 1)
+    assert Edge(a, 0) != Edge(b, 0)
+    assert len({Edge(a, 0), Edge(a, 0), Edge(b, 0)}) == 2
+    with pytest.raises(TypeError):
+        Edge("not a node", 0)
+    with pytest.raises(TypeError):
+        Counter(next_edges=["not an edge"])

@@ -20,11 +20,14 @@ def assert_close(actual, expected):
 
 # -- backward / grad arguments -------------------------------------------------------
 
+SCALAR_ONLY = "grad can be implicitly created only for scalar outputs"
+
+
 def test_implicit_grad_only_for_scalar_outputs():
     x = leaf([1.0, 2.0])
-    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+    with pytest.raises(RuntimeError, match=SCALAR_ONLY):
         (x * 2.0).backward()
-    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+    with pytest.raises(RuntimeError, match=SCALAR_ONLY):
         pyengine.grad(x * 2.0, x)
 
 
@@ -70,7 +73,8 @@ def test_grad_requires_non_empty_inputs():
 
 def test_backward_inputs_cannot_be_empty():
     x = leaf([1.0])
-    with pytest.raises(RuntimeError, match=re.escape("`inputs` argument to `backward()` cannot be empty.")):
+    message = "`inputs` argument to `backward()` cannot be empty."
+    with pytest.raises(RuntimeError, match=re.escape(message)):
         (x * x).sum().backward(inputs=[])
 
 

@@ -353,7 +353,7 @@ def test_prehook_returning_wrong_count_raises():
         h.sum().backward()
 
 
-def test_hook_on_accumulate_grad_node(torch):
+def test_hook_on_accumulate_grad_node():
     x = leaf([1.0, 2.0])
     y = (x * x).sum()
     acc = pyengine.grad_accumulator(x)
@@ -376,7 +376,7 @@ def test_hooks_see_grad_mode_of_the_backward():
     assert modes == [False, True]
 
 
-def test_tensor_hook_sees_gradient_of_const_branch_only(torch):
+def test_tensor_hook_sees_summed_gradient_of_a_fan_in(torch):
     # A hook on an input of a node that fans in sees the summed gradient.
     x = leaf([1.0, 2.0])
     h = x * 2.0
@@ -390,3 +390,63 @@ def test_tensor_hook_sees_gradient_of_const_branch_only(torch):
     (th * torch.tensor([3.0, 4.0], dtype=torch.float64) + th * th).sum().backward()
     assert len(seen) == 1
     assert_close(seen[0], torch_seen[0].numpy())
+
+
+def test_hook_on_root_tensor(torch):
+    x = leaf([1.0, 2.0])
+    y = x * 3.0
+    seen = []
+    y.register_hook(lambda g: (seen.append(g.copy()), g * 2.0)[1])
+    y.backward(np.array([1.0, -1.0]))
+    tx = torch.tensor(x.data, requires_grad=True)
+    ty = tx * 3.0
+    ty.register_hook(lambda g: g * 2.0)
+    ty.backward(torch.tensor([1.0, -1.0], dtype=torch.float64))
+    assert_close(seen[0], [1.0, -1.0])
+    assert_close(x.grad, tx.grad.numpy())
+
+
+def test_retain_grad_on_root_copies_grad_tensors():
+    x = leaf([1.0, 2.0])
+    y = x * 3.0
+    y.retain_grad()
+    g = np.array([1.0, -1.0])
+    y.backward(g)
+    assert_close(y.grad, g)
+    g[:] = 9.0
+    assert_close(y.grad, [1.0, -1.0])
+
+
+def test_hook_removing_itself_during_backward():
+    calls = []
+    x = leaf([1.0])
+    h = x * 2.0
+
+    def once(g):
+        calls.append("once")
+        handle.remove()
+
+    handle = h.register_hook(once)
+    h.register_hook(lambda g: calls.append("other"))
+    y = h.sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    assert calls == ["once", "other", "other"]
+
+
+def test_post_hook_sees_grad_outputs_after_prehooks(torch):
+    def build(x):
+        h = x.exp() if hasattr(x, "exp") else exp(x)
+        seen = []
+        h.grad_fn.register_prehook(lambda grads: (grads[0] * 4.0,))
+        h.grad_fn.register_hook(lambda gi, go: seen.append((gi[0] * 1.0, go[0] * 1.0)))
+        return h, seen
+
+    x = leaf([1.0, 2.0])
+    h, seen = build(x)
+    (h * 2.0).sum().backward()
+    tx = torch.tensor(x.data, requires_grad=True)
+    th, torch_seen = build(tx)
+    (th * 2.0).sum().backward()
+    for mine, theirs in zip(seen[0], torch_seen[0]):
+        assert_close(mine, theirs.numpy())
