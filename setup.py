@@ -15,7 +15,7 @@ from setuptools import Extension, setup
 
 DEBUG = os.environ.get("PYENGINE_DEBUG", "") not in ("", "0")
 
-COMPILED_MODULES = os.environ.get("PYENGINE_MODULES", "_state _node _ready_queue _input_buffer _graph_task _engine").split()
+COMPILED_MODULES = ["_state", "_node", "_ready_queue", "_input_buffer", "_graph_task", "_engine"]
 
 directives = {
     "language_level": 3,

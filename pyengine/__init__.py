@@ -9,7 +9,7 @@ queue ordered by sequence number, gradient accumulation in InputBuffers,
 its pure-Python twin instead.
 """
 
-from ._core import IMPLEMENTATION, InputMetadata, is_checkpoint_valid
+from ._core import IMPLEMENTATION, GraphRoot, InputMetadata, is_checkpoint_valid
 from .anomaly_mode import detect_anomaly, is_anomaly_enabled, set_detect_anomaly
 from .autograd import (
     backward,
@@ -39,6 +39,7 @@ __all__ = [
     "Edge",
     "Engine",
     "GradientEdge",
+    "GraphRoot",
     "InputMetadata",
     "Node",
     "RemovableHandle",

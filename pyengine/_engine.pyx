@@ -40,9 +40,7 @@ from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._locks cimport lock_releasing_gil
 from pyengine._node cimport Edge, InputMetadata, NodeBase
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
-from pyengine._state cimport (anomaly_check_nan, anomaly_enabled, current_graph_task,
-                              grad_enabled, set_grad_mode, swap_checkpoint_valid,
-                              swap_current_graph_task)
+from pyengine._state cimport ThreadState, anomaly_check_nan, anomaly_enabled, thread_state
 
 import atexit
 import os
@@ -363,9 +361,8 @@ cdef class Engine:
         cdef ReadyQueue queue = worker.local_ready_queue
         cdef NodeTaskRecord record
         cdef GraphTask local_graph_task
-        cdef PyObject* previous_graph_task
-        cdef bint previous_grad_mode
-        cdef bint previous_checkpoint_valid
+        cdef ThreadState* thread = thread_state()
+        cdef ThreadState previous
         while graph_task is None or not graph_task.future_completed_.load():
             if not queue.try_pop_record(&record):
                 with nogil:
@@ -378,10 +375,12 @@ cdef class Engine:
                 release_record(&record)
                 continue
             local_graph_task = <GraphTask>record.graph_task
-            previous_graph_task = swap_current_graph_task(record.graph_task)
-            previous_grad_mode = grad_enabled()
-            set_grad_mode(local_graph_task.grad_mode)
-            previous_checkpoint_valid = swap_checkpoint_valid(not local_graph_task.exec_info)
+            # The graph task's thread-local state while its node runs, as
+            # PyTorch's ThreadLocalStateGuard.
+            previous = thread[0]
+            thread.current_graph_task = record.graph_task
+            thread.grad_enabled = local_graph_task.grad_mode
+            thread.checkpoint_valid = not local_graph_task.exec_info
             try:
                 if not local_graph_task.has_error_.load():
                     self.evaluate_function(local_graph_task, <NodeBase>record.node,
@@ -392,9 +391,7 @@ cdef class Engine:
                     _hooks.add_anomaly_note(error, <object>record.node)
                 local_graph_task.set_exception(error)
             finally:
-                swap_checkpoint_valid(previous_checkpoint_valid)
-                set_grad_mode(previous_grad_mode)
-                swap_current_graph_task(previous_graph_task)
+                thread[0] = previous
                 # Drop the task's references before the graph task may complete.
                 release_record(&record)
             local_graph_task.outstanding_tasks_.fetch_sub(1)
@@ -559,7 +556,7 @@ cdef class Engine:
 
     def queue_callback(self, callback):
         """Run ``callback`` once the current backward completes."""
-        cdef PyObject* graph_task = current_graph_task()
+        cdef PyObject* graph_task = thread_state().current_graph_task
         if graph_task == NULL:
             raise RuntimeError("Final callbacks can only be installed during backward pass.")
         (<GraphTask>graph_task).final_callbacks.append(callback)

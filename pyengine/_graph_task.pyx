@@ -13,7 +13,7 @@ from libcpp.mutex cimport mutex, unique_lock
 from pyengine._graph_task cimport NodePtr
 from pyengine._locks cimport lock_releasing_gil
 from pyengine._ready_queue cimport ReadyQueue
-from pyengine._state cimport swap_current_graph_task
+from pyengine._state cimport ThreadState, thread_state
 
 from pyengine._pure import graph_task as _twin
 
@@ -132,18 +132,22 @@ cdef class GraphTask:
 
     def exec_post_processing(self):
         """Run final callbacks; a callback may queue more, which run too."""
-        cdef PyObject* previous = swap_current_graph_task(<PyObject*>self)
+        cdef ThreadState* thread = thread_state()
+        cdef PyObject* previous = thread.current_graph_task
+        thread.current_graph_task = <PyObject*>self
         try:
             i = 0
             while i < len(self.final_callbacks):
                 self.final_callbacks[i]()
                 i += 1
         finally:
-            swap_current_graph_task(previous)
+            thread.current_graph_task = previous
 
     def wait(self):
         """Block, without the GIL, until the future completed."""
         cdef unique_lock[mutex] lock
+        if self.future_completed_.load():
+            return
         with nogil:
             lock = unique_lock[mutex](self.completion_mutex)
             while not self.future_completed_.load():

@@ -3,11 +3,22 @@
 
 from cpython.object cimport PyObject
 
-cdef bint grad_enabled() noexcept nogil
-cdef void set_grad_mode(bint enabled) noexcept nogil
+cdef extern from *:
+    """
+    /* The engine's per-thread state, one struct per thread (see _state.pyx). */
+    struct pyengine_ThreadState {
+        int grad_enabled;
+        /* False while a node of a pruning graph task (grad, inputs=) runs. */
+        int checkpoint_valid;
+        /* Borrowed: the graph task whose node runs on this thread, or NULL. */
+        PyObject *current_graph_task;
+    };
+    """
+    ctypedef struct ThreadState "pyengine_ThreadState":
+        bint grad_enabled
+        bint checkpoint_valid
+        PyObject* current_graph_task
+
+cdef ThreadState* thread_state() noexcept nogil
 cdef bint anomaly_enabled() noexcept nogil
 cdef bint anomaly_check_nan() noexcept nogil
-cdef bint checkpoint_valid() noexcept nogil
-cdef bint swap_checkpoint_valid(bint valid) noexcept nogil
-cdef PyObject* current_graph_task() noexcept nogil
-cdef PyObject* swap_current_graph_task(PyObject* graph_task) noexcept nogil
