@@ -1,0 +1,176 @@
+"""Builders for the engine benchmarks: graphs of pass-through Python Nodes.
+
+Every graph is built outside the timed region and described by a
+:class:`Graph`: the root edge and root gradient to hand to
+``Engine.execute``, the leaf whose ``.grad`` receives the result, and the
+analytic value that ``.grad`` must equal afterwards. Nodes do no arithmetic
+(``apply`` returns its input list), so a backward measures the engine: the
+ready queue, dependency counting, InputBuffers, ``validate_outputs`` (every
+slot carries ``InputMetadata((3,), float64)``, so the shape/dtype check runs
+for every gradient) and the call into Python ``apply``.
+
+Graphs:
+
+- :func:`chain`: ``n`` Pass nodes in a line, ending in one leaf
+  (``n`` nodes + its AccumulateGrad). Gradient: ones.
+- :func:`wide`: a root ``Fan`` (the backward of an n-ary add) with
+  ``branches`` next edges, each to a chain of ``depth`` Pass nodes that all
+  end at the same leaf, so the leaf's AccumulateGrad has ``branches``
+  incoming edges and its InputBuffer sums them. ``1 + branches * depth``
+  nodes + AccumulateGrad. Gradient: ``branches * ones``.
+- :func:`wide_scaled`: :func:`wide` with depth 10 and ``n // 10`` branches.
+- :func:`single`: one Pass node -> leaf, for the fixed cost of a backward.
+
+Nodes are created in forward order (nearest the leaf first), so sequence
+numbers grow towards the root, as a framework's forward would number them.
+
+Both builds work: the graph is built from whichever core ``PYENGINE_PURE``
+selected when ``pyengine`` was imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import pyengine
+
+SHAPE = (3,)
+DTYPE = np.dtype(np.float64)
+
+
+class Leaf:
+    """A leaf tensor with the tensor protocol pyengine reads."""
+
+    def __init__(self, data):
+        self.data = data
+        self.grad = None
+        self.grad_fn = None
+        self.output_nr = 0
+        self.requires_grad = True
+
+
+class Pass(pyengine.Node):
+    """Identity backward: one gradient in, the same gradient out."""
+
+    def apply(self, grads):
+        return grads
+
+
+class Fan(pyengine.Node):
+    """Backward of an n-ary add: the incoming gradient goes to every input."""
+
+    def __init__(self, next_edges, input_metadata):
+        super().__init__(next_edges=next_edges, input_metadata=input_metadata)
+        self.fan_out = len(next_edges)
+
+    def apply(self, grads):
+        return [grads[0]] * self.fan_out
+
+
+@dataclass
+class Graph:
+    """A built benchmark graph. ``nodes`` counts the Python nodes the engine
+    runs besides the leaf's AccumulateGrad (the per-node denominator)."""
+
+    name: str
+    nodes: int
+    root_edge: object
+    grad: np.ndarray
+    leaf: Leaf
+    expected: np.ndarray
+
+    def reset(self) -> None:
+        """Forget the gradient of the previous backward (``zero_grad(set_to_none=True)``)."""
+        self.leaf.grad = None
+
+    def run(self) -> None:
+        """One backward: exactly what the benchmarks time."""
+        pyengine.get_default_engine().execute([self.root_edge], [self.grad], False, False, True)
+
+    def check(self) -> None:
+        """Raise unless the last backward left the analytic gradient in the leaf."""
+        got = self.leaf.grad
+        if got is None or not np.array_equal(got, self.expected):
+            raise AssertionError(f"{self.name}: leaf.grad is {got!r}, expected {self.expected!r}")
+
+    def run_checked(self) -> None:
+        """reset, run, check: once per benchmark, before timing."""
+        self.reset()
+        self.run()
+        self.check()
+        self.reset()
+
+
+def size_label(n: int) -> str:
+    """10000 -> "10k", 1000000 -> "1M"."""
+    if n >= 1_000_000 and n % 1_000_000 == 0:
+        return f"{n // 1_000_000}M"
+    if n >= 1_000 and n % 1_000 == 0:
+        return f"{n // 1_000}k"
+    return str(n)
+
+
+def _metadata():
+    # One object for the whole graph: validate_outputs reads it, never copies it.
+    return pyengine.InputMetadata(SHAPE, DTYPE)
+
+
+def _leaf_and_edge(metadata):
+    leaf = Leaf(np.zeros(SHAPE, DTYPE))
+    return leaf, pyengine.gradient_edge(leaf)
+
+
+def _chain_onto(edge, length, metadata):
+    """``length`` Pass nodes above ``edge``; the edge into the topmost one."""
+    Edge = pyengine.Edge
+    for _ in range(length):
+        edge = Edge(Pass(next_edges=(edge,), input_metadata=(metadata,)), 0)
+    return edge
+
+
+def chain(n: int) -> Graph:
+    """``n`` Pass nodes in a line, ending in one leaf."""
+    if n < 1:
+        raise ValueError("a chain needs at least one node")
+    metadata = _metadata()
+    leaf, leaf_edge = _leaf_and_edge(metadata)
+    root_edge = _chain_onto(leaf_edge, n, metadata)
+    return Graph(f"chain {size_label(n)}", n, root_edge, np.ones(SHAPE, DTYPE), leaf,
+                 np.ones(SHAPE, DTYPE))
+
+
+def wide(branches: int = 1000, depth: int = 10) -> Graph:
+    """A root fanning out to ``branches`` chains of ``depth`` that share one leaf."""
+    if branches < 1 or depth < 1:
+        raise ValueError("a wide graph needs at least one branch of depth one")
+    metadata = _metadata()
+    leaf, leaf_edge = _leaf_and_edge(metadata)
+    ends = [_chain_onto(leaf_edge, depth, metadata) for _ in range(branches)]
+    root = Fan(next_edges=tuple(ends), input_metadata=(metadata,))
+    return Graph(f"wide {branches}x{depth}", 1 + branches * depth, pyengine.Edge(root, 0),
+                 np.ones(SHAPE, DTYPE), leaf, np.full(SHAPE, float(branches), DTYPE))
+
+
+def wide_scaled(n: int, depth: int = 10) -> Graph:
+    """:func:`wide` with ``n // depth`` branches of ``depth``: about ``n`` nodes."""
+    return wide(max(1, n // depth), depth)
+
+
+def single() -> Graph:
+    """One Pass node above one leaf: the fixed cost of a backward."""
+    graph = chain(1)
+    graph.name = "single"
+    return graph
+
+
+def build(kind: str, n: int) -> Graph:
+    """``kind`` in ``chain``, ``wide`` (``n // 10`` branches of depth 10), ``single``."""
+    if kind == "chain":
+        return chain(n)
+    if kind == "wide":
+        return wide_scaled(n)
+    if kind == "single":
+        return single()
+    raise ValueError(f"unknown graph kind {kind!r}")
