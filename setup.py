@@ -38,7 +38,7 @@ extensions = [
         f"pyengine.{name}",
         [f"pyengine/{name}.pyx"],
         language="c++",
-        include_dirs=[numpy.get_include()],
+        include_dirs=[numpy.get_include(), "pyengine"],
         define_macros=macros,
         extra_compile_args=["-std=c++17", "-O0" if DEBUG else "-O2", "-g0" if not DEBUG else "-g"],
     )

@@ -32,7 +32,6 @@ from libc.string cimport memcmp
 from libcpp.condition_variable cimport condition_variable
 from libcpp.deque cimport deque
 from libcpp.mutex cimport mutex, unique_lock
-from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport GraphTask, NodePtr
@@ -50,34 +49,6 @@ from pyengine._pure import hooks as _hooks
 from pyengine._pure.validate_outputs import validate_gradient
 
 cnp.import_array()
-
-cdef extern from *:
-    """
-    #include <unordered_map>
-
-    /* Count one more edge into node; true when node was not in the map yet. */
-    static inline bool pyengine_add_dependency(
-            std::unordered_map<PyObject*, Py_ssize_t>& dependencies, PyObject* node) {
-        auto inserted = dependencies.try_emplace(node, 0);
-        ++inserted.first->second;
-        return inserted.second;
-    }
-
-    /* One edge into node delivered: 1 when that was its last (node leaves the
-       map), 0 when more are due, -1 when node has no dependencies at all. */
-    static inline int pyengine_remove_dependency(
-            std::unordered_map<PyObject*, Py_ssize_t>& dependencies, PyObject* node) {
-        auto found = dependencies.find(node);
-        if (found == dependencies.end()) return -1;
-        if (--found->second > 0) return 0;
-        dependencies.erase(found);
-        return 1;
-    }
-    """
-    bint add_dependency "pyengine_add_dependency" (
-        unordered_map[NodePtr, Py_ssize_t]& dependencies, PyObject* node) noexcept nogil
-    int remove_dependency "pyengine_remove_dependency" (
-        unordered_map[NodePtr, Py_ssize_t]& dependencies, PyObject* node) noexcept nogil
 
 # worker_device values: the thread runs no engine loop, or the CPU loop.
 # Device workers use the device index.
@@ -199,12 +170,12 @@ cdef inline bint has_hooks(NodeBase node) noexcept:
                 or node._post_hooks)
 
 
-cdef list call_function(GraphTask graph_task, NodeBase node, InputBuffer inputs):
+cdef list call_function(GraphTask graph_task, NodeBase node, list inputs):
     """A node without hooks: ``apply`` and ``validate_outputs``, here. With
     hooks: the twin's ``call_function``, which runs them in PyTorch's order."""
     if has_hooks(node):
         return _hooks.call_function(graph_task, node, inputs)
-    outputs = node.apply(inputs.buffer)
+    outputs = node.apply(inputs)
     if type(outputs) is not list:
         if not isinstance(outputs, (tuple, list)):
             raise TypeError(f"Function {_hooks.node_name(node)}.apply must return a tuple or list "
@@ -312,7 +283,7 @@ cdef class Engine:
         if outputs:
             graph_task.init_to_execute(graph_root, list(outputs), accumulate_grad)
 
-        self.execute_with_graph_task(graph_task, graph_root, input_buffer)
+        self.execute_with_graph_task(graph_task, graph_root, input_buffer.buffer)
         graph_task.wait()
         if graph_task.exception_ is not None:
             # Take the error off the task: the traceback must not keep the task alive.
@@ -322,7 +293,7 @@ cdef class Engine:
         return graph_task.captured_vars
 
     cdef int execute_with_graph_task(self, GraphTask graph_task, NodeBase graph_root,
-                                     InputBuffer input_buffer) except -1:
+                                     list inputs) except -1:
         """Queue the root task and drive the graph task: inline on this thread,
         or on a pool thread past the reentrant depth limit."""
         cdef WorkerState worker = get_worker_state()
@@ -332,7 +303,7 @@ cdef class Engine:
             # See Note [CPU work runs on the caller].
             worker.worker_device = CPU_DEVICE
             graph_task.owner = CPU_DEVICE
-            push_task(queue, graph_task, graph_root, input_buffer)
+            push_task(queue, graph_task, graph_root, inputs)
             try:
                 self.thread_main(graph_task)
             finally:
@@ -340,7 +311,7 @@ cdef class Engine:
         else:
             # A reentrant backward. See Note [Reentrant backward].
             graph_task.owner = worker.worker_device
-            push_task(queue, graph_task, graph_root, input_buffer)
+            push_task(queue, graph_task, graph_root, inputs)
             if worker.current_depth >= self.max_recursion_depth:
                 self.add_thread_pool_task(graph_task)
             else:
@@ -384,7 +355,7 @@ cdef class Engine:
             try:
                 if not local_graph_task.has_error_.load():
                     self.evaluate_function(local_graph_task, <NodeBase>record.node,
-                                           <InputBuffer>record.inputs,
+                                           <list>record.inputs,
                                            local_graph_task.cpu_ready_queue)
             except BaseException as error:
                 if anomaly_enabled():
@@ -406,9 +377,10 @@ cdef class Engine:
             queue.discard_graph_task(graph_task)
         return 0
 
-    cdef int evaluate_function(self, GraphTask graph_task, NodeBase node, InputBuffer inputs,
+    cdef int evaluate_function(self, GraphTask graph_task, NodeBase node, list inputs,
                                ReadyQueue cpu_ready_queue) except -1:
-        """Run one node and pass its gradients on to the nodes they flow into."""
+        """Run one node on ``inputs`` (its InputBuffer's list of gradients) and
+        pass its gradients on to the nodes they flow into."""
         cdef dict exec_info = graph_task.exec_info
         if exec_info:
             info = exec_info.get(id(node))
@@ -416,13 +388,13 @@ cdef class Engine:
                 return 0
             if not info.needed:
                 # Tensor pre-hooks run exactly once: here, or in call_function.
-                _hooks.call_tensor_pre_hooks(node, inputs.buffer)
+                _hooks.call_tensor_pre_hooks(node, inputs)
             if info.captures:
                 lock_releasing_gil(graph_task.mutex_)
                 try:
                     for input_nr, output_idx in info.captures:
-                        if input_nr < len(inputs.buffer):
-                            graph_task.captured_vars[output_idx] = inputs.buffer[input_nr]
+                        if input_nr < len(inputs):
+                            graph_task.captured_vars[output_idx] = inputs[input_nr]
                 finally:
                     graph_task.mutex_.unlock()
             if not info.needed:
@@ -456,7 +428,7 @@ cdef class Engine:
                 edge = <Edge>edge_object
                 next_node = edge.node
                 key = <PyObject*>next_node
-                remaining = remove_dependency(graph_task.dependencies_, key)
+                remaining = graph_task.dependencies_.remove(key)
                 if remaining < 0:
                     raise RuntimeError(f"dependency not found for {_hooks.node_name(next_node)}")
                 is_ready = remaining == 1
@@ -465,11 +437,15 @@ cdef class Engine:
                 if buffered == graph_task.not_ready_.end():
                     if exec_info and not _should_execute(exec_info, next_node):
                         continue
-                    input_buffer = new_input_buffer(PyList_GET_SIZE(next_node._input_metadata))
-                    input_buffer.add(edge.input_nr, <object>PyList_GET_ITEM(outputs, i), grad_mode)
                     if is_ready:
-                        push_task(cpu_ready_queue, graph_task, next_node, input_buffer)
+                        # Its only gradient: what InputBuffer's first add would
+                        # hold, without the InputBuffer.
+                        push_task(cpu_ready_queue, graph_task, next_node,
+                                  single_gradient(PyList_GET_SIZE(next_node._input_metadata),
+                                                  edge.input_nr, <object>PyList_GET_ITEM(outputs, i)))
                     else:
+                        input_buffer = new_input_buffer(PyList_GET_SIZE(next_node._input_metadata))
+                        input_buffer.add(edge.input_nr, <object>PyList_GET_ITEM(outputs, i), grad_mode)
                         Py_INCREF(input_buffer)
                         graph_task.not_ready_[key] = <PyObject*>input_buffer
                 else:
@@ -477,7 +453,7 @@ cdef class Engine:
                     input_buffer.add(edge.input_nr, <object>PyList_GET_ITEM(outputs, i), grad_mode)
                     if is_ready:
                         graph_task.not_ready_.erase(buffered)
-                        push_task(cpu_ready_queue, graph_task, next_node, input_buffer)
+                        push_task(cpu_ready_queue, graph_task, next_node, input_buffer.buffer)
                         # The map's reference; input_buffer still holds one.
                         Py_DECREF(input_buffer)
         finally:
@@ -563,10 +539,18 @@ cdef class Engine:
 
 
 cdef inline void push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node,
-                           InputBuffer inputs) noexcept:
+                           list inputs) noexcept:
     graph_task.outstanding_tasks_.fetch_add(1)
     queue.push_record(make_record(graph_task, node, inputs, graph_task.reentrant_depth,
                                   node._sequence_nr))
+
+
+cdef list single_gradient(Py_ssize_t num_inputs, Py_ssize_t input_nr, object gradient):
+    """``num_inputs`` slots (more if ``input_nr`` is beyond them), all None but
+    ``input_nr``, which holds ``gradient``."""
+    cdef list gradients = [None] * (num_inputs if input_nr < num_inputs else input_nr + 1)
+    gradients[input_nr] = gradient
+    return gradients
 
 
 cdef bint _should_execute(dict exec_info, NodeBase node) except -1:
@@ -596,7 +580,7 @@ cdef int compute_dependencies(NodeBase graph_root, GraphTask graph_task) except 
             if edge == <PyObject*>None:
                 continue
             next_node = <PyObject*>(<Edge>edge).node
-            if add_dependency(graph_task.dependencies_, next_node):
+            if graph_task.dependencies_.add(next_node):
                 stack.push_back(next_node)
     return 0
 

@@ -11,6 +11,12 @@ from pyengine._ready_queue cimport ReadyQueue
 ctypedef PyObject* NodePtr
 ctypedef PyObject* InputBufferPtr
 
+cdef extern from "_dependency_map.h" nogil:
+    cppclass DependencyMap "pyengine_DependencyMap":
+        DependencyMap()
+        bint add(PyObject* node)
+        int remove(PyObject* node)
+
 
 cdef class GraphTask:
     # Immutable after execute() pushed the first task.
@@ -26,7 +32,7 @@ cdef class GraphTask:
     # Guarded by mutex_. Keys are borrowed node pointers: the graph keeps its
     # nodes alive while the task runs. not_ready's values own their buffers.
     cdef mutex mutex_
-    cdef unordered_map[NodePtr, Py_ssize_t] dependencies_
+    cdef DependencyMap dependencies_
     cdef unordered_map[NodePtr, InputBufferPtr] not_ready_
     cdef public list captured_vars
     cdef public list leaf_streams

@@ -64,13 +64,6 @@ cdef class GraphTask:
     def exception(self):
         return self.exception_
 
-    @property
-    def dependencies(self):
-        """``{id(node): remaining dependencies}``, a snapshot."""
-        lock_releasing_gil(self.mutex_)
-        snapshot = {<Py_ssize_t>entry.first: entry.second for entry in self.dependencies_}
-        self.mutex_.unlock()
-        return snapshot
 
     # -- outstanding tasks --
 

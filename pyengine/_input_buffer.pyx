@@ -64,15 +64,23 @@ cdef class InputBuffer:
                 if backend is not None:
                     self.device = backend.device(value)
             return 0
-        backend = backend_of(old)
         if self._owned is None:
             self._owned = _none_list(PyList_GET_SIZE(buffer))
         elif pos >= PyList_GET_SIZE(self._owned):
             self._owned.extend([None] * (pos + 1 - PyList_GET_SIZE(self._owned)))
-        if self._owned[pos] is old and not create_graph:
-            total = backend.add_(old, value)
+        cdef bint in_place = self._owned[pos] is old and not create_graph
+        if type(old) is cnp.ndarray and type(value) is cnp.ndarray:
+            # numpy's own operators, as the numpy backend would call them; an
+            # array this buffer allocated is always writeable.
+            if in_place:
+                total = old
+                total += value
+            else:
+                total = old + value
+        elif in_place:
+            total = backend_of(old).add_(old, value)
         else:
-            total = backend.add(old, value)
+            total = backend_of(old).add(old, value)
         buffer[pos] = total
         self._owned[pos] = total
         return 0

@@ -7,17 +7,19 @@ from libcpp.mutex cimport mutex
 from libcpp.vector cimport vector
 
 
-cdef struct NodeTaskRecord:
-    # Owned references (NULL where absent), handed over with the record.
-    PyObject* graph_task
-    PyObject* node
-    PyObject* inputs
-    # Copied in when the task is made, so that ordering never touches a node.
-    uint64_t sequence_nr
-    int reentrant_depth
-    bint is_shutdown
-    # Insertion order: first in, first out among equals.
-    uint64_t insertion
+cdef extern from "_node_task.h" nogil:
+    ctypedef struct NodeTaskRecord "pyengine_NodeTaskRecord":
+        PyObject* graph_task
+        PyObject* node
+        PyObject* inputs
+        uint64_t sequence_nr
+        int reentrant_depth
+        bint is_shutdown
+        uint64_t insertion
+
+    cppclass CompareNodeTaskTime "pyengine_CompareNodeTaskTime":
+        CompareNodeTaskTime()
+        bint operator()(const NodeTaskRecord&, const NodeTaskRecord&)
 
 
 cdef class NodeTask:

@@ -5,7 +5,8 @@ condition variable. Records own references to their graph task, node and
 input buffer: taken (with the GIL) when a record is made, handed over
 through the queue, and released (with the GIL) by whoever popped it.
 ``pop`` waits with the GIL released. The order is that of Note [Ready queue
-order] in the twin, ``pyengine/_pure/ready_queue.py``.
+order] in the twin, ``pyengine/_pure/ready_queue.py``, kept by the
+comparator CompareNodeTaskTime in ``_node_task.h``.
 """
 
 cimport cython
@@ -17,27 +18,6 @@ from libcpp.mutex cimport unique_lock
 from libcpp.vector cimport vector
 
 from pyengine._locks cimport lock_releasing_gil
-
-
-cdef bint compare_node_task_time(const NodeTaskRecord& t1, const NodeTaskRecord& t2) noexcept nogil:
-    """True when ``t1`` runs after ``t2``: the comparator of the max-heap.
-
-    See Note [Ready queue order]: shutdown tasks, then empty wake-up tasks,
-    then higher reentrant depth, then higher sequence_nr, then first in.
-    """
-    if t2.is_shutdown:
-        return not t1.is_shutdown or t2.insertion < t1.insertion
-    if t1.is_shutdown:
-        return False
-    if t1.node == NULL:
-        return t2.node == NULL and t2.insertion < t1.insertion
-    if t2.node == NULL:
-        return True
-    if t1.reentrant_depth != t2.reentrant_depth:
-        return t1.reentrant_depth < t2.reentrant_depth
-    if t1.sequence_nr != t2.sequence_nr:
-        return t1.sequence_nr < t2.sequence_nr
-    return t1.insertion > t2.insertion
 
 
 cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
@@ -66,8 +46,9 @@ cdef void release_record(NodeTaskRecord* record) noexcept:
 
 @cython.final
 cdef class NodeTask:
-    """One unit of work: run ``node`` of ``graph_task`` on ``inputs``, as a
-    Python object (the engine itself moves NodeTaskRecords).
+    """One unit of work: run ``node`` of ``graph_task`` on ``inputs`` (the list
+    of gradients its InputBuffer summed), as a Python object; the engine
+    itself moves NodeTaskRecords.
 
     ``node is None`` marks an empty wake-up task; ``is_shutdown`` a task that
     stops the worker popping it. Immutable after construction.
@@ -102,7 +83,7 @@ cdef class ReadyQueue:
         record.insertion = self.counter
         self.counter += 1
         self.heap.push_back(record)
-        push_heap(self.heap.begin(), self.heap.end(), compare_node_task_time)
+        push_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
         self.mutex_.unlock()
         self.not_empty.notify_one()
 
@@ -112,7 +93,7 @@ cdef class ReadyQueue:
         cdef unique_lock[mutex] lock = unique_lock[mutex](self.mutex_)
         while self.heap.empty():
             self.not_empty.wait(lock)
-        pop_heap(self.heap.begin(), self.heap.end(), compare_node_task_time)
+        pop_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
         cdef NodeTaskRecord record = self.heap.back()
         self.heap.pop_back()
         return record
@@ -125,7 +106,7 @@ cdef class ReadyQueue:
         if self.heap.empty():
             self.mutex_.unlock()
             return False
-        pop_heap(self.heap.begin(), self.heap.end(), compare_node_task_time)
+        pop_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
         record[0] = self.heap.back()
         self.heap.pop_back()
         self.mutex_.unlock()
@@ -172,7 +153,7 @@ cdef class ReadyQueue:
             else:
                 kept.push_back(self.heap[i])
         self.heap.swap(kept)
-        make_heap(self.heap.begin(), self.heap.end(), compare_node_task_time)
+        make_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
         self.mutex_.unlock()
         # Release outside the lock: dropping a reference can run arbitrary code.
         for i in range(dropped.size()):

@@ -169,7 +169,7 @@ class Engine:
             # See Note [CPU work runs on the caller].
             worker.worker_device = CPU_DEVICE
             graph_task.owner = CPU_DEVICE
-            queue.push(NodeTask(graph_task, graph_root, input_buffer))
+            queue.push(NodeTask(graph_task, graph_root, input_buffer.buffer))
             try:
                 self.thread_main(graph_task)
             finally:
@@ -177,7 +177,7 @@ class Engine:
         else:
             # A reentrant backward. See Note [Reentrant backward].
             graph_task.owner = worker.worker_device
-            queue.push(NodeTask(graph_task, graph_root, input_buffer))
+            queue.push(NodeTask(graph_task, graph_root, input_buffer.buffer))
             if worker.current_depth >= self.max_recursion_depth:
                 self.add_thread_pool_task(graph_task)
             else:
@@ -251,7 +251,8 @@ class Engine:
             queue.discard_graph_task(graph_task)
 
     def evaluate_function(self, graph_task, node, inputs, cpu_ready_queue):
-        """Run one node and pass its gradients on to the nodes they flow into."""
+        """Run one node on ``inputs`` (its InputBuffer's list of gradients) and
+        pass its gradients on to the nodes they flow into."""
         exec_info = graph_task.exec_info
         if exec_info:
             info = exec_info.get(id(node))
@@ -259,12 +260,12 @@ class Engine:
                 return
             if not info.needed:
                 # Tensor pre-hooks run exactly once: here, or in call_function.
-                call_tensor_pre_hooks(node, inputs.buffer)
+                call_tensor_pre_hooks(node, inputs)
             if info.captures:
                 with graph_task.mutex:
                     for input_nr, output_idx in info.captures:
-                        if input_nr < len(inputs.buffer):
-                            graph_task.captured_vars[output_idx] = inputs.buffer[input_nr]
+                        if input_nr < len(inputs):
+                            graph_task.captured_vars[output_idx] = inputs[input_nr]
             if not info.needed:
                 return
 
@@ -306,14 +307,14 @@ class Engine:
                     input_buffer = InputBuffer(len(next_node._input_metadata))
                     input_buffer.add(edge.input_nr, output, grad_mode)
                     if is_ready:
-                        cpu_ready_queue.push(NodeTask(graph_task, next_node, input_buffer))
+                        cpu_ready_queue.push(NodeTask(graph_task, next_node, input_buffer.buffer))
                     else:
                         not_ready[key] = input_buffer
                 else:
                     input_buffer.add(edge.input_nr, output, grad_mode)
                     if is_ready:
                         del not_ready[key]
-                        cpu_ready_queue.push(NodeTask(graph_task, next_node, input_buffer))
+                        cpu_ready_queue.push(NodeTask(graph_task, next_node, input_buffer.buffer))
 
     # -- reentrant pool --
 

@@ -68,10 +68,10 @@ def call_tensor_pre_hooks(node, grads):
     return grads
 
 
-def call_function(graph_task, node, inputs):
-    """Hooks and ``apply`` in PyTorch's order: tensor pre-hooks, retains-grad
-    hooks, node pre-hooks, ``apply``, ``validate_outputs``, node post-hooks."""
-    grads = inputs.buffer
+def call_function(graph_task, node, grads):
+    """Hooks and ``apply`` on ``grads`` (the node's InputBuffer's list), in
+    PyTorch's order: tensor pre-hooks, retains-grad hooks, node pre-hooks,
+    ``apply``, ``validate_outputs``, node post-hooks."""
     if node._tensor_pre_hooks or node._retains_grad_hooks:
         grads = call_tensor_pre_hooks(node, grads)
     if node._pre_hooks:

@@ -26,7 +26,8 @@ import threading
 
 
 class NodeTask:
-    """One unit of work: run ``node`` of ``graph_task`` on ``inputs``.
+    """One unit of work: run ``node`` of ``graph_task`` on ``inputs``, the list
+    of gradients its InputBuffer summed (one per input slot).
 
     ``node is None`` marks an empty wake-up task; ``is_shutdown`` a task that
     stops the worker popping it. Immutable after construction.
