@@ -124,8 +124,9 @@ class _PyengineServer:
 
     def __init__(self, args):
         sys.path.insert(0, HERE)
-        import pyengine
         from graphs import build
+
+        import pyengine
 
         self.pyengine = pyengine
         self.graphs = {}
@@ -247,8 +248,9 @@ def worker_memory(args) -> dict:
     import tracemalloc
 
     sys.path.insert(0, HERE)
-    import pyengine
     from graphs import build
+
+    import pyengine
 
     out = {"implementation": pyengine.IMPLEMENTATION, "kind": args.kind, "size": args.n}
     try:
@@ -322,7 +324,7 @@ def worker_torch(args) -> dict:
             x = torch.zeros(3, dtype=torch.float64, requires_grad=True)
             y = builder(x, n)
 
-            def once():
+            def once(x=x, y=y):
                 x.grad = None
                 torch.autograd.backward((y,), (ones,))
 
@@ -460,7 +462,7 @@ def run_interleaved(args, pure_sizes, pure_wide):
             results[impl] = {"implementation": hello["implementation"], "rows": hello["rows"],
                              "fixed": {}, "samples": {}}
         keys = []
-        for impl, result in results.items():
+        for result in results.values():
             for row in result["rows"]:
                 key = f"{row['kind']}:{row['size']}"
                 if "error" not in row and key not in keys:

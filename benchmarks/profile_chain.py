@@ -30,8 +30,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import pyengine  # noqa: E402
 from graphs import build  # noqa: E402
+
+import pyengine  # noqa: E402
 
 
 def _perf(args, command):

@@ -26,8 +26,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import pyengine  # noqa: E402
 from graphs import Graph, build  # noqa: E402
+
+import pyengine  # noqa: E402
 
 IMPL = pyengine.IMPLEMENTATION
 

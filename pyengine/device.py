@@ -27,7 +27,7 @@ class Device:
         object.__setattr__(self, "_hash", hash((type, index)))
 
     @staticmethod
-    def parse(spec: "str | Device") -> "Device":
+    def parse(spec: str | Device) -> Device:
         """``"cpu"``, ``"cuda"`` (index 0), ``"cuda:1"``, ``"fake:0"`` or a Device."""
         if isinstance(spec, Device):
             return spec
