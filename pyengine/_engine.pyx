@@ -283,7 +283,7 @@ cdef class Engine:
         if outputs:
             graph_task.init_to_execute(graph_root, list(outputs), accumulate_grad)
 
-        self.execute_with_graph_task(graph_task, graph_root, input_buffer.buffer)
+        self.execute_with_graph_task(worker, graph_task, graph_root, input_buffer.buffer)
         graph_task.wait()
         if graph_task.exception_ is not None:
             # Take the error off the task: the traceback must not keep the task alive.
@@ -292,11 +292,11 @@ cdef class Engine:
             raise error
         return graph_task.captured_vars
 
-    cdef int execute_with_graph_task(self, GraphTask graph_task, NodeBase graph_root,
-                                     list inputs) except -1:
+    cdef int execute_with_graph_task(self, WorkerState worker, GraphTask graph_task,
+                                     NodeBase graph_root, list inputs) except -1:
         """Queue the root task and drive the graph task: inline on this thread,
-        or on a pool thread past the reentrant depth limit."""
-        cdef WorkerState worker = get_worker_state()
+        or on a pool thread past the reentrant depth limit. ``worker``: this
+        thread's state."""
         cdef ReadyQueue queue = graph_task.cpu_ready_queue
         if worker.worker_device == NO_DEVICE:
             # Not inside the engine: this thread drives the graph task.
@@ -305,7 +305,7 @@ cdef class Engine:
             graph_task.owner = CPU_DEVICE
             push_task(queue, graph_task, graph_root, inputs)
             try:
-                self.thread_main(graph_task)
+                self.thread_main(worker, graph_task)
             finally:
                 worker.worker_device = NO_DEVICE
         else:
@@ -318,7 +318,7 @@ cdef class Engine:
                 worker.total_depth += 1
                 worker.current_depth += 1
                 try:
-                    self.thread_main(graph_task)
+                    self.thread_main(worker, graph_task)
                 finally:
                     worker.current_depth -= 1
                     worker.total_depth -= 1
@@ -326,9 +326,9 @@ cdef class Engine:
 
     # -- the loop --
 
-    cdef int thread_main(self, GraphTask graph_task) except -1:
-        """Pop and run tasks until ``graph_task`` completes (forever for None)."""
-        cdef WorkerState worker = get_worker_state()
+    cdef int thread_main(self, WorkerState worker, GraphTask graph_task) except -1:
+        """Pop and run tasks until ``graph_task`` completes (forever for None).
+        ``worker``: this thread's state."""
         cdef ReadyQueue queue = worker.local_ready_queue
         cdef NodeTaskRecord record
         cdef GraphTask local_graph_task
@@ -508,7 +508,7 @@ cdef class Engine:
             worker.local_ready_queue = graph_task.cpu_ready_queue
             worker.total_depth = graph_task.reentrant_depth
             worker.current_depth = 0
-            self.thread_main(graph_task)
+            self.thread_main(worker, graph_task)
             worker.local_ready_queue = None
             worker.worker_device = NO_DEVICE
             graph_task = None
