@@ -222,8 +222,11 @@ _STEALABLE_REFCOUNT = 3
 def _can_steal(value) -> bool:
     """Whether nothing outside the engine can see ``value``, so that it may
     become ``.grad`` without a copy (PyTorch's use_count test)."""
-    return (type(value) is np.ndarray and value.base is None and value.flags.owndata
-            and value.flags.writeable and sys.getrefcount(value) <= _STEALABLE_REFCOUNT)
+    # Cheapest test first: a gradient someone else holds fails on the count.
+    if type(value) is not np.ndarray or sys.getrefcount(value) > _STEALABLE_REFCOUNT:
+        return False
+    flags = value.flags
+    return value.base is None and flags.owndata and flags.writeable
 
 
 def _no_owned_grad():

@@ -190,9 +190,11 @@ class LinearGraph:
         return pyengine.gradient_edge(self.tensor(ref))
 
 
-def build(spec, sequence_nrs=None, log=None, handed_out=None):
+def build(spec, sequence_nrs=None, log=None, handed_out=None, node_class=None):
     """Build the Nodes of ``spec``. ``sequence_nrs`` (one per op) overrides
-    the creation-order sequence numbers: the engine must be correct for any."""
+    the creation-order sequence numbers: the engine must be correct for any.
+    ``node_class`` may be a subclass of LinearNode."""
+    node_class = node_class or LinearNode
     leaves = [Leaf(np.zeros(d, dtype=F64), name=f"x{i}") for i, d in enumerate(spec.leaf_dims)]
     nodes = []
     values = []
@@ -209,7 +211,7 @@ def build(spec, sequence_nrs=None, log=None, handed_out=None):
         metadata = [None if i in op.unchecked_slots else ((d,), F64)
                     for i, d in enumerate(op.out_dims[:declared])]
         terms = [[(slot, _coefficient_array(c)) for slot, c in term_list] for term_list in op.terms]
-        node = LinearNode(next_edges, metadata, terms, tag=k, log=log, handed_out=handed_out)
+        node = node_class(next_edges, metadata, terms, tag=k, log=log, handed_out=handed_out)
         if sequence_nrs is not None:
             _core.set_sequence_nr(node, sequence_nrs[k])
         nodes.append(node)
@@ -404,9 +406,11 @@ def root_lists(spec, **kwargs):
     return _strategies()[1](spec, **kwargs)
 
 
-def root_grad_arrays(roots, read_only=True):
-    """The root gradients as float64 arrays, read-only by default so that any
-    write the engine makes into them raises."""
+def root_grad_arrays(roots, read_only=False):
+    """The root gradients as float64 arrays. Writable by default: numpy's
+    backend quietly adds out of place into a read-only array, so only a
+    writable one shows (by comparison with a copy) that the engine wrote
+    into an array it did not allocate."""
     arrays = []
     for _, vector in roots:
         array = np.array(vector, dtype=F64)

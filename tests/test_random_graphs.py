@@ -120,7 +120,7 @@ def test_backward_accumulates_exact_leaf_gradients(data):
     handed_out = [] if data.draw(st.booleans()) else None
     graph = lg.build(spec, data.draw(sequence_nrs(len(spec.ops))), handed_out=handed_out)
     tensors = [graph.tensor(ref) for ref, _ in roots]
-    root_arrays = lg.root_grad_arrays(roots)
+    root_arrays = lg.root_grad_arrays(roots, read_only=data.draw(st.booleans()))
     root_copies = [array.copy() for array in root_arrays]
     for r in range(repeats):
         pyengine.backward(tensors, grad_tensors=root_arrays, retain_graph=r < repeats - 1)
