@@ -20,8 +20,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import pyengine  # noqa: E402
 from minitensor import leaf  # noqa: E402
+
+import pyengine  # noqa: E402
 
 _ORIGINAL_ENGINE = pyengine.get_default_engine()
 

@@ -28,6 +28,7 @@ Value references (``ref``) are tuples: ``("leaf", i)`` or ``("op", k, out_nr)``.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -100,8 +101,6 @@ class LinearNode(pyengine.Node):
 
     def apply(self, grads):
         if self.log is not None:
-            import threading
-
             self.log.append((self.tag, threading.current_thread().name))
         outputs = []
         for term_list in self.terms:
@@ -519,3 +518,53 @@ def chain(n, leaf, coefficients):
         node = ScaleNode((edge,), coefficients(i))
         edge = pyengine.Edge(node, 0)
     return node
+
+
+# -- reentrant chains ------------------------------------------------------------------
+
+class ReentrantLevel(pyengine.Node):
+    """Level ``k`` of a reentrant chain (see :func:`reentrant_chain`)."""
+
+    __slots__ = ("k", "below", "below_leaf", "log", "error")
+
+    def __init__(self, k, leaf, below, below_leaf, log=None, error=None):
+        super().__init__(next_edges=(pyengine.gradient_edge(leaf),))
+        self.k = k
+        self.below = below
+        self.below_leaf = below_leaf
+        self.log = log
+        self.error = error
+
+    def name(self):
+        return f"ReentrantLevel[{self.k}]"
+
+    def apply(self, grads):
+        if self.log is not None:
+            thread = threading.current_thread()
+            self.log.append((self.k, thread.ident, thread.name))
+        if self.error is not None:
+            raise self.error
+        g = grads[0]
+        if self.below is None:
+            return [g]
+        (inner,) = pyengine.grad(Value(np.zeros(2), self.below, 0), self.below_leaf,
+                                 grad_outputs=g)
+        return [g + inner]
+
+
+def reentrant_chain(n, log=None, fail_at=None, error=None):
+    """Levels 1..n, each with its own leaf of shape (2,). Level k's node starts
+    a reentrant ``grad`` on level k - 1's graph and returns ``g + that``, so
+    level k returns ``k * g`` and a backward from level n gives its leaf
+    ``n * g`` (and no other leaf anything). ``log`` gets ``(k, thread ident,
+    thread name)`` per level run; level ``fail_at`` raises ``error``.
+    Returns ``(nodes, leaves)``, level 1 first."""
+    nodes, leaves = [], []
+    for k in range(1, n + 1):
+        leaf = Leaf(np.zeros(2), name=f"level{k}")
+        below, below_leaf = (nodes[-1], leaves[-1]) if nodes else (None, None)
+        nodes.append(ReentrantLevel(k, leaf, below, below_leaf, log,
+                                    error if k == fail_at else None))
+        leaves.append(leaf)
+    return nodes, leaves
+

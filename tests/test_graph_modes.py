@@ -51,7 +51,7 @@ def test_saved_values_are_released_after_backward():
     assert len(node.saved_values) == 2
     y.sum().backward()
     with pytest.raises(RuntimeError, match=re.escape(RELEASED)):
-        node.saved_values
+        _ = node.saved_values
 
 
 def test_retain_graph_runs_twice_and_accumulates_exactly(torch):

@@ -7,6 +7,12 @@ that pass the very array they got on to several consumers, and sequence
 numbers that need not follow the topology. The oracle is reverse accumulation
 over the spec in exact rational arithmetic; it is itself checked against
 PyTorch. Values are small integers or dyadic, so every comparison is exact.
+
+Besides the values, the tests check which nodes ran (computed from the spec):
+every node a root reaches runs exactly once per backward, after every node
+that feeds it; under ``grad(inputs=)`` only the nodes on a path to an input
+run, and under ``backward(inputs=)`` the inputs' own nodes too. Arrays the
+user passed and arrays nodes handed out are never written into.
 """
 
 import os
@@ -67,6 +73,44 @@ def _check_leaves(graph, expected, scale=1, only=None):
         assert lg.equal(leaf.grad, want), f"{ref}: {lg.describe(leaf.grad, want)}"
 
 
+def _reachable_ops(spec, roots):
+    """Ops whose node a root reaches through next edges (the spec's inputs)."""
+    stack = [ref[1] for ref, _ in roots if ref[0] == "op"]
+    seen = set()
+    while stack:
+        k = stack.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        stack.extend(ref[1] for ref in spec.ops[k].inputs if ref[0] == "op")
+    return seen
+
+
+def _leading_to(spec, targets):
+    """Ops with a path of at least one edge to a target: an op index, or a
+    leaf (its AccumulateGrad)."""
+    leads = set()
+    for k, op in enumerate(spec.ops):  # inputs refer to earlier ops only
+        for ref in op.inputs:
+            if ref[0] == "leaf" and ref in targets:
+                leads.add(k)
+            elif ref[0] == "op" and (("op", ref[1]) in targets or ref[1] in leads):
+                leads.add(k)
+    return leads
+
+
+def _check_run(spec, log, expected_ops):
+    """Each expected op ran exactly once, nothing else ran, and every node ran
+    before the nodes its gradients flow into."""
+    ran = [tag for tag, _ in log]
+    assert sorted(ran) == sorted(expected_ops), f"ran {sorted(ran)}, expected {sorted(expected_ops)}"
+    position = {k: i for i, k in enumerate(ran)}
+    for k in ran:
+        for ref in spec.ops[k].inputs:
+            if ref[0] == "op" and ref[1] in position:
+                assert position[k] < position[ref[1]], f"op {ref[1]} ran before its consumer {k}"
+
+
 # -- the oracle itself, against PyTorch -------------------------------------------------
 
 def _torch_leaf_grads(spec, roots):
@@ -117,13 +161,21 @@ def test_backward_accumulates_exact_leaf_gradients(data):
     spec, roots = data.draw(graph_and_roots())
     repeats = data.draw(st.integers(1, 2))
     assume(lg.exactness_bits(spec, roots, repeats) <= 53)
+    create_graph = data.draw(st.booleans())
     handed_out = [] if data.draw(st.booleans()) else None
-    graph = lg.build(spec, data.draw(sequence_nrs(len(spec.ops))), handed_out=handed_out)
+    log = []
+    graph = lg.build(spec, data.draw(sequence_nrs(len(spec.ops))), log=log,
+                     handed_out=handed_out)
     tensors = [graph.tensor(ref) for ref, _ in roots]
     root_arrays = lg.root_grad_arrays(roots, read_only=data.draw(st.booleans()))
     root_copies = [array.copy() for array in root_arrays]
+    reachable = _reachable_ops(spec, roots)
     for r in range(repeats):
-        pyengine.backward(tensors, grad_tensors=root_arrays, retain_graph=r < repeats - 1)
+        log.clear()
+        pyengine.backward(tensors, grad_tensors=root_arrays,
+                          retain_graph=True if create_graph else r < repeats - 1,
+                          create_graph=create_graph)
+        _check_run(spec, log, reachable)
     _check_leaves(graph, lg.oracle(spec, roots), scale=repeats)
     for values in graph.values:
         for value in values:
@@ -137,6 +189,7 @@ def test_backward_single_root_through_engine_execute(case):
     # Engine.execute called directly with Edges, one root.
     spec, roots = case
     roots = roots[:1]
+    assume(lg.exactness_bits(spec, roots) <= 53)
     engine = pyengine.get_default_engine()
     graph = lg.build(spec)
     ((ref, _),) = roots
@@ -166,12 +219,18 @@ def test_grad_captures_exact_gradients_anywhere_in_the_graph(data):
     inputs = data.draw(input_refs(spec))
     assume(lg.exactness_bits(spec, roots) <= 53)
     handed_out = [] if data.draw(st.booleans()) else None
-    graph = lg.build(spec, data.draw(sequence_nrs(len(spec.ops))), handed_out=handed_out)
+    log = []
+    graph = lg.build(spec, data.draw(sequence_nrs(len(spec.ops))), log=log,
+                     handed_out=handed_out)
     tensors = [graph.tensor(ref) for ref, _ in roots]
     root_arrays = lg.root_grad_arrays(roots)
     root_copies = [array.copy() for array in root_arrays]
     results = pyengine.grad(tensors, _input_objects(graph, inputs), grad_outputs=root_arrays,
                             allow_unused=True)
+    # Only the nodes on a path to an input run; an input's own node only
+    # captures, unless it leads to another input.
+    targets = {ref if ref[0] == "leaf" else ref[:2] for ref, _ in inputs}
+    _check_run(spec, log, _reachable_ops(spec, roots) & _leading_to(spec, targets))
     expected = lg.oracle(spec, roots)
     assert len(results) == len(inputs)
     for (ref, as_edge), result in zip(inputs, results):
@@ -190,6 +249,7 @@ def test_grad_captures_exact_gradients_anywhere_in_the_graph(data):
 def test_grad_without_allow_unused_raises_exactly_when_an_input_is_unreached(data):
     spec, roots = data.draw(graph_and_roots())
     inputs = data.draw(input_refs(spec, max_size=3))
+    assume(lg.exactness_bits(spec, roots) <= 53)
     expected = lg.oracle(spec, roots)
     graph = lg.build(spec)
     tensors = [graph.tensor(ref) for ref, _ in roots]
@@ -209,6 +269,7 @@ def test_grad_without_allow_unused_raises_exactly_when_an_input_is_unreached(dat
 def test_grad_twice_on_a_retained_graph_gives_the_same_result(data):
     spec, roots = data.draw(graph_and_roots())
     inputs = data.draw(input_refs(spec, max_size=3))
+    assume(lg.exactness_bits(spec, roots) <= 53)
     graph = lg.build(spec)
     tensors = [graph.tensor(ref) for ref, _ in roots]
     expected = lg.oracle(spec, roots)
@@ -228,10 +289,15 @@ def test_backward_inputs_accumulates_only_into_the_inputs(data):
     spec, roots = data.draw(graph_and_roots())
     inputs = data.draw(input_refs(spec))
     assume(lg.exactness_bits(spec, roots) <= 53)
-    graph = lg.build(spec, data.draw(sequence_nrs(len(spec.ops))))
+    log = []
+    graph = lg.build(spec, data.draw(sequence_nrs(len(spec.ops))), log=log)
     tensors = [graph.tensor(ref) for ref, _ in roots]
     pyengine.backward(tensors, grad_tensors=lg.root_grad_arrays(roots),
                       inputs=_input_objects(graph, inputs))
+    # The nodes on a path to an input run, and so do the inputs' own nodes.
+    targets = {ref if ref[0] == "leaf" else ref[:2] for ref, _ in inputs}
+    own = {ref[1] for ref, _ in inputs if ref[0] == "op"}
+    _check_run(spec, log, _reachable_ops(spec, roots) & (_leading_to(spec, targets) | own))
     expected = lg.oracle(spec, roots)
     # Leaves named as tensors or as their accumulator's edge accumulate.
     leaf_inputs = {ref for ref, _ in inputs if ref[0] == "leaf"}

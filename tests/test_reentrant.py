@@ -1,0 +1,341 @@
+"""Reentrant backward: a node whose ``apply`` calls ``pyengine.backward`` or
+``pyengine.grad``. See Note [Reentrant backward].
+
+Oracles: exact gradients (small integers; ``linear_graphs`` for the inner
+graphs), an exact log of which node ran when and on which thread, and the
+depth rule of PyTorch's engine: a reentrant graph task runs inline on the
+thread that started it while that thread is fewer than
+``max_recursion_depth`` levels deep; past that it goes to a pool thread
+(named "pyengine-reentrant"), which again runs ``max_recursion_depth`` levels
+inline before handing off.
+"""
+
+import os
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import linear_graphs as lg  # noqa: E402
+
+import pyengine  # noqa: E402
+from pyengine._core import set_sequence_nr  # noqa: E402
+
+G = np.array([1.0, 2.0])
+
+
+class Fn(pyengine.Node):
+    """A node whose apply is ``fn(grads)``, logged as ``tag``."""
+
+    def __init__(self, tag, next_edges, fn, log=None):
+        super().__init__(next_edges=next_edges)
+        self.tag = tag
+        self.fn = fn
+        self.log = log
+
+    def apply(self, grads):
+        if self.log is not None:
+            self.log.append(self.tag)
+        return self.fn(grads)
+
+
+def value(node, output_nr=0, shape=(2,)):
+    return lg.Value(np.zeros(shape), node, output_nr)
+
+
+def leaf(shape=(2,)):
+    return lg.Leaf(np.zeros(shape))
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.fixture
+def engine_with_depth():
+    """Swap in an Engine with a given max_recursion_depth; restore the default."""
+    previous = []
+
+    def make(depth):
+        engine = pyengine.Engine(max_recursion_depth=depth)
+        previous.append(pyengine.set_default_engine(engine))
+        return engine
+
+    yield make
+    for engine in reversed(previous):
+        pyengine.set_default_engine(engine)
+
+
+# -- results -------------------------------------------------------------------------------
+
+def test_reentrant_grad_and_backward_results_are_exact():
+    spec, roots, expected = lg.seeded_case(5, n_ops=20, min_reached_leaves=2)
+    inner = lg.build(spec)
+    refs = [ref for ref in spec.all_refs() if expected[ref] is not None]
+    total = sum(float(sum(expected[ref])) for ref in refs)
+    calls = []
+
+    def reentrant(grads):
+        results = pyengine.grad([inner.tensor(ref) for ref, _ in roots],
+                                [inner.tensor(ref) for ref in refs],
+                                grad_outputs=lg.root_grad_arrays(roots), retain_graph=True)
+        for ref, got in zip(refs, results):
+            assert lg.equal(got, expected[ref]), lg.describe(got, expected[ref])
+        pyengine.backward([inner.tensor(ref) for ref, _ in roots],
+                          grad_tensors=lg.root_grad_arrays(roots), retain_graph=True)
+        calls.append(1)
+        extra = sum(float(np.sum(r)) for r in results)
+        return [grads[0] * 2 + extra, grads[0]]
+
+    x, y = leaf(), leaf()
+    node = Fn("R", (pyengine.gradient_edge(x), pyengine.gradient_edge(y)), reentrant)
+    # Two roots on the same reentrant node, and a repeat with retain_graph.
+    out = value(node)
+    pyengine.backward([out, out], grad_tensors=[G, 3 * G], retain_graph=True)
+    pyengine.backward(out, grad_tensors=G)
+    assert len(calls) == 2
+    assert (x.grad == (8 * G + total) + (2 * G + total)).all()
+    assert (y.grad == 5 * G).all()
+    # The inner backward calls accumulated into the inner leaves, twice.
+    for i, inner_leaf in enumerate(inner.leaves):
+        want = expected[("leaf", i)]
+        assert lg.equal(inner_leaf.grad, None if want is None else [2 * v for v in want])
+
+
+def test_nested_reentrant_grad_of_grad_levels():
+    # Level k returns k * g by adding g to the reentrant grad of level k - 1.
+    levels = _level_chain(5, log=None)
+    x = levels.leaves[-1]
+    pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert (x.grad == 5 * G).all()
+    assert all(other.grad is None for other in levels.leaves[:-1])
+
+
+# -- order ---------------------------------------------------------------------------------
+
+def test_reentrant_tasks_run_before_the_parents_queued_tasks():
+    log = []
+    sink = leaf()
+    acc = pyengine.gradient_edge(sink)
+    # The inner graph's nodes have the lowest sequence numbers of all, so only
+    # their reentrant depth can make them run before the parent's B.
+    c2 = Fn("C2", (acc,), lambda g: [g[0]], log)
+    c1 = Fn("C1", (pyengine.Edge(c2, 0),), lambda g: [g[0]], log)
+    set_sequence_nr(c2, 0)
+    set_sequence_nr(c1, 1)
+
+    def a_apply(grads):
+        log.append("A:start")
+        (got,) = pyengine.grad(value(c1), value(c2), grad_outputs=grads[0], retain_graph=True)
+        log.append("A:end")
+        return [grads[0] + got]
+
+    x = leaf()
+    a = Fn("A", (pyengine.gradient_edge(x),), a_apply)
+    b = Fn("B", (pyengine.gradient_edge(x),), lambda g: [g[0]], log)
+    d = Fn("D", (pyengine.gradient_edge(x),), lambda g: [g[0]], log)
+    root = Fn("R", (pyengine.Edge(a, 0), pyengine.Edge(b, 0), pyengine.Edge(d, 0)),
+              lambda g: [g[0]] * 3, log)
+    set_sequence_nr(d, 100)
+    set_sequence_nr(b, 1000)
+    set_sequence_nr(a, 2000)
+    set_sequence_nr(root, 3000)
+    pyengine.backward(value(root), grad_tensors=G)
+    assert log == ["R", "A:start", "C1", "A:end", "B", "D"]
+    assert (x.grad == 4 * G).all()
+    assert sink.grad is None
+
+
+def test_reentrant_backward_runs_the_whole_child_before_the_parent_continues():
+    log = []
+    inner_leaf = leaf()
+    inner_acc = pyengine.gradient_edge(inner_leaf)
+    # A child graph with fan-out and fan-in: I -> (J, K) -> L -> leaf.
+    l_node = Fn("L", (inner_acc,), lambda g: [g[0]], log)
+    j = Fn("J", (pyengine.Edge(l_node, 0),), lambda g: [2 * g[0]], log)
+    k = Fn("K", (pyengine.Edge(l_node, 0),), lambda g: [3 * g[0]], log)
+    i_node = Fn("I", (pyengine.Edge(j, 0), pyengine.Edge(k, 0)), lambda g: [g[0], g[0]], log)
+    for node, nr in ((l_node, 1), (j, 2), (k, 3), (i_node, 4)):
+        set_sequence_nr(node, nr)
+
+    def a_apply(grads):
+        log.append("A:start")
+        pyengine.backward(value(i_node), grad_tensors=grads[0], retain_graph=True)
+        log.append("A:end")
+        return [grads[0]]
+
+    x = leaf()
+    a = Fn("A", (pyengine.gradient_edge(x),), a_apply)
+    b = Fn("B", (pyengine.gradient_edge(x),), lambda g: [g[0]], log)
+    root = Fn("R", (pyengine.Edge(a, 0), pyengine.Edge(b, 0)), lambda g: [g[0], g[0]], log)
+    set_sequence_nr(b, 10)
+    set_sequence_nr(a, 20)
+    set_sequence_nr(root, 30)
+    pyengine.backward(value(root), grad_tensors=G)
+    assert log == ["R", "A:start", "I", "K", "J", "L", "A:end", "B"]
+    assert (inner_leaf.grad == 5 * G).all()
+    assert (x.grad == 2 * G).all()
+
+
+# -- depth -----------------------------------------------------------------------------------
+
+def _level_chain(n, log):
+    """See linear_graphs.reentrant_chain: level k returns k * g."""
+    nodes, leaves = lg.reentrant_chain(n, log)
+    return _Levels(nodes, leaves)
+
+
+class _Levels:
+    def __init__(self, nodes, leaves):
+        self.nodes = nodes
+        self.leaves = leaves
+
+
+def _check_depth_rule(log, n, max_depth, caller):
+    # log is in call order: level n first (depth 0), level 1 last.
+    assert [k for k, _, _ in log] == list(range(n, 0, -1))
+    per_thread = max_depth + 1
+    blocks = [log[i:i + per_thread] for i in range(0, n, per_thread)]
+    idents = []
+    for b, block in enumerate(blocks):
+        assert len({ident for _, ident, _ in block}) == 1, \
+            f"levels {block[0][0]}..{block[-1][0]} ran on several threads"
+        ident, name = block[0][1], block[0][2]
+        if b == 0:
+            assert ident == caller.ident, "the first levels did not run inline on the caller"
+        else:
+            assert name == "pyengine-reentrant", f"depth {b * per_thread} ran on {name}"
+            assert ident != caller.ident
+        idents.append(ident)
+    # A blocked pool thread cannot take another level: each block has its own thread.
+    assert len(set(idents)) == len(blocks)
+
+
+def test_default_max_recursion_depth_is_60():
+    assert pyengine.Engine().max_recursion_depth == 60
+
+
+def test_reentrant_chain_1000_levels_deep_goes_through_pool_threads():
+    n = 1000
+    log = []
+    levels = _level_chain(n, log)
+    top = levels.leaves[-1]
+    pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert (top.grad == n * G).all()
+    assert all(x.grad is None for x in levels.leaves[:-1])
+    max_depth = pyengine.get_default_engine().max_recursion_depth
+    _check_depth_rule(log, n, max_depth, threading.current_thread())
+    # And again: the pool threads are reused or replaced; the result is the same.
+    log.clear()
+    levels = _level_chain(n, log)
+    pyengine.backward(value(levels.nodes[-1]), grad_tensors=2 * G)
+    assert (levels.leaves[-1].grad == 2 * n * G).all()
+    _check_depth_rule(log, n, max_depth, threading.current_thread())
+
+
+@pytest.mark.parametrize("max_depth", [0, 1, 3])
+def test_depth_rule_with_a_small_limit(engine_with_depth, max_depth):
+    engine_with_depth(max_depth)
+    n = 25
+    log = []
+    levels = _level_chain(n, log)
+    pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert (levels.leaves[-1].grad == n * G).all()
+    _check_depth_rule(log, n, max_depth, threading.current_thread())
+
+
+def test_reentrant_from_a_thread_other_than_main():
+    result = []
+
+    def run():
+        log = []
+        levels = _level_chain(150, log)
+        pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+        _check_depth_rule(log, 150, pyengine.get_default_engine().max_recursion_depth,
+                          threading.current_thread())
+        result.append(levels.leaves[-1].grad)
+
+    thread = threading.Thread(target=run, name="caller")
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive()
+    assert len(result) == 1 and (result[0] == 150 * G).all()
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+def _failing_chain(n, fail_at, exception):
+    """Like _level_chain, but level ``fail_at`` raises ``exception``."""
+    return _Levels(*lg.reentrant_chain(n, fail_at=fail_at, error=exception))
+
+
+def _engine_still_works():
+    spec, roots, expected = lg.seeded_case(9, n_ops=15)
+    graph = lg.build(spec)
+    pyengine.backward([graph.tensor(ref) for ref, _ in roots],
+                      grad_tensors=lg.root_grad_arrays(roots))
+    for i, x in enumerate(graph.leaves):
+        assert lg.equal(x.grad, expected[("leaf", i)])
+    levels = _level_chain(200, None)
+    pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert (levels.leaves[-1].grad == 200 * G).all()
+
+
+@pytest.mark.parametrize("n, fail_at", [(2, 1), (10, 1), (10, 5), (300, 1), (300, 150)])
+def test_exception_in_a_child_reaches_the_outer_caller_with_its_type(n, fail_at):
+    error = Boom(f"level {fail_at}")
+    levels = _failing_chain(n, fail_at, error)
+    with pytest.raises(Boom, match=f"^level {fail_at}$") as info:
+        pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert info.value is error
+    assert levels.leaves[-1].grad is None
+    _engine_still_works()
+
+
+def test_exception_in_a_child_on_a_pool_thread_with_a_small_limit(engine_with_depth):
+    engine_with_depth(2)
+    levels = _failing_chain(12, 1, KeyError("deep"))
+    with pytest.raises(KeyError):
+        pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    _engine_still_works()
+
+
+def test_parent_that_catches_the_child_error_continues_and_the_child_stops():
+    log = []
+    inner_leaf = leaf()
+    inner_acc = pyengine.gradient_edge(inner_leaf)
+    y = Fn("Y", (inner_acc,), lambda g: [g[0]], log)
+
+    def x_apply(grads):
+        raise Boom("X")
+
+    x_node = Fn("X", (inner_acc,), x_apply, log)
+    i_node = Fn("I", (pyengine.Edge(x_node, 0), pyengine.Edge(y, 0)), lambda g: [g[0], g[0]], log)
+    set_sequence_nr(y, 1)
+    set_sequence_nr(x_node, 2)
+    set_sequence_nr(i_node, 3)
+
+    def a_apply(grads):
+        log.append("A:start")
+        try:
+            pyengine.backward(value(i_node), grad_tensors=grads[0])
+        except Boom:
+            log.append("A:caught")
+        return [grads[0]]
+
+    out_leaf = leaf()
+    a = Fn("A", (pyengine.gradient_edge(out_leaf),), a_apply)
+    b = Fn("B", (pyengine.gradient_edge(out_leaf),), lambda g: [3 * g[0]], log)
+    root = Fn("R", (pyengine.Edge(a, 0), pyengine.Edge(b, 0)), lambda g: [g[0], g[0]], log)
+    set_sequence_nr(b, 10)
+    set_sequence_nr(a, 20)
+    set_sequence_nr(root, 30)
+    pyengine.backward(value(root), grad_tensors=G)
+    # Y was queued when X failed: it never runs, not even in the parent's loop.
+    assert log == ["R", "A:start", "I", "X", "A:caught", "B"]
+    assert inner_leaf.grad is None
+    assert (out_leaf.grad == 4 * G).all()
+    _engine_still_works()
