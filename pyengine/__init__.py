@@ -22,7 +22,14 @@ from .autograd import (
 )
 from .backends import ArrayBackend, backend_of, register_backend
 from .device import CPU, Device
-from .engine import Engine, get_default_engine, queue_callback, set_default_engine
+from .engine import (
+    Engine,
+    get_default_engine,
+    is_multithreading_enabled,
+    queue_callback,
+    set_default_engine,
+    set_multithreading_enabled,
+)
 from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from .node import AccumulateGrad, Edge, Node, RemovableHandle
 
@@ -54,6 +61,7 @@ __all__ = [
     "is_anomaly_enabled",
     "is_checkpoint_valid",
     "is_grad_enabled",
+    "is_multithreading_enabled",
     "no_grad",
     "queue_callback",
     "register_backend",
@@ -63,4 +71,5 @@ __all__ = [
     "set_default_engine",
     "set_detect_anomaly",
     "set_grad_enabled",
+    "set_multithreading_enabled",
 ]

@@ -59,3 +59,5 @@ is_anomaly_enabled = state_module.is_anomaly_enabled
 is_anomaly_check_nan_enabled = state_module.is_anomaly_check_nan_enabled
 set_anomaly_enabled = state_module.set_anomaly_enabled
 is_checkpoint_valid = state_module.is_checkpoint_valid
+is_multithreading_enabled = state_module.is_multithreading_enabled
+set_multithreading_enabled = state_module.set_multithreading_enabled

@@ -37,7 +37,7 @@ from libcpp.vector cimport vector
 from pyengine._graph_task cimport GraphTask, NodePtr
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._locks cimport lock_releasing_gil
-from pyengine._node cimport Edge, InputMetadata, NodeBase
+from pyengine._node cimport Edge, InputMetadata, NodeBase, on_cpu
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
 from pyengine._state cimport ThreadState, anomaly_check_nan, anomaly_enabled, thread_state
 
@@ -45,10 +45,15 @@ import atexit
 import os
 import threading
 
+from pyengine import streams as _streams
 from pyengine._pure import hooks as _hooks
+from pyengine._pure.engine import _DeviceThreads
+from pyengine._pure.node import node_device
 from pyengine._pure.validate_outputs import validate_gradient
 
 cnp.import_array()
+
+from pyengine.device import CPU as _CPU
 
 # worker_device values: the thread runs no engine loop, or the CPU loop.
 # Device workers use the device index.
@@ -233,10 +238,12 @@ cdef class Engine:
     see :func:`pyengine.get_default_engine`."""
     cdef public int max_recursion_depth
     cdef _ThreadPoolShared _pool
+    cdef object _devices
 
     def __init__(self, int max_recursion_depth=MAX_RECURSION_DEPTH):
         self.max_recursion_depth = max_recursion_depth
         self._pool = _ThreadPoolShared()
+        self._devices = _DeviceThreads()
 
     # -- entry point --
 
@@ -264,7 +271,7 @@ cdef class Engine:
             worker.local_ready_queue = ReadyQueue()
         cdef GraphTask graph_task = GraphTask(
             keep, grad_mode, 0 if worker.worker_device == NO_DEVICE else worker.total_depth + 1,
-            worker.local_ready_queue)
+            worker.local_ready_queue, False, thread_state().multithreading_enabled)
 
         # A single root starts the task itself; several hang off a GraphRoot.
         cdef NodeBase graph_root
@@ -297,7 +304,7 @@ cdef class Engine:
         """Queue the root task and drive the graph task: inline on this thread,
         or on a pool thread past the reentrant depth limit. ``worker``: this
         thread's state."""
-        cdef ReadyQueue queue = graph_task.cpu_ready_queue
+        cdef ReadyQueue queue = self.route(graph_task, graph_root, inputs)
         if worker.worker_device == NO_DEVICE:
             # Not inside the engine: this thread drives the graph task.
             # See Note [CPU work runs on the caller].
@@ -371,7 +378,8 @@ cdef class Engine:
                 local_graph_task.mark_as_completed_and_run_post_processing()
                 if worker.worker_device != local_graph_task.owner:
                     # The owner may sleep in pop(): wake it up.
-                    local_graph_task.cpu_ready_queue.push_record(
+                    self.ready_queue_by_index(local_graph_task.cpu_ready_queue,
+                                              local_graph_task.owner).push_record(
                         make_record(local_graph_task, None, None, 0, 0))
         if graph_task is not None and graph_task.has_error_.load():
             queue.discard_graph_task(graph_task)
@@ -397,15 +405,26 @@ cdef class Engine:
                             graph_task.captured_vars[output_idx] = inputs[input_nr]
                 finally:
                     graph_task.mutex_.unlock()
+                if node._stream is not None:
+                    graph_task.add_leaf_stream(node._stream)
             if not info.needed:
                 return 0
 
-        cdef list outputs = call_function(graph_task, node, inputs)
+        cdef object producer_stream = node._stream
+        cdef list outputs
+        if producer_stream is None:
+            outputs = call_function(graph_task, node, inputs)
+        else:
+            # See Note [Streaming backwards]: apply runs on the node's stream.
+            with _streams.stream_guard(producer_stream):
+                outputs = call_function(graph_task, node, inputs)
         if not graph_task.keep_graph:
             node.release_variables()
             node._released = True
         cdef Py_ssize_t num_outputs = PyList_GET_SIZE(outputs)
         if num_outputs == 0:
+            if producer_stream is not None:
+                graph_task.add_leaf_stream(producer_stream)
             return 0
         if anomaly_enabled() and anomaly_check_nan():
             _hooks.check_nan(node, outputs)
@@ -434,31 +453,92 @@ cdef class Engine:
                 is_ready = remaining == 1
 
                 buffered = graph_task.not_ready_.find(key)
+                streamed = producer_stream is not None or next_node._stream is not None
                 if buffered == graph_task.not_ready_.end():
                     if exec_info and not _should_execute(exec_info, next_node):
                         continue
-                    if is_ready:
+                    if is_ready and not streamed:
                         # Its only gradient: what InputBuffer's first add would
                         # hold, without the InputBuffer.
-                        push_task(cpu_ready_queue, graph_task, next_node,
-                                  single_gradient(PyList_GET_SIZE(next_node._input_metadata),
-                                                  edge.input_nr, <object>PyList_GET_ITEM(outputs, i)))
-                    else:
-                        input_buffer = new_input_buffer(PyList_GET_SIZE(next_node._input_metadata))
-                        input_buffer.add(edge.input_nr, <object>PyList_GET_ITEM(outputs, i), grad_mode)
+                        gradients = single_gradient(PyList_GET_SIZE(next_node._input_metadata),
+                                                    edge.input_nr, <object>PyList_GET_ITEM(outputs, i))
+                        push_task(self.route(graph_task, next_node, gradients), graph_task,
+                                  next_node, gradients)
+                        continue
+                    input_buffer = new_input_buffer(PyList_GET_SIZE(next_node._input_metadata))
+                    if not is_ready:
                         Py_INCREF(input_buffer)
                         graph_task.not_ready_[key] = <PyObject*>input_buffer
                 else:
                     input_buffer = <InputBuffer>deref(buffered).second
-                    input_buffer.add(edge.input_nr, <object>PyList_GET_ITEM(outputs, i), grad_mode)
                     if is_ready:
                         graph_task.not_ready_.erase(buffered)
-                        push_task(cpu_ready_queue, graph_task, next_node, input_buffer.buffer)
                         # The map's reference; input_buffer still holds one.
                         Py_DECREF(input_buffer)
+                if streamed:
+                    accumulate_on_streams(input_buffer, edge.input_nr,
+                                          <object>PyList_GET_ITEM(outputs, i), grad_mode,
+                                          producer_stream, next_node._stream)
+                else:
+                    input_buffer.add(edge.input_nr, <object>PyList_GET_ITEM(outputs, i), grad_mode)
+                if is_ready:
+                    push_task(self.route(graph_task, next_node, input_buffer.buffer), graph_task,
+                              next_node, input_buffer.buffer)
         finally:
             graph_task.mutex_.unlock()
         return 0
+
+    # -- devices --
+
+    cdef ReadyQueue route(self, GraphTask graph_task, NodeBase node, list gradients):
+        """The queue ``node``'s task goes to: its device's worker, or, on the
+        CPU or with multithreading disabled, the graph task's CPU queue."""
+        if not graph_task.multithreading:
+            return graph_task.cpu_ready_queue
+        if on_cpu(node._input_metadata):
+            for i in range(PyList_GET_SIZE(gradients)):
+                gradient = <object>PyList_GET_ITEM(gradients, i)
+                if gradient is not None and type(gradient) is not cnp.ndarray:
+                    break
+            else:
+                return graph_task.cpu_ready_queue
+        return self.ready_queue(graph_task, node_device(node, gradients))
+
+    def ready_queue(self, GraphTask graph_task, device):
+        """The queue a task of ``graph_task`` for ``device`` goes to, starting
+        the device's worker thread on first use."""
+        if device == _CPU or not graph_task.multithreading:
+            return graph_task.cpu_ready_queue
+        devices = self._devices
+        with devices.lock:
+            if devices.stopping:
+                raise RuntimeError(f"cannot run a task on {device}: the engine's device "
+                                   "threads have stopped (interpreter shutdown)")
+            devices.graph_tasks.add(graph_task)
+            device_id = devices.ids.get(device)
+            if device_id is None:
+                device_id = devices.ids[device] = len(devices.devices)
+                queue = ReadyQueue()
+                thread = threading.Thread(target=self._device_thread_main, args=(device_id, queue),
+                                          name=f"pyengine-{device}", daemon=True)
+                devices.devices.append(device)
+                devices.queues.append(queue)
+                devices.threads.append(thread)
+                thread.start()
+            return devices.queues[device_id]
+
+    cdef ReadyQueue ready_queue_by_index(self, ReadyQueue cpu_ready_queue, int device_id):
+        """The queue of the thread whose ``worker_device`` is ``device_id``."""
+        if device_id == CPU_DEVICE:
+            return cpu_ready_queue
+        with self._devices.lock:
+            return self._devices.queues[device_id]
+
+    def _device_thread_main(self, int device_id, ReadyQueue queue):
+        cdef WorkerState worker = get_worker_state()
+        worker.worker_device = device_id
+        worker.local_ready_queue = queue
+        self.thread_main(worker, None)
 
     # -- reentrant pool --
 
@@ -514,19 +594,39 @@ cdef class Engine:
             graph_task = None
 
     def stop(self, timeout=1.0):
-        """Stop the pool threads (at interpreter exit)."""
+        """Stop the device and pool threads (at interpreter exit). A backward
+        still waiting for device work fails with a RuntimeError instead of
+        waiting forever."""
+        devices = self._devices
+        with devices.lock:
+            devices.stopping = True
+            in_flight = list(devices.graph_tasks)
+            device_queues = list(devices.queues)
+            device_threads = list(devices.threads)
+        error = RuntimeError("pyengine's device threads stopped (interpreter shutdown) while "
+                             "this backward was running")
+        cdef GraphTask graph_task
+        for task in in_flight:
+            graph_task = <GraphTask>task
+            if not graph_task.future_completed_.load():
+                graph_task.set_exception(error)
+                self.ready_queue_by_index(graph_task.cpu_ready_queue, graph_task.owner).push_record(
+                    make_record(graph_task, None, None, 0, 0))
+        for queue in device_queues:
+            (<ReadyQueue>queue).push_shutdown()
         cdef _ThreadPoolShared pool = self._pool
         lock_releasing_gil(pool.mutex_)
         pool.stopping = True
         pool.mutex_.unlock()
         pool.work.notify_all()
-        for thread in list(pool.threads):
+        for thread in device_threads + list(pool.threads):
             thread.join(timeout)
 
     def _reset_after_fork(self):
-        # The child has only the forking thread: the pool's threads are gone,
-        # and its mutex may have been held by one of them.
+        # The child has only the forking thread: the pool's and the devices'
+        # threads are gone, and their mutexes may have been held by them.
         self._pool = _ThreadPoolShared()
+        self._devices = _DeviceThreads()
 
     # -- callbacks --
 
@@ -543,6 +643,17 @@ cdef inline void push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node
     graph_task.outstanding_tasks_.fetch_add(1)
     queue.push_record(make_record(graph_task, node, inputs, graph_task.reentrant_depth,
                                   node._sequence_nr))
+
+
+cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, object gradient,
+                               bint grad_mode, object producer_stream,
+                               object consumer_stream) except -1:
+    """Add a gradient into a consumer's buffer on the consumer's stream, once
+    that stream waited for the producer's. See Note [Streaming backwards]."""
+    _streams.sync_streams(consumer_stream, producer_stream)
+    with _streams.stream_guard(consumer_stream):
+        input_buffer.add(input_nr, gradient, grad_mode)
+    return 0
 
 
 cdef list single_gradient(Py_ssize_t num_inputs, Py_ssize_t input_nr, object gradient):

@@ -25,6 +25,8 @@ cdef class GraphTask:
     cdef readonly int reentrant_depth
     cdef readonly ReadyQueue cpu_ready_queue
     cdef readonly bint exit_on_error
+    cdef readonly bint multithreading
+    cdef readonly dict caller_current_streams
     cdef public int owner
     cdef public object graph_root
     cdef public dict exec_info
@@ -50,5 +52,8 @@ cdef class GraphTask:
 
     # Appended and iterated under the GIL.
     cdef public list final_callbacks
+
+    # Device threads keep weak references to graph tasks that sent them work.
+    cdef object __weakref__
 
     cdef void clear_not_ready(self) noexcept

@@ -11,6 +11,8 @@ class GraphTask:
     reentrant_depth: int
     cpu_ready_queue: ReadyQueue
     exit_on_error: bool
+    multithreading: bool
+    caller_current_streams: dict[Any, Any]
     owner: int
     graph_root: Any
     exec_info: dict[int, Any]
@@ -18,7 +20,9 @@ class GraphTask:
     leaf_streams: list[Any]
     final_callbacks: list[Callable[[], Any]]
     def __init__(self, keep_graph: bool, grad_mode: bool, reentrant_depth: int,
-                 cpu_ready_queue: ReadyQueue, exit_on_error: bool = ...) -> None: ...
+                 cpu_ready_queue: ReadyQueue, exit_on_error: bool = ...,
+                 multithreading: bool = ...) -> None: ...
+    def add_leaf_stream(self, stream: Any) -> None: ...
     @property
     def outstanding_tasks(self) -> int: ...
     @property

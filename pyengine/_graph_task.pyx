@@ -16,6 +16,7 @@ from pyengine._ready_queue cimport ReadyQueue
 from pyengine._state cimport ThreadState, thread_state
 
 from pyengine._pure import graph_task as _twin
+from pyengine.streams import current_streams
 
 
 @cython.final
@@ -23,12 +24,14 @@ cdef class GraphTask:
     """See the twin's docstring for each field; the .pxd says how each is guarded."""
 
     def __init__(self, bint keep_graph, bint grad_mode, int reentrant_depth,
-                 ReadyQueue cpu_ready_queue, bint exit_on_error=False):
+                 ReadyQueue cpu_ready_queue, bint exit_on_error=False, bint multithreading=True):
         self.keep_graph = keep_graph
         self.grad_mode = grad_mode
         self.reentrant_depth = reentrant_depth
         self.cpu_ready_queue = cpu_ready_queue
         self.exit_on_error = exit_on_error
+        self.multithreading = multithreading
+        self.caller_current_streams = current_streams()
         self.owner = -2
         self.exec_info = {}
         self.captured_vars = []
@@ -77,6 +80,15 @@ cdef class GraphTask:
         """All tasks ran (or failed, when the task exits on the first error)."""
         return self.outstanding_tasks_.load() == 0 or (self.exit_on_error and self.has_error_.load())
 
+    def add_leaf_stream(self, stream):
+        """Remember a stream a leaf gradient was written on (under ``mutex_``)."""
+        lock_releasing_gil(self.mutex_)
+        try:
+            if all(stream is not known for known in self.leaf_streams):
+                self.leaf_streams.append(stream)
+        finally:
+            self.mutex_.unlock()
+
     def can_checkpoint(self):
         """A reentrant checkpoint needs every node to run: no pruning."""
         return not self.exec_info
@@ -124,7 +136,10 @@ cdef class GraphTask:
         self.completion_mutex.unlock()
 
     def exec_post_processing(self):
-        """Run final callbacks; a callback may queue more, which run too."""
+        """Make the caller's streams wait on the leaf streams, then run final
+        callbacks; a callback may queue more, which run too."""
+        if self.leaf_streams:
+            _twin.sync_leaf_streams(self)
         cdef ThreadState* thread = thread_state()
         cdef PyObject* previous = thread.current_graph_task
         thread.current_graph_task = <PyObject*>self

@@ -10,6 +10,7 @@ cdef class InputMetadata:
     cdef readonly tuple shape
     cdef readonly object dtype
     cdef readonly object device
+    cdef readonly bint is_cpu
     # For validate_outputs' numpy fast path: set when dtype is a numpy dtype
     # and device is the CPU; immutable after construction.
     cdef cnp.dtype numpy_dtype
@@ -37,3 +38,6 @@ cdef class NodeBase:
 cdef class Edge:
     cdef readonly NodeBase node
     cdef readonly Py_ssize_t input_nr
+
+
+cdef bint on_cpu(list input_metadata) noexcept

@@ -13,6 +13,7 @@ class InputMetadata:
     shape: tuple[int, ...]
     dtype: Any
     device: Device
+    is_cpu: bool
     def __init__(self, shape: Iterable[int], dtype: Any, device: Device = ...) -> None: ...
     @classmethod
     def from_value(cls, value: Any) -> InputMetadata: ...

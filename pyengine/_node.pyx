@@ -18,6 +18,8 @@ import numpy as np
 from pyengine.backends import backend_of
 from pyengine.device import CPU
 
+from pyengine._pure.node import _creation_stream
+
 cnp.import_array()
 
 # AccumulateGrad sorts before every other node: See Note [AccumulateGrad first].
@@ -58,6 +60,7 @@ cdef class InputMetadata:
         self.shape = tuple([int(size) for size in shape])
         self.dtype = _normalize_dtype(dtype)
         self.device = device
+        self.is_cpu = device == CPU
         # Only a floating or complex slot may take the fast path: any gradient
         # for another kind of slot is an error that the slow path reports.
         if isinstance(self.dtype, np.dtype) and self.dtype.kind in "fc" and device == CPU:
@@ -127,6 +130,14 @@ cdef class Edge:
         return f"Edge({self.node.name()}, {self.input_nr})"
 
 
+cdef bint on_cpu(list input_metadata) noexcept:
+    """Whether every input slot with metadata is on the CPU."""
+    for metadata in input_metadata:
+        if metadata is not None and not (<InputMetadata>metadata).is_cpu:
+            return False
+    return True
+
+
 cdef tuple _check_next_edges(next_edges):
     next_edges = tuple(next_edges)
     for i, edge in enumerate(next_edges):
@@ -150,6 +161,8 @@ cdef class NodeBase:
         self._input_metadata = [as_input_metadata(spec) for spec in input_metadata]
         self._sequence_nr = pyengine_next_sequence_nr
         pyengine_next_sequence_nr += 1
+        if not on_cpu(self._input_metadata):
+            self._stream = _creation_stream(self._input_metadata)
         self._initialized = True
         if anomaly_enabled():
             _record_forward_traceback(self)
@@ -176,6 +189,8 @@ cdef class NodeBase:
     def add_input_metadata(self, spec):
         """Append an input slot described by ``spec``; return its index."""
         self._input_metadata.append(as_input_metadata(spec))
+        if self._stream is None and not on_cpu(self._input_metadata):
+            self._stream = _creation_stream(self._input_metadata)
         return len(self._input_metadata) - 1
 
     @property

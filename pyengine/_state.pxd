@@ -12,12 +12,15 @@ cdef extern from *:
         int checkpoint_valid;
         /* Borrowed: the graph task whose node runs on this thread, or NULL. */
         PyObject *current_graph_task;
+        /* Whether device work goes to device threads (else all on the caller). */
+        int multithreading_enabled;
     };
     """
     ctypedef struct ThreadState "pyengine_ThreadState":
         bint grad_enabled
         bint checkpoint_valid
         PyObject* current_graph_task
+        bint multithreading_enabled
 
 cdef ThreadState* thread_state() noexcept nogil
 cdef bint anomaly_enabled() noexcept nogil

@@ -9,7 +9,7 @@ Anomaly mode is global, as in PyTorch. Twin: ``pyengine/_pure/state.py``.
 
 cdef extern from *:
     """
-    static thread_local pyengine_ThreadState pyengine_thread_state = {1, 1, NULL};
+    static thread_local pyengine_ThreadState pyengine_thread_state = {1, 1, NULL, 1};
     /* Global; written under the GIL, read per node. */
     static int pyengine_anomaly_enabled = 0;
     static int pyengine_anomaly_check_nan = 1;
@@ -57,6 +57,14 @@ def is_checkpoint_valid():
     """False while a node of a backward that prunes nodes (``grad``,
     ``inputs=``) runs on this thread; True elsewhere, final callbacks included."""
     return bool(pyengine_thread_state.checkpoint_valid)
+
+
+def is_multithreading_enabled():
+    return bool(pyengine_thread_state.multithreading_enabled)
+
+
+def set_multithreading_enabled(enabled):
+    pyengine_thread_state.multithreading_enabled = bool(enabled)
 
 
 def get_current_graph_task():

@@ -24,6 +24,7 @@ __all__ = [
     "ArrayBackend",
     "NumpyBackend",
     "register_backend",
+    "register_device_type",
     "backend_of",
     "is_expandable_to",
     "sum_to_shape_axes",
@@ -148,13 +149,16 @@ class NumpyBackend(ArrayBackend):
         return np.array(value, copy=True)
 
     def to_device(self, value, device):
-        if device != CPU:
-            raise ValueError(f"numpy values live on the cpu, cannot move one to {device}")
-        return value
+        if device == CPU:
+            return value
+        from_host = _from_host.get(device.type)
+        if from_host is None:
+            raise ValueError(f"cannot move a numpy value to {device}: no device type "
+                             f"{device.type!r} is registered")
+        return from_host(value, device)
 
     def zeros(self, shape, dtype, device):
-        self.to_device(None, device)
-        return np.zeros(shape, dtype=dtype)
+        return self.to_device(np.zeros(shape, dtype=dtype), device)
 
     def ones_like(self, value):
         return np.ones_like(value)
@@ -164,6 +168,8 @@ class NumpyBackend(ArrayBackend):
 
 
 _backends: dict[type, ArrayBackend] = {}
+# device type -> function(numpy value, Device) -> value on that device.
+_from_host: dict = {}
 # Lookups by exact type, filled lazily from the MRO; cleared on registration.
 _backend_cache: dict[type, ArrayBackend | None] = {}
 
@@ -174,6 +180,12 @@ def register_backend(value_type: type, backend: ArrayBackend) -> None:
         raise TypeError(f"backend must be an ArrayBackend, got {type(backend).__name__}")
     _backends[value_type] = backend
     _backend_cache.clear()
+
+
+def register_device_type(device_type: str, from_host) -> None:
+    """Let numpy values move to devices of ``device_type``:
+    ``from_host(array, device)`` returns the array's copy on ``device``."""
+    _from_host[device_type] = from_host
 
 
 def backend_of(value) -> ArrayBackend | None:

@@ -3,14 +3,17 @@
 ``backward``, ``grad`` and ``queue_callback`` run on the engine returned by
 :func:`get_default_engine`. Any object with PyTorch's
 ``execute(roots, grads, keep_graph, create_graph, accumulate_grad, outputs)``
-and ``queue_callback(callback)`` can replace it.
+and ``queue_callback(callback)`` can replace it. Also here: whether device
+nodes run on the devices' worker threads (``set_multithreading_enabled``).
 """
 
 from __future__ import annotations
 
-from ._core import Engine, register_engine
+from ._core import Engine, is_multithreading_enabled, register_engine
+from ._core import set_multithreading_enabled as _set_multithreading_enabled
 
-__all__ = ["Engine", "get_default_engine", "set_default_engine", "queue_callback"]
+__all__ = ["Engine", "get_default_engine", "set_default_engine", "queue_callback",
+           "set_multithreading_enabled", "is_multithreading_enabled"]
 
 _default_engine = Engine()
 register_engine(_default_engine)
@@ -36,3 +39,22 @@ def queue_callback(callback):
     Only valid during backward (from a node, a hook or another callback).
     """
     return _default_engine.queue_callback(callback)
+
+
+class set_multithreading_enabled:
+    """``set_multithreading_enabled(False)`` runs every node of the backward
+    calls this thread makes on this thread, device nodes included, instead of
+    on the devices' worker threads (streams are still synchronized). Takes
+    effect at once and, used as a context manager, restores the previous
+    mode on exit; the mode is per thread, as in ``torch.autograd``."""
+
+    def __init__(self, mode: bool):
+        self._previous = is_multithreading_enabled()
+        _set_multithreading_enabled(mode)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        _set_multithreading_enabled(self._previous)
+        return False

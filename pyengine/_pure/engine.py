@@ -36,12 +36,15 @@ ready, before any other node runs.
 import atexit
 import os
 import threading
+import weakref
 
+from .. import streams
+from ..device import CPU
 from . import state
 from .graph_task import GraphTask
 from .hooks import add_anomaly_note, call_function, call_tensor_pre_hooks, check_nan, node_name
 from .input_buffer import InputBuffer
-from .node import NodeBase
+from .node import NodeBase, node_device
 from .ready_queue import NodeTask, ReadyQueue
 from .validate_outputs import validate_outputs
 
@@ -101,6 +104,29 @@ class _ThreadPoolShared:
         self.stopping = False
 
 
+# -- device threads -----------------------------------------------------------
+
+class _DeviceThreads:
+    """One ReadyQueue and one worker thread per non-CPU device, started the
+    first time a graph task sends that device a task. A device's worker
+    state calls it by its index in ``devices`` (its ``worker_device``).
+
+    Guarded by ``lock``: ``ids``, ``devices``, ``queues``, ``threads``,
+    ``stopping``. ``graph_tasks`` (a WeakSet of graph tasks that sent work to
+    a device, so that ``stop`` can fail them rather than leave their callers
+    waiting forever) is guarded by ``lock`` too.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ids = {}
+        self.devices = []
+        self.queues = []
+        self.threads = []
+        self.stopping = False
+        self.graph_tasks = weakref.WeakSet()
+
+
 # -- the engine -------------------------------------------------------------
 
 class Engine:
@@ -110,6 +136,7 @@ class Engine:
     def __init__(self, max_recursion_depth=MAX_RECURSION_DEPTH):
         self.max_recursion_depth = max_recursion_depth
         self._pool = _ThreadPoolShared()
+        self._devices = _DeviceThreads()
 
     # -- entry point --
 
@@ -136,7 +163,7 @@ class Engine:
         graph_task = GraphTask(
             keep_graph, create_graph,
             0 if worker.worker_device == NO_DEVICE else worker.total_depth + 1,
-            worker.local_ready_queue)
+            worker.local_ready_queue, multithreading=state.is_multithreading_enabled())
 
         # A single root starts the task itself; several hang off a GraphRoot.
         if len(roots) == 1:
@@ -163,7 +190,7 @@ class Engine:
         """Queue the root task and drive the graph task: inline on this thread,
         or on a pool thread past the reentrant depth limit."""
         worker = _worker_state
-        queue = graph_task.cpu_ready_queue
+        queue = self.ready_queue(graph_task, node_device(graph_root, input_buffer.buffer))
         if worker.worker_device == NO_DEVICE:
             # Not inside the engine: this thread drives the graph task.
             # See Note [CPU work runs on the caller].
@@ -246,7 +273,8 @@ class Engine:
                 owner = local_graph_task.owner
                 if worker.worker_device != owner:
                     # The owner may sleep in pop(): wake it up.
-                    local_graph_task.cpu_ready_queue.push(NodeTask(local_graph_task, None, None))
+                    self.ready_queue_by_index(local_graph_task.cpu_ready_queue, owner).push(
+                        NodeTask(local_graph_task, None, None))
         if graph_task is not None and graph_task.has_error:
             queue.discard_graph_task(graph_task)
 
@@ -266,14 +294,21 @@ class Engine:
                     for input_nr, output_idx in info.captures:
                         if input_nr < len(inputs):
                             graph_task.captured_vars[output_idx] = inputs[input_nr]
+                if node._stream is not None:
+                    graph_task.add_leaf_stream(node._stream)
             if not info.needed:
                 return
 
-        outputs = call_function(graph_task, node, inputs)
+        producer_stream = node._stream
+        # See Note [Streaming backwards]: apply runs on the node's stream.
+        with streams.stream_guard(producer_stream):
+            outputs = call_function(graph_task, node, inputs)
         if not graph_task.keep_graph:
             node.release_variables()
             node._released = True
         if not outputs:
+            if producer_stream is not None:
+                graph_task.add_leaf_stream(producer_stream)
             return
         if state.is_anomaly_enabled() and state.is_anomaly_check_nan_enabled():
             check_nan(node, outputs)
@@ -305,16 +340,72 @@ class Engine:
                         if info is None or not info.should_execute():
                             continue
                     input_buffer = InputBuffer(len(next_node._input_metadata))
-                    input_buffer.add(edge.input_nr, output, grad_mode)
+                    self._accumulate(input_buffer, edge.input_nr, output, grad_mode,
+                                     producer_stream, next_node._stream)
                     if is_ready:
-                        cpu_ready_queue.push(NodeTask(graph_task, next_node, input_buffer.buffer))
+                        self._push_ready(graph_task, next_node, input_buffer.buffer)
                     else:
                         not_ready[key] = input_buffer
                 else:
-                    input_buffer.add(edge.input_nr, output, grad_mode)
+                    self._accumulate(input_buffer, edge.input_nr, output, grad_mode,
+                                     producer_stream, next_node._stream)
                     if is_ready:
                         del not_ready[key]
-                        cpu_ready_queue.push(NodeTask(graph_task, next_node, input_buffer.buffer))
+                        self._push_ready(graph_task, next_node, input_buffer.buffer)
+
+    @staticmethod
+    def _accumulate(input_buffer, input_nr, gradient, grad_mode, producer_stream, consumer_stream):
+        """Add a gradient into a consumer's buffer on the consumer's stream, once
+        that stream waited for the producer's. See Note [Streaming backwards]."""
+        if producer_stream is None and consumer_stream is None:
+            input_buffer.add(input_nr, gradient, grad_mode)
+            return
+        streams.sync_streams(consumer_stream, producer_stream)
+        with streams.stream_guard(consumer_stream):
+            input_buffer.add(input_nr, gradient, grad_mode)
+
+    def _push_ready(self, graph_task, node, gradients):
+        self.ready_queue(graph_task, node_device(node, gradients)).push(
+            NodeTask(graph_task, node, gradients))
+
+    # -- devices --
+
+    def ready_queue(self, graph_task, device):
+        """The queue a task of ``graph_task`` for ``device`` goes to: the
+        device's worker, or, for the CPU or with multithreading disabled, the
+        graph task's CPU queue (the caller's)."""
+        if device == CPU or not graph_task.multithreading:
+            return graph_task.cpu_ready_queue
+        devices = self._devices
+        with devices.lock:
+            if devices.stopping:
+                raise RuntimeError(f"cannot run a task on {device}: the engine's device "
+                                   "threads have stopped (interpreter shutdown)")
+            devices.graph_tasks.add(graph_task)
+            device_id = devices.ids.get(device)
+            if device_id is None:
+                device_id = devices.ids[device] = len(devices.devices)
+                queue = ReadyQueue()
+                thread = threading.Thread(target=self._device_thread_main, args=(device_id, queue),
+                                          name=f"pyengine-{device}", daemon=True)
+                devices.devices.append(device)
+                devices.queues.append(queue)
+                devices.threads.append(thread)
+                thread.start()
+            return devices.queues[device_id]
+
+    def ready_queue_by_index(self, cpu_ready_queue, device_id):
+        """The queue of the thread whose ``worker_device`` is ``device_id``."""
+        if device_id == CPU_DEVICE:
+            return cpu_ready_queue
+        with self._devices.lock:
+            return self._devices.queues[device_id]
+
+    def _device_thread_main(self, device_id, queue):
+        worker = _worker_state
+        worker.worker_device = device_id
+        worker.local_ready_queue = queue
+        self.thread_main(None)
 
     # -- reentrant pool --
 
@@ -355,18 +446,37 @@ class Engine:
             del graph_task
 
     def stop(self, timeout=1.0):
-        """Stop the pool threads (at interpreter exit)."""
+        """Stop the device and pool threads (at interpreter exit). A backward
+        still waiting for device work fails with a RuntimeError instead of
+        waiting forever."""
+        devices = self._devices
+        with devices.lock:
+            devices.stopping = True
+            in_flight = list(devices.graph_tasks)
+            device_queues = list(devices.queues)
+            device_threads = list(devices.threads)
+        error = RuntimeError("pyengine's device threads stopped (interpreter shutdown) while "
+                             "this backward was running")
+        for graph_task in in_flight:
+            if not graph_task.future_completed:
+                graph_task.set_exception(error)
+                self.ready_queue_by_index(graph_task.cpu_ready_queue, graph_task.owner).push(
+                    NodeTask(graph_task, None, None))
+        for queue in device_queues:
+            queue.push_shutdown()
         pool = self._pool
         with pool.condition:
             pool.stopping = True
             threads = list(pool.threads)
             pool.condition.notify_all()
-        for thread in threads:
+        for thread in device_threads + threads:
             thread.join(timeout)
 
     def _reset_after_fork(self):
-        # The child has only the forking thread: the pool's threads are gone.
+        # The child has only the forking thread: the pool's and the devices'
+        # threads are gone, and their locks may have been held by them.
         self._pool = _ThreadPoolShared()
+        self._devices = _DeviceThreads()
 
     # -- callbacks --
 

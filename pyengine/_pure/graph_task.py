@@ -6,6 +6,7 @@ its caller has read its result; NodeTasks point back to it.
 
 import threading
 
+from .. import streams
 from . import state
 
 
@@ -32,7 +33,7 @@ class GraphTask:
 
     Immutable after ``execute`` pushed the first task: ``keep_graph``,
     ``grad_mode``, ``reentrant_depth``, ``cpu_ready_queue``, ``owner``,
-    ``exec_info``.
+    ``exec_info``, ``multithreading``, ``caller_current_streams``.
 
     Guarded by ``mutex``: ``dependencies`` and ``not_ready`` (both keyed by
     ``id(node)``: nodes are kept alive by the graph, and a user's ``__eq__``
@@ -47,12 +48,18 @@ class GraphTask:
     ``final_callbacks``: appended and iterated under the GIL.
     """
 
-    def __init__(self, keep_graph, grad_mode, reentrant_depth, cpu_ready_queue, exit_on_error=False):
+    def __init__(self, keep_graph, grad_mode, reentrant_depth, cpu_ready_queue, exit_on_error=False,
+                 multithreading=True):
         self.keep_graph = keep_graph
         self.grad_mode = grad_mode
         self.reentrant_depth = reentrant_depth
         self.cpu_ready_queue = cpu_ready_queue
         self.exit_on_error = exit_on_error
+        # Whether device tasks go to device threads; else all to cpu_ready_queue.
+        self.multithreading = multithreading
+        # The caller's current stream per device, stashed when the task is
+        # made. See Note [Streaming backwards].
+        self.caller_current_streams = streams.current_streams()
         self.owner = None
         self.graph_root = None
         self.mutex = threading.Lock()
@@ -83,6 +90,12 @@ class GraphTask:
     def completed(self):
         """All tasks ran (or failed, when the task exits on the first error)."""
         return self.outstanding_tasks == 0 or (self.exit_on_error and self.has_error)
+
+    def add_leaf_stream(self, stream):
+        """Remember a stream a leaf gradient was written on (under ``mutex``)."""
+        with self.mutex:
+            if all(stream is not known for known in self.leaf_streams):
+                self.leaf_streams.append(stream)
 
     def can_checkpoint(self):
         """A reentrant checkpoint needs every node to run: no pruning."""
@@ -197,7 +210,9 @@ class GraphTask:
                 self._completion.notify_all()
 
     def exec_post_processing(self):
-        """Run final callbacks; a callback may queue more, which run too."""
+        """Make the caller's streams wait on the leaf streams, then run final
+        callbacks; a callback may queue more, which run too."""
+        sync_leaf_streams(self)
         previous = state.set_current_graph_task(self)
         try:
             i = 0
@@ -212,3 +227,12 @@ class GraphTask:
         with self._completion:
             while not self.future_completed:
                 self._completion.wait()
+
+
+def sync_leaf_streams(graph_task):
+    """Make each stream the caller had current wait on the leaf streams of its
+    device. See Note [Streaming backwards]."""
+    for leaf_stream in graph_task.leaf_streams:
+        caller_stream = graph_task.caller_current_streams.get(leaf_stream.device)
+        if caller_stream is not None:
+            streams.sync_streams(caller_stream, leaf_stream)

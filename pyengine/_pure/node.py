@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 
+from .. import streams
 from ..backends import backend_of
 from ..device import CPU
 from . import state
@@ -48,12 +49,13 @@ class InputMetadata:
     Immutable after construction.
     """
 
-    __slots__ = ("shape", "dtype", "device")
+    __slots__ = ("shape", "dtype", "device", "is_cpu")
 
     def __init__(self, shape, dtype, device=CPU):
         self.shape = tuple(int(size) for size in shape)
         self.dtype = _normalize_dtype(dtype)
         self.device = device
+        self.is_cpu = device == CPU
 
     @classmethod
     def from_value(cls, value):
@@ -159,8 +161,8 @@ class NodeBase:
         self._retains_grad_hooks = None
         self._saved_values = None
         self._released = False
-        self._stream = None
         self._metadata = None
+        self._stream = _creation_stream(self._input_metadata)
         self._initialized = True
         if state.is_anomaly_enabled():
             _record_forward_traceback(self)
@@ -187,6 +189,8 @@ class NodeBase:
     def add_input_metadata(self, spec):
         """Append an input slot described by ``spec``; return its index."""
         self._input_metadata.append(as_input_metadata(spec))
+        if self._stream is None:
+            self._stream = _creation_stream(self._input_metadata)
         return len(self._input_metadata) - 1
 
     @property
@@ -205,6 +209,32 @@ class NodeBase:
     def release_variables(self):
         """Drop what the node saved for backward. Override to free more."""
         self._saved_values = None
+
+
+def _creation_stream(input_metadata):
+    """The current stream of the node's device, the first non-CPU device among
+    its input slots; None on the CPU. See Note [Streaming backwards]."""
+    for metadata in input_metadata:
+        if metadata is not None and metadata.device != CPU:
+            runtime = streams.runtime_for(metadata.device)
+            return runtime.current_stream(metadata.device) if runtime is not None else None
+    return None
+
+
+def node_device(node, gradients):
+    """Where ``node`` runs: the first non-CPU device among its input slots,
+    else among the gradients it received, else the CPU."""
+    for metadata in node._input_metadata:
+        if metadata is not None and metadata.device != CPU:
+            return metadata.device
+    for gradient in gradients:
+        if gradient is not None and type(gradient) is not np.ndarray:
+            backend = backend_of(gradient)
+            if backend is not None:
+                device = backend.device(gradient)
+                if device != CPU:
+                    return device
+    return CPU
 
 
 def _record_forward_traceback(node):

@@ -15,6 +15,8 @@ class _ThreadState(threading.local):
     current_graph_task = None
     # False while a node of a pruning graph task (grad, inputs=) runs.
     checkpoint_valid = True
+    # Whether device work goes to device threads (else all on the caller).
+    multithreading_enabled = True
 
 
 _thread_state = _ThreadState()
@@ -57,6 +59,14 @@ def swap_checkpoint_valid(valid):
     previous = _thread_state.checkpoint_valid
     _thread_state.checkpoint_valid = valid
     return previous
+
+
+def is_multithreading_enabled() -> bool:
+    return _thread_state.multithreading_enabled
+
+
+def set_multithreading_enabled(enabled: bool) -> None:
+    _thread_state.multithreading_enabled = bool(enabled)
 
 
 def get_current_graph_task():

@@ -1,0 +1,343 @@
+"""The ``fake`` device type: numpy arrays on ``fake:N``, with streams that
+behave like a GPU's, so that device routing and stream synchronization are
+tested on machines without a GPU.
+
+A :class:`FakeArray` holds a numpy buffer and the device it lives on. Its
+operators, like cupy's, refuse operands from another device and *launch*
+their work on the current stream of their device instead of running it. A
+:class:`FakeStream` runs launched work at once (``eager``, the default) or
+keeps it pending (``delayed``, see :func:`set_delayed`) until someone waits:
+an event wait runs the recorded stream's work up to the event, and a host
+read (``numpy()``) or ``synchronize()`` runs the reading stream's own work.
+A result not yet computed holds NaN. So, in delayed mode, a consumer whose
+stream forgot to wait on its producer's event reads NaN: a missing sync is a
+wrong result, as on a GPU, and not a silent pass.
+
+Every ``record`` and ``wait`` is appended to :data:`RUNTIME.log` as
+``("record", stream, position)`` or ``("wait", stream, event)``. Devices,
+streams and the log are guarded by one lock; launched work runs outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from . import backends, streams
+from .device import CPU, Device
+
+__all__ = ["FakeArray", "FakeStream", "FakeEvent", "FakeRuntime", "RUNTIME", "device",
+           "set_delayed", "to_fake"]
+
+
+def device(index: int) -> Device:
+    return Device("fake", index)
+
+
+class FakeStream:
+    """An ordered queue of work on one fake device."""
+
+    def __init__(self, device: Device, name: str):
+        self.device = device
+        self.name = name
+        # Guarded by RUNTIME.lock: work launched, and how much of it ran.
+        self._pending: list = []
+        self._launched = 0
+        self._done = 0
+
+    def launch(self, work) -> None:
+        with RUNTIME.lock:
+            self._pending.append(work)
+            self._launched += 1
+            delayed = RUNTIME.delayed
+        if not delayed:
+            self._run_until(self._launched)
+
+    def _run_until(self, position: int) -> None:
+        while True:
+            with RUNTIME.lock:
+                if self._done >= position or not self._pending:
+                    return
+                work = self._pending.pop(0)
+                self._done += 1
+            work()
+
+    def synchronize(self) -> None:
+        with RUNTIME.lock:
+            position = self._launched
+        self._run_until(position)
+
+    def __repr__(self):
+        return f"FakeStream({self.device}, {self.name!r})"
+
+
+class FakeEvent:
+    """A position in a stream's work: waiting on it runs the work before it."""
+
+    __slots__ = ("stream", "position")
+
+    def __init__(self, stream: FakeStream, position: int):
+        self.stream = stream
+        self.position = position
+
+    def __repr__(self):
+        return f"FakeEvent({self.stream!r}, {self.position})"
+
+
+class _CurrentStreams(threading.local):
+    def __init__(self):
+        self.by_device = {}
+
+
+class FakeRuntime(streams.DeviceRuntime):
+    """Streams and events of the fake devices."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.delayed = False
+        self.log: list = []
+        self._default_streams: dict[Device, FakeStream] = {}
+        self._current = _CurrentStreams()
+
+    def default_stream(self, device: Device) -> FakeStream:
+        with self.lock:
+            stream = self._default_streams.get(device)
+            if stream is None:
+                stream = self._default_streams[device] = FakeStream(device, "default")
+        return stream
+
+    def current_stream(self, device):
+        stream = self._current.by_device.get(device)
+        return stream if stream is not None else self.default_stream(device)
+
+    def set_current_stream(self, stream):
+        previous = self.current_stream(stream.device)
+        self._current.by_device[stream.device] = stream
+        return previous
+
+    def record_event(self, stream):
+        with self.lock:
+            event = FakeEvent(stream, stream._launched)
+            self.log.append(("record", stream, event.position))
+        return event
+
+    def wait_event(self, stream, event):
+        with self.lock:
+            self.log.append(("wait", stream, event))
+        event.stream._run_until(event.position)
+
+    def stream_device(self, stream):
+        return stream.device
+
+    def known_devices(self):
+        with self.lock:
+            return list(self._default_streams)
+
+
+RUNTIME = FakeRuntime()
+streams.register_device_runtime("fake", RUNTIME)
+
+
+class set_delayed:
+    """Keep launched work pending until waited for (a context manager; also
+    takes effect at once when called)."""
+
+    def __init__(self, delayed: bool = True):
+        self._previous = RUNTIME.delayed
+        RUNTIME.delayed = delayed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        RUNTIME.delayed = self._previous
+        return False
+
+
+def _launch(device: Device, shape, dtype, compute) -> FakeArray:
+    """A new array on ``device`` whose buffer ``compute(out)`` fills, later,
+    on the current stream."""
+    out = FakeArray(np.full(shape, np.nan, dtype=dtype), device)
+    RUNTIME.current_stream(device).launch(lambda: compute(out._buffer))
+    return out
+
+
+def _operand(value, device: Device):
+    if isinstance(value, FakeArray):
+        if value.device != device:
+            raise ValueError(f"operands are on different devices: {device} and {value.device}")
+        return value
+    if isinstance(value, np.ndarray) and value.ndim > 0:
+        raise ValueError(f"a numpy array of shape {value.shape} is on the cpu, not on {device}; "
+                         "move it with to_fake")
+    return value  # a Python or 0-d scalar, as cupy allows
+
+
+def _buffer_of(value):
+    return value._buffer if isinstance(value, FakeArray) else value
+
+
+class FakeArray:
+    """A numpy array on a fake device. Read it on the host with ``numpy()``."""
+
+    __slots__ = ("_buffer", "device", "__weakref__")
+
+    __array_priority__ = 1000  # numpy defers mixed operators to FakeArray
+
+    def __init__(self, buffer: np.ndarray, device: Device):
+        self._buffer = buffer
+        self.device = device
+
+    @property
+    def shape(self):
+        return self._buffer.shape
+
+    @property
+    def dtype(self):
+        return self._buffer.dtype
+
+    @property
+    def ndim(self):
+        return self._buffer.ndim
+
+    def numpy(self) -> np.ndarray:
+        """A host copy; runs the current stream's pending work first, as a
+        device-to-host copy on that stream would."""
+        RUNTIME.current_stream(self.device).synchronize()
+        return self._buffer.copy()
+
+    def _binary(self, other, ufunc, reverse=False):
+        other = _operand(other, self.device)
+        a, b = (other, self) if reverse else (self, other)
+        shape = np.broadcast_shapes(np.shape(_buffer_of(a)), np.shape(_buffer_of(b)))
+        dtype = np.result_type(_buffer_of(a), _buffer_of(b))
+        return _launch(self.device, shape, dtype,
+                       lambda out: ufunc(_buffer_of(a), _buffer_of(b), out=out))
+
+    def __add__(self, other):
+        return self._binary(other, np.add)
+
+    def __radd__(self, other):
+        return self._binary(other, np.add, reverse=True)
+
+    def __sub__(self, other):
+        return self._binary(other, np.subtract)
+
+    def __rsub__(self, other):
+        return self._binary(other, np.subtract, reverse=True)
+
+    def __mul__(self, other):
+        return self._binary(other, np.multiply)
+
+    def __rmul__(self, other):
+        return self._binary(other, np.multiply, reverse=True)
+
+    def __truediv__(self, other):
+        return self._binary(other, np.true_divide)
+
+    def __neg__(self):
+        return _launch(self.device, self.shape, self.dtype,
+                       lambda out: np.negative(self._buffer, out=out))
+
+    def __iadd__(self, other):
+        other = _operand(other, self.device)
+        RUNTIME.current_stream(self.device).launch(
+            lambda: np.add(self._buffer, _buffer_of(other), out=self._buffer))
+        return self
+
+    def __matmul__(self, other):
+        other = _operand(other, self.device)
+        shape = np.matmul(np.empty(self.shape[-2:] if self.ndim > 1 else self.shape, self.dtype),
+                          np.empty(other.shape[-2:] if other.ndim > 1 else other.shape,
+                                   other.dtype)).shape
+        dtype = np.result_type(self.dtype, other.dtype)
+        return _launch(self.device, shape, dtype,
+                       lambda out: np.matmul(self._buffer, other._buffer, out=out))
+
+    def sum(self, axis=None, keepdims=False):
+        shape = np.sum(np.empty(self.shape, dtype=np.bool_), axis=axis, keepdims=keepdims).shape
+        return _launch(self.device, shape, self.dtype,
+                       lambda out: np.sum(self._buffer, axis=axis, keepdims=keepdims, out=out))
+
+    def reshape(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], tuple):
+            shape = shape[0]
+        # A view, as in numpy: it sees the buffer whenever the work lands.
+        return FakeArray(self._buffer.reshape(shape), self.device)
+
+    def astype(self, dtype):
+        return _launch(self.device, self.shape, dtype,
+                       lambda out: np.copyto(out, self._buffer, casting="unsafe"))
+
+    def copy(self):
+        return self.astype(self.dtype)
+
+    def __repr__(self):
+        return f"FakeArray(shape={self.shape}, dtype={self.dtype}, device={self.device})"
+
+
+def to_fake(value, device: Device) -> FakeArray:
+    """``value`` (a numpy array, scalar or FakeArray) copied onto ``device``,
+    on the current stream of the destination."""
+    if isinstance(value, FakeArray):
+        source = value
+        return _launch(device, source.shape, source.dtype,
+                       lambda out: np.copyto(out, source._buffer))
+    array = np.array(value)
+    return _launch(device, array.shape, array.dtype, lambda out: np.copyto(out, array))
+
+
+class FakeBackend(backends.ArrayBackend):
+    """The value backend of FakeArray."""
+
+    name = "fake"
+
+    def shape(self, value):
+        return value.shape
+
+    def dtype(self, value):
+        return value.dtype
+
+    def device(self, value):
+        return value.device
+
+    def dtype_kind(self, dtype):
+        return np.dtype(dtype).kind
+
+    def add(self, a, b):
+        return a + b
+
+    def add_(self, a, b):
+        a += b
+        return a
+
+    def sum_to(self, value, shape):
+        axes = backends.sum_to_shape_axes(value.shape, shape)
+        if axes:
+            value = value.sum(axis=axes, keepdims=True)
+        return value.reshape(shape)
+
+    def cast(self, value, dtype):
+        return value.astype(dtype)
+
+    def copy(self, value):
+        return value.copy()
+
+    def to_device(self, value, device):
+        if device == CPU:
+            return value.numpy()
+        return to_fake(value, device)
+
+    def zeros(self, shape, dtype, device):
+        return FakeArray(np.zeros(shape, dtype=dtype), device)
+
+    def ones_like(self, value):
+        return FakeArray(np.ones(value.shape, dtype=value.dtype), value.device)
+
+    def has_nan(self, value):
+        return bool(np.isnan(value.numpy()).any())
+
+
+backends.register_backend(FakeArray, FakeBackend())
+backends.register_device_type("fake", to_fake)
