@@ -160,6 +160,10 @@ cdef class GraphRoot(NodeBase):
     def __init__(self, roots, grads):
         super().__init__(next_edges=roots)
         self.outputs = list(grads)
+        # The root gradients were written on the caller's streams: the nodes
+        # they flow into wait on those. See Note [Streaming backwards].
+        self._stream = next((stream for stream in map(_streams.value_stream, grads)
+                             if stream is not None), None)
 
     def apply(self, grads):
         return list(self.outputs)
@@ -281,7 +285,12 @@ cdef class Engine:
             root_edge = <Edge>root_edges[0]
             graph_root = root_edge.node
             input_buffer = new_input_buffer(len(graph_root._input_metadata))
-            input_buffer.add(root_edge.input_nr, root_grads[0], grad_mode)
+            root_grad = root_grads[0]
+            if graph_root._stream is None and (root_grad is None or type(root_grad) is cnp.ndarray):
+                input_buffer.add(root_edge.input_nr, root_grad, grad_mode)
+            else:
+                accumulate_on_streams(input_buffer, root_edge.input_nr, root_grad, grad_mode,
+                                      _streams.value_stream(root_grad), graph_root._stream)
         else:
             graph_root = GraphRoot(root_edges, root_grads)
             input_buffer = new_input_buffer(0)

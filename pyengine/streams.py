@@ -15,7 +15,9 @@ per device type: ``cuda`` through cupy, ``fake`` for tests) answers:
 Note [Streaming backwards]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 A node records the current stream of its device when it is created (its
-forward ran there) and its ``apply`` runs with that stream current. When a
+forward ran there) and its ``apply`` runs with that stream current. The root
+gradients were written on the caller's current streams: the root node's
+stream waits on those (a GraphRoot takes the caller's stream as its own). When a
 producer's gradient enters a consumer's InputBuffer and the two nodes run on
 different streams, the consumer's stream first waits on an event recorded on
 the producer's stream, so that the consumer never reads a gradient before it
@@ -28,6 +30,7 @@ leaf stream of its device, and only then do final callbacks run. So
 
 from __future__ import annotations
 
+from .backends import backend_of
 from .device import Device
 
 __all__ = ["DeviceRuntime", "register_device_runtime", "runtime_for", "stream_device"]
@@ -73,6 +76,17 @@ def runtime_for(device: Device) -> DeviceRuntime | None:
 def stream_device(stream) -> Device:
     """The device a stream belongs to (every runtime's streams carry ``device``)."""
     return stream.device
+
+
+def value_stream(value):
+    """The calling thread's current stream on ``value``'s device: where a
+    gradient the caller made was written. None on the CPU."""
+    backend = backend_of(value) if value is not None else None
+    if backend is None:
+        return None
+    device = backend.device(value)
+    runtime = _runtimes.get(device.type)
+    return runtime.current_stream(device) if runtime is not None else None
 
 
 def current_streams() -> dict:

@@ -81,6 +81,10 @@ class GraphRoot(NodeBase):
     def __init__(self, roots, grads):
         super().__init__(next_edges=roots)
         self.outputs = list(grads)
+        # The root gradients were written on the caller's streams: the nodes
+        # they flow into wait on those. See Note [Streaming backwards].
+        self._stream = next((stream for stream in map(streams.value_stream, grads)
+                             if stream is not None), None)
 
     def apply(self, grads):
         return list(self.outputs)
@@ -169,7 +173,8 @@ class Engine:
         if len(roots) == 1:
             graph_root = roots[0].node
             input_buffer = InputBuffer(len(graph_root._input_metadata))
-            input_buffer.add(roots[0].input_nr, grads[0], create_graph)
+            self._accumulate(input_buffer, roots[0].input_nr, grads[0], create_graph,
+                             streams.value_stream(grads[0]), graph_root._stream)
         else:
             graph_root = GraphRoot(roots, grads)
             input_buffer = InputBuffer(0)

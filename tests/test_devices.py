@@ -1,0 +1,385 @@
+"""Devices on the CPU: fake devices own worker threads and streams exactly as
+a GPU would, so routing, cross-device graphs, stream synchronization,
+errors on device threads, shutdown and fork are tested without a GPU.
+
+Oracles: each graph is a chain or diamond of scalings, so the exact gradient
+is the product (or sum of products) of the factors; the thread that ran each
+node is the device's worker or the caller; a planted missing sync must turn
+the result into NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import pyengine
+from pyengine import fake_device as fd
+from pyengine import streams
+from pyengine.device import CPU
+
+F0, F1 = fd.device(0), fd.device(1)
+
+
+class Leaf:
+    def __init__(self, data):
+        self.data = data
+        self.grad = None
+        self.grad_fn = None
+        self.output_nr = 0
+        self.requires_grad = True
+
+
+def on(value, device):
+    """``value`` (numpy or fake) as a value on ``device``."""
+    current = getattr(value, "device", CPU)
+    if current == device:
+        return value
+    host = value.numpy() if isinstance(value, fd.FakeArray) else np.asarray(value)
+    return host if device == CPU else fd.to_fake(host, device)
+
+
+class Scale(pyengine.Node):
+    """Backward of ``y = factor * x`` where x lives on ``input_device`` and y
+    on the device of this node's input slot; logs the thread it ran on and
+    the stream that was current on its device."""
+
+    log: list = []
+
+    def __init__(self, edge, device, factor, input_device, shape=(3,)):
+        super().__init__([edge], [pyengine.InputMetadata(shape, np.float64, device)])
+        self.factor = factor
+        self.device = device
+        self.input_device = input_device
+
+    def apply(self, grads):
+        current = (fd.RUNTIME.current_stream(self.device) if self.device != CPU else None)
+        Scale.log.append((self.factor, threading.current_thread().name, current))
+        return [on(grads[0] * self.factor, self.input_device)]
+
+
+def host(value):
+    return value.numpy() if isinstance(value, fd.FakeArray) else value
+
+
+@pytest.fixture(autouse=True)
+def clear_log():
+    Scale.log = []
+    fd.RUNTIME.log.clear()
+    yield
+
+
+def cross_device_chain(leaf_device=CPU):
+    """leaf (on leaf_device) <- cpu node <- fake:0 node <- fake:1 node <- root."""
+    x = Leaf(on(np.ones(3), leaf_device))
+    n_cpu = Scale(pyengine.gradient_edge(x), CPU, 2.0, leaf_device)
+    n0 = Scale(pyengine.Edge(n_cpu, 0), F0, 3.0, CPU)
+    n1 = Scale(pyengine.Edge(n0, 0), F1, 5.0, F0)
+    return x, n1
+
+
+def run(root, grad, **kwargs):
+    pyengine.get_default_engine().execute([pyengine.Edge(root, 0)], [grad], False, False, True)
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_cross_device_chain_is_exact_and_each_node_runs_on_its_device_thread(delayed):
+    x, root = cross_device_chain()
+    with fd.set_delayed(delayed):
+        run(root, on(np.ones(3), F1))
+    np.testing.assert_array_equal(host(x.grad), [30.0, 30.0, 30.0])
+    threads = {factor: thread for factor, thread, _ in Scale.log}
+    assert threads == {5.0: "pyengine-fake:1", 3.0: "pyengine-fake:0",
+                       2.0: threading.current_thread().name}
+
+
+def test_cpu_nodes_run_on_the_calling_thread_even_from_another_thread():
+    results = {}
+
+    def caller():
+        x, root = cross_device_chain()
+        run(root, on(np.ones(3), F1))
+        results["grad"] = host(x.grad)
+
+    thread = threading.Thread(target=caller, name="a-caller")
+    thread.start()
+    thread.join(30)
+    np.testing.assert_array_equal(results["grad"], [30.0] * 3)
+    assert {thread for factor, thread, _ in Scale.log if factor == 2.0} == {"a-caller"}
+
+
+def test_leaf_on_a_device_accumulates_there():
+    x, root = cross_device_chain(leaf_device=F0)
+    with fd.set_delayed(True):
+        run(root, on(np.ones(3), F1))
+    assert isinstance(x.grad, fd.FakeArray) and x.grad.device == F0
+    np.testing.assert_array_equal(x.grad.numpy(), [30.0] * 3)
+
+
+def test_multithreading_disabled_runs_everything_on_the_caller():
+    x, root = cross_device_chain()
+    with pyengine.set_multithreading_enabled(False):
+        assert not pyengine.is_multithreading_enabled()
+        run(root, on(np.ones(3), F1))
+    assert pyengine.is_multithreading_enabled()
+    np.testing.assert_array_equal(host(x.grad), [30.0] * 3)
+    assert {thread for _, thread, _ in Scale.log} == {threading.current_thread().name}
+
+
+def test_diamond_across_devices_sums_both_branches():
+    # root (fake:0) fans out to a fake:0 branch and a fake:1 branch that join
+    # at a CPU node before the leaf: 2 * (3 + 7) * 11 = 220.
+    x = Leaf(np.ones(3))
+    join = Scale(pyengine.gradient_edge(x), CPU, 11.0, CPU)
+    left = Scale(pyengine.Edge(join, 0), F0, 3.0, CPU)
+    right = Scale(pyengine.Edge(join, 0), F1, 7.0, CPU)
+
+    class Fork(pyengine.Node):
+        def apply(self, grads):
+            return [grads[0] * 2.0, on(grads[0] * 2.0, F1)]
+
+    fork = Fork([pyengine.Edge(left, 0), pyengine.Edge(right, 0)],
+                [pyengine.InputMetadata((3,), np.float64, F0)])
+    with fd.set_delayed(True):
+        run(fork, on(np.ones(3), F0))
+    np.testing.assert_array_equal(x.grad, [220.0] * 3)
+
+
+# -- streams ---------------------------------------------------------------------------
+
+def two_stream_chain():
+    """leaf (fake:0, made on the default stream) <- consumer (stream b) <-
+    producer (stream a) <- root: every hop changes streams."""
+    x = Leaf(on(np.ones(3), F0))
+    accumulator = pyengine.grad_accumulator(x)
+    a, b = fd.FakeStream(F0, "a"), fd.FakeStream(F0, "b")
+    with streams.stream_guard(b):
+        consumer = Scale(pyengine.Edge(accumulator, 0), F0, 3.0, F0)
+    with streams.stream_guard(a):
+        producer = Scale(pyengine.Edge(consumer, 0), F0, 5.0, F0)
+    return x, producer, consumer, accumulator, a, b
+
+
+def test_nodes_record_and_run_on_their_creation_stream():
+    x, producer, consumer, accumulator, a, b = two_stream_chain()
+    assert producer.stream is a and consumer.stream is b
+    assert accumulator.stream is fd.RUNTIME.default_stream(F0)
+    with fd.set_delayed(True):
+        run(producer, on(np.ones(3), F0))
+    assert [stream for _, _, stream in Scale.log] == [a, b]
+    np.testing.assert_array_equal(x.grad.numpy(), [15.0] * 3)
+
+
+def test_consumer_stream_waits_on_an_event_of_the_producer_stream():
+    x, producer, consumer, accumulator, a, b = two_stream_chain()
+    with fd.set_delayed(True):
+        run(producer, on(np.ones(3), F0))
+    waits = [(entry[1], entry[2].stream) for entry in fd.RUNTIME.log if entry[0] == "wait"]
+    assert (b, a) in waits  # consumer's stream waited on the producer's
+    assert (fd.RUNTIME.default_stream(F0), b) in waits  # the leaf's on the consumer's
+
+
+def test_a_missing_sync_gives_a_wrong_result(monkeypatch):
+    # The oracle that the sync above is needed: without it, the consumer reads
+    # the producer's gradient before it is written.
+    monkeypatch.setattr(streams, "sync_streams", lambda consumer, producer: None)
+    x, producer, consumer, accumulator, a, b = two_stream_chain()
+    with fd.set_delayed(True):
+        run(producer, on(np.ones(3), F0))
+    assert np.isnan(x.grad.numpy()).all()
+
+
+def test_caller_stream_waits_on_the_leaf_stream_before_backward_returns():
+    # The leaf accumulates on stream c; the caller reads .grad on its current
+    # stream (the default one) right after backward, without a manual sync.
+    x = Leaf(on(np.ones(3), F0))
+    c = fd.FakeStream(F0, "c")
+    with streams.stream_guard(c):
+        accumulator = pyengine.grad_accumulator(x)
+        node = Scale(pyengine.Edge(accumulator, 0), F0, 3.0, F0)
+    with fd.set_delayed(True):
+        run(node, on(np.ones(3), F0))
+        np.testing.assert_array_equal(x.grad.numpy(), [3.0] * 3)
+    waits = [(entry[1], entry[2].stream) for entry in fd.RUNTIME.log if entry[0] == "wait"]
+    assert (fd.RUNTIME.default_stream(F0), c) in waits
+
+
+def test_without_the_leaf_stream_sync_the_caller_reads_garbage(monkeypatch):
+    from pyengine._pure import graph_task as twin_graph_task
+
+    monkeypatch.setattr(twin_graph_task, "sync_leaf_streams", lambda graph_task: None)
+    x = Leaf(on(np.ones(3), F0))
+    c = fd.FakeStream(F0, "c")
+    with streams.stream_guard(c):
+        accumulator = pyengine.grad_accumulator(x)
+        node = Scale(pyengine.Edge(accumulator, 0), F0, 3.0, F0)
+    with fd.set_delayed(True):
+        run(node, on(np.ones(3), F0))
+        assert np.isnan(x.grad.numpy()).all()
+
+
+# -- errors, validation, reentrancy -------------------------------------------------------
+
+class Boom(pyengine.Node):
+    def apply(self, grads):
+        raise KeyError("boom on " + threading.current_thread().name)
+
+
+def test_error_on_a_device_thread_reaches_the_caller_with_its_type():
+    x = Leaf(np.ones(3))
+    boom = Boom([pyengine.gradient_edge(x)], [pyengine.InputMetadata((3,), np.float64, F0)])
+    with pytest.raises(KeyError, match="boom on pyengine-fake:0"):
+        run(boom, on(np.ones(3), F0))
+    assert x.grad is None
+    x2, root = cross_device_chain()
+    run(root, on(np.ones(3), F1))
+    np.testing.assert_array_equal(host(x2.grad), [30.0] * 3)
+
+
+def test_gradient_on_the_wrong_device_is_refused_with_node_and_index():
+    x = Leaf(on(np.ones(3), F0))
+
+    class WrongDevice(pyengine.Node):
+        def apply(self, grads):
+            return [np.ones(3)]
+
+    node = WrongDevice([pyengine.gradient_edge(x)], [((3,), np.float64, F0)])
+    with pytest.raises(RuntimeError, match=r"Function WrongDevice returned an invalid gradient at "
+                                           r"index 0 - expected device fake:0 but got cpu"):
+        run(node, on(np.ones(3), F0))
+
+
+def test_zero_dim_gradients_are_moved_to_the_slot_device():
+    x = Leaf(on(np.ones(()), F0))
+
+    class HostScalar(pyengine.Node):
+        def apply(self, grads):
+            return [np.array(4.0)]
+
+    node = HostScalar([pyengine.gradient_edge(x)], [(( ), np.float64, F0)])
+    run(node, on(np.ones(()), F0))
+    assert x.grad.device == F0 and x.grad.numpy() == 4.0
+
+
+@pytest.mark.parametrize("levels", [3, 100])
+def test_reentrant_backward_from_a_device_thread(levels):
+    x = Leaf(np.ones(()))
+
+    class Reenter(pyengine.Node):
+        def __init__(self, depth):
+            super().__init__([pyengine.gradient_edge(x)], [((), np.float64, F0)])
+            self.depth = depth
+
+        def apply(self, grads):
+            if self.depth > 0:
+                run(Reenter(self.depth - 1), on(np.ones(()), F0))
+            return [host(grads[0])]
+
+    run(Reenter(levels), on(np.ones(()), F0))
+    assert x.grad == levels + 1
+
+
+def test_no_thread_leaks_over_a_thousand_backward_calls():
+    x, root = cross_device_chain()
+    run(root, on(np.ones(3), F1))  # starts the device workers
+    baseline = threading.active_count()
+    for _ in range(1000):
+        x, root = cross_device_chain()
+        run(root, on(np.ones(3), F1))
+    assert threading.active_count() == baseline
+    np.testing.assert_array_equal(host(x.grad), [30.0] * 3)
+
+
+# -- shutdown and fork, in subprocesses ----------------------------------------------------
+
+PRELUDE = textwrap.dedent("""
+    import os, sys, threading, time
+    import numpy as np
+    sys.path.insert(0, {tests!r})
+    import pyengine
+    from pyengine import fake_device as fd
+    from test_devices import Leaf, Scale, cross_device_chain, host, on, run, F0, F1
+    expected = {implementation!r}
+    assert pyengine.IMPLEMENTATION == expected, pyengine.IMPLEMENTATION
+""")
+
+
+def run_script(body, timeout=60):
+    script = PRELUDE.format(tests=os.path.dirname(__file__),
+                            implementation=pyengine.IMPLEMENTATION) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_exit_while_a_device_worker_is_busy_does_not_hang():
+    result = run_script("""
+        class Slow(pyengine.Node):
+            def apply(self, grads):
+                time.sleep(0.5)
+                return [host(grads[0])]
+        x = Leaf(np.ones(3))
+        node = Slow([pyengine.gradient_edge(x)], [pyengine.InputMetadata((3,), np.float64, F0)])
+        errors = []
+        def backward():
+            try:
+                run(node, on(np.ones(3), F0))
+            except RuntimeError as error:
+                errors.append(error)
+        threading.Thread(target=backward, daemon=True).start()
+        time.sleep(0.1)
+        print("exiting")
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "exiting" in result.stdout
+
+
+def test_a_backward_waiting_on_stopped_device_threads_gets_an_error():
+    result = run_script("""
+        class Slow(pyengine.Node):
+            def apply(self, grads):
+                time.sleep(0.5)
+                return [host(grads[0])]
+        x = Leaf(np.ones(3))
+        node = Slow([pyengine.gradient_edge(x)], [pyengine.InputMetadata((3,), np.float64, F0)])
+        errors = []
+        def backward():
+            try:
+                run(node, on(np.ones(3), F0))
+            except RuntimeError as error:
+                errors.append(str(error))
+        thread = threading.Thread(target=backward)
+        thread.start()
+        time.sleep(0.1)
+        pyengine.get_default_engine().stop()
+        thread.join(10)
+        print("alive" if thread.is_alive() else "joined", errors)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "joined" in result.stdout and "device threads stopped" in result.stdout
+
+
+def test_fork_after_device_backward_gives_the_child_a_fresh_engine():
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    result = run_script("""
+        import warnings
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
+        x, root = cross_device_chain()
+        run(root, on(np.ones(3), F1))
+        pid = os.fork()
+        if pid == 0:
+            x, root = cross_device_chain()
+            run(root, on(np.ones(3), F1))
+            ok = (host(x.grad) == 30.0).all()
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "child 0" in result.stdout
