@@ -35,6 +35,23 @@ from .node import AccumulateGrad, Edge, Node, RemovableHandle
 
 GradientEdge = Edge
 
+
+def _load_cupy_backend():
+    """Plug in cupy arrays and streams where cupy is installed and works."""
+    import importlib.util
+    import warnings
+
+    if importlib.util.find_spec("cupy") is None:
+        return
+    try:
+        from . import cupy_backend  # noqa: F401
+    except Exception as error:  # a cupy without CUDA fails in many ways
+        warnings.warn(f"pyengine: cupy is installed but unusable ({error}); cuda devices are off",
+                      RuntimeWarning, stacklevel=2)
+
+
+_load_cupy_backend()
+
 __version__ = "0.1.0"
 
 __all__ = [

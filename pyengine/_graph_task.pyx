@@ -84,7 +84,7 @@ cdef class GraphTask:
         """Remember a stream a leaf gradient was written on (under ``mutex_``)."""
         lock_releasing_gil(self.mutex_)
         try:
-            if all(stream is not known for known in self.leaf_streams):
+            if stream not in self.leaf_streams:
                 self.leaf_streams.append(stream)
         finally:
             self.mutex_.unlock()

@@ -9,7 +9,7 @@ their work on the current stream of their device instead of running it. A
 keeps it pending (``delayed``, see :func:`set_delayed`) until someone waits:
 an event wait runs the recorded stream's work up to the event, and a host
 read (``numpy()``) or ``synchronize()`` runs the reading stream's own work.
-A result not yet computed holds NaN. So, in delayed mode, a consumer whose
+In delayed mode a result not yet computed holds NaN. So, in delayed mode, a consumer whose
 stream forgot to wait on its producer's event reads NaN: a missing sync is a
 wrong result, as on a GPU, and not a silent pass.
 
@@ -28,7 +28,7 @@ from . import backends, streams
 from .device import CPU, Device
 
 __all__ = ["FakeArray", "FakeStream", "FakeEvent", "FakeRuntime", "RUNTIME", "device",
-           "set_delayed", "to_fake"]
+           "launch", "set_delayed", "to_fake"]
 
 
 def device(index: int) -> Device:
@@ -155,10 +155,15 @@ class set_delayed:
         return False
 
 
-def _launch(device: Device, shape, dtype, compute) -> FakeArray:
+def launch(device: Device, shape, dtype, compute) -> FakeArray:
     """A new array on ``device`` whose buffer ``compute(out)`` fills, later,
     on the current stream."""
-    out = FakeArray(np.full(shape, np.nan, dtype=dtype), device)
+    buffer = np.empty(shape, dtype=dtype)
+    if RUNTIME.delayed:
+        # Until the work lands, a reader sees NaN (poisoning costs a pass over
+        # the memory with the GIL held, so eager mode skips it).
+        buffer.fill(np.nan)
+    out = FakeArray(buffer, device)
     RUNTIME.current_stream(device).launch(lambda: compute(out._buffer))
     return out
 
@@ -212,7 +217,7 @@ class FakeArray:
         a, b = (other, self) if reverse else (self, other)
         shape = np.broadcast_shapes(np.shape(_buffer_of(a)), np.shape(_buffer_of(b)))
         dtype = np.result_type(_buffer_of(a), _buffer_of(b))
-        return _launch(self.device, shape, dtype,
+        return launch(self.device, shape, dtype,
                        lambda out: ufunc(_buffer_of(a), _buffer_of(b), out=out))
 
     def __add__(self, other):
@@ -237,7 +242,7 @@ class FakeArray:
         return self._binary(other, np.true_divide)
 
     def __neg__(self):
-        return _launch(self.device, self.shape, self.dtype,
+        return launch(self.device, self.shape, self.dtype,
                        lambda out: np.negative(self._buffer, out=out))
 
     def __iadd__(self, other):
@@ -252,12 +257,12 @@ class FakeArray:
                           np.empty(other.shape[-2:] if other.ndim > 1 else other.shape,
                                    other.dtype)).shape
         dtype = np.result_type(self.dtype, other.dtype)
-        return _launch(self.device, shape, dtype,
+        return launch(self.device, shape, dtype,
                        lambda out: np.matmul(self._buffer, other._buffer, out=out))
 
     def sum(self, axis=None, keepdims=False):
         shape = np.sum(np.empty(self.shape, dtype=np.bool_), axis=axis, keepdims=keepdims).shape
-        return _launch(self.device, shape, self.dtype,
+        return launch(self.device, shape, self.dtype,
                        lambda out: np.sum(self._buffer, axis=axis, keepdims=keepdims, out=out))
 
     def reshape(self, *shape):
@@ -267,7 +272,7 @@ class FakeArray:
         return FakeArray(self._buffer.reshape(shape), self.device)
 
     def astype(self, dtype):
-        return _launch(self.device, self.shape, dtype,
+        return launch(self.device, self.shape, dtype,
                        lambda out: np.copyto(out, self._buffer, casting="unsafe"))
 
     def copy(self):
@@ -282,10 +287,10 @@ def to_fake(value, device: Device) -> FakeArray:
     on the current stream of the destination."""
     if isinstance(value, FakeArray):
         source = value
-        return _launch(device, source.shape, source.dtype,
+        return launch(device, source.shape, source.dtype,
                        lambda out: np.copyto(out, source._buffer))
     array = np.array(value)
-    return _launch(device, array.shape, array.dtype, lambda out: np.copyto(out, array))
+    return launch(device, array.shape, array.dtype, lambda out: np.copyto(out, array))
 
 
 class FakeBackend(backends.ArrayBackend):

@@ -74,7 +74,8 @@ def runtime_for(device: Device) -> DeviceRuntime | None:
 
 
 def stream_device(stream) -> Device:
-    """The device a stream belongs to (every runtime's streams carry ``device``)."""
+    """The device a stream belongs to: every runtime's streams carry ``device``
+    and compare equal when they are the same stream."""
     return stream.device
 
 
@@ -101,7 +102,7 @@ def current_streams() -> dict:
 def sync_streams(consumer_stream, producer_stream) -> None:
     """Make ``consumer_stream`` wait for the work queued so far on
     ``producer_stream`` (nothing when they are the same stream)."""
-    if consumer_stream is producer_stream or consumer_stream is None or producer_stream is None:
+    if consumer_stream is None or producer_stream is None or consumer_stream == producer_stream:
         return
     producer_runtime = _runtimes[producer_stream.device.type]
     event = producer_runtime.record_event(producer_stream)

@@ -94,7 +94,7 @@ class GraphTask:
     def add_leaf_stream(self, stream):
         """Remember a stream a leaf gradient was written on (under ``mutex``)."""
         with self.mutex:
-            if all(stream is not known for known in self.leaf_streams):
+            if stream not in self.leaf_streams:
                 self.leaf_streams.append(stream)
 
     def can_checkpoint(self):

@@ -317,9 +317,6 @@ class Tensor:
         out._requires_grad = self._requires_grad
         out._base = self._base
         out._base_grad_fn = self._base_grad_fn
-        if self.grad_fn is None and self._requires_grad:
-            # A leaf: the alias must reach the same AccumulateGrad.
-            out._pyengine_leaf = pyengine.node.leaf_state(self)
         return out
 
     def _bump_version(self):
@@ -767,5 +764,5 @@ class TensorBackend(pyengine.ArrayBackend):
 pyengine.register_backend(Tensor, TensorBackend())
 
 # The ops modules import Tensor from here: bind them last.
-from . import _graph  # noqa: E402
+from . import graph as _graph  # noqa: E402
 from . import ops as _ops  # noqa: E402
