@@ -61,3 +61,4 @@ set_anomaly_enabled = state_module.set_anomaly_enabled
 is_checkpoint_valid = state_module.is_checkpoint_valid
 is_multithreading_enabled = state_module.is_multithreading_enabled
 set_multithreading_enabled = state_module.set_multithreading_enabled
+set_profiler = state_module.set_profiler

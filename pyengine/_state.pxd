@@ -23,5 +23,6 @@ cdef extern from *:
         bint multithreading_enabled
 
 cdef ThreadState* thread_state() noexcept nogil
+cdef PyObject* profiler() noexcept nogil
 cdef bint anomaly_enabled() noexcept nogil
 cdef bint anomaly_check_nan() noexcept nogil

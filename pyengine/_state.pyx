@@ -7,20 +7,30 @@ loop looks it up once and then sets and restores fields per task for free.
 Anomaly mode is global, as in PyTorch. Twin: ``pyengine/_pure/state.py``.
 """
 
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_XDECREF, Py_XINCREF
+
 cdef extern from *:
     """
     static thread_local pyengine_ThreadState pyengine_thread_state = {1, 1, NULL, 1};
     /* Global; written under the GIL, read per node. */
     static int pyengine_anomaly_enabled = 0;
     static int pyengine_anomaly_check_nan = 1;
+    /* Owned; NULL when no profiler listens. Written under the GIL. */
+    static PyObject *pyengine_profiler = NULL;
     """
     ThreadState pyengine_thread_state
     int pyengine_anomaly_enabled
     int pyengine_anomaly_check_nan
+    PyObject* pyengine_profiler
 
 
 cdef ThreadState* thread_state() noexcept nogil:
     return &pyengine_thread_state
+
+
+cdef PyObject* profiler() noexcept nogil:
+    return pyengine_profiler
 
 
 cdef bint anomaly_enabled() noexcept nogil:
@@ -51,6 +61,19 @@ def set_anomaly_enabled(enabled, check_nan=True):
     global pyengine_anomaly_enabled, pyengine_anomaly_check_nan
     pyengine_anomaly_enabled = bool(enabled)
     pyengine_anomaly_check_nan = bool(check_nan)
+
+
+def set_profiler(callback):
+    """Call ``callback(node, start_ns, end_ns)`` on the thread that ran it,
+    after every node any engine runs (``time.perf_counter_ns`` clock); None
+    stops. Returns the previous callback. See pyengine.profiler."""
+    global pyengine_profiler
+    previous = None if pyengine_profiler == NULL else <object>pyengine_profiler
+    Py_XINCREF(<PyObject*>callback if callback is not None else NULL)
+    old = pyengine_profiler
+    pyengine_profiler = <PyObject*>callback if callback is not None else NULL
+    Py_XDECREF(old)
+    return previous
 
 
 def is_checkpoint_valid():

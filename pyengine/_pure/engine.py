@@ -36,6 +36,7 @@ ready, before any other node runs.
 import atexit
 import os
 import threading
+import time
 import weakref
 
 from .. import streams
@@ -260,8 +261,12 @@ class Engine:
             previous_checkpoint_valid = state.swap_checkpoint_valid(local_graph_task.can_checkpoint())
             try:
                 if not local_graph_task.has_error:
-                    self.evaluate_function(local_graph_task, task.node, task.inputs,
-                                           local_graph_task.cpu_ready_queue)
+                    profiler = state.profiler()
+                    if profiler is None:
+                        self.evaluate_function(local_graph_task, task.node, task.inputs,
+                                               local_graph_task.cpu_ready_queue)
+                    else:
+                        self.evaluate_profiled(profiler, local_graph_task, task.node, task.inputs)
             except BaseException as error:
                 if state.is_anomaly_enabled():
                     add_anomaly_note(error, task.node)
@@ -282,6 +287,14 @@ class Engine:
                         NodeTask(local_graph_task, None, None))
         if graph_task is not None and graph_task.has_error:
             queue.discard_graph_task(graph_task)
+
+    def evaluate_profiled(self, profiler, graph_task, node, inputs):
+        """evaluate_function, timed and reported to the profiler even if it fails."""
+        start = time.perf_counter_ns()
+        try:
+            self.evaluate_function(graph_task, node, inputs, graph_task.cpu_ready_queue)
+        finally:
+            profiler(node, start, time.perf_counter_ns())
 
     def evaluate_function(self, graph_task, node, inputs, cpu_ready_queue):
         """Run one node on ``inputs`` (its InputBuffer's list of gradients) and

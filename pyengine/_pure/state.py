@@ -26,6 +26,23 @@ _anomaly_enabled = False
 _anomaly_check_nan = True
 
 
+# Called after every node when set: guarded by the GIL.
+_profiler = None
+
+
+def set_profiler(callback):
+    """Call ``callback(node, start_ns, end_ns)`` on the thread that ran it,
+    after every node any engine runs (``time.perf_counter_ns`` clock); None
+    stops. Returns the previous callback. See pyengine.profiler."""
+    global _profiler
+    previous, _profiler = _profiler, callback
+    return previous
+
+
+def profiler():
+    return _profiler
+
+
 def is_grad_enabled() -> bool:
     return _thread_state.grad_enabled
 
