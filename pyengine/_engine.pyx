@@ -50,7 +50,7 @@ from time import perf_counter_ns as _perf_counter_ns
 from pyengine import streams as _streams
 from pyengine._pure import hooks as _hooks
 from pyengine._pure.engine import _DeviceThreads
-from pyengine._pure.node import node_device
+from pyengine._pure.node import node_device, not_initialized_message
 from pyengine._pure.validate_outputs import validate_gradient
 
 cnp.import_array()
@@ -397,6 +397,9 @@ cdef class Engine:
                     self.ready_queue_by_index(local_graph_task.cpu_ready_queue,
                                               local_graph_task.owner).push_record(
                         make_record(local_graph_task, None, None, 0, 0))
+            # Let go of the task now: a worker about to sleep in pop() must not
+            # keep its last graph alive until the next task comes.
+            local_graph_task = None
         if graph_task is not None and graph_task.has_error_.load():
             queue.discard_graph_task(graph_task)
         return 0
@@ -709,8 +712,7 @@ cdef int compute_dependencies(NodeBase graph_root, GraphTask graph_task) except 
         node = <NodeBase>stack.back()
         stack.pop_back()
         if not node._initialized:
-            raise RuntimeError(f"{type(node).__name__} was not initialized: its __init__ must call "
-                               "super().__init__(next_edges, input_metadata)")
+            raise RuntimeError(not_initialized_message(node))
         edges = node._next_edges
         for i in range(PyTuple_GET_SIZE(edges)):
             edge = PyTuple_GET_ITEM(edges, i)

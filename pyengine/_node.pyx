@@ -18,7 +18,7 @@ import numpy as np
 from pyengine.backends import backend_of
 from pyengine.device import CPU
 
-from pyengine._pure.node import _creation_stream
+from pyengine._pure.node import _creation_stream, not_initialized_message
 
 cnp.import_array()
 
@@ -110,6 +110,8 @@ cdef class Edge:
     def __init__(self, node, input_nr=0):
         if not isinstance(node, NodeBase):
             raise TypeError(f"Edge needs a Node, got {type(node).__name__}")
+        if not (<NodeBase>node)._initialized:
+            raise RuntimeError(not_initialized_message(node))
         self.node = node
         self.input_nr = input_nr
 

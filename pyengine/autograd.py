@@ -285,10 +285,10 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
         raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
     outputs = _as_tuple(tensors, "tensors")
     input_tuple = _as_tuple(inputs, "inputs")
+    roots = _root_edges(outputs)
     grads = _make_grads(outputs, _grads_as_tuple(grad_tensors, len(outputs)))
     if retain_graph is None:
         retain_graph = create_graph
-    roots = _root_edges(outputs)
     output_edges = _input_edges(input_tuple, accumulate_grad=True) if input_tuple else None
     get_default_engine().execute(roots, grads, bool(retain_graph), bool(create_graph),
                                  True, output_edges)
@@ -312,10 +312,10 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     input_tuple = _as_tuple(inputs, "inputs")
     if not input_tuple:
         raise RuntimeError("grad requires non-empty inputs.")
+    roots = _root_edges(output_tuple)
     grads = _make_grads(output_tuple, _grads_as_tuple(grad_outputs, len(output_tuple)))
     if retain_graph is None:
         retain_graph = create_graph
-    roots = _root_edges(output_tuple)
     output_edges = _input_edges(input_tuple, accumulate_grad=False)
     results = get_default_engine().execute(roots, grads, bool(retain_graph), bool(create_graph),
                                            False, output_edges)

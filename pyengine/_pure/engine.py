@@ -45,7 +45,7 @@ from . import state
 from .graph_task import GraphTask
 from .hooks import add_anomaly_note, call_function, call_tensor_pre_hooks, check_nan, node_name
 from .input_buffer import InputBuffer
-from .node import NodeBase, node_device
+from .node import NodeBase, node_device, not_initialized_message
 from .ready_queue import NodeTask, ReadyQueue
 from .validate_outputs import validate_outputs
 
@@ -230,8 +230,7 @@ class Engine:
         while stack:
             node = stack.pop()
             if not getattr(node, "_initialized", False):
-                raise RuntimeError(f"{type(node).__name__} was not initialized: its __init__ must "
-                                   "call super().__init__(next_edges, input_metadata)")
+                raise RuntimeError(not_initialized_message(node))
             for edge in node._next_edges:
                 if edge is None:
                     continue
@@ -285,6 +284,9 @@ class Engine:
                     # The owner may sleep in pop(): wake it up.
                     self.ready_queue_by_index(local_graph_task.cpu_ready_queue, owner).push(
                         NodeTask(local_graph_task, None, None))
+            # Let go of the task now: a worker about to sleep in pop() must not
+            # keep its last graph alive until the next task comes.
+            local_graph_task = None
         if graph_task is not None and graph_task.has_error:
             queue.discard_graph_task(graph_task)
 

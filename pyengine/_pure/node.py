@@ -99,6 +99,8 @@ class Edge:
     def __init__(self, node, input_nr=0):
         if not isinstance(node, NodeBase):
             raise TypeError(f"Edge needs a Node, got {type(node).__name__}")
+        if not getattr(node, "_initialized", False):
+            raise RuntimeError(not_initialized_message(node))
         self.node = node
         self.input_nr = int(input_nr)
 
@@ -117,6 +119,11 @@ class Edge:
 
     def __repr__(self):
         return f"Edge({self.node.name()}, {self.input_nr})"
+
+
+def not_initialized_message(node):
+    return (f"{type(node).__name__} was not initialized: its __init__ must call "
+            "super().__init__(next_edges, input_metadata)")
 
 
 def _check_next_edges(next_edges):

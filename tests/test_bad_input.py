@@ -1,0 +1,133 @@
+"""Bad input, table-driven: every malformed gradient and API misuse gets a
+clear error that names what was wrong (node, index, expected against got),
+and the engine works afterwards (the autouse fixture in conftest.py runs a
+backward after each test and checks its result).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import pyengine
+from pyengine import fake_device as fd
+
+
+class Leaf:
+    def __init__(self, data, requires_grad=True):
+        self.data = np.asarray(data, dtype=np.float64)
+        self.grad = None
+        self.grad_fn = None
+        self.output_nr = 0
+        self.requires_grad = requires_grad
+
+
+class Returns(pyengine.Node):
+    """A node over leaf ``x`` whose apply returns ``make()``."""
+
+    def __init__(self, x, make):
+        super().__init__([pyengine.gradient_edge(x)], [x.data])
+        self.make = make
+
+    def apply(self, grads):
+        return self.make()
+
+
+class Forgetful(pyengine.Node):
+    def __init__(self):
+        pass  # never calls super().__init__
+
+    def apply(self, grads):
+        return []
+
+
+def run_returning(make):
+    x = Leaf([1.0, 2.0, 3.0])
+    pyengine.backward(_output(Returns(x, make)), np.ones(3))
+
+
+class _output:
+    """A non-leaf tensor whose grad_fn is ``node``."""
+
+    def __init__(self, node, shape=(3,)):
+        self.grad_fn, self.output_nr, self.requires_grad = node, 0, True
+        self.data = np.zeros(shape)
+        self.grad = None
+
+
+def hook_returning_wrong_shape():
+    x = Leaf([1.0, 2.0, 3.0])
+    node = Returns(x, lambda: [np.ones(3)])
+    node.register_prehook(lambda grads: (np.ones(4),))
+    pyengine.backward(_output(node), np.ones(3))
+
+
+def backward_twice():
+    x = Leaf([1.0, 2.0, 3.0])
+
+    class Saves(pyengine.Node):
+        def apply(self, grads):
+            (saved,) = self.saved_values
+            return [grads[0] * saved]
+
+    node = Saves([pyengine.gradient_edge(x)], [x.data])
+    node.save_for_backward(x.data)
+    y = _output(node)
+    pyengine.backward(y, np.ones(3))
+    pyengine.backward(y, np.ones(3))
+
+
+def wrong_device():
+    x = Leaf([1.0, 2.0, 3.0])
+    node = pyengine.Node.__new__(Returns)
+    Returns.__init__(node, x, lambda: [fd.to_fake(np.ones(3), fd.device(0))])
+    pyengine.backward(_output(node), np.ones(3))
+
+
+CASES = [
+    ("wrong count", lambda: run_returning(lambda: [np.ones(3), np.ones(3)]), RuntimeError,
+     "Function Returns returned an invalid number of gradients - expected 1, but got 2"),
+    ("shape not broadcastable", lambda: run_returning(lambda: [np.ones(4)]), RuntimeError,
+     "Function Returns returned an invalid gradient at index 0 - got (4,) but expected shape "
+     "compatible with (3,)"),
+    ("integer dtype", lambda: run_returning(lambda: [np.ones(3, dtype=np.int64)]), RuntimeError,
+     "Function Returns returned an invalid gradient at index 0 - expected dtype float64 but "
+     "got int64"),
+    ("wrong device", wrong_device, RuntimeError,
+     "Function Returns returned an invalid gradient at index 0 - expected device cpu but got "
+     "fake:0"),
+    ("not an array", lambda: run_returning(lambda: ["three"]), TypeError,
+     "Function Returns returned an invalid gradient at index 0 - expected an array, but got str"),
+    ("apply returns a non-sequence", lambda: run_returning(lambda: 3.0), TypeError,
+     "Function Returns.apply must return a tuple or list of gradients, got float"),
+    ("None root", lambda: pyengine.backward([None]), TypeError, "element 0 of tensors is None"),
+    ("grad_tensors length mismatch",
+     lambda: pyengine.backward([_output(Returns(Leaf([1.0, 2.0, 3.0]), lambda: [None]))],
+                               [np.ones(3), np.ones(3)]),
+     RuntimeError, "got 1 tensors and 2 gradients"),
+    ("root does not require grad", lambda: pyengine.backward(Leaf(1.0, requires_grad=False)),
+     RuntimeError, "element 0 of tensors does not require grad and does not have a grad_fn"),
+    ("input not in the graph",
+     lambda: pyengine.grad(_output(Returns(Leaf([1.0, 2.0, 3.0]), lambda: [np.ones(3)])),
+                           [Leaf([5.0])], np.ones(3)),
+     RuntimeError, "One of the differentiated Tensors appears to not have been used in the graph"),
+    ("hook returning a wrong shape", hook_returning_wrong_shape, RuntimeError,
+     "has changed the shape of the gradient at index 0 (was (3,), got (4,))"),
+    ("backward twice", backward_twice, RuntimeError,
+     "Trying to backward through the graph a second time"),
+    ("queue_callback outside backward", lambda: pyengine.queue_callback(lambda: None),
+     RuntimeError, "Final callbacks can only be installed during backward pass."),
+    ("Node forgets super().__init__", lambda: pyengine.Edge(Forgetful(), 0),
+     RuntimeError, "Forgetful was not initialized: its __init__ must call super().__init__"),
+    ("implicit grad of a non-scalar",
+     lambda: pyengine.backward(_output(Returns(Leaf([1.0, 2.0, 3.0]), lambda: [np.ones(3)]))),
+     RuntimeError, "grad can be implicitly created only for scalar outputs"),
+]
+
+
+@pytest.mark.parametrize("name, action, error_type, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_named_and_the_engine_recovers(name, action, error_type, message):
+    with pytest.raises(error_type, match=re.escape(message)):
+        action()
