@@ -313,8 +313,10 @@ PRELUDE = textwrap.dedent("""
 def run_script(body, timeout=60):
     script = PRELUDE.format(tests=os.path.dirname(__file__),
                             implementation=pyengine.IMPLEMENTATION) + textwrap.dedent(body)
+    # Not from the repository root: there, "-c" would import the source tree
+    # (without the compiled modules) instead of the installed package.
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=os.path.dirname(__file__))
 
 
 def test_exit_while_a_device_worker_is_busy_does_not_hang():
