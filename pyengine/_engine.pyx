@@ -49,7 +49,7 @@ from time import perf_counter_ns as _perf_counter_ns
 
 from pyengine import streams as _streams
 from pyengine._pure import hooks as _hooks
-from pyengine._pure.engine import _DeviceThreads
+from pyengine._pure.engine import SHUTDOWN_ERROR, _DeviceThreads
 from pyengine._pure.node import node_device, not_initialized_message
 from pyengine._pure.validate_outputs import validate_gradient
 
@@ -249,7 +249,7 @@ cdef class Engine:
     def __init__(self, int max_recursion_depth=MAX_RECURSION_DEPTH):
         self.max_recursion_depth = max_recursion_depth
         self._pool = _ThreadPoolShared()
-        self._devices = _DeviceThreads()
+        self._devices = _DeviceThreads(ReadyQueue)
 
     # -- entry point --
 
@@ -538,30 +538,13 @@ cdef class Engine:
         the device's worker thread on first use."""
         if device == _CPU or not graph_task.multithreading:
             return graph_task.cpu_ready_queue
-        devices = self._devices
-        with devices.lock:
-            if devices.stopping:
-                raise RuntimeError(f"cannot run a task on {device}: the engine's device "
-                                   "threads have stopped (interpreter shutdown)")
-            devices.graph_tasks.add(graph_task)
-            device_id = devices.ids.get(device)
-            if device_id is None:
-                device_id = devices.ids[device] = len(devices.devices)
-                queue = ReadyQueue()
-                thread = threading.Thread(target=self._device_thread_main, args=(device_id, queue),
-                                          name=f"pyengine-{device}", daemon=True)
-                devices.devices.append(device)
-                devices.queues.append(queue)
-                devices.threads.append(thread)
-                thread.start()
-            return devices.queues[device_id]
+        return self._devices.queue_for(device, graph_task, self._device_thread_main)
 
     cdef ReadyQueue ready_queue_by_index(self, ReadyQueue cpu_ready_queue, int device_id):
         """The queue of the thread whose ``worker_device`` is ``device_id``."""
         if device_id == CPU_DEVICE:
             return cpu_ready_queue
-        with self._devices.lock:
-            return self._devices.queues[device_id]
+        return self._devices.queue_by_index(device_id)
 
     def _device_thread_main(self, int device_id, ReadyQueue queue):
         cdef WorkerState worker = get_worker_state()
@@ -626,14 +609,8 @@ cdef class Engine:
         """Stop the device and pool threads (at interpreter exit). A backward
         still waiting for device work fails with a RuntimeError instead of
         waiting forever."""
-        devices = self._devices
-        with devices.lock:
-            devices.stopping = True
-            in_flight = list(devices.graph_tasks)
-            device_queues = list(devices.queues)
-            device_threads = list(devices.threads)
-        error = RuntimeError("pyengine's device threads stopped (interpreter shutdown) while "
-                             "this backward was running")
+        in_flight, device_queues, device_threads = self._devices.stop()
+        error = RuntimeError(SHUTDOWN_ERROR)
         cdef GraphTask graph_task
         for task in in_flight:
             graph_task = <GraphTask>task
@@ -655,7 +632,7 @@ cdef class Engine:
         # The child has only the forking thread: the pool's and the devices'
         # threads are gone, and their mutexes may have been held by them.
         self._pool = _ThreadPoolShared()
-        self._devices = _DeviceThreads()
+        self._devices = _DeviceThreads(ReadyQueue)
 
     # -- callbacks --
 

@@ -315,8 +315,12 @@ def run_script(body, timeout=60):
                             implementation=pyengine.IMPLEMENTATION) + textwrap.dedent(body)
     # Not from the repository root: there, "-c" would import the source tree
     # (without the compiled modules) instead of the installed package.
+    env = dict(os.environ)
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry)
+                                            for entry in env["PYTHONPATH"].split(os.pathsep))
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=timeout, cwd=os.path.dirname(__file__))
+                          timeout=timeout, cwd=os.path.dirname(__file__), env=env)
 
 
 def test_exit_while_a_device_worker_is_busy_does_not_hang():

@@ -122,7 +122,7 @@ class _DeviceThreads:
     waiting forever) is guarded by ``lock`` too.
     """
 
-    def __init__(self):
+    def __init__(self, ready_queue_type):
         self.lock = threading.Lock()
         self.ids = {}
         self.devices = []
@@ -130,6 +130,43 @@ class _DeviceThreads:
         self.threads = []
         self.stopping = False
         self.graph_tasks = weakref.WeakSet()
+        self._ready_queue_type = ready_queue_type
+
+    def queue_for(self, device, graph_task, worker_main):
+        """The queue of ``device``, for a task of ``graph_task``; on first use,
+        starts the device's worker thread, which runs
+        ``worker_main(device_id, queue)``."""
+        with self.lock:
+            if self.stopping:
+                raise RuntimeError(f"cannot run a task on {device}: the engine's device "
+                                   "threads have stopped (interpreter shutdown)")
+            self.graph_tasks.add(graph_task)
+            device_id = self.ids.get(device)
+            if device_id is None:
+                device_id = self.ids[device] = len(self.devices)
+                queue = self._ready_queue_type()
+                thread = threading.Thread(target=worker_main, args=(device_id, queue),
+                                          name=f"pyengine-{device}", daemon=True)
+                self.devices.append(device)
+                self.queues.append(queue)
+                self.threads.append(thread)
+                thread.start()
+            return self.queues[device_id]
+
+    def queue_by_index(self, device_id):
+        with self.lock:
+            return self.queues[device_id]
+
+    def stop(self):
+        """Refuse new device work; return the graph tasks that may still wait
+        on device work, and the workers' queues and threads."""
+        with self.lock:
+            self.stopping = True
+            return list(self.graph_tasks), list(self.queues), list(self.threads)
+
+
+SHUTDOWN_ERROR = ("pyengine's device threads stopped (interpreter shutdown) while this "
+                  "backward was running")
 
 
 # -- the engine -------------------------------------------------------------
@@ -141,7 +178,7 @@ class Engine:
     def __init__(self, max_recursion_depth=MAX_RECURSION_DEPTH):
         self.max_recursion_depth = max_recursion_depth
         self._pool = _ThreadPoolShared()
-        self._devices = _DeviceThreads()
+        self._devices = _DeviceThreads(ReadyQueue)
 
     # -- entry point --
 
@@ -396,30 +433,13 @@ class Engine:
         graph task's CPU queue (the caller's)."""
         if device == CPU or not graph_task.multithreading:
             return graph_task.cpu_ready_queue
-        devices = self._devices
-        with devices.lock:
-            if devices.stopping:
-                raise RuntimeError(f"cannot run a task on {device}: the engine's device "
-                                   "threads have stopped (interpreter shutdown)")
-            devices.graph_tasks.add(graph_task)
-            device_id = devices.ids.get(device)
-            if device_id is None:
-                device_id = devices.ids[device] = len(devices.devices)
-                queue = ReadyQueue()
-                thread = threading.Thread(target=self._device_thread_main, args=(device_id, queue),
-                                          name=f"pyengine-{device}", daemon=True)
-                devices.devices.append(device)
-                devices.queues.append(queue)
-                devices.threads.append(thread)
-                thread.start()
-            return devices.queues[device_id]
+        return self._devices.queue_for(device, graph_task, self._device_thread_main)
 
     def ready_queue_by_index(self, cpu_ready_queue, device_id):
         """The queue of the thread whose ``worker_device`` is ``device_id``."""
         if device_id == CPU_DEVICE:
             return cpu_ready_queue
-        with self._devices.lock:
-            return self._devices.queues[device_id]
+        return self._devices.queue_by_index(device_id)
 
     def _device_thread_main(self, device_id, queue):
         worker = _worker_state
@@ -469,14 +489,8 @@ class Engine:
         """Stop the device and pool threads (at interpreter exit). A backward
         still waiting for device work fails with a RuntimeError instead of
         waiting forever."""
-        devices = self._devices
-        with devices.lock:
-            devices.stopping = True
-            in_flight = list(devices.graph_tasks)
-            device_queues = list(devices.queues)
-            device_threads = list(devices.threads)
-        error = RuntimeError("pyengine's device threads stopped (interpreter shutdown) while "
-                             "this backward was running")
+        in_flight, device_queues, device_threads = self._devices.stop()
+        error = RuntimeError(SHUTDOWN_ERROR)
         for graph_task in in_flight:
             if not graph_task.future_completed:
                 graph_task.set_exception(error)
@@ -496,7 +510,7 @@ class Engine:
         # The child has only the forking thread: the pool's and the devices'
         # threads are gone, and their locks may have been held by them.
         self._pool = _ThreadPoolShared()
-        self._devices = _DeviceThreads()
+        self._devices = _DeviceThreads(ReadyQueue)
 
     # -- callbacks --
 
