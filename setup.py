@@ -15,7 +15,8 @@ from setuptools import Extension, setup
 
 DEBUG = os.environ.get("PYENGINE_DEBUG", "") not in ("", "0")
 
-COMPILED_MODULES = ["_state", "_node", "_ready_queue", "_input_buffer", "_graph_task", "_engine"]
+COMPILED_MODULES = ["_state", "_node", "_ready_queue", "_input_buffer", "_graph_task",
+                    "_validate_outputs", "_engine"]
 
 directives = {
     "language_level": 3,

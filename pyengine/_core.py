@@ -18,6 +18,7 @@ if os.environ.get("PYENGINE_PURE", "") in ("", "0"):
         from . import _node as node_module
         from . import _ready_queue as ready_queue_module
         from . import _state as state_module
+        from . import _validate_outputs as validate_outputs_module
 
         IMPLEMENTATION = "compiled"
     except ImportError as error:
@@ -35,6 +36,7 @@ if IMPLEMENTATION == "pure":
     from ._pure import node as node_module
     from ._pure import ready_queue as ready_queue_module
     from ._pure import state as state_module
+    from ._pure import validate_outputs as validate_outputs_module
 
 NodeBase = node_module.NodeBase
 Edge = node_module.Edge
@@ -50,7 +52,7 @@ GraphTask = graph_task_module.GraphTask
 
 Engine = engine_module.Engine
 GraphRoot = engine_module.GraphRoot
-validate_outputs = engine_module.validate_outputs
+validate_outputs = validate_outputs_module.validate_outputs
 register_engine = engine_module._register_engine
 
 is_grad_enabled = state_module.is_grad_enabled

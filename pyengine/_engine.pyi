@@ -7,9 +7,6 @@ from pyengine._node import Edge, NodeBase
 
 MAX_RECURSION_DEPTH: int
 
-def validate_outputs(edges: Sequence[Edge | None], grads: list[Any],
-                     format_error: Callable[[str], str]) -> None: ...
-
 class GraphRoot(NodeBase):
     outputs: list[Any]
     def __init__(self, roots: Sequence[Edge], grads: Sequence[Any]) -> None: ...

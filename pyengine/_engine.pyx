@@ -28,7 +28,6 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
-from libc.string cimport memcmp
 from libcpp.condition_variable cimport condition_variable
 from libcpp.deque cimport deque
 from libcpp.mutex cimport mutex, unique_lock
@@ -39,6 +38,7 @@ from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._locks cimport lock_releasing_gil
 from pyengine._node cimport Edge, InputMetadata, NodeBase, on_cpu
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
+from pyengine._validate_outputs cimport numpy_gradient_matches, validate_outputs_impl
 from pyengine._state cimport (ThreadState, anomaly_check_nan, anomaly_enabled, profiler,
                               thread_state)
 
@@ -51,7 +51,7 @@ from pyengine import streams as _streams
 from pyengine._pure import hooks as _hooks
 from pyengine._pure.engine import SHUTDOWN_ERROR, _DeviceThreads
 from pyengine._pure.node import node_device, not_initialized_message
-from pyengine._pure.validate_outputs import validate_gradient
+from pyengine._validate_outputs import NodeErrorFormat, plain_error_format
 
 cnp.import_array()
 
@@ -93,63 +93,6 @@ cdef WorkerState get_worker_state():
         state = WorkerState()
         _thread_local.state = state
         return state
-
-
-# -- validate_outputs ---------------------------------------------------------------
-
-cdef inline bint numpy_gradient_matches(InputMetadata metadata, object grad) noexcept:
-    """The fast path: a numpy array whose dtype, shape and device are the slot's."""
-    if metadata.numpy_dtype is None or type(grad) is not cnp.ndarray:
-        return False
-    cdef cnp.ndarray array = <cnp.ndarray>grad
-    if <PyObject*>cnp.PyArray_DESCR(array) != <PyObject*>metadata.numpy_dtype:
-        return False
-    cdef size_t ndim = <size_t>cnp.PyArray_NDIM(array)
-    if ndim != metadata.dims.size():
-        return False
-    return ndim == 0 or memcmp(cnp.PyArray_DIMS(array), metadata.dims.data(),
-                               ndim * sizeof(cnp.npy_intp)) == 0
-
-
-class _NodeErrorFormat:
-    """``format_error`` for gradients returned by ``node``, as PyTorch words it."""
-
-    def __init__(self, node):
-        self.node = node
-
-    def __call__(self, message):
-        return f"Function {_hooks.node_name(self.node)} returned an {message}"
-
-
-def _plain_error_format(message):
-    return message
-
-
-cdef int validate_outputs_impl(tuple edges, list grads, object format_error) except -1:
-    """See the twin's ``validate_outputs``; ``grads`` is edited in place."""
-    cdef Py_ssize_t num_edges = PyTuple_GET_SIZE(edges)
-    cdef Edge edge
-    cdef list slots
-    if PyList_GET_SIZE(grads) != num_edges:
-        raise RuntimeError(format_error(
-            f"invalid number of gradients - expected {num_edges}, but got {len(grads)}"))
-    for i in range(num_edges):
-        edge_object = <object>PyTuple_GET_ITEM(edges, i)
-        grad = <object>PyList_GET_ITEM(grads, i)
-        if edge_object is None or grad is None:
-            continue
-        edge = <Edge>edge_object
-        slots = edge.node._input_metadata
-        metadata = <object>PyList_GET_ITEM(slots, edge.input_nr) if edge.input_nr < PyList_GET_SIZE(slots) else None
-        if metadata is not None and numpy_gradient_matches(<InputMetadata>metadata, grad):
-            continue
-        grads[i] = validate_gradient(i, grad, metadata, format_error)
-    return 0
-
-
-def validate_outputs(edges, list grads, format_error):
-    """Check and fix ``grads`` against ``edges``; see the twin's docstring."""
-    validate_outputs_impl(tuple(edges), grads, format_error)
 
 
 # -- GraphRoot ----------------------------------------------------------------------
@@ -195,7 +138,7 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs):
     cdef list checked = <list>outputs
     cdef tuple next_edges = node._next_edges
     if PyList_GET_SIZE(checked) != PyTuple_GET_SIZE(next_edges):
-        validate_outputs_impl(next_edges, checked, _NodeErrorFormat(node))
+        validate_outputs_impl(next_edges, checked, NodeErrorFormat(node))
     for i in range(PyList_GET_SIZE(checked)):
         edge_object = <object>PyTuple_GET_ITEM(next_edges, i)
         grad = <object>PyList_GET_ITEM(checked, i)
@@ -208,7 +151,7 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs):
             if metadata is not None and numpy_gradient_matches(<InputMetadata>metadata, grad):
                 continue
         # A gradient the fast path cannot vouch for: check them all, slowly.
-        validate_outputs_impl(next_edges, checked, _NodeErrorFormat(node))
+        validate_outputs_impl(next_edges, checked, NodeErrorFormat(node))
         break
     return checked
 
@@ -270,7 +213,7 @@ cdef class Engine:
         for i, root in enumerate(root_edges):
             if not isinstance(root, Edge):
                 raise TypeError(f"roots[{i}] must be an Edge, got {type(root).__name__}")
-        validate_outputs_impl(root_edges, root_grads, _plain_error_format)
+        validate_outputs_impl(root_edges, root_grads, plain_error_format)
 
         cdef WorkerState worker = get_worker_state()
         if worker.local_ready_queue is None:

@@ -1,6 +1,6 @@
 """The engine: runs a backward graph task to completion.
 
-Twin of ``pyengine/_engine.pyx``: ``validate_outputs``, ``GraphRoot``,
+Twin of ``pyengine/_engine.pyx``: ``GraphRoot``,
 ``call_function``, and ``Engine`` with ``execute``, ``compute_dependencies``,
 ``thread_main``, ``evaluate_function``, reentrant backward and its thread
 pool. Read it beside PyTorch's ``torch/csrc/autograd/engine.cpp``.

@@ -1,6 +1,6 @@
 """validate_outputs: check and fix the gradients a node returns.
 
-Twin of the numpy fast path in ``pyengine/_engine.pyx``. The compiled core
+Twin of ``pyengine/_validate_outputs.pyx``. The compiled core
 checks a numpy gradient of the right shape, dtype and device in C and
 calls :func:`validate_gradient` here for everything else (broadcast
 reductions, casts, other value types, errors), so that the slow path is
