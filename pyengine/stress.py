@@ -1,5 +1,7 @@
 """Randomized stress runs: the engine keeps working and loses nothing.
 
+``python -m pyengine stress --minutes N`` runs it from the command line.
+
 :func:`run` repeats batches of randomized scenarios until a time budget or a
 batch count runs out, and checks every result against an independent
 computation:
@@ -425,3 +427,27 @@ def run(duration_s=None, batches=None, seed=0, watchdog_s=60.0, log=None) -> Str
             gc.enable()
         report.seconds = time.monotonic() - start
     return report
+
+
+# -- python -m pyengine stress ------------------------------------------------------------
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--minutes", type=float, default=1.0, help="time budget (1)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    parser.add_argument("--watchdog", type=float, default=60.0,
+                        help="seconds one call may take before it counts as a deadlock (60)")
+    parser.add_argument("--quiet", action="store_true", help="print only the summary")
+
+
+def main(args) -> int:
+    from . import IMPLEMENTATION
+
+    print(f"pyengine stress: {IMPLEMENTATION} core, {args.minutes} min, seed {args.seed}")
+    try:
+        report = run(duration_s=args.minutes * 60, seed=args.seed, watchdog_s=args.watchdog,
+                     log=None if args.quiet else print)
+    except StressFailure as failure:
+        print(f"FAILED: {failure}")
+        return 1
+    print(f"passed: {report.summary()}")
+    return 0

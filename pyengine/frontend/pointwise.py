@@ -21,18 +21,16 @@ non-negative.
 
 from __future__ import annotations
 
-import builtins
-
 import numpy as np
 
 from pyengine import Device
 
 from .graph import OpNode, needs_graph, operand, raw, record
-from .tensor import Tensor, _as_array, _device_of, array_module
+from .tensor import Tensor, _as_array, array_module
 
 __all__ = ["add", "sub", "mul", "div", "neg", "pow", "exp", "log", "sqrt", "tanh", "sigmoid",
-           "relu", "abs", "clip", "maximum", "where", "compare", "sign", "clone", "astype",
-           "to_device", "fill", "copy_from", "zeros_like_value"]
+           "relu", "threshold_backward", "abs", "clip", "maximum", "where", "compare", "sign",
+           "clone", "astype", "to_device", "fill", "copy_from", "zeros_like_value"]
 
 
 def _is_tensor(*values):
@@ -149,7 +147,8 @@ def pow(a, b):  # noqa: A001 (the operator's name)
     a, b = operand(a), operand(b)
     out = Tensor._make(raw(a) ** raw(b))
     if needs_graph(a, b):
-        record(PowBackward, (a, b), out, saved=(a, b, out if _requires(b) else None))
+        record(PowBackward, (a, b), out, saved=(a, b, out if _requires(b) else None),
+               number_exponent=not isinstance(b, Tensor))
     return out
 
 
@@ -157,8 +156,8 @@ class PowBackward(OpNode):
     def formula(self, grad, a, b, out):
         grad_a = grad_b = None
         if self.needs(0):
-            if isinstance(b, (int, float)):
-                grad_a = grad * 0.0 if b == 0 else grad * b * a ** (b - 1)
+            if self.number_exponent:
+                grad_a = zeros_like_value(grad) if b == 0 else grad * b * a ** (b - 1)
             else:
                 grad_a = where(b == 0, 0.0, grad * b * a ** (b - 1))
         if self.needs(1):
@@ -261,7 +260,26 @@ def relu(x):
 
 class ReluBackward(OpNode):
     def formula(self, grad, out):
-        return [where(out > 0, grad, 0.0)]
+        return [threshold_backward(grad, out)]
+
+
+def threshold_backward(grad, out):
+    """``grad`` where ``out > 0``, else 0: relu's backward. As in PyTorch it is
+    an op of both arguments, the second with a zero gradient, so that a
+    double backward reaches relu's input (with zeros) as PyTorch's does."""
+    if not _is_tensor(grad, out):
+        return array_module(out).where(out > 0, grad, 0)
+    grad, out = operand(grad), operand(out)
+    result = Tensor._make(array_module(out.data).where(out.data > 0, raw(grad), 0))
+    if needs_graph(grad, out):
+        record(ThresholdBackwardBackward, (grad, out), result, saved=(out,))
+    return result
+
+
+class ThresholdBackwardBackward(OpNode):
+    def formula(self, grad, out):
+        return [threshold_backward(grad, out) if self.needs(0) else None,
+                zeros_like_value(grad) if self.needs(1) else None]
 
 
 def abs(x):  # noqa: A001
@@ -347,9 +365,19 @@ def compare(ufunc, a, b):
 
 
 def sign(x):
-    """-1, 0 or 1 by the sign of ``x``; outside the graph (its derivative is 0)."""
-    result = np.sign(raw(x))
-    return Tensor._make(result) if isinstance(x, Tensor) else result
+    """-1, 0 or 1 by the sign of ``x``. Differentiable with a zero derivative,
+    as PyTorch's: abs's double backward reaches its input (with zeros)."""
+    if not _is_tensor(x):
+        return np.sign(x)
+    out = Tensor._make(np.sign(x.data))
+    if needs_graph(x):
+        record(SignBackward, (x,), out)
+    return out
+
+
+class SignBackward(OpNode):
+    def formula(self, grad):
+        return [zeros_like_value(grad)]
 
 
 # -- copies ------------------------------------------------------------------------------
@@ -423,8 +451,6 @@ def copy_from(x, src):
     src = operand(src)
     xp = array_module(x.data)
     data = xp.broadcast_to(xp.asarray(raw(src), dtype=x.dtype), x.shape).copy()
-    if _device_of(data) != x.device:
-        raise RuntimeError(f"copy_ from {_device_of(data)} to {x.device} is not supported")
     out = Tensor._make(data)
     if needs_graph(x, src):
         record(CopyFromBackward, (x, src), out)
@@ -435,5 +461,3 @@ class CopyFromBackward(OpNode):
     def formula(self, grad):
         return [zeros_like_value(grad) if self.needs(0) else None, grad]
 
-
-_builtin_abs, _builtin_pow = builtins.abs, builtins.pow

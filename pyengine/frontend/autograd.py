@@ -1,0 +1,30 @@
+"""``backward`` and ``grad`` for frontend Tensors, as ``torch.autograd``.
+
+They are pyengine's, with Tensors in and out: ``grad`` returns Tensors
+(the engine captures arrays, or Tensors under ``create_graph``), and
+gradients given as arrays or Tensors are both accepted.
+"""
+
+from __future__ import annotations
+
+import pyengine
+
+from .tensor import Tensor
+
+__all__ = ["backward", "grad"]
+
+
+def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+    """Accumulate gradients of ``tensors`` into the leaves' ``.grad``
+    (``torch.autograd.backward``)."""
+    pyengine.backward(tensors, grad_tensors, retain_graph, create_graph, inputs)
+
+
+def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+         allow_unused=None, materialize_grads=False):
+    """The gradients of ``outputs`` with respect to ``inputs``, as a tuple of
+    Tensors (None for an unused input) (``torch.autograd.grad``)."""
+    results = pyengine.grad(outputs, inputs, grad_outputs, retain_graph, create_graph,
+                            allow_unused, materialize_grads)
+    return tuple(value if value is None or isinstance(value, Tensor) else Tensor._make(value)
+                 for value in results)

@@ -1,0 +1,89 @@
+"""Matrix products, each forward beside its backward node: ``matmul``
+(numpy's ``@``: vectors, matrices and broadcast batches of matrices) and
+``linear`` (``x @ w.T + b``, one node, as ``torch.nn.functional.linear``).
+
+A 1-D operand of ``matmul`` is treated as numpy does: a row vector on the
+left, a column vector on the right, the added axis then removed. The
+backward works on the 2-D (or batched) forms and returns gradients with
+the broadcast batch axes still there; the engine sums them away (See Note
+[Broadcast gradients]).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .graph import OpNode, needs_graph, operand, raw, record
+from .shape import reshape, swapaxes
+from .tensor import Tensor
+
+__all__ = ["matmul", "linear"]
+
+
+def _requires(value):
+    return isinstance(value, Tensor) and value._requires_grad
+
+
+def matmul(a, b):
+    """``a @ b`` with numpy's rules."""
+    if not isinstance(a, Tensor) and not isinstance(b, Tensor):
+        return a @ b
+    a, b = operand(a), operand(b)
+    a_ndim, b_ndim = np.ndim(raw(a)), np.ndim(raw(b))
+    if a_ndim == 0 or b_ndim == 0:
+        raise ValueError("matmul: both operands need at least one dimension")
+    out = Tensor._make(raw(a) @ raw(b))
+    if needs_graph(a, b):
+        record(MatmulBackward, (a, b), out,
+               saved=(a if _requires(b) else None, b if _requires(a) else None),
+               a_ndim=a_ndim, b_ndim=b_ndim)
+    return out
+
+
+class MatmulBackward(OpNode):
+    def formula(self, grad, a, b):
+        grad_a = grad_b = None
+        if self.a_ndim == 1 and self.b_ndim == 1:
+            return [grad * b if self.needs(0) else None, grad * a if self.needs(1) else None]
+        # Restore the axes numpy added and removed for 1-D operands.
+        if self.a_ndim == 1:
+            grad = reshape(grad, grad.shape[:-1] + (1, grad.shape[-1]))
+        if self.b_ndim == 1:
+            grad = reshape(grad, grad.shape + (1,))
+        if self.needs(0):
+            b2 = reshape(b, (1, b.shape[0])) if self.b_ndim == 1 else swapaxes(b, -1, -2)
+            grad_a = grad @ b2
+            if self.a_ndim == 1:
+                grad_a = reshape(grad_a, grad_a.shape[:-2] + grad_a.shape[-1:])
+        if self.needs(1):
+            a2 = reshape(a, (a.shape[0], 1)) if self.a_ndim == 1 else swapaxes(a, -1, -2)
+            grad_b = a2 @ grad
+            if self.b_ndim == 1:
+                grad_b = reshape(grad_b, grad_b.shape[:-1])
+        return [grad_a, grad_b]
+
+
+def linear(x, weight, bias=None):
+    """``x @ weight.T + bias``: ``weight`` is ``(out_features, in_features)``."""
+    x, weight = operand(x), operand(weight)
+    if bias is not None:
+        bias = operand(bias)
+    out_data = raw(x) @ raw(weight).T
+    if bias is not None:
+        out_data = out_data + raw(bias)
+    out = Tensor._make(out_data)
+    if needs_graph(x, weight, bias):
+        record(LinearBackward, (x, weight, bias), out,
+               saved=(x if _requires(weight) else None, weight if _requires(x) else None))
+    return out
+
+
+class LinearBackward(OpNode):
+    def formula(self, grad, x, weight):
+        grad_x = grad @ weight if self.needs(0) else None
+        grad_w = None
+        if self.needs(1):
+            rows = reshape(grad, (-1, grad.shape[-1]))
+            grad_w = swapaxes(rows, 0, 1) @ reshape(x, (-1, x.shape[-1]))
+        # The bias gradient keeps the batch axes; the engine sums them.
+        return [grad_x, grad_w, grad if self.needs(2) else None]

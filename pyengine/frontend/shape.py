@@ -1,0 +1,237 @@
+"""Shape ops, each forward beside its backward node: ``reshape``,
+``transpose`` / ``swapaxes``, ``broadcast_to``, indexing (``getitem``,
+its backward ``scatter_add``, and ``index_put`` for ``x[i] = v``),
+``concatenate`` and ``stack``.
+
+``reshape`` (when numpy does not copy), ``transpose``, basic indexing and
+``broadcast_to`` return views: they share the version counter of their
+input (See Note [Views and the version counter]).
+
+Indexing follows numpy: integers, slices, None and Ellipsis are basic
+indexing (a view); integer arrays, lists and boolean masks are advanced
+indexing (a copy). The backward of either adds the gradient into zeros of
+the input's shape at the index, with ``np.add.at`` for advanced indices so
+that a repeated index gets the sum of its gradients (scatter-add).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .graph import OpNode, mark_view, needs_graph, operand, raw, record
+from .pointwise import where
+from .tensor import Tensor, array_module
+
+__all__ = ["reshape", "transpose", "swapaxes", "broadcast_to", "getitem", "scatter_add",
+           "index_put", "concatenate", "stack"]
+
+
+def _shares_memory(out, x):
+    return array_module(x).may_share_memory(out, x)
+
+
+def reshape(x, shape):
+    """``x`` with a new shape (one entry may be -1)."""
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    if not isinstance(x, Tensor):
+        return x.reshape(shape)
+    out = Tensor._make(x.data.reshape(shape))
+    if _shares_memory(out.data, x.data):
+        mark_view(out, x)
+    if needs_graph(x):
+        record(ReshapeBackward, (x,), out, input_shape=x.shape)
+    return out
+
+
+class ReshapeBackward(OpNode):
+    def formula(self, grad):
+        return [reshape(grad, self.input_shape)]
+
+
+def transpose(x, axes=None):
+    """``x`` with its axes permuted by ``axes`` (reversed by default), as numpy."""
+    if not isinstance(x, Tensor):
+        return x.transpose(axes)
+    axes = tuple(range(x.ndim))[::-1] if axes is None else tuple(int(a) % x.ndim for a in axes)
+    out = mark_view(Tensor._make(x.data.transpose(axes)), x)
+    if needs_graph(x):
+        record(TransposeBackward, (x,), out, inverse=tuple(np.argsort(axes).tolist()))
+    return out
+
+
+class TransposeBackward(OpNode):
+    def formula(self, grad):
+        return [transpose(grad, self.inverse)]
+
+
+def swapaxes(x, axis1, axis2):
+    """``x`` with two axes exchanged."""
+    if not isinstance(x, Tensor):
+        return x.swapaxes(axis1, axis2)
+    axes = list(range(x.ndim))
+    axes[axis1], axes[axis2] = axes[axis2], axes[axis1]
+    return transpose(x, axes)
+
+
+def broadcast_to(x, shape):
+    """``x`` broadcast to ``shape`` (a read-only view)."""
+    shape = tuple(shape)
+    if not isinstance(x, Tensor):
+        if np.shape(x) == shape:
+            return x
+        return array_module(x).broadcast_to(x, shape)
+    out = mark_view(Tensor._make(array_module(x.data).broadcast_to(x.data, shape)), x)
+    if needs_graph(x):
+        record(BroadcastToBackward, (x,), out)
+    return out
+
+
+class BroadcastToBackward(OpNode):
+    def formula(self, grad):
+        # The engine sums the gradient back to the input's shape.
+        return [grad]
+
+
+# -- indexing --------------------------------------------------------------------------
+
+_BASIC_INDEX_TYPES = (int, np.integer, slice, type(None), type(Ellipsis))
+
+
+def _normalize_index(index):
+    """An index as a tuple of ints, slices, None, Ellipsis and arrays."""
+    items = index if isinstance(index, tuple) else (index,)
+    normalized = []
+    for item in items:
+        if isinstance(item, Tensor):
+            item = item.data
+        elif isinstance(item, (list, tuple)):
+            item = np.asarray(item)
+        normalized.append(item)
+    return tuple(normalized)
+
+
+def _is_basic(index):
+    for item in index:
+        if not isinstance(item, _BASIC_INDEX_TYPES) or isinstance(item, (bool, np.bool_)):
+            return False
+    return True
+
+
+def getitem(x, index):
+    """``x[index]`` with numpy's rules."""
+    if not isinstance(x, Tensor):
+        return x[index]
+    index = _normalize_index(index)
+    basic = _is_basic(index)
+    if basic and Ellipsis not in index:
+        # A trailing Ellipsis makes numpy return a 0-d view, not a scalar copy.
+        data = x.data[index + (Ellipsis,)]
+    else:
+        data = x.data[index]
+    out = Tensor._make(data)
+    if basic:
+        mark_view(out, x)
+    if needs_graph(x):
+        record(IndexBackward, (x,), out, index=index, input_shape=x.shape)
+    return out
+
+
+class IndexBackward(OpNode):
+    def formula(self, grad):
+        return [scatter_add(grad, self.index, self.input_shape)]
+
+
+def _scatter_add_array(values, index, shape):
+    xp = array_module(values)
+    result = xp.zeros(shape, dtype=values.dtype)
+    if _is_basic(index):
+        result[index] = values
+    elif xp is np:
+        np.add.at(result, index, values)
+    else:  # pragma: no cover - needs cupy
+        import cupyx
+
+        cupyx.scatter_add(result, index, values)
+    return result
+
+
+def scatter_add(values, index, shape):
+    """Zeros of ``shape`` with ``values`` added at ``index`` (repeated indices
+    add up): the backward of ``x[index]``."""
+    index = _normalize_index(index)
+    if not isinstance(values, Tensor):
+        return _scatter_add_array(array_module(values).asarray(values), index, shape)
+    out = Tensor._make(_scatter_add_array(values.data, index, tuple(shape)))
+    if needs_graph(values):
+        record(ScatterAddBackward, (values,), out, index=index)
+    return out
+
+
+class ScatterAddBackward(OpNode):
+    def formula(self, grad):
+        return [getitem(grad, self.index)]
+
+
+def index_put(x, index, value):
+    """A copy of ``x`` with ``x[index] = value`` (what ``x[index] = value``
+    records): ``x`` gets the gradient outside the index, ``value`` inside."""
+    index = _normalize_index(index)
+    value = operand(value)
+    data = x.data.copy()
+    data[index] = raw(value)
+    out = Tensor._make(data)
+    if needs_graph(x, value):
+        keep = array_module(data).ones(x.shape, dtype=bool)
+        keep[index] = False
+        record(IndexPutBackward, (x, value), out, index=index, keep=keep)
+    return out
+
+
+class IndexPutBackward(OpNode):
+    def formula(self, grad):
+        return [where(self.keep, grad, 0.0) if self.needs(0) else None,
+                getitem(grad, self.index) if self.needs(1) else None]
+
+
+# -- joining -----------------------------------------------------------------------------
+
+def concatenate(tensors, axis=0):
+    """Join tensors along an existing ``axis``."""
+    tensors = [operand(t) for t in tensors]
+    if not any(isinstance(t, Tensor) for t in tensors):
+        return array_module(tensors[0]).concatenate(tensors, axis=axis)
+    arrays = [raw(t) for t in tensors]
+    out = Tensor._make(array_module(arrays[0]).concatenate(arrays, axis=axis))
+    if needs_graph(*tensors):
+        axis = int(axis) % out.ndim
+        bounds = np.cumsum([0] + [a.shape[axis] for a in arrays]).tolist()
+        record(ConcatenateBackward, tensors, out, axis=axis, bounds=bounds)
+    return out
+
+
+class ConcatenateBackward(OpNode):
+    def formula(self, grad):
+        lead = (slice(None),) * self.axis
+        bounds = self.bounds
+        return [getitem(grad, lead + (slice(bounds[i], bounds[i + 1]),)) if self.needs(i) else None
+                for i in range(len(bounds) - 1)]
+
+
+def stack(tensors, axis=0):
+    """Join tensors of one shape along a new ``axis``."""
+    tensors = [operand(t) for t in tensors]
+    if not any(isinstance(t, Tensor) for t in tensors):
+        return array_module(tensors[0]).stack(tensors, axis=axis)
+    arrays = [raw(t) for t in tensors]
+    out = Tensor._make(array_module(arrays[0]).stack(arrays, axis=axis))
+    if needs_graph(*tensors):
+        record(StackBackward, tensors, out, axis=int(axis) % out.ndim)
+    return out
+
+
+class StackBackward(OpNode):
+    def formula(self, grad):
+        lead = (slice(None),) * self.axis
+        return [getitem(grad, lead + (i,)) if self.needs(i) else None
+                for i in range(len(self._next_edges))]

@@ -1,0 +1,105 @@
+"""nn and optim against torch.nn and torch.optim with the same weights and
+the same gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from frontend_helpers import assert_close
+
+import pyengine.frontend as F
+from pyengine.frontend import nn, optim
+
+
+def torch_mlp(torch, model):
+    """A torch.nn MLP with the weights of ``model`` (an nn.MLP)."""
+    layers = []
+    for module in model:
+        if isinstance(module, nn.Linear):
+            linear = torch.nn.Linear(module.in_features, module.out_features, dtype=torch.float64)
+            with torch.no_grad():
+                linear.weight.copy_(torch.tensor(module.weight.data))
+                linear.bias.copy_(torch.tensor(module.bias.data))
+            layers.append(linear)
+        else:
+            layers.append({"ReLU": torch.nn.ReLU, "Tanh": torch.nn.Tanh}[type(module).__name__]())
+    return torch.nn.Sequential(*layers)
+
+
+def test_parameters_in_definition_order_each_once():
+    model = nn.MLP([3, 4, 2], rng=np.random.default_rng(0))
+    names = [name for name, _ in model.named_parameters()]
+    assert names == ["modules.0.weight", "modules.0.bias", "modules.2.weight", "modules.2.bias"]
+
+    class Tied(nn.Module):
+        def __init__(self):
+            self.a = nn.Linear(2, 2)
+            self.b = self.a  # the same layer twice
+
+    assert len(list(Tied().parameters())) == 2
+    shapes = [p.shape for p in model.parameters()]
+    assert shapes == [(4, 3), (4,), (2, 4), (2,)]
+    bound = 1 / np.sqrt(3)
+    assert np.all(np.abs(model[0].weight.data) <= bound)
+
+
+def test_mlp_forward_and_gradients_match_torch(torch):
+    model = nn.MLP([3, 5, 4, 2], activation="tanh", rng=np.random.default_rng(1))
+    reference = torch_mlp(torch, model)
+    x = np.random.default_rng(2).standard_normal((6, 3))
+    target = np.array([0, 1, 1, 0, 1, 0])
+    loss = F.cross_entropy(model(F.tensor(x)), target)
+    tloss = torch.nn.functional.cross_entropy(reference(torch.tensor(x)), torch.tensor(target))
+    assert_close(loss, tloss)
+    loss.backward()
+    tloss.backward()
+    for p, tp in zip(model.parameters(), reference.parameters()):
+        assert_close(p.grad, tp.grad)
+
+
+def test_zero_grad():
+    model = nn.Linear(2, 2)
+    (model(F.ones(1, 2)).sum()).backward()
+    model.zero_grad(set_to_none=False)
+    assert all(np.all(p.grad.data == 0) for p in model.parameters())
+    model.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+OPTIMIZERS = [
+    ("SGD", dict(lr=0.1)),
+    ("SGD", dict(lr=0.1, momentum=0.9)),
+    ("SGD", dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01)),
+    ("SGD", dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.1)),
+    ("Adam", dict(lr=0.01)),
+    ("Adam", dict(lr=0.02, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)),
+]
+
+
+@pytest.mark.parametrize("name,options", OPTIMIZERS)
+def test_optimizer_matches_torch(torch, name, options):
+    rng = np.random.default_rng(3)
+    start = [rng.standard_normal((3, 2)), rng.standard_normal(2)]
+    ours = [F.Parameter(a.copy()) for a in start]
+    theirs = [torch.nn.Parameter(torch.tensor(a)) for a in start]
+    optimizer = getattr(optim, name)(ours, **options)
+    reference = getattr(torch.optim, name)(theirs, **options)
+    x = rng.standard_normal((4, 3))
+    for _ in range(6):
+        optimizer.zero_grad()
+        reference.zero_grad()
+        (F.tanh(F.tensor(x) @ ours[0] + ours[1]) ** 2).sum().backward()
+        (torch.tanh(torch.tensor(x) @ theirs[0] + theirs[1]) ** 2).sum().backward()
+        optimizer.step()
+        reference.step()
+    for p, tp in zip(ours, theirs):
+        assert_close(p, tp, rtol=1e-10, atol=1e-12)
+
+
+def test_step_skips_parameters_without_grad():
+    a, b = F.Parameter(np.ones(2)), F.Parameter(np.ones(2))
+    (a * 2.0).sum().backward()
+    optim.SGD([a, b], lr=0.5).step()
+    np.testing.assert_array_equal(a.data, [0.0, 0.0])
+    np.testing.assert_array_equal(b.data, [1.0, 1.0])
+    assert b._version == 0
