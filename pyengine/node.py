@@ -169,7 +169,10 @@ class AccumulateGrad(Node):
       place and store the sum.
 
     Then the variable's post-accumulate-grad hooks run, ``fn(variable)``.
-    What must outlive this node (a new forward pass makes a new one) lives
+    ``.grad`` changes in one step: after a backward that failed, each leaf's
+    gradient is either as it was or holds that backward's full contribution
+    (a leaf's AccumulateGrad runs once per backward, after all of its
+    gradient arrived). What must outlive this node (a new forward pass makes a new one) lives
     on the variable, in its :class:`LeafState`.
     """
 
