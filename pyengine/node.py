@@ -261,6 +261,12 @@ class LeafState:
         self.tensor_pre_hooks = None
         self.post_accumulate_grad_hooks = None
 
+    def __reduce__(self):
+        # A copied or pickled tensor starts with fresh engine state: a lock
+        # cannot be copied, and the accumulator, hooks and owned .grad belong
+        # to the original tensor.
+        return (LeafState, ())
+
     def set_owned_grad(self, grad):
         try:
             self.owned_grad = _no_owned_grad if grad is None else weakref.ref(grad)

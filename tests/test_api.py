@@ -791,3 +791,19 @@ def test_edge_equality_and_hash():
         Edge("not a node", 0)
     with pytest.raises(TypeError):
         Counter(next_edges=["not an edge"])
+
+
+def test_a_leaf_that_took_part_in_backward_can_be_copied_and_pickled():
+    # The engine's per-leaf state (a lock, the accumulator, hooks) is not
+    # copied: the copy starts fresh, with the same .grad value, and its own
+    # backward accumulates into its own .grad only.
+    import copy
+    import pickle
+
+    x = leaf([1.0, 2.0])
+    (x * 3.0).sum().backward()
+    for clone in (copy.deepcopy(x), pickle.loads(pickle.dumps(x))):
+        np.testing.assert_array_equal(clone.grad, [3.0, 3.0])
+        (clone * 2.0).sum().backward()
+        np.testing.assert_array_equal(clone.grad, [5.0, 5.0])
+    np.testing.assert_array_equal(x.grad, [3.0, 3.0])
