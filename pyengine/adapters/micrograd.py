@@ -1,0 +1,254 @@
+"""pyengine as the backward engine of micrograd.
+
+    from pyengine.adapters import micrograd as pyengine_micrograd
+    pyengine_micrograd.install()   # Value.backward() now runs on pyengine
+
+``install()`` patches ``micrograd.engine.Value.__init__`` and
+``Value.backward``; ``uninstall()`` puts the very same functions back;
+``installed()`` is the context manager. Installing twice is harmless.
+
+What this module owns: :class:`ValueNode`, the Node of one non-leaf Value,
+made when the Value is made (so ``sequence_nr`` follows the forward order),
+with one next edge per distinct non-leaf child, in the order of the
+``_children`` tuple; and the patched ``backward``, which runs the root's
+node on the default engine.
+
+micrograd's gradients are not values passed from node to node: each Value's
+``_backward`` closure adds into its children's ``.grad`` in place, reading
+its own ``.grad``. So the engine passes no gradients at all (every ``apply``
+returns None for each edge) and does what micrograd's topological sort is
+for: a node runs once every consumer of its Value has run, that is, once
+its ``.grad`` is complete. Leaves need no node: only closures write their
+``.grad``. The traversal is pyengine's iterative one, so a graph of any
+depth works where micrograd's recursive ``build_topo`` raises
+RecursionError (about a thousand levels deep by default).
+
+Where micrograd and PyTorch differ, micrograd's semantics are kept:
+
+- ``Value.backward()`` sets the root's ``.grad`` to 1 and adds into every
+  other ``.grad`` without clearing it first, so gradients (non-leaves'
+  included, which then flow on) accumulate over calls, as in micrograd.
+- The graph is never released: ``backward`` can be called again.
+- micrograd orders its closures by a depth-first search over ``_prev``, a
+  set, so the order in which three or more gradients are added into one
+  ``.grad`` depends on the memory addresses of the Values; pyengine's order
+  (dependency counting, then the later Value first) depends only on the
+  program. Sums of one or two terms are identical; sums of more may differ
+  from micrograd's in the last bits, as micrograd's differ between runs.
+- ``Value`` s made before ``install()`` (and copies made with
+  ``copy.deepcopy``, whose nodes copy as None) get their nodes at their
+  first backward; their children come from ``_prev`` (a set), so for those
+  graphs the order is micrograd's kind, not the program's.
+
+What it costs: a forward operation makes three more objects (the node, the
+Edge into it, the tuple of its edges), which the cyclic GC traverses.
+micrograd's Values are reference cycles (each closure refers to its
+Value), so freeing a graph is the cyclic GC's work, and a training step
+that makes a new graph each time spends most of its time there; the extra
+objects make that part longer. ``benchmarks/RESULTS.md`` has the figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+try:
+    import micrograd.engine as _micrograd_engine
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("pyengine.adapters.micrograd needs micrograd: pip install micrograd") from error
+
+import pyengine
+
+from ..node import Edge, Node
+
+__all__ = ["install", "uninstall", "is_installed", "installed", "ValueNode", "node_of"]
+
+Value = _micrograd_engine.Value
+
+
+class ValueNode(Node):
+    """The Node of one non-leaf micrograd Value: ``apply`` runs the Value's
+    ``_backward`` closure, which adds into its children's ``.grad``.
+
+    Fields, immutable after construction: ``value``, held strongly (the
+    Value holds this node as ``_pyengine_node``: a cycle like the one
+    micrograd makes itself, each Value's closure referring to the Value);
+    ``edge``, the Edge into this node, one shared by all its consumers
+    (fewer objects for the cyclic GC, which micrograd's graphs keep busy);
+    ``_num_edges``.
+
+    Copied (``copy.deepcopy``) or pickled, a node becomes None: the copy of
+    a Value gets a node of its own at its first backward.
+    """
+
+    __slots__ = ("value", "edge", "_num_edges")
+
+    # No __init__: NodeBase's (compiled) takes the edges and _make_node sets
+    # the fields; a Python __init__ here would cost a third of a forward op.
+
+    def name(self) -> str:
+        return f"ValueBackward({self.value._op})" if self.value._op else "ValueBackward"
+
+    def apply(self, grads):
+        self.value._backward()
+        # No gradient flows along an edge: the closure wrote the children's .grad.
+        return [None] * self._num_edges
+
+    def __reduce__(self):
+        # copy, deepcopy and pickle all go through here.
+        return _no_node, ()
+
+
+def _no_node():
+    return None
+
+
+def _make_node(value, edges):
+    """Make ``value``'s node, with ``edges`` (a tuple), and return the Edge
+    into it."""
+    node = ValueNode(next_edges=edges)
+    node.value = value
+    node._num_edges = len(edges)
+    edge = node.edge = Edge(node, 0)
+    value._pyengine_node = node
+    return edge
+
+
+def _edge_of(value):
+    """The Edge into a non-leaf Value's node, made (with the nodes below it
+    that are missing) if it has none."""
+    node = getattr(value, "_pyengine_node", None)
+    return node.edge if node is not None else _build_nodes(value)
+
+
+def _build_nodes(value):
+    """Nodes for ``value`` and every non-leaf below it that has none (Values
+    made before ``install()``), children first; returns the Edge into
+    ``value``'s node. Iterative version of::
+
+        def build(v):
+            for child in v._prev:
+                if child._prev and not has_node(child):
+                    build(child)
+            make_node(v, edges_to(child for child in v._prev if child._prev))
+    """
+    stack = [(value, False)]
+    while stack:
+        current, children_done = stack.pop()
+        if getattr(current, "_pyengine_node", None) is not None:
+            continue
+        # _prev is a set: its order is micrograd's, fixed for this Value.
+        children = [child for child in current._prev if child._prev]
+        if children_done:
+            _make_node(current, tuple(child._pyengine_node.edge for child in children))
+            continue
+        stack.append((current, True))
+        for child in children:
+            if getattr(child, "_pyengine_node", None) is None:
+                stack.append((child, False))
+    return value._pyengine_node.edge
+
+
+def node_of(value):
+    """The ValueNode of a non-leaf Value (made now if it has none), or None
+    for a leaf."""
+    if not isinstance(value, Value):
+        raise TypeError(f"expected a micrograd Value, got {type(value).__name__}")
+    if not value._prev:
+        return None
+    return _edge_of(value).node
+
+
+def _value_init(self, data, _children=(), _op=''):
+    """micrograd's ``Value.__init__``, then the Value's node if it has
+    children: one edge per distinct non-leaf child, in ``_children`` order
+    (a leaf's .grad is written by the closure; nothing runs for it). This
+    is ``_make_node`` inlined: it runs for every operation of a forward."""
+    _original_init(self, data, _children, _op)
+    if _children:
+        # A tuple, which NodeBase keeps as it is: no list to allocate and copy.
+        edges = ()
+        for child in _children:
+            if child._prev:
+                node = getattr(child, "_pyengine_node", None)
+                edge = node.edge if node is not None else _build_nodes(child)
+                if edge not in edges:  # x * x: one edge; the closure adds both terms
+                    edges += (edge,)
+        node = ValueNode(next_edges=edges)
+        node.value = self
+        node._num_edges = len(edges)
+        node.edge = Edge(node, 0)
+        self._pyengine_node = node
+
+
+def _value_backward(self):
+    """micrograd's ``Value.backward``, run by pyengine (installed by
+    ``pyengine.adapters.micrograd``): the same ``.grad`` values, and no
+    recursion."""
+    if not self._prev:
+        self.grad = 1
+        return  # a leaf: micrograd runs only its no-op closure
+    edge = _edge_of(self)
+    self.grad = 1
+    # No gradient enters: see the module docstring. keep_graph: micrograd
+    # never frees a graph.
+    pyengine.get_default_engine().execute([edge], [None], True, False, True)
+
+
+# Set by install(): micrograd's own __init__, called by ours.
+_original_init = Value.__init__
+
+_PATCHES = (("__init__", _value_init), ("backward", _value_backward))
+
+# The attributes install() replaced, as (name, original); None when not
+# installed. Guarded by _install_lock.
+_originals = None
+_install_lock = threading.Lock()
+
+
+def install():
+    """Make micrograd's ``Value.backward`` run on pyengine. Idempotent.
+    Values made before ``install()`` work too."""
+    global _originals, _original_init
+    with _install_lock:
+        if _originals is not None:
+            return
+        for name, _ in _PATCHES:
+            if name not in Value.__dict__:
+                raise RuntimeError(f"pyengine.adapters.micrograd: micrograd.engine.Value has no {name}; "
+                                   "this micrograd version is not supported")
+        originals = [(name, Value.__dict__[name]) for name, _ in _PATCHES]
+        _original_init = Value.__dict__["__init__"]
+        for name, replacement in _PATCHES:
+            setattr(Value, name, replacement)
+        _originals = originals
+
+
+def uninstall():
+    """Put micrograd's own methods back (the very objects). Idempotent.
+    Values made while installed keep their nodes; micrograd ignores them."""
+    global _originals
+    with _install_lock:
+        if _originals is None:
+            return
+        for name, original in _originals:
+            setattr(Value, name, original)
+        _originals = None
+
+
+def is_installed() -> bool:
+    return _originals is not None
+
+
+@contextlib.contextmanager
+def installed():
+    """``with installed():`` runs its block with the adapter installed and
+    then restores the previous state (it stays installed if it was)."""
+    was_installed = is_installed()
+    install()
+    try:
+        yield
+    finally:
+        if not was_installed:
+            uninstall()
