@@ -32,6 +32,8 @@ from .engine import (
 )
 from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from .node import AccumulateGrad, Edge, Node, RemovableHandle
+from .profiler import profile
+from .viz import graph_to_dot, render_graph
 
 GradientEdge = Edge
 
@@ -75,15 +77,18 @@ __all__ = [
     "grad",
     "grad_accumulator",
     "gradient_edge",
+    "graph_to_dot",
     "is_anomaly_enabled",
     "is_checkpoint_valid",
     "is_grad_enabled",
     "is_multithreading_enabled",
     "no_grad",
+    "profile",
     "queue_callback",
     "register_backend",
     "register_post_accumulate_grad_hook",
     "register_tensor_hook",
+    "render_graph",
     "retain_grad",
     "set_default_engine",
     "set_detect_anomaly",

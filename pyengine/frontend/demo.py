@@ -17,6 +17,7 @@ own work: scheduling, InputBuffers, ``validate_outputs``, AccumulateGrad.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -52,6 +53,10 @@ def add_arguments(parser):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (needs cupy)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--trace", metavar="PATH", help="profile every backward node and write a "
+                        "Chrome trace (Perfetto, chrome://tracing) to PATH")
+    parser.add_argument("--graph", metavar="PATH", help="draw the first step's backward graph to "
+                        "PATH (.dot; .svg or .png need Graphviz's dot program)")
 
 
 def spirals(points, rng, noise=0.08, turns=2.0):
@@ -136,7 +141,8 @@ def main(args) -> int:
     steps = 0
     backward_seconds = 0.0
     start = time.perf_counter()
-    with FormulaProfile() as profile:
+    tracing = pyengine.profile() if args.trace else contextlib.nullcontext()
+    with FormulaProfile() as profile, tracing:
         for epoch in range(1, args.epochs + 1):
             # Cosine decay of the learning rate, from lr to lr / 20.
             decay = 0.5 * (1 + np.cos(np.pi * (epoch - 1) / args.epochs))
@@ -149,6 +155,13 @@ def main(args) -> int:
                 loss = cross_entropy(model(x), train_y[rows])  # labels move with the logits
                 if nodes_per_step is None:
                     nodes_per_step = count_nodes(loss.grad_fn)
+                    if args.graph:
+                        try:
+                            pyengine.render_graph(loss, args.graph,
+                                                  params=dict(model.named_parameters()))
+                        except RuntimeError as error:  # no Graphviz to render .svg/.png
+                            print(f"demo: --graph: {error}", file=sys.stderr)
+                            return 2
                 optimizer.zero_grad()
                 before = time.perf_counter()
                 loss.backward()
@@ -171,4 +184,11 @@ def main(args) -> int:
     print(f"backward: {nodes:,} nodes executed ({nodes_per_step} per step, {steps:,} steps), "
           f"{per_node:.1f} µs per node: engine {per_node - formulas:.1f} µs, "
           f"op formulas {formulas:.1f} µs")
+    if args.graph:
+        print(f"graph: the first step's backward graph written to {args.graph}")
+    if args.trace:
+        tracing.export_chrome_trace(args.trace)
+        print(f"trace: {len(tracing.events):,} node events written to {args.trace} (the profile's "
+              "own cost is in the times above)")
+        tracing.table(limit=8)
     return 0
