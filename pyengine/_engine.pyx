@@ -23,6 +23,7 @@ deadlocks.
 
 cimport cython
 cimport numpy as cnp
+from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
@@ -47,6 +48,7 @@ import os
 import threading
 from time import perf_counter_ns as _perf_counter_ns
 
+from pyengine import backends as _backends
 from pyengine import streams as _streams
 from pyengine._pure import hooks as _hooks
 from pyengine._pure.engine import SHUTDOWN_ERROR, _DeviceThreads
@@ -119,6 +121,18 @@ cdef class GraphRoot(NodeBase):
 
 # -- call_function ------------------------------------------------------------------
 
+# backend_of's cache, type -> backend or None; register_backend clears it in
+# place, so this reference stays the live cache.
+cdef dict _backend_cache = _backends._backend_cache
+
+
+cdef inline bint known_value_type(object value_type) noexcept:
+    if value_type is cnp.ndarray:
+        return True
+    cdef PyObject* backend = PyDict_GetItem(_backend_cache, value_type)
+    return backend != NULL and backend != <PyObject*>None
+
+
 cdef inline bint has_hooks(NodeBase node) noexcept:
     return bool(node._tensor_pre_hooks or node._retains_grad_hooks or node._pre_hooks
                 or node._post_hooks)
@@ -146,10 +160,16 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs):
             continue
         slots = (<Edge>edge_object).node._input_metadata
         input_nr = (<Edge>edge_object).input_nr
+        metadata = None
         if input_nr < PyList_GET_SIZE(slots):
             metadata = <object>PyList_GET_ITEM(slots, input_nr)
-            if metadata is not None and numpy_gradient_matches(<InputMetadata>metadata, grad):
+        if metadata is None:
+            # A slot without metadata only asks for a value some backend
+            # handles: a type backend_of has already resolved will do.
+            if known_value_type(type(grad)):
                 continue
+        elif numpy_gradient_matches(<InputMetadata>metadata, grad):
+            continue
         # A gradient the fast path cannot vouch for: check them all, slowly.
         validate_outputs_impl(next_edges, checked, NodeErrorFormat(node))
         break

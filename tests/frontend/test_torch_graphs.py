@@ -159,7 +159,8 @@ def run(lib, program, seed):
     return log, grads, results
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+          derandomize=True)  # CI must not draw an example that local runs never saw
 @given(program=programs(), seed=st.integers(0, 2**16))
 def test_random_graph_matches_torch(program, seed):
     ours = run(F, program, seed)
