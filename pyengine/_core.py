@@ -42,7 +42,6 @@ NodeBase = node_module.NodeBase
 Edge = node_module.Edge
 InputMetadata = node_module.InputMetadata
 ACCUMULATE_GRAD_SEQUENCE_NR = node_module.ACCUMULATE_GRAD_SEQUENCE_NR
-peek_sequence_nr = node_module.peek_sequence_nr
 set_sequence_nr = node_module._set_sequence_nr
 
 NodeTask = ready_queue_module.NodeTask

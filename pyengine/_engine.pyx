@@ -338,8 +338,7 @@ cdef class Engine:
                     # One check per node when nobody profiles.
                     if profiler() == NULL:
                         self.evaluate_function(local_graph_task, <NodeBase>record.node,
-                                               <list>record.inputs,
-                                               local_graph_task.cpu_ready_queue)
+                                               <list>record.inputs)
                     else:
                         self.evaluate_profiled(local_graph_task, <NodeBase>record.node,
                                                <list>record.inputs)
@@ -367,8 +366,8 @@ cdef class Engine:
             queue.discard_graph_task(graph_task)
         return 0
 
-    cdef int evaluate_function(self, GraphTask graph_task, NodeBase node, list inputs,
-                               ReadyQueue cpu_ready_queue) except -1:
+    cdef int evaluate_function(self, GraphTask graph_task, NodeBase node,
+                               list inputs) except -1:
         """Run one node on ``inputs`` (its InputBuffer's list of gradients) and
         pass its gradients on to the nodes they flow into."""
         cdef dict exec_info = graph_task.exec_info
@@ -475,7 +474,7 @@ cdef class Engine:
         callback = <object>profiler()
         start = _perf_counter_ns()
         try:
-            self.evaluate_function(graph_task, node, inputs, graph_task.cpu_ready_queue)
+            self.evaluate_function(graph_task, node, inputs)
         finally:
             callback(node, start, _perf_counter_ns())
         return 0

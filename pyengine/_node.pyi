@@ -7,7 +7,6 @@ from pyengine.device import Device
 
 ACCUMULATE_GRAD_SEQUENCE_NR: int
 
-def peek_sequence_nr() -> int: ...
 
 class InputMetadata:
     shape: tuple[int, ...]

@@ -33,11 +33,6 @@ cdef extern from *:
     uint64_t pyengine_next_sequence_nr
 
 
-def peek_sequence_nr():
-    """The sequence number the next node created on this thread will get."""
-    return pyengine_next_sequence_nr
-
-
 def _normalize_dtype(dtype):
     # numpy dtypes are kept as np.dtype objects so that the fast path can
     # compare descriptors by identity; other dtypes (a framework's) stay as given.

@@ -65,9 +65,6 @@ class CupyRuntime(streams.DeviceRuntime):
         with cupy.cuda.Device(stream.device.index):
             stream.raw.wait_event(event)
 
-    def stream_device(self, stream):
-        return stream.device
-
     def known_devices(self):
         return [_device(index) for index in range(cupy.cuda.runtime.getDeviceCount())]
 

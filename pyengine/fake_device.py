@@ -127,9 +127,6 @@ class FakeRuntime(streams.DeviceRuntime):
             self.log.append(("wait", stream, event))
         event.stream._run_until(event.position)
 
-    def stream_device(self, stream):
-        return stream.device
-
     def known_devices(self):
         with self.lock:
             return list(self._default_streams)

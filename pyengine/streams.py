@@ -12,6 +12,9 @@ per device type: ``cuda`` through cupy, ``fake`` for tests) answers:
 - ``known_devices()``: the devices whose current streams a backward caller
   may have set, so that the engine can stash them.
 
+A runtime's streams carry their ``device`` and compare equal when they are
+the same stream.
+
 Note [Streaming backwards]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 A node records the current stream of its device when it is created (its
@@ -33,7 +36,7 @@ from __future__ import annotations
 from .backends import backend_of
 from .device import Device
 
-__all__ = ["DeviceRuntime", "register_device_runtime", "runtime_for", "stream_device"]
+__all__ = ["DeviceRuntime", "register_device_runtime", "runtime_for"]
 
 
 class DeviceRuntime:
@@ -49,9 +52,6 @@ class DeviceRuntime:
         raise NotImplementedError
 
     def wait_event(self, stream, event) -> None:
-        raise NotImplementedError
-
-    def stream_device(self, stream) -> Device:
         raise NotImplementedError
 
     def known_devices(self) -> list[Device]:
@@ -71,12 +71,6 @@ def register_device_runtime(device_type: str, runtime: DeviceRuntime) -> None:
 def runtime_for(device: Device) -> DeviceRuntime | None:
     """The runtime of ``device``'s type, or None (the CPU has no streams)."""
     return _runtimes.get(device.type)
-
-
-def stream_device(stream) -> Device:
-    """The device a stream belongs to: every runtime's streams carry ``device``
-    and compare equal when they are the same stream."""
-    return stream.device
 
 
 def value_stream(value):

@@ -299,8 +299,7 @@ class Engine:
                 if not local_graph_task.has_error:
                     profiler = state.profiler()
                     if profiler is None:
-                        self.evaluate_function(local_graph_task, task.node, task.inputs,
-                                               local_graph_task.cpu_ready_queue)
+                        self.evaluate_function(local_graph_task, task.node, task.inputs)
                     else:
                         self.evaluate_profiled(profiler, local_graph_task, task.node, task.inputs)
             except BaseException as error:
@@ -331,11 +330,11 @@ class Engine:
         """evaluate_function, timed and reported to the profiler even if it fails."""
         start = time.perf_counter_ns()
         try:
-            self.evaluate_function(graph_task, node, inputs, graph_task.cpu_ready_queue)
+            self.evaluate_function(graph_task, node, inputs)
         finally:
             profiler(node, start, time.perf_counter_ns())
 
-    def evaluate_function(self, graph_task, node, inputs, cpu_ready_queue):
+    def evaluate_function(self, graph_task, node, inputs):
         """Run one node on ``inputs`` (its InputBuffer's list of gradients) and
         pass its gradients on to the nodes they flow into."""
         exec_info = graph_task.exec_info

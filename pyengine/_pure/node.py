@@ -27,11 +27,6 @@ class _SequenceCounter(threading.local):
 _sequence_counter = _SequenceCounter()
 
 
-def peek_sequence_nr() -> int:
-    """The sequence number the next node created on this thread will get."""
-    return _sequence_counter.next_value
-
-
 def _normalize_dtype(dtype):
     # numpy dtypes are kept as np.dtype objects (the compiled core compares
     # their descriptors by identity); other dtypes (a framework's) stay as given.

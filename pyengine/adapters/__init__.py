@@ -18,5 +18,21 @@ framework; importing an adapter module imports its framework (and raises
 Adapters are frontends: they import the engine, never the reverse.
 """
 
+import contextlib
+
 # No names: ``from pyengine.adapters import *`` must not import a framework.
 __all__: list = []
+
+
+@contextlib.contextmanager
+def installed_while(is_installed, install, uninstall):
+    """The body of an adapter's ``installed()``: the block runs with the
+    adapter installed, and the previous state comes back after it (it stays
+    installed if it was)."""
+    was_installed = is_installed()
+    install()
+    try:
+        yield
+    finally:
+        if not was_installed:
+            uninstall()

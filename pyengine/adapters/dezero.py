@@ -74,6 +74,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pyengine.adapters.dezero needs DeZero: pip install dezero") from error
 
 import pyengine
+from pyengine.adapters import installed_while
 
 from .. import _core
 from ..device import CPU, Device
@@ -692,17 +693,10 @@ def is_installed() -> bool:
     return _originals is not None
 
 
-@contextlib.contextmanager
 def installed():
     """``with installed():`` runs its block with the adapter installed and
     then restores the previous state (it stays installed if it was)."""
-    was_installed = is_installed()
-    install()
-    try:
-        yield
-    finally:
-        if not was_installed:
-            uninstall()
+    return installed_while(is_installed, install, uninstall)
 
 
 def _dezero_version():

@@ -50,7 +50,6 @@ objects make that part longer. ``benchmarks/RESULTS.md`` has the figures.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 try:
@@ -59,6 +58,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pyengine.adapters.micrograd needs micrograd: pip install micrograd") from error
 
 import pyengine
+from pyengine.adapters import installed_while
 
 from ..node import Edge, Node
 
@@ -241,14 +241,7 @@ def is_installed() -> bool:
     return _originals is not None
 
 
-@contextlib.contextmanager
 def installed():
     """``with installed():`` runs its block with the adapter installed and
     then restores the previous state (it stays installed if it was)."""
-    was_installed = is_installed()
-    install()
-    try:
-        yield
-    finally:
-        if not was_installed:
-            uninstall()
+    return installed_while(is_installed, install, uninstall)
