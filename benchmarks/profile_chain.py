@@ -30,9 +30,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from graphs import build  # noqa: E402
-
 import pyengine  # noqa: E402
+from pyengine.bench.graphs import build  # noqa: E402
 
 
 def _perf(args, command):

@@ -16,13 +16,14 @@ folder under the system's temp dir) and compiled there with the same
 command (``setup.py build_ext --inplace``, the flags of setup.py), so the
 builds differ only by their sources. A build is kept and reused by commit.
 
-How it measures (as benchmarks/compare.py does):
+How it measures (as ``python -m pyengine bench`` does):
 
 - One worker process per build (``PYTHONPATH`` = its tree,
   ``PYENGINE_PURE=0``; a worker that did not get the compiled core is an
   error). Each builds its own chain of ``--nodes`` pass-through nodes with
-  that tree's ``benchmarks/graphs.py``, runs one backward and checks the
-  leaf's gradient before timing, and again after.
+  that tree's ``pyengine/bench/graphs.py`` (``benchmarks/graphs.py`` in
+  older trees), runs one backward and checks the leaf's gradient before
+  timing, and again after.
 - A sample is the wall time of ``--calls`` consecutive backward calls
   (``Engine.execute``), divided by nodes x calls, after ``gc.collect()``
   with the graph frozen out of the GC's reach, averaged over the
@@ -117,7 +118,10 @@ def build(rev: str, build_dir: str) -> str:
 def worker(args) -> None:
     """Serve samples over stdin/stdout, one JSON line each."""
     sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"].split(os.pathsep)[0], "benchmarks"))
-    from graphs import chain
+    try:
+        from pyengine.bench.graphs import chain
+    except ImportError:  # a tree older than pyengine.bench: benchmarks/graphs.py
+        from graphs import chain
 
     import pyengine
     from pyengine import _core

@@ -13,7 +13,7 @@ against the analytic value, then times
 ``.grad`` is reset to None between rounds (untimed). ``extra_info`` holds
 ``nodes`` and, after the run, ``us_per_node`` (from the median).
 For the side-by-side table of both cores and PyTorch, use
-``benchmarks/compare.py``.
+``python -m pyengine bench``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from graphs import Graph, build  # noqa: E402
-
 import pyengine  # noqa: E402
+from pyengine.bench.graphs import Graph, build  # noqa: E402
 
 IMPL = pyengine.IMPLEMENTATION
 
@@ -81,6 +80,16 @@ def test_wide_1000x10(benchmark):
 def test_wide_scaled(benchmark, n):
     """The wide graph scaled to ``n`` nodes: ``n // 10`` branches of depth 10."""
     _bench(benchmark, build("wide", n), rounds=5)
+
+
+def test_lattice_100x100(benchmark):
+    """A diamond lattice 100 wide and 100 deep: every node sums two gradients."""
+    _bench(benchmark, build("lattice", 10_000), rounds=10)
+
+
+def test_fan_in_1000(benchmark):
+    """1,000 branches into one sink node, whose InputBuffer sums them."""
+    _bench(benchmark, build("fan-in", 1_000), rounds=20, iterations=10)
 
 
 def test_fixed_cost(benchmark):

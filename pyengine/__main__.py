@@ -12,6 +12,8 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS = {
+    "bench": ("pyengine.bench",
+              "time pyengine against PyTorch, DeZero and micrograd; tables and a plot"),
     "demo": ("pyengine.frontend.demo",
              "train an MLP on two interleaved spirals with the reference frontend"),
     "stress": ("pyengine.stress",

@@ -802,8 +802,8 @@ def test_a_leaf_that_took_part_in_backward_can_be_copied_and_pickled():
 
     x = leaf([1.0, 2.0])
     (x * 3.0).sum().backward()
-    for clone in (copy.deepcopy(x), pickle.loads(pickle.dumps(x))):
-        np.testing.assert_array_equal(clone.grad, [3.0, 3.0])
-        (clone * 2.0).sum().backward()
-        np.testing.assert_array_equal(clone.grad, [5.0, 5.0])
+    for copied in (copy.deepcopy(x), pickle.loads(pickle.dumps(x))):
+        np.testing.assert_array_equal(copied.grad, [3.0, 3.0])
+        (copied * 2.0).sum().backward()
+        np.testing.assert_array_equal(copied.grad, [5.0, 5.0])
     np.testing.assert_array_equal(x.grad, [3.0, 3.0])

@@ -1,4 +1,4 @@
-"""Builders for the engine benchmarks: graphs of pass-through Python Nodes.
+"""The engine's benchmark graphs: pass-through Python Nodes, no arithmetic.
 
 Every graph is built outside the timed region and described by a
 :class:`Graph`: the root edge and root gradient to hand to
@@ -19,6 +19,17 @@ Graphs:
   incoming edges and its InputBuffer sums them. ``1 + branches * depth``
   nodes + AccumulateGrad. Gradient: ``branches * ones``.
 - :func:`wide_scaled`: :func:`wide` with depth 10 and ``n // 10`` branches.
+- :func:`lattice`: a diamond lattice ``width`` wide and ``depth`` deep: in
+  every layer above the first, node ``i`` is the backward of an add of
+  nodes ``i`` and ``i + 1`` (mod ``width``) of the layer below, so every
+  node has two consumers and sums two gradients; a root ``Fan`` over the
+  top layer, the bottom layer's Pass nodes into one leaf.
+  ``1 + width * depth`` nodes. Gradient: ``width * 2**(depth - 1) * ones``
+  (powers of two: exact in float64 up to a depth of about 1,000).
+- :func:`fan_in`: a root ``Fan`` to ``n`` Pass nodes that all feed one
+  ``sink`` Pass node above the leaf: the sink's InputBuffer sums ``n``
+  gradients and its dependency count is ``n``. ``n + 2`` nodes. Gradient:
+  ``n * ones``.
 - :func:`single`: one Pass node -> leaf, for the fixed cost of a backward.
 
 Nodes are created in forward order (nearest the leaf first), so sequence
@@ -158,6 +169,45 @@ def wide_scaled(n: int, depth: int = 10) -> Graph:
     return wide(max(1, n // depth), depth)
 
 
+def lattice(width: int, depth: int) -> Graph:
+    """A diamond lattice ``width`` x ``depth`` under a root Fan (See the module docstring)."""
+    if width < 1 or depth < 1:
+        raise ValueError("a lattice needs a width and a depth of at least one")
+    if depth > 1000:
+        raise ValueError(f"a lattice deeper than 1000 layers overflows its exact gradient: {depth}")
+    metadata = _metadata()
+    leaf, leaf_edge = _leaf_and_edge(metadata)
+    Edge = pyengine.Edge
+    layer = [_chain_onto(leaf_edge, 1, metadata) for _ in range(width)]
+    for _ in range(depth - 1):
+        layer = [Edge(Fan(next_edges=(layer[i], layer[(i + 1) % width]),
+                          input_metadata=(metadata,)), 0)
+                 for i in range(width)]
+    root = Fan(next_edges=tuple(layer), input_metadata=(metadata,))
+    expected = np.full(SHAPE, float(width) * 2.0 ** (depth - 1), DTYPE)
+    return Graph(f"lattice {width}x{depth}", 1 + width * depth, Edge(root, 0),
+                 np.ones(SHAPE, DTYPE), leaf, expected)
+
+
+def lattice_scaled(n: int) -> Graph:
+    """A square :func:`lattice` of about ``n`` nodes."""
+    side = max(1, round(n ** 0.5))
+    return lattice(side, side)
+
+
+def fan_in(n: int) -> Graph:
+    """``n`` Pass nodes between a root Fan and one sink node (See the module docstring)."""
+    if n < 1:
+        raise ValueError("a fan-in needs at least one branch")
+    metadata = _metadata()
+    leaf, leaf_edge = _leaf_and_edge(metadata)
+    sink = _chain_onto(leaf_edge, 1, metadata)
+    branches = tuple(_chain_onto(sink, 1, metadata) for _ in range(n))
+    root = Fan(next_edges=branches, input_metadata=(metadata,))
+    return Graph(f"fan-in {size_label(n)}", n + 2, pyengine.Edge(root, 0),
+                 np.ones(SHAPE, DTYPE), leaf, np.full(SHAPE, float(n), DTYPE))
+
+
 def single() -> Graph:
     """One Pass node above one leaf: the fixed cost of a backward."""
     graph = chain(1)
@@ -165,12 +215,15 @@ def single() -> Graph:
     return graph
 
 
+BUILDERS = {"chain": chain, "wide": wide_scaled, "lattice": lattice_scaled, "fan-in": fan_in,
+            "single": lambda n: single()}
+
+
 def build(kind: str, n: int) -> Graph:
-    """``kind`` in ``chain``, ``wide`` (``n // 10`` branches of depth 10), ``single``."""
-    if kind == "chain":
-        return chain(n)
-    if kind == "wide":
-        return wide_scaled(n)
-    if kind == "single":
-        return single()
-    raise ValueError(f"unknown graph kind {kind!r}")
+    """``kind`` in :data:`BUILDERS`: ``chain``, ``wide`` (``n // 10`` branches of
+    depth 10), ``lattice`` (square, about ``n`` nodes), ``fan-in``, ``single``."""
+    try:
+        builder = BUILDERS[kind]
+    except KeyError:
+        raise ValueError(f"unknown graph kind {kind!r}; expected one of {sorted(BUILDERS)}") from None
+    return builder(n)

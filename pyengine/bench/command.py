@@ -1,0 +1,153 @@
+"""``python -m pyengine bench``: its arguments, and one run from start to report."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+
+from . import report as reporting
+from .runner import run_memory, run_timing
+from .subjects import SUBJECTS
+from .workload import NODES_PER_SAMPLE
+
+DEFAULT_CHAIN_SIZES = [1_000, 10_000, 100_000, 1_000_000]
+DEFAULT_MEMORY_SIZES = [10_000, 100_000, 1_000_000]
+# The other graphs, at the sizes the goals name: wide 1000x10, a 100x100
+# lattice, a fan-in of 1,000.
+GRAPH_KEYS = ["wide:10000", "lattice:10000", "fan-in:1000"]
+QUICK_GRAPH_KEYS = ["wide:1000", "lattice:1000", "fan-in:100"]
+STEP_KEYS = ["mlp-step:0"]
+FIXED_KEYS = [f"{kind}-fixed:{nodes}" for kind in ("execute", "backward", "grad")
+              for nodes in (1, 10)]
+
+
+def parse_size(text: str) -> int:
+    """``"10k"`` -> 10000, ``"1M"`` -> 1000000, ``"2500"`` -> 2500."""
+    cleaned = text.strip().lower().replace("_", "").replace(",", "")
+    scale = {"k": 1_000, "m": 1_000_000}.get(cleaned[-1:], 1)
+    try:
+        value = int(float(cleaned[:-1] if scale > 1 else cleaned) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1000, 10k or 1M)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return value
+
+
+def _subject_list(text: str):
+    keys = [key.strip() for key in text.split(",") if key.strip()]
+    unknown = [key for key in keys if key not in SUBJECTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown subject(s) {', '.join(unknown)}; "
+                                         f"expected some of {', '.join(SUBJECTS)}")
+    return keys
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--repeats", type=_positive, default=5,
+                        help="samples per workload (default 5; the table shows median, min, max)")
+    parser.add_argument("--sizes", nargs="+", type=parse_size, default=None, metavar="N",
+                        help="chain sizes for the table and the plot (default 1k 10k 100k 1M)")
+    parser.add_argument("--memory-sizes", nargs="+", type=parse_size, default=None, metavar="N",
+                        help="chain sizes for the memory figures (default 10k 100k 1M)")
+    parser.add_argument("--subjects", type=_subject_list, default=list(SUBJECTS),
+                        help="comma-separated subset of: " + ", ".join(SUBJECTS)
+                        + " (default: all; those whose package is missing are skipped)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small graphs (chain 1k and 10k, the others at 1/10), 3 repeats, "
+                        "memory at 1k and 10k: a smoke run, not figures to quote")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory figures")
+    parser.add_argument("--plot", default="pyengine-bench.png", metavar="PATH",
+                        help="where to write the PNG plot (default pyengine-bench.png)")
+    parser.add_argument("--no-plot", action="store_true", help="write no plot")
+    parser.add_argument("--markdown", action="store_true", help="markdown tables")
+    parser.add_argument("--json", metavar="PATH", help="also write every sample as JSON")
+
+
+def _versions() -> str:
+    names = ["numpy", "torch", "dezero", "micrograd", "matplotlib"]
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return "; ".join(found)
+
+
+def _load() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except (AttributeError, OSError):
+        return "n/a"
+
+
+def plan(args):
+    """The workload keys of this run: ``{"graphs", "steps", "fixed"}``."""
+    sizes = args.sizes or ([1_000, 10_000] if args.quick else DEFAULT_CHAIN_SIZES)
+    graphs = [f"chain:{n}" for n in sorted(set(sizes))]
+    graphs += QUICK_GRAPH_KEYS if args.quick else GRAPH_KEYS
+    return {"graphs": graphs, "steps": STEP_KEYS, "fixed": FIXED_KEYS}
+
+
+def main(args) -> int:
+    import pyengine
+
+    if args.quick:
+        args.repeats = min(args.repeats, 3)
+    keys = plan(args)
+    memory_sizes = args.memory_sizes or ([1_000, 10_000] if args.quick else DEFAULT_MEMORY_SIZES)
+    # The command line as typed, for the report (when run as `python -m pyengine bench`).
+    typed = sys.argv[2:] if sys.argv[1:2] == ["bench"] else []
+    command = "python -m pyengine bench" + "".join(f" {shlex.quote(a)}" for a in typed)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load_start = _load()
+    t0 = time.perf_counter()
+
+    def log(text):
+        print(f"[{time.perf_counter() - t0:6.0f} s] {text}", file=sys.stderr, flush=True)
+
+    all_keys = keys["graphs"] + keys["steps"] + keys["fixed"]
+    budget = NODES_PER_SAMPLE // 10 if args.quick else NODES_PER_SAMPLE
+    timing = run_timing(args.subjects, all_keys, args.repeats, budget, log)
+    memory = [] if args.no_memory else run_memory(args.subjects, memory_sizes, log)
+    elapsed = time.perf_counter() - t0
+    machine = (f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs; "
+               f"pyengine {pyengine.__version__}; {_versions()}")
+    header = (f"pyengine bench, {started}: `{command}`\n"
+              f"{machine}; wall time {elapsed:.0f} s; load average {load_start} at the start, "
+              f"{_load()} at the end\n"
+              f"{args.repeats} samples per workload, interleaved across subjects; each sample "
+              f"of a graph covers >= {budget:,} node executions")
+    results = {"header": header, "started": started, "command": command, "machine": machine,
+               "keys": keys, "timing": timing, "memory": memory,
+               "title": f"pyengine bench, {started}, {os.cpu_count()} CPUs: {command}"}
+    text = reporting.report(results, markdown=args.markdown)
+    skipped = reporting.skipped_lines(results)
+    if skipped:
+        text += "\nSkipped (not installed): " + "; ".join(skipped) + "\n"
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if not args.no_plot:
+        try:
+            reporting.plot(results, args.plot)
+            print(f"plot: {args.plot}")
+        except ImportError as error:
+            print(f"no plot: {error}", file=sys.stderr)
+            return 2
+    return 1 if reporting.failure_lines(results) else 0

@@ -1,0 +1,185 @@
+"""The parent of ``python -m pyengine bench``: one worker process per subject,
+their samples interleaved, then one fresh process per memory figure.
+
+Note [Interleaved samples]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Which core pyengine uses is fixed when it is imported, and an adapter
+patches its framework for the whole process, so every subject runs in a
+worker of its own (:mod:`pyengine.bench.worker`). The workers start one
+after another (each builds and checks all its workloads, then waits), and
+then the parent asks them for samples in turn: repeat 1 of chain 1k on
+every subject, then chain 10k on every subject, ..., then repeat 2. Only
+one process computes at any time, and load from elsewhere on a shared
+machine falls on every subject and size alike, which is what keeps the
+ratios taken from one run meaningful.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from .subjects import SUBJECTS
+from .workload import NODES_PER_SAMPLE
+
+WORKER_TIMEOUT_S = 1800
+
+
+def _worker_command(*args) -> list:
+    return [sys.executable, "-m", "pyengine.bench.worker", *map(str, args)]
+
+
+def _worker_env(subject) -> dict:
+    env = dict(os.environ)
+    # The pyengine this process imported, also when it runs from a checkout.
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"]
+                                        if env.get("PYTHONPATH") else "")
+    if subject.pure is not None:
+        env["PYENGINE_PURE"] = "1" if subject.pure else "0"
+    return env
+
+
+def _expected_implementation(subject) -> str | None:
+    return {True: "pure", False: "compiled"}.get(subject.pure)
+
+
+def _misimported(subject, implementation) -> str | None:
+    expected = _expected_implementation(subject)
+    if expected and implementation != expected:
+        return f"asked for pyengine's {expected} core, imported {implementation!r}"
+    return None
+
+
+class Worker:
+    """The parent's end of one ``serve`` worker."""
+
+    def __init__(self, subject, budget, keys):
+        self.subject = subject
+        self.proc = subprocess.Popen(_worker_command("serve", subject.key, budget, *keys),
+                                     env=_worker_env(subject), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.hello = self._read()
+        wrong = _misimported(subject, self.hello.get("implementation"))
+        if wrong and "error" not in self.hello:
+            self.hello["error"] = wrong
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                return {"error": f"worker exited with status {self.proc.wait()}"}
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def request(self, text: str) -> dict:
+        if self.proc.poll() is not None:
+            return {"error": f"worker exited with status {self.proc.returncode}"}
+        try:
+            self.proc.stdin.write(text + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return {"error": f"worker exited with status {self.proc.wait()}"}
+        return self._read()
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def available(subject) -> str | None:
+    """None if ``subject``'s packages import here, else why not."""
+    import importlib.util
+
+    for module in subject.needs:
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed"
+    return None
+
+
+def run_timing(subject_keys, workload_keys, repeats, budget=NODES_PER_SAMPLE,
+               log=print) -> dict:
+    """Time every workload of every subject (See Note [Interleaved samples]).
+
+    Returns ``{subject: {"error"?, "implementation", "workloads": {key:
+    {"name", "nodes", "unit", "samples": [...]} or {"error"}}}}``.
+    """
+    results, workers = {}, {}
+    try:
+        for key in subject_keys:
+            subject = SUBJECTS[key]
+            missing = available(subject)
+            if missing:
+                results[key] = {"skipped": missing, "workloads": {}}
+                continue
+            log(f"building and checking: {subject.label}")
+            worker = Worker(subject, budget, workload_keys)
+            hello = worker.hello
+            results[key] = {"implementation": hello.get("implementation"),
+                            "workloads": hello.get("workloads", {})}
+            if "error" in hello:
+                results[key]["error"] = hello["error"]
+                worker.close()
+                continue
+            workers[key] = worker
+        for repeat in range(repeats):
+            log(f"repeat {repeat + 1}/{repeats}")
+            for workload_key in workload_keys:
+                for key, worker in workers.items():
+                    entry = results[key]["workloads"].get(workload_key)
+                    if entry is None or "error" in entry:
+                        continue
+                    reply = worker.request(f"sample {workload_key}")
+                    if "error" in reply:
+                        entry["error"] = reply["error"]
+                    else:
+                        entry.setdefault("samples", []).append(reply["value"])
+        for key, worker in workers.items():
+            reply = worker.request("check")
+            failures = reply.get("errors", {}) if "error" not in reply else None
+            for workload_key, entry in results[key]["workloads"].items():
+                if "error" in entry:
+                    continue
+                failure = reply["error"] if failures is None else failures.get(workload_key)
+                if failure:
+                    entry["error"] = "after timing: " + failure
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return results
+
+
+def run_memory(subject_keys, sizes, log=print) -> list:
+    """Peak memory of one backward on a chain of each size, each in a fresh
+    process (See :func:`pyengine.bench.worker.memory`)."""
+    figures = []
+    for key in subject_keys:
+        subject = SUBJECTS[key]
+        if available(subject):
+            continue
+        for size in sizes:
+            log(f"memory: {subject.label}, chain of {size:,}")
+            proc = subprocess.run(_worker_command("memory", key, size), env=_worker_env(subject),
+                                  stdout=subprocess.PIPE, text=True, timeout=WORKER_TIMEOUT_S)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            if proc.returncode or not lines:
+                figure = {"subject": key, "size": size,
+                          "error": f"worker exited with status {proc.returncode}"}
+            else:
+                figure = json.loads(lines[-1])
+                wrong = _misimported(subject, figure.get("implementation"))
+                if wrong:
+                    figure["error"] = wrong
+            figures.append(figure)
+    return figures

@@ -1,0 +1,275 @@
+"""``python -m pyengine bench``: its oracles can fail, its graphs have the
+gradients their docstrings promise, its report computes ratios and goals
+right, and one quick run goes from start to plot.
+
+Oracles: analytic gradients (worked out here independently of the
+builders), finite differences for the MLP problems' hand-written
+backward, and hand-computed ratios for the report.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pyengine
+from pyengine.bench import graphs, report, subjects, worker
+from pyengine.bench.command import parse_size
+from pyengine.bench.workload import (
+    MLPProblem,
+    Workload,
+    scalar_mlp_problem,
+    tensor_mlp_problem,
+)
+
+# Where the pyengine under test lives (a checkout or site-packages), so that
+# subprocesses import the same one.
+PYENGINE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
+
+
+# -- graphs -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("width, depth", [(1, 1), (1, 3), (2, 2), (3, 4), (5, 2)])
+def test_lattice_gradient_doubles_per_layer(width, depth):
+    # Every node of a layer feeds two nodes of the layer above, so each
+    # layer down doubles the gradient; the bottom layer's `width` nodes
+    # all reach the leaf.
+    graph = graphs.lattice(width, depth)
+    graph.run()
+    np.testing.assert_array_equal(graph.leaf.grad, np.full(3, width * 2.0 ** (depth - 1)))
+    assert graph.nodes == 1 + width * depth
+
+
+def test_fan_in_sums_every_branch_at_the_sink():
+    graph = graphs.fan_in(7)
+    graph.run()
+    np.testing.assert_array_equal(graph.leaf.grad, np.full(3, 7.0))
+    sink = graph.root_edge.node.next_edges[0].node.next_edges[0].node
+    assert all(edge.node.next_edges[0].node is sink for edge in graph.root_edge.node.next_edges)
+
+
+def test_lattice_refuses_a_depth_whose_gradient_overflows():
+    with pytest.raises(ValueError, match="1000 layers"):
+        graphs.lattice(1, 1001)
+
+
+def test_unknown_graph_kind_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown graph kind 'ring'.*chain"):
+        graphs.build("ring", 10)
+
+
+# -- workloads and their oracles ----------------------------------------------------------
+
+PYENGINE_KEYS = ["chain:50", "wide:50", "lattice:49", "fan-in:20", "mlp-step:0",
+                 "execute-fixed:1", "backward-fixed:10", "grad-fixed:10"]
+
+
+@pytest.mark.parametrize("key", PYENGINE_KEYS)
+def test_pyengine_workloads_pass_their_oracle(key):
+    kind, _, size = key.partition(":")
+    workload = subjects.SUBJECTS["pyengine"].build(kind, int(size))
+    workload.run_checked()
+    workload.run_checked()  # reusable: a sample calls run() many times
+
+
+class _EngineThatDoesNothing:
+    def execute(self, *args, **kwargs):
+        return (np.zeros(3),)
+
+
+@pytest.mark.parametrize("key", [k for k in PYENGINE_KEYS if not k.startswith("mlp")])
+def test_pyengine_workload_oracle_catches_a_broken_engine(key, monkeypatch):
+    # Workloads look the engine up when they are built: build them broken.
+    monkeypatch.setattr(pyengine, "get_default_engine", _EngineThatDoesNothing)
+    monkeypatch.setattr(pyengine, "backward", lambda *args, **kwargs: None)
+    monkeypatch.setattr(pyengine, "grad", lambda *args, **kwargs: (np.zeros(3),))
+    kind, _, size = key.partition(":")
+    workload = subjects.SUBJECTS["pyengine"].build(kind, int(size))
+    with pytest.raises(AssertionError, match=r"(leaf\.grad|gradient) is .*expected"):
+        workload.run_checked()
+
+
+@pytest.mark.parametrize("problem", [tensor_mlp_problem(), scalar_mlp_problem()],
+                         ids=["tensor", "scalar"])
+def test_mlp_problem_gradients_match_finite_differences(problem: MLPProblem):
+    analytic = problem.gradients()
+    params = [p for pair in zip(problem.weights, problem.biases) for p in pair]
+    rng = np.random.default_rng(3)
+    eps = 1e-6
+    for param, grad in zip(params, analytic):
+        assert grad.shape == param.shape
+        for _ in range(4):
+            index = tuple(rng.integers(0, n) for n in param.shape)
+            saved = param[index]
+            param[index] = saved + eps
+            up = _mlp_loss(problem)
+            param[index] = saved - eps
+            down = _mlp_loss(problem)
+            param[index] = saved
+            assert (up - down) / (2 * eps) == pytest.approx(grad[index], rel=1e-5, abs=1e-8)
+
+
+def _mlp_loss(problem):
+    x = problem.inputs
+    for i, (w, b) in enumerate(zip(problem.weights, problem.biases)):
+        x = x @ w.T + b
+        if i < len(problem.weights) - 1:
+            x = np.maximum(x, 0.0)
+    if problem.loss == "squared":
+        return float(((x[:, 0] - problem.targets) ** 2).sum())
+    shifted = x - x.max(axis=1, keepdims=True)
+    log_probabilities = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return float(-log_probabilities[np.arange(len(x)), problem.targets].mean())
+
+
+def test_torch_workloads_pass_their_oracle():
+    pytest.importorskip("torch")
+    for flavor in ("view", "function", "mul"):
+        for key in ["chain:30", "wide:30", "lattice:25", "fan-in:10"]:
+            kind, _, size = key.partition(":")
+            workload = subjects._torch_build(flavor, kind, int(size))
+            workload.run_checked()
+            workload.run_checked()
+    for key in ["mlp-step:0", "execute-fixed:1", "backward-fixed:10", "grad-fixed:10"]:
+        kind, _, size = key.partition(":")
+        subjects._torch_build("view", kind, int(size)).run_checked()
+    with pytest.raises(subjects.Unsupported):
+        subjects._torch_build("mul", "mlp-step", 0)
+
+
+def test_workload_budget_sizes_a_sample():
+    workload = Workload("g", 300, run=lambda: None, check=lambda: None)
+    assert workload.calls == 334  # ceil(100,000 / 300)
+    workload.set_budget(1_000)
+    assert workload.calls == 4
+    assert workload.scale(2.0) == pytest.approx(2.0 / (4 * 300) * 1e6)
+    fixed = Workload("f", 1, run=lambda: None, check=lambda: None, unit="call")
+    assert fixed.calls == 10_000
+    step = Workload("s", 0, run=lambda: None, check=lambda: None, unit="step")
+    assert step.calls == 10 and step.scale(1.0) == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="unknown unit 'second'"):
+        Workload("x", 1, run=lambda: None, check=lambda: None, unit="second")
+
+
+# -- the worker -------------------------------------------------------------------------------
+
+def test_worker_reports_a_failing_oracle_and_keeps_serving(monkeypatch):
+    def build(kind, size):
+        if kind == "broken":
+            def check():
+                raise AssertionError("broken: gradient is None, expected ones")
+            return Workload("broken", 1, run=lambda: None, check=check)
+        return subjects._pyengine_build(kind, size)
+
+    fake = subjects.Subject("fake", "fake", "engine", "pyengine", (), None, lambda: None, build)
+    monkeypatch.setitem(subjects.SUBJECTS, "fake", fake)
+    monkeypatch.setattr(worker, "SUBJECTS", subjects.SUBJECTS)
+    out = io.StringIO()
+    worker.serve("fake", 1_000, ["broken:1", "chain:10", "ring:3"],
+                 out=out, requests=io.StringIO("sample chain:10\ncheck\nbogus\nquit\n"))
+    hello, sample, check, bogus = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert "broken: gradient is None" in hello["workloads"]["broken:1"]["error"]
+    assert hello["workloads"]["chain:10"] == {"name": "chain 10", "nodes": 10, "unit": "node",
+                                              "calls": 100}
+    assert "ring:3" not in hello["workloads"]  # Unsupported: no cell, no error
+    assert sample["value"] > 0
+    assert check == {"errors": {}}
+    assert "unknown request" in bogus["error"]
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+def _results(timing, memory=()):
+    return {"header": "h", "title": "t", "keys": {"graphs": ["chain:10000", "chain:100000",
+                                                             "chain:1000000", "wide:10000"],
+                                                  "steps": ["mlp-step:0"],
+                                                  "fixed": ["execute-fixed:1"]},
+            "timing": timing, "memory": list(memory)}
+
+
+def _entry(name, nodes, samples, unit="node"):
+    return {"name": name, "nodes": nodes, "unit": unit, "calls": 1, "samples": samples}
+
+
+def test_report_ratios_and_goals_from_known_samples():
+    timing = {
+        "pyengine": {"workloads": {
+            "chain:10000": _entry("chain 10k", 10_000, [0.20, 0.25, 0.30]),
+            "chain:100000": _entry("chain 100k", 100_000, [0.28, 0.29, 0.50]),
+            "chain:1000000": _entry("chain 1M", 1_000_000, [0.40]),
+            "wide:10000": _entry("wide 1000x10", 10_001, [0.45]),
+            "execute-fixed:1": _entry("Engine.execute, 1-node chain", 1, [2.5], "call")}},
+        "torch-view": {"workloads": {
+            "chain:100000": _entry("chain 100k", 100_000, [2.9, 3.0]),
+            "wide:10000": {"error": "RuntimeError: boom"}}},
+        "dezero": {"workloads": {"chain:10000": _entry("chain 10k", 10_000, [6.0])}},
+        "dezero-pyengine": {"workloads": {"chain:10000": _entry("chain 10k", 10_000, [2.0])}},
+        "micrograd": {"skipped": "micrograd is not installed", "workloads": {}},
+    }
+    results = _results(timing)
+    assert report.format_ratio(results, "torch-view", "pyengine", "chain:100000") == "10x"
+    assert report.format_stats(report.stats(timing["pyengine"]["workloads"]["chain:10000"])) \
+        == "0.250 (0.200-0.300)"
+    rows = {row[0]: row[1:] for row in report.goals(results)}
+    assert rows["compiled <= 0.3 us/node, chain 100k"] == ["0.290 us/node", "met"]
+    assert rows["compiled <= 0.4 us/node, wide 1000x10"] == ["0.450 us/node", "MISSED"]
+    assert rows["fixed cost <= 3.0 us (Engine.execute, 1 node)"] == ["2.500 us", "met"]
+    assert rows["compiled per-node cost at 1M within 1.3x of 10k (chain)"] == ["1.60x", "MISSED"]
+    assert rows["DeZero on pyengine >= 2x faster, chain 10k"] == ["3.00x", "met"]
+    assert rows["micrograd on pyengine no slower, chain 10k"] == ["not measured", "-"]
+    text = report.report(results)
+    assert "FAILED" in text and "PyTorch view_as, wide:10000: RuntimeError: boom" in text
+    assert report.failure_lines(results) == ["PyTorch view_as, wide:10000: RuntimeError: boom"]
+    assert report.skipped_lines(results) == ["micrograd native: micrograd is not installed"]
+
+
+def test_parse_size():
+    assert parse_size("10k") == 10_000 and parse_size("1M") == 1_000_000
+    assert parse_size("2,500") == 2_500 and parse_size("1.5k") == 1_500
+    for bad in ("0", "ten", "-3"):
+        with pytest.raises(Exception, match="size"):
+            parse_size(bad)
+
+
+# -- one quick run, end to end ----------------------------------------------------------------------
+
+def test_bench_command_quick_run(tmp_path):
+    chosen = ["pyengine", "pyengine-pure"]
+    try:
+        import torch  # noqa: F401
+
+        chosen.append("torch-view")
+    except ImportError:
+        pass
+    try:
+        import matplotlib  # noqa: F401
+
+        plot = ["--plot", str(tmp_path / "bench.png")]
+    except ImportError:
+        plot = ["--no-plot"]
+    env = dict(os.environ, PYTHONPATH=PYENGINE_ROOT)
+    env.pop("PYENGINE_PURE", None)
+    proc = subprocess.run([sys.executable, "-m", "pyengine", "bench", "--quick", "--repeats", "2",
+                           "--subjects", ",".join(chosen), "--memory-sizes", "10k",
+                           "--json", str(tmp_path / "bench.json"), *plot],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert results["timing"]["pyengine"]["implementation"] == "compiled"
+    assert results["timing"]["pyengine-pure"]["implementation"] == "pure"
+    keys = results["keys"]["graphs"] + results["keys"]["steps"] + results["keys"]["fixed"]
+    for subject in ("pyengine", "pyengine-pure"):
+        for key in keys:
+            entry = results["timing"][subject]["workloads"][key]
+            assert len(entry["samples"]) == 2 and all(s > 0 for s in entry["samples"]), (subject, key)
+    assert {m["subject"] for m in results["memory"]} == set(chosen)
+    assert all("error" not in m for m in results["memory"])
+    assert "Goals" in proc.stdout and "chain 10k" in proc.stdout
+    if plot[0] == "--plot":
+        assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
