@@ -1,12 +1,14 @@
-// NodeTaskRecord and CompareNodeTaskTime: what a ReadyQueue holds, and its order.
+// NodeTaskRecord, CompareNodeTaskTime and the heap algorithms of a ReadyQueue:
+// what it holds, and the order it pops them in.
 //
-// In C++ rather than Cython so that std::push_heap and std::pop_heap inline
-// the comparator, as PyTorch's engine does with its CompareNodeTaskTime.
+// In C++ rather than Cython so that the heap algorithms inline the
+// comparator, as PyTorch's engine does with its CompareNodeTaskTime.
 #pragma once
 
 #include <Python.h>
 
 #include <cstdint>
+#include <iterator>
 
 struct pyengine_NodeTaskRecord {
     // Owned references (NULL where absent), handed over with the record.
@@ -18,36 +20,120 @@ struct pyengine_NodeTaskRecord {
     uint64_t sequence_nr;
     int reentrant_depth;
     int is_shutdown;
-    // Insertion order: first in, first out among equals.
-    uint64_t insertion;
 };
 
-// True when t1 runs after t2: the comparator of a max-heap. See Note [Ready
-// queue order] in pyengine/_pure/ready_queue.py: shutdown tasks first, then
-// empty wake-up tasks, then higher reentrant depth, then higher sequence_nr,
-// then first in. A strict weak order; with distinct insertion counters, a
-// total one, so both cores pop in exactly the same order.
+// True when t1 runs after t2: the comparator of a max-heap, exactly PyTorch's
+// CompareNodeTaskTime (engine.cpp). See Note [Ready queue order] in
+// pyengine/_pure/ready_queue.py: shutdown tasks first, then empty wake-up
+// tasks, then higher reentrant depth, then higher sequence_nr. It has no
+// tiebreak, on purpose: See Note [Ties in the ready queue].
 struct pyengine_CompareNodeTaskTime {
     bool operator()(const pyengine_NodeTaskRecord &t1,
                     const pyengine_NodeTaskRecord &t2) const {
         if (t2.is_shutdown) {
-            return !t1.is_shutdown || t2.insertion < t1.insertion;
+            return true;
         }
-        if (t1.is_shutdown) {
+        if (t1.node == nullptr || t1.is_shutdown) {
             return false;
-        }
-        if (t1.node == nullptr) {
-            return t2.node == nullptr && t2.insertion < t1.insertion;
         }
         if (t2.node == nullptr) {
             return true;
         }
-        if (t1.reentrant_depth != t2.reentrant_depth) {
-            return t1.reentrant_depth < t2.reentrant_depth;
-        }
-        if (t1.sequence_nr != t2.sequence_nr) {
+        if (t1.reentrant_depth == t2.reentrant_depth) {
             return t1.sequence_nr < t2.sequence_nr;
         }
-        return t1.insertion > t2.insertion;
+        return t1.reentrant_depth < t2.reentrant_depth;
     }
 };
+
+// The binary-heap algorithms of libstdc++ (bits/stl_heap.h: __push_heap,
+// __adjust_heap, pop_heap, __make_heap), step for step, comparisons in the
+// same order and with the same arguments. PyTorch's ReadyQueue is a
+// std::priority_queue, and its Linux wheels are built against libstdc++, so
+// these decide the order in which tasks that tie in CompareNodeTaskTime pop,
+// and with it the order of leaf hooks; the std:: ones would differ where the
+// standard library does (libc++ pops with Floyd's method). See Note [Ties in
+// the ready queue] in pyengine/_pure/ready_queue.py, whose ReadyQueue runs
+// the same steps. Header-only and templated, so that they inline and
+// allocate nothing; calls between them are qualified, so that
+// argument-dependent lookup never brings in a standard library's own.
+namespace pyengine {
+
+// libstdc++'s __push_heap: the hole at `hole` moves up, towards `top`, while
+// its parent runs after `value`; `value` then fills it.
+template <typename RandomAccessIterator, typename Distance, typename T, typename Compare>
+inline void push_heap_hole(RandomAccessIterator first, Distance hole, Distance top, T value,
+                           Compare comp) {
+    Distance parent = (hole - 1) / 2;
+    while (hole > top && comp(*(first + parent), value)) {
+        *(first + hole) = *(first + parent);
+        hole = parent;
+        parent = (hole - 1) / 2;
+    }
+    *(first + hole) = value;
+}
+
+// libstdc++'s __adjust_heap: the hole at `hole` walks down to a leaf, always
+// to the child that runs first (the right one unless it runs after the left),
+// then `value` goes in as by push_heap_hole, no higher than where the hole
+// started.
+template <typename RandomAccessIterator, typename Distance, typename T, typename Compare>
+inline void adjust_heap(RandomAccessIterator first, Distance hole, Distance len, T value,
+                        Compare comp) {
+    const Distance top = hole;
+    Distance second_child = hole;
+    while (second_child < (len - 1) / 2) {
+        second_child = 2 * (second_child + 1);
+        if (comp(*(first + second_child), *(first + (second_child - 1)))) {
+            second_child--;
+        }
+        *(first + hole) = *(first + second_child);
+        hole = second_child;
+    }
+    // An even length leaves one parent with a left child only.
+    if ((len & 1) == 0 && second_child == (len - 2) / 2) {
+        second_child = 2 * (second_child + 1);
+        *(first + hole) = *(first + (second_child - 1));
+        hole = second_child - 1;
+    }
+    pyengine::push_heap_hole(first, hole, top, value, comp);
+}
+
+// std::push_heap: [first, last - 1) is a heap; add *(last - 1) to it.
+template <typename RandomAccessIterator, typename Compare>
+inline void push_heap(RandomAccessIterator first, RandomAccessIterator last, Compare comp) {
+    typedef typename std::iterator_traits<RandomAccessIterator>::difference_type Distance;
+    pyengine::push_heap_hole(first, Distance((last - first) - 1), Distance(0), *(last - 1), comp);
+}
+
+// std::pop_heap: move the front of the heap [first, last) to last - 1, and
+// make [first, last - 1) a heap again.
+template <typename RandomAccessIterator, typename Compare>
+inline void pop_heap(RandomAccessIterator first, RandomAccessIterator last, Compare comp) {
+    typedef typename std::iterator_traits<RandomAccessIterator>::difference_type Distance;
+    if (last - first > 1) {
+        --last;
+        auto value = *last;
+        *last = *first;
+        pyengine::adjust_heap(first, Distance(0), Distance(last - first), value, comp);
+    }
+}
+
+// std::make_heap (libstdc++'s __make_heap): sift each parent down, the last
+// one first.
+template <typename RandomAccessIterator, typename Compare>
+inline void make_heap(RandomAccessIterator first, RandomAccessIterator last, Compare comp) {
+    typedef typename std::iterator_traits<RandomAccessIterator>::difference_type Distance;
+    const Distance len = last - first;
+    if (len < 2) {
+        return;
+    }
+    for (Distance parent = (len - 2) / 2;; parent--) {
+        pyengine::adjust_heap(first, parent, len, *(first + parent), comp);
+        if (parent == 0) {
+            return;
+        }
+    }
+}
+
+}  // namespace pyengine

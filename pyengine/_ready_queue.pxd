@@ -1,4 +1,5 @@
-# NodeTask records, CompareNodeTaskTime and ReadyQueue; see _ready_queue.pyx.
+# NodeTask records, CompareNodeTaskTime, the heap algorithms and ReadyQueue;
+# see _ready_queue.pyx.
 
 from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
@@ -15,11 +16,18 @@ cdef extern from "_node_task.h" nogil:
         uint64_t sequence_nr
         int reentrant_depth
         bint is_shutdown
-        uint64_t insertion
 
     cppclass CompareNodeTaskTime "pyengine_CompareNodeTaskTime":
         CompareNodeTaskTime()
         bint operator()(const NodeTaskRecord&, const NodeTaskRecord&)
+
+
+# libstdc++'s heap algorithms, whatever the platform's standard library: See
+# Note [Ties in the ready queue] in pyengine/_pure/ready_queue.py.
+cdef extern from "_node_task.h" namespace "pyengine" nogil:
+    void push_heap[Iter, Compare](Iter first, Iter last, Compare comp)
+    void pop_heap[Iter, Compare](Iter first, Iter last, Compare comp)
+    void make_heap[Iter, Compare](Iter first, Iter last, Compare comp)
 
 
 cdef class NodeTask:
@@ -32,9 +40,8 @@ cdef class NodeTask:
 
 
 cdef class ReadyQueue:
-    # heap and counter are guarded by mutex_; not_empty is signalled under it.
+    # heap is guarded by mutex_; not_empty is signalled under it.
     cdef vector[NodeTaskRecord] heap
-    cdef uint64_t counter
     cdef mutex mutex_
     cdef condition_variable not_empty
 

@@ -1,19 +1,20 @@
 """NodeTask, CompareNodeTaskTime and ReadyQueue: what runs next on one thread.
 
-A ReadyQueue is a C++ heap of NodeTaskRecords under a std::mutex and a
-condition variable. Records own references to their graph task, node and
+A ReadyQueue is a C++ binary heap of NodeTaskRecords under a std::mutex and
+a condition variable. Records own references to their graph task, node and
 input buffer: taken (with the GIL) when a record is made, handed over
 through the queue, and released (with the GIL) by whoever popped it.
 ``pop`` waits with the GIL released. The order is that of Note [Ready queue
 order] in the twin, ``pyengine/_pure/ready_queue.py``, kept by the
-comparator CompareNodeTaskTime in ``_node_task.h``.
+comparator CompareNodeTaskTime and, among tasks that tie in it, by the heap
+algorithms of libstdc++, both in ``_node_task.h`` (See Note [Ties in the
+ready queue]).
 """
 
 cimport cython
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_XDECREF, Py_XINCREF
 from libc.stdint cimport uint64_t
-from libcpp.algorithm cimport make_heap, pop_heap, push_heap
 from libcpp.mutex cimport unique_lock
 from libcpp.vector cimport vector
 
@@ -32,7 +33,6 @@ cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
     record.reentrant_depth = reentrant_depth
     record.sequence_nr = sequence_nr
     record.is_shutdown = False
-    record.insertion = 0
     return record
 
 
@@ -80,8 +80,6 @@ cdef class ReadyQueue:
         """Queue ``record``, taking over its references; needs the GIL (it
         never blocks with it: See Note [Locks and the GIL])."""
         lock_releasing_gil(self.mutex_)
-        record.insertion = self.counter
-        self.counter += 1
         self.heap.push_back(record)
         push_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
         self.mutex_.unlock()

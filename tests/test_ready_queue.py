@@ -1,14 +1,28 @@
-"""ReadyQueue: pop order against a sorted reference, blocking pop, len/empty,
-discard_graph_task. See Note [Ready queue order].
+"""ReadyQueue: pop order, blocking pop, len/empty, discard_graph_task. See
+Note [Ready queue order] and Note [Ties in the ready queue].
 
-The reference model keeps every queued task with the key
-``(class, -reentrant_depth, -sequence_nr, push counter)`` where class is 0 for
-shutdown, 1 for an empty wake-up task, 2 for a node task, and pops the
-smallest: shutdown first, then wake-ups, then the deeper reentrant task, then
-the higher sequence number, first in first out among equals.
+Oracles for the order:
+
+- the comparator's rank, ``(class, -reentrant_depth, -sequence_nr)`` with
+  class 0 for shutdown, 1 for an empty wake-up task and 2 for a node task:
+  no task pops while a task of a smaller rank is queued. It leaves ties
+  open.
+- ``std::priority_queue`` itself: ``tests/std_priority_queue.cpp``, built at
+  test time where a C++ compiler with libstdc++ is found (as PyTorch's
+  Linux wheels are), pops ties as PyTorch does; both cores must pop in
+  exactly its order.
+- hand-worked examples of libstdc++'s algorithms, for where it is not.
+- the compiled and pure queues pop alike (where both are importable).
+
+The order of leaf hooks is checked against PyTorch itself in
+``tests/frontend``.
 """
 
 import faulthandler
+import importlib
+import os
+import shutil
+import subprocess
 import threading
 import time
 
@@ -24,6 +38,7 @@ from pyengine._core import (
     InputBuffer,
     NodeTask,
     ReadyQueue,
+    ready_queue_module,
     set_sequence_nr,
 )
 
@@ -33,6 +48,7 @@ SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=
 # Sequence numbers with ties and the extremes of the unsigned 64-bit range.
 SEQUENCE_NRS = (0, 1, 2, 2, 7, 2**31, 2**63 - 1, 2**63, 2**64 - 2, ACCUMULATE_GRAD_SEQUENCE_NR)
 DEPTHS = (0, 0, 1, 2, 3, 1000)
+SHUTDOWN_GROUP = -1
 
 
 class Leaf:
@@ -58,90 +74,91 @@ def _graph_task(depth, queue=None):
     return GraphTask(False, False, depth, queue)
 
 
-class Model:
-    """The reference: a list of (key, expected) sorted on pop."""
-
-    def __init__(self):
-        self.entries = []
-        self.counter = 0
-
-    def push(self, kind, expected, depth=0, sequence_nr=0):
-        key = {"shutdown": (0, 0, 0), "wakeup": (1, 0, 0),
-               "node": (2, -depth, -sequence_nr)}[kind] + (self.counter,)
-        self.counter += 1
-        self.entries.append((key, expected))
-
-    def pop(self):
-        self.entries.sort(key=lambda entry: entry[0])
-        return self.entries.pop(0)[1]
-
-    def discard(self, graph_task):
-        kept = [entry for entry in self.entries if entry[1][1] is not graph_task]
-        dropped = len(self.entries) - len(kept)
-        self.entries = kept
-        return dropped
-
-    def __len__(self):
-        return len(self.entries)
-
-
 class World:
-    """Queue, model, and the objects tasks are made of."""
+    """A ReadyQueue of ``module`` (the core under test by default), the
+    objects its tasks are made of, and what is queued.
 
-    def __init__(self):
-        self.queue = ReadyQueue()
-        self.model = Model()
-        self.graph_tasks = [_graph_task(depth, self.queue) for depth in DEPTHS]
+    A queue never reads a task's ``inputs``: each task carries its push
+    number there instead, to be told apart when it pops. Graph tasks are
+    numbered by their index in DEPTHS (their "group").
+    """
+
+    def __init__(self, module=ready_queue_module):
+        self.module = module
+        self.queue = module.ReadyQueue()
+        self.graph_tasks = [_graph_task(depth) for depth in DEPTHS]
         self.nodes = [_node(sequence_nr) for sequence_nr in SEQUENCE_NRS]
+        self.queued = {}  # push number -> (rank, group)
+        self.pushes = 0
+        # The same operations, for tests/std_priority_queue.cpp.
+        self.oracle_ops = []
 
     def push(self, op):
+        number = self.pushes
+        self.pushes += 1
         kind = op[0]
-        if kind == "node":
-            graph_task, node = self.graph_tasks[op[1]], self.nodes[op[2]]
-            inputs = InputBuffer(0)
-            self.queue.push(NodeTask(graph_task, node, inputs))
-            self.model.push("node", ("node", graph_task, node, inputs),
-                            graph_task.reentrant_depth, SEQUENCE_NRS[op[2]])
-        elif kind == "wakeup":
-            graph_task = self.graph_tasks[op[1]]
-            self.queue.push(NodeTask(graph_task, None, None))
-            self.model.push("wakeup", ("wakeup", graph_task, None, None))
+        if kind == "shutdown":
+            task = self.module.NodeTask(None, None, number, is_shutdown=True)
+            group, depth, sequence_nr, rank = SHUTDOWN_GROUP, 0, 0, (0, 0, 0)
         else:
-            self.queue.push_shutdown()
-            self.model.push("shutdown", ("shutdown", None, None, None))
+            group = op[1]
+            graph_task = self.graph_tasks[group]
+            depth = graph_task.reentrant_depth
+            if kind == "wakeup":
+                task = self.module.NodeTask(graph_task, None, number)
+                sequence_nr, rank = 0, (1, 0, 0)
+            else:
+                sequence_nr = SEQUENCE_NRS[op[2]]
+                task = self.module.NodeTask(graph_task, self.nodes[op[2]], number)
+                rank = (2, -depth, -sequence_nr)
+        self.queue.push(task, increment_outstanding_tasks=False)
+        self.queued[number] = (rank, group)
+        self.oracle_ops.append(f"push {number} {group} {int(kind == 'shutdown')} "
+                               f"{int(kind == 'node')} {depth} {sequence_nr}")
 
-    def pop_and_check(self):
-        expected = self.model.pop()
-        task = self.queue.pop()
-        assert describe(task) == describe_expected(expected)
+    def pop(self):
+        """Pop a task, check it against the comparator, return its push number."""
+        number = self.queue.pop().inputs
+        rank, _ = self.queued.pop(number)
+        assert all(rank <= other for other, _ in self.queued.values()), \
+            "a task popped while one that runs strictly before it was queued"
+        self.oracle_ops.append("pop")
+        return number
+
+    def discard(self, group):
+        dropped = self.queue.discard_graph_task(self.graph_tasks[group])
+        victims = [number for number, (_, g) in self.queued.items() if g == group]
+        assert dropped == len(victims)
+        for number in victims:
+            del self.queued[number]
+        self.oracle_ops.append(f"discard {group}")
+
+    def run(self, ops):
+        """Apply ``ops``, then pop until empty; return the push numbers in the
+        order they popped."""
+        popped = []
+        for op in ops:
+            if op[0] == "pop":
+                if self.queued:
+                    popped.append(self.pop())
+            elif op[0] == "discard":
+                self.discard(op[1])
+            else:
+                self.push(op)
+            assert len(self.queue) == len(self.queued)
+            assert self.queue.empty() == (not self.queued)
+        while self.queued:
+            popped.append(self.pop())
+        assert len(self.queue) == 0 and self.queue.empty()
+        return popped
 
 
-def describe(task):
-    if task.is_shutdown:
-        return ("shutdown",)
-    if task.node is None:
-        return ("wakeup", id(task.graph_task))
-    return ("node", id(task.graph_task), id(task.node), id(task.inputs))
-
-
-def describe_expected(expected):
-    kind, graph_task, node, inputs = expected
-    if kind == "shutdown":
-        return ("shutdown",)
-    if kind == "wakeup":
-        return ("wakeup", id(graph_task))
-    return ("node", id(graph_task), id(node), id(inputs))
-
-
-PUSH = st.one_of(
-    st.tuples(st.just("node"), st.integers(0, len(DEPTHS) - 1),
-              st.integers(0, len(SEQUENCE_NRS) - 1)),
-    st.tuples(st.just("node"), st.integers(0, len(DEPTHS) - 1),
-              st.integers(0, len(SEQUENCE_NRS) - 1)),
-    st.tuples(st.just("wakeup"), st.integers(0, len(DEPTHS) - 1)),
-    st.just(("shutdown",)),
-)
-OPS = st.lists(st.one_of(PUSH, PUSH, st.just(("pop",))), max_size=60)
+GROUP = st.integers(0, len(DEPTHS) - 1)
+NODE_PUSH = st.tuples(st.just("node"), GROUP, st.integers(0, len(SEQUENCE_NRS) - 1))
+PUSH = st.one_of(NODE_PUSH, NODE_PUSH, st.tuples(st.just("wakeup"), GROUP),
+                 st.just(("shutdown",)))
+OPS = st.lists(st.one_of(PUSH, PUSH, PUSH, st.just(("pop",)), st.tuples(st.just("discard"), GROUP)),
+               max_size=60)
 
 
 def test_nodetask_reads_depth_and_sequence_nr():
@@ -159,76 +176,129 @@ def test_nodetask_reads_depth_and_sequence_nr():
 
 @SETTINGS
 @given(st.lists(PUSH, max_size=60))
-def test_pops_in_reference_order(pushes):
-    world = World()
-    for op in pushes:
-        world.push(op)
-    assert len(world.queue) == len(pushes)
-    while len(world.model):
-        world.pop_and_check()
-    assert len(world.queue) == 0 and world.queue.empty()
+def test_pushes_then_pops_respect_the_comparator(pushes):
+    World().run(pushes)
 
 
 @SETTINGS
 @given(OPS)
-def test_interleaved_pushes_and_pops_follow_the_reference(ops):
-    world = World()
-    for op in ops:
-        if op[0] == "pop":
-            if len(world.model):
-                world.pop_and_check()
-        else:
-            world.push(op)
-        assert len(world.queue) == len(world.model)
-        assert world.queue.empty() == (len(world.model) == 0)
-    while len(world.model):
-        world.pop_and_check()
-    assert world.queue.empty()
+def test_interleaved_pushes_pops_and_discards_respect_the_comparator(ops):
+    World().run(ops)
 
 
 @SETTINGS
-@given(st.lists(PUSH, max_size=50), st.integers(0, len(DEPTHS) - 1))
+@given(st.lists(PUSH, max_size=50), GROUP)
 def test_discard_graph_task_drops_exactly_its_tasks(pushes, victim):
     world = World()
     for op in pushes:
         world.push(op)
-    graph_task = world.graph_tasks[victim]
-    dropped = world.queue.discard_graph_task(graph_task)
-    assert dropped == world.model.discard(graph_task)
-    assert len(world.queue) == len(world.model)
-    # The remaining tasks keep their order, FIFO ties included.
-    while len(world.model):
-        world.pop_and_check()
-    assert world.queue.empty()
+    world.discard(victim)
+    assert len(world.queue) == len(world.queued)
+    assert world.queue.discard_graph_task(world.graph_tasks[victim]) == 0
+    world.run([])
     # The queue still works.
-    assert world.queue.discard_graph_task(graph_task) == 0
     world.push(("node", victim, 0))
-    world.model.pop()
-    task = world.queue.pop()
-    assert task.graph_task is graph_task
+    assert world.queue.pop().graph_task is world.graph_tasks[victim]
 
 
-def test_fifo_among_equal_tasks_of_one_node():
-    queue = ReadyQueue()
-    graph_task = _graph_task(0, queue)
-    node = _node(5)
-    buffers = [InputBuffer(0) for _ in range(50)]
-    for buffer in buffers:
-        queue.push(NodeTask(graph_task, node, buffer))
-    assert [queue.pop().inputs for _ in buffers] == buffers
+@pytest.fixture(scope="module")
+def std_priority_queue(tmp_path_factory):
+    """Build tests/std_priority_queue.cpp; return a function that runs it on a
+    list of cases (lists of operations) and returns, per case, the push
+    numbers in the order they popped. Skips where there is no C++ compiler,
+    or where its standard library is not libstdc++ (not PyTorch's on Linux)."""
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler to build the std::priority_queue oracle")
+    source = os.path.join(os.path.dirname(__file__), "std_priority_queue.cpp")
+    program = str(tmp_path_factory.mktemp("oracle") / "std_priority_queue")
+    build = subprocess.run([compiler, "-std=c++11", "-O1", "-o", program, source],
+                           capture_output=True, text=True)
+    if build.returncode != 0:
+        pytest.skip(f"the std::priority_queue oracle did not build:\n{build.stderr}")
+
+    def run(cases):
+        lines = subprocess.run([program], input="".join(" ".join(ops) + "\n" for ops in cases),
+                               capture_output=True, text=True, check=True).stdout.splitlines()
+        if lines[0] != "libstdc++":
+            pytest.skip("the C++ compiler's standard library is not libstdc++, PyTorch's on Linux")
+        return [[int(number) for number in line.split()] for line in lines[1:]]
+
+    return run
 
 
-def test_fifo_among_wakeups_and_distinct_nodes_with_equal_keys():
-    queue = ReadyQueue()
-    graph_tasks = [_graph_task(2, queue) for _ in range(4)]
-    nodes = [_node(9) for _ in range(4)]
-    for graph_task, node in zip(graph_tasks, nodes):
-        queue.push(NodeTask(graph_task, node, InputBuffer(0)))
-    for graph_task in reversed(graph_tasks):
-        queue.push(NodeTask(graph_task, None, None))
-    woken = [queue.pop().graph_task for _ in graph_tasks]
-    assert woken == list(reversed(graph_tasks))
-    assert [queue.pop().node for _ in nodes] == nodes
+@SETTINGS
+@given(OPS)
+def test_pops_as_std_priority_queue(std_priority_queue, ops):
+    world = World()
+    popped = world.run(ops)
+    assert popped == std_priority_queue([world.oracle_ops])[0]
+
+
+@SETTINGS
+@given(OPS)
+def test_compiled_and_pure_queues_pop_alike(ops):
+    compiled = pytest.importorskip("pyengine._ready_queue")
+    pure = importlib.import_module("pyengine._pure.ready_queue")
+    assert World(compiled).run(ops) == World(pure).run(ops)
+
+
+# Hand-worked examples of libstdc++'s algorithms (See Note [Ties in the ready
+# queue]), for where the std::priority_queue oracle cannot be built. "t" is a
+# task that ties with the other t's; heaps are written as arrays. The same
+# cases also run against std::priority_queue where it can be built.
+
+
+def _ties(count, group=0):
+    return [("node", group, 4)] * count  # sequence_nr 7
+
+
+HAND_WORKED = [
+    pytest.param(
+        # stack([x0, x1, x2, x3]).sum().backward() makes its four
+        # AccumulateGrad tasks ready at once (PyTorch fires their hooks 0, 2, 1, 3).
+        # Pushes: no tie moves up (compare(parent, t) is false): [t0 t1 t2 t3].
+        # Pop t0: t3 leaves the back, len 3; the hole goes from the root to
+        #   the right child t2 (compare(t2, t1) is false), so [t2 t1 _]; t3
+        #   fills the hole (compare(t2, t3) is false): [t2 t1 t3].
+        # Pop t2: t3 leaves, len 2 (even: the root's lone left child t1
+        #   moves up): [t1 _]; t3 fills the hole: [t1 t3]. Pop t1, pop t3.
+        _ties(4), [0, 2, 1, 3], id="four-ties"),
+    pytest.param(
+        # Three ties, then x (a higher sequence_nr) moves up past t1 and t0:
+        # [x t0 t2 t1]. Pop x: t1 leaves, len 3; the hole goes right (to t2):
+        # [t2 t0 _], t1 fills it: [t2 t0 t1]. Pop t2: t1 leaves, len 2; t0
+        # moves up: [t0 t1]. Pop t0, pop t1.
+        _ties(3) + [("node", 0, 9)], [3, 2, 0, 1], id="a-higher-task-reorders-ties"),
+    pytest.param(
+        # Six ties, from graph tasks 0 (t0 t2 t4) and 1 (t1 t3 t5), both of
+        # depth 0: [t0 t1 t2 t3 t4 t5].
+        # Discarding graph task 1 keeps [t0 t2 t4]; make_heap adjusts its one
+        # parent, index 0: t0 leaves, the hole goes right (to t4): [t4 t2 _],
+        # t0 fills it: [t4 t2 t0]. Pop t4: t0 leaves, len 2; t2 moves up:
+        # [t2 t0]. Pop t2, pop t0: last in, first out.
+        [op for pair in zip(_ties(3, group=0), _ties(3, group=1)) for op in pair]
+        + [("discard", 1)], [4, 2, 0], id="discard-rebuilds-with-make-heap"),
+    pytest.param(
+        # compare(s, s') is true for any two shutdown tasks, so each pushed one
+        # moves up to the root: [s0], [s1 s0], [s2 s0 s1]. Pop s2: s1 leaves,
+        # len 2; s0 moves up: [s0 _]; s1 moves up past it (compare(s0, s1)):
+        # [s1 s0]. Pop s1, pop s0.
+        [("shutdown",)] * 3, [2, 1, 0], id="shutdowns-last-in-first-out"),
+]
+
+
+@pytest.mark.parametrize("ops, expected", HAND_WORKED)
+def test_hand_worked_examples(ops, expected):
+    assert World().run(ops) == expected
+
+
+@pytest.mark.parametrize("ops, expected", HAND_WORKED)
+def test_hand_worked_examples_are_what_std_priority_queue_gives(std_priority_queue, ops,
+                                                               expected):
+    world = World()
+    world.run(ops)
+    assert std_priority_queue([world.oracle_ops]) == [expected]
 
 
 def test_accumulate_grad_sorts_before_other_nodes_at_equal_depth():

@@ -1,6 +1,9 @@
 """NodeTask, CompareNodeTaskTime and ReadyQueue: what runs next on one thread.
 
-Twin of ``pyengine/_ready_queue.pyx``.
+Twin of ``pyengine/_ready_queue.pyx``. The queue is a binary heap kept by
+the algorithms of libstdc++, written out below, so that both cores (and
+PyTorch) pop tasks that tie in CompareNodeTaskTime in the same order: See
+Note [Ties in the ready queue].
 
 Note [Ready queue order]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -15,13 +18,48 @@ A ReadyQueue pops, in this order (PyTorch's CompareNodeTaskTime):
    forward pass runs first, which frees its gradients early and makes the
    order deterministic; AccumulateGrad has the highest sequence number of
    all (See Note [AccumulateGrad first]);
-5. among equals, first in first out.
+5. among equals, the order PyTorch's binary heap gives (See Note [Ties in
+   the ready queue]).
 
 Depth and sequence number are copied into the task when it is made, so
 comparing two tasks never touches a node.
+
+Note [Ties in the ready queue]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Tasks tie when they have the same reentrant depth and sequence number; in
+practice these are AccumulateGrad nodes, which all share the largest
+sequence number, so ties decide the order in which leaf tensor hooks and
+post-accumulate-grad hooks fire. PyTorch's ReadyQueue is a
+``std::priority_queue`` with CompareNodeTaskTime and no tiebreak, so ties
+pop in whatever order the standard library's binary-heap algorithms leave
+them, which is not first in first out: ``stack([x0, x1, x2, x3])`` fires
+the hooks of its leaves as 0, 2, 1, 3. PyTorch's Linux wheels are
+built against libstdc++, so both cores run libstdc++'s algorithms
+(``bits/stl_heap.h``), step for step and on every platform (libc++, for
+one, pops with Floyd's method and would give another order):
+
+- push (``push_heap``, ``__push_heap``): append the task, leaving a hole
+  at the end; while the hole's parent runs after the task
+  (``compare(parent, task)``), move the parent down into the hole; the task
+  fills the hole.
+- pop (``pop_heap``, ``__adjust_heap``): the front is the task popped. Take
+  the last task out and move the hole left at the root down to a leaf,
+  always to the right child unless it runs after the left one
+  (``compare(right, left)``), an even length's lone left child included;
+  then push the last task in from there as above, no higher than the root.
+- make (``__make_heap``), which ``discard_graph_task`` uses to rebuild the
+  heap (PyTorch never removes queued tasks): ``__adjust_heap`` from each
+  parent in turn, the last parent first.
+
+Each comparison is made in the same order and with the same arguments as in
+libstdc++: CompareNodeTaskTime is not symmetric among equals (``compare(t,
+t)`` is true for a shutdown task), and which of two equal children the hole
+takes decides the order of ties. The compiled core has the same functions
+in ``_node_task.h``; ``tests/test_ready_queue.py`` checks both against a
+hand-worked example and against each other, and the frontend tests check
+hook order against PyTorch.
 """
 
-import heapq
 import threading
 
 
@@ -51,8 +89,8 @@ class NodeTask:
 def compare_node_task_time(task1, task2):
     """True when ``task1`` runs after ``task2`` (the comparator of a max-heap).
 
-    See Note [Ready queue order]; first-in-first-out among equals is the
-    queue's insertion counter, not part of this comparison.
+    See Note [Ready queue order]. No tiebreak, as in PyTorch: See Note [Ties
+    in the ready queue].
     """
     if task2.is_shutdown:
         return True
@@ -65,26 +103,76 @@ def compare_node_task_time(task1, task2):
     return task1.reentrant_depth < task2.reentrant_depth
 
 
-def _heap_key(task):
-    # heapq is a min-heap: the smallest key pops first. This key orders
-    # exactly as compare_node_task_time.
-    if task.is_shutdown:
-        return (0, 0, 0)
-    if task.node is None:
-        return (1, 0, 0)
-    return (2, -task.reentrant_depth, -task.sequence_nr)
+# The heap algorithms of libstdc++ (bits/stl_heap.h), with PyTorch's
+# comparator: See Note [Ties in the ready queue]. The compiled core has the
+# same functions in _node_task.h, where push_heap and pop_heap leave the
+# append and the removal to their caller, as the std:: ones do.
+
+def _push_heap_hole(heap, hole, top, task):
+    """libstdc++'s ``__push_heap``: move the hole up towards ``top`` while its
+    parent runs after ``task``; ``task`` fills it."""
+    parent = (hole - 1) // 2
+    while hole > top and compare_node_task_time(heap[parent], task):
+        heap[hole] = heap[parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    heap[hole] = task
+
+
+def _adjust_heap(heap, hole, length, task):
+    """libstdc++'s ``__adjust_heap`` over ``heap[:length]``: walk the hole down
+    to a leaf, always to the child that runs first, then push ``task`` in
+    from there, no higher than where the hole started."""
+    top = hole
+    second_child = hole
+    while second_child < (length - 1) // 2:
+        second_child = 2 * (second_child + 1)
+        if compare_node_task_time(heap[second_child], heap[second_child - 1]):
+            second_child -= 1
+        heap[hole] = heap[second_child]
+        hole = second_child
+    # An even length leaves one parent with a left child only.
+    if length % 2 == 0 and second_child == (length - 2) // 2:
+        second_child = 2 * (second_child + 1)
+        heap[hole] = heap[second_child - 1]
+        hole = second_child - 1
+    _push_heap_hole(heap, hole, top, task)
+
+
+def _push_heap(heap, task):
+    """``heap.append(task)`` and ``std::push_heap``."""
+    heap.append(task)
+    _push_heap_hole(heap, len(heap) - 1, 0, task)
+
+
+def _pop_heap(heap):
+    """``std::pop_heap`` and ``heap.pop()``: remove and return the front."""
+    last = heap.pop()
+    if not heap:
+        return last
+    front = heap[0]
+    _adjust_heap(heap, 0, len(heap), last)
+    return front
+
+
+def _make_heap(heap):
+    """``std::make_heap`` (libstdc++'s ``__make_heap``)."""
+    length = len(heap)
+    if length < 2:
+        return
+    for parent in range((length - 2) // 2, -1, -1):
+        _adjust_heap(heap, parent, length, heap[parent])
 
 
 class ReadyQueue:
     """A priority queue of NodeTasks under a lock and a condition variable.
 
-    ``_heap`` and ``_counter`` are guarded by ``_not_empty``'s lock.
+    ``_heap`` is guarded by ``_not_empty``'s lock.
     """
 
     def __init__(self):
         self._not_empty = threading.Condition(threading.Lock())
         self._heap = []
-        self._counter = 0
 
     def push(self, task, increment_outstanding_tasks=True):
         """Queue ``task``; count it as outstanding in its graph task unless it is
@@ -92,8 +180,7 @@ class ReadyQueue:
         with self._not_empty:
             if increment_outstanding_tasks and task.node is not None:
                 task.graph_task.increment_outstanding_tasks()
-            heapq.heappush(self._heap, (_heap_key(task), self._counter, task))
-            self._counter += 1
+            _push_heap(self._heap, task)
             self._not_empty.notify()
 
     def push_shutdown(self):
@@ -104,14 +191,14 @@ class ReadyQueue:
         with self._not_empty:
             while not self._heap:
                 self._not_empty.wait()
-            return heapq.heappop(self._heap)[2]
+            return _pop_heap(self._heap)
 
     def discard_graph_task(self, graph_task):
         """Drop every queued task of ``graph_task`` (after it failed); return how many."""
         with self._not_empty:
-            kept = [entry for entry in self._heap if entry[2].graph_task is not graph_task]
+            kept = [task for task in self._heap if task.graph_task is not graph_task]
             dropped = len(self._heap) - len(kept)
-            heapq.heapify(kept)
+            _make_heap(kept)
             self._heap = kept
         return dropped
 

@@ -236,13 +236,18 @@ def test_readme_example(capsys):
     assert printed == re.findall(r"print\(.*\)  # (.*)", code)
 
 
-def test_leaves_ready_together_run_in_edge_order():
-    # Oracle: Note [Ready queue order], rule 5 (first in, first out among
-    # equals). PyTorch differs here from four leaves on: its heap fires the
-    # hooks of stack([x0, x1, x2, x3]) as 0, 2, 1, 3.
-    log = []
-    leaves = [F.tensor([1.0], requires_grad=True) for _ in range(6)]
-    for i, x in enumerate(leaves):
-        x.register_hook(lambda grad, i=i: log.append(i))
-    F.stack(leaves).sum().backward()
-    assert log == [0, 1, 2, 3, 4, 5]
+@pytest.mark.parametrize("count", range(1, 13))
+def test_leaves_ready_together_fire_hooks_in_torchs_order(torch, count):
+    # The AccumulateGrad tasks of stack's leaves become ready together and tie
+    # in the ready queue; they pop in the order PyTorch's binary heap gives
+    # (0, 2, 1, 3 for four leaves): See Note [Ties in the ready queue].
+    def hook_order(lib):
+        log = []
+        leaves = [lib.tensor([1.0], requires_grad=True) for _ in range(count)]
+        for i, x in enumerate(leaves):
+            x.register_hook(lambda grad, i=i: log.append(f"hook{i}"))
+            x.register_post_accumulate_grad_hook(lambda x, i=i: log.append(f"post{i}"))
+        lib.stack(leaves).sum().backward()
+        return log
+
+    assert hook_order(F) == hook_order(torch)
