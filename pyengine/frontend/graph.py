@@ -24,6 +24,21 @@ An op that broadcasts its inputs returns gradients of the broadcast
 (output) shape. The engine's ``validate_outputs`` reduces each with the
 value backend's ``sum_to`` to the shape recorded for the slot it flows
 into. No formula reduces by hand.
+
+Note [Backward formulas in PyTorch's order]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under ``create_graph=True`` a formula records nodes, and the order in which
+it records them sets their sequence numbers, hence the order in which a
+later backward through them runs (See Note [Ready queue order] in
+``pyengine/_pure/ready_queue.py``) and fires the hooks of the leaves they
+lead to. PyTorch's generated backward functions compute their inputs'
+gradients in the alphabetical order of the inputs' names in
+``derivatives.yaml`` (``load_derivatives.py`` sorts them): ``other`` before
+``self``, ``exponent`` before ``self``. So the formulas of the binary
+pointwise ops (``mul``, ``div``, ``pow``, ``maximum``, ``where``) compute
+the second input's gradient first. ``matmul`` and ``linear`` are composites
+in PyTorch, whose backward graphs have other nodes altogether; they are
+not matched.
 """
 
 from __future__ import annotations

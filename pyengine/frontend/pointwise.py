@@ -117,7 +117,10 @@ def mul(a, b):
 
 class MulBackward(OpNode):
     def formula(self, grad, a, b):
-        return [grad * b if self.needs(0) else None, grad * a if self.needs(1) else None]
+        # b's gradient first: See Note [Backward formulas in PyTorch's order].
+        grad_b = grad * a if self.needs(1) else None
+        grad_a = grad * b if self.needs(0) else None
+        return [grad_a, grad_b]
 
 
 def div(a, b):
@@ -133,8 +136,9 @@ def div(a, b):
 
 class DivBackward(OpNode):
     def formula(self, grad, a, b):
-        grad_a = grad / b if self.needs(0) else None
+        # b's gradient first: See Note [Backward formulas in PyTorch's order].
         grad_b = -grad * ((a / b) / b) if self.needs(1) else None
+        grad_a = grad / b if self.needs(0) else None
         return [grad_a, grad_b]
 
 
@@ -154,15 +158,16 @@ def pow(a, b):  # noqa: A001 (the operator's name)
 
 class PowBackward(OpNode):
     def formula(self, grad, a, b, out):
+        # b's gradient first: See Note [Backward formulas in PyTorch's order].
         grad_a = grad_b = None
+        if self.needs(1):
+            base_is_zero = (a == 0) & (b >= 0)
+            grad_b = where(base_is_zero, 0.0, grad * out * log(a))
         if self.needs(0):
             if self.number_exponent:
                 grad_a = zeros_like_value(grad) if b == 0 else grad * b * a ** (b - 1)
             else:
                 grad_a = where(b == 0, 0.0, grad * b * a ** (b - 1))
-        if self.needs(1):
-            base_is_zero = (a == 0) & (b >= 0)
-            grad_b = where(base_is_zero, 0.0, grad * out * log(a))
         return [grad_a, grad_b]
 
 
@@ -333,8 +338,10 @@ def maximum(a, b):
 class MaximumBackward(OpNode):
     def formula(self, grad, a, b):
         shared = where(a == b, grad / 2, grad)
-        return [where(a < b, 0.0, shared) if self.needs(0) else None,
-                where(a > b, 0.0, shared) if self.needs(1) else None]
+        # b's gradient first: See Note [Backward formulas in PyTorch's order].
+        grad_b = where(a > b, 0.0, shared) if self.needs(1) else None
+        grad_a = where(a < b, 0.0, shared) if self.needs(0) else None
+        return [grad_a, grad_b]
 
 
 def where(condition, a, b):
@@ -351,8 +358,10 @@ def where(condition, a, b):
 
 class WhereBackward(OpNode):
     def formula(self, grad):
-        return [where(self.condition, grad, 0.0) if self.needs(0) else None,
-                where(self.condition, 0.0, grad) if self.needs(1) else None]
+        # b's gradient first: See Note [Backward formulas in PyTorch's order].
+        grad_b = where(self.condition, 0.0, grad) if self.needs(1) else None
+        grad_a = where(self.condition, grad, 0.0) if self.needs(0) else None
+        return [grad_a, grad_b]
 
 
 # -- not differentiable ----------------------------------------------------------------
