@@ -123,6 +123,9 @@ def main(args) -> int:
     all_keys = keys["graphs"] + keys["steps"] + keys["fixed"]
     budget = NODES_PER_SAMPLE // 10 if args.quick else NODES_PER_SAMPLE
     timing = run_timing(args.subjects, all_keys, args.repeats, budget, log)
+    if args.json:  # the timings survive a memory phase that fails or is interrupted
+        with open(args.json, "w") as f:
+            json.dump({"keys": keys, "timing": timing}, f, indent=1)
     memory = [] if args.no_memory else run_memory(args.subjects, memory_sizes, log)
     elapsed = time.perf_counter() - t0
     machine = (f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs; "

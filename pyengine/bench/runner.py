@@ -160,6 +160,10 @@ def run_timing(subject_keys, workload_keys, repeats, budget=NODES_PER_SAMPLE,
     return results
 
 
+# Whose memory is also traced through Python's allocators: the engine's own.
+TRACED_SUBJECTS = ("pyengine", "pyengine-pure")
+
+
 def run_memory(subject_keys, sizes, log=print) -> list:
     """Peak memory of one backward on a chain of each size, each in a fresh
     process (See :func:`pyengine.bench.worker.memory`)."""
@@ -170,7 +174,9 @@ def run_memory(subject_keys, sizes, log=print) -> list:
             continue
         for size in sizes:
             log(f"memory: {subject.label}, chain of {size:,}")
-            proc = subprocess.run(_worker_command("memory", key, size), env=_worker_env(subject),
+            extra = ["--tracemalloc"] if key in TRACED_SUBJECTS else []
+            proc = subprocess.run(_worker_command("memory", key, size, *extra),
+                                  env=_worker_env(subject),
                                   stdout=subprocess.PIPE, text=True, timeout=WORKER_TIMEOUT_S)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             if proc.returncode or not lines:

@@ -3,7 +3,7 @@ one sample at a time when the parent asks; or measures the memory of one
 backward.
 
     python -m pyengine.bench.worker serve SUBJECT BUDGET KIND:SIZE ...
-    python -m pyengine.bench.worker memory SUBJECT SIZE
+    python -m pyengine.bench.worker memory SUBJECT SIZE [--tracemalloc]
 
 ``BUDGET`` is the node executions one sample covers (See
 :meth:`~pyengine.bench.workload.Workload.set_budget`). ``serve`` writes
@@ -114,14 +114,17 @@ def _read_status(field: str) -> int:
     raise OSError(f"no {field} in /proc/self/status")
 
 
-def memory(subject_key: str, size: int) -> dict:
+def memory(subject_key: str, size: int, trace_python_allocations: bool = False) -> dict:
     """Peak memory of one backward on a freshly built chain of ``size``.
 
     First backward: peak RSS with the kernel's high-water mark reset just
     before (``/proc/self/clear_refs`` = 5; VmHWM after minus VmRSS before:
     all memory, the compiled core's C++ containers included; the
-    ``ru_maxrss`` delta where that file is not writable). Second backward:
-    the ``tracemalloc`` peak (Python's allocators only).
+    ``ru_maxrss`` delta where that file is not writable). Then, if
+    ``trace_python_allocations``, a second backward under ``tracemalloc``
+    (the peak of Python's allocators only; it slows every allocation, by
+    minutes for a framework's 1M-node backward, so the runner asks for it
+    on pyengine's own engine only).
     """
     subject = SUBJECTS[subject_key]
     out = {"subject": subject_key, "implementation": _implementation(), "size": size}
@@ -147,13 +150,14 @@ def memory(subject_key: str, size: int) -> dict:
             out["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
             out["rss_method"] = "ru_maxrss"
         workload.check()
-        workload.reset()
-        gc.collect()
-        tracemalloc.start()
-        workload.run()
-        out["tracemalloc_peak"] = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        workload.check()
+        if trace_python_allocations:
+            workload.reset()
+            gc.collect()
+            tracemalloc.start()
+            workload.run()
+            out["tracemalloc_peak"] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            workload.check()
     except Unsupported as error:
         out["error"] = f"unsupported: {error}"
     except Exception as error:
@@ -167,7 +171,8 @@ def main(argv=None) -> int:
     if mode == "serve":
         serve(subject_key, int(rest[0]), rest[1:])
     elif mode == "memory":
-        print(json.dumps(memory(subject_key, int(rest[0]))), flush=True)
+        print(json.dumps(memory(subject_key, int(rest[0]), "--tracemalloc" in rest[1:])),
+              flush=True)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     return 0
