@@ -31,7 +31,7 @@ from .engine import (
     set_multithreading_enabled,
 )
 from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
-from .node import AccumulateGrad, Edge, Node, RemovableHandle
+from .node import AccumulateGrad, Edge, GradientFreeNode, Node, RemovableHandle
 from .profiler import profile
 from .viz import graph_to_dot, render_graph
 
@@ -65,6 +65,7 @@ __all__ = [
     "Edge",
     "Engine",
     "GradientEdge",
+    "GradientFreeNode",
     "GraphRoot",
     "InputMetadata",
     "Node",

@@ -39,6 +39,7 @@ if IMPLEMENTATION == "pure":
     from ._pure import validate_outputs as validate_outputs_module
 
 NodeBase = node_module.NodeBase
+GradientFreeNodeBase = node_module.GradientFreeNodeBase
 Edge = node_module.Edge
 InputMetadata = node_module.InputMetadata
 ACCUMULATE_GRAD_SEQUENCE_NR = node_module.ACCUMULATE_GRAD_SEQUENCE_NR

@@ -33,6 +33,13 @@ cdef class NodeBase:
     cdef object __weakref__
 
     cpdef release_variables(self)
+    cdef int _initialize(self, next_edges, input_metadata) except -1
+
+
+cdef class GradientFreeNodeBase(NodeBase):
+    # Immutable after construction.
+    cdef readonly object owner
+    cdef readonly str method
 
 
 cdef class Edge:

@@ -153,6 +153,9 @@ cdef class NodeBase:
         self._input_metadata = []
 
     def __init__(self, next_edges=(), input_metadata=()):
+        self._initialize(next_edges, input_metadata)
+
+    cdef int _initialize(self, next_edges, input_metadata) except -1:
         global pyengine_next_sequence_nr
         self._next_edges = _check_next_edges(next_edges)
         self._input_metadata = [as_input_metadata(spec) for spec in input_metadata]
@@ -163,6 +166,7 @@ cdef class NodeBase:
         self._initialized = True
         if anomaly_enabled():
             _record_forward_traceback(self)
+        return 0
 
     @property
     def sequence_nr(self):
@@ -206,6 +210,23 @@ cdef class NodeBase:
     cpdef release_variables(self):
         """Drop what the node saved for backward. Override to free more."""
         self._saved_values = None
+
+
+cdef class GradientFreeNodeBase(NodeBase):
+    """A node that passes no gradients: running it calls ``owner.<method>()``.
+    See Note [Gradient-free nodes] in the twin, ``pyengine/_pure/node.py``,
+    which states the fields' guards."""
+
+    def __init__(self, owner, method, next_edges=(), input_metadata=()):
+        if not isinstance(method, str):
+            raise TypeError(f"method must be a str (a method name), got {type(method).__name__}")
+        self._initialize(next_edges, input_metadata)
+        self.owner = owner
+        self.method = method
+
+    def apply(self, grads):
+        getattr(self.owner, self.method)()
+        return [None] * len(self._next_edges)
 
 
 def _record_forward_traceback(node):

@@ -34,10 +34,10 @@ import weakref
 import numpy as np
 
 from . import _core
-from ._core import ACCUMULATE_GRAD_SEQUENCE_NR, Edge, InputMetadata, NodeBase
+from ._core import ACCUMULATE_GRAD_SEQUENCE_NR, Edge, GradientFreeNodeBase, InputMetadata, NodeBase
 from .backends import backend_of
 
-__all__ = ["Node", "Edge", "InputMetadata", "AccumulateGrad", "RemovableHandle"]
+__all__ = ["Node", "GradientFreeNode", "Edge", "InputMetadata", "AccumulateGrad", "RemovableHandle"]
 
 _handle_ids = itertools.count()
 
@@ -153,6 +153,27 @@ class Node(NodeBase):
 
     def __repr__(self):
         return f"<{self.name()} sequence_nr={self.sequence_nr}>"
+
+
+class GradientFreeNode(GradientFreeNodeBase, Node):
+    """A node that passes no gradients, for frameworks whose backward
+    formulas write the gradients themselves (micrograd's closures): running
+    it calls ``owner.<method>()``, and its edges only order the backward (it
+    runs after every node that feeds it). See Note [Gradient-free nodes] in
+    ``pyengine/_pure/node.py``.
+
+    ``GradientFreeNode(owner, method, next_edges=(), input_metadata=())``:
+    ``method`` is a name, looked up on ``owner`` each time the node runs.
+    ``apply(grads)`` makes that call and returns one None per next edge;
+    hooks see those Nones. The engine may make the call without ``apply``,
+    so a subclass cannot override ``apply``.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "apply" in cls.__dict__:
+            raise TypeError(f"{cls.__name__}: a GradientFreeNode runs owner.<method>(); "
+                            "the engine does not call an apply override")
 
 
 class AccumulateGrad(Node):

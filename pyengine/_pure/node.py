@@ -213,6 +213,55 @@ class NodeBase:
         self._saved_values = None
 
 
+# Note [Gradient-free nodes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some frameworks pass no gradients from node to node: micrograd's closures
+# read their own Value's ``.grad`` and add into their children's. There the
+# engine's only job is the order: a node runs once every node that feeds it
+# has run. A GradientFreeNodeBase says so. Running it calls
+# ``owner.<method>()`` (the result is ignored), and no gradient flows along
+# any of its edges: exactly what its ``apply`` does, returning one None per
+# edge. The method is named, not passed: the node is made before the
+# framework knows what will run (micrograd assigns ``_backward`` after
+# making the Value), so it is looked up when the node runs; and the engine
+# makes that call from C, with no Python frame of its own and no argument
+# tuple.
+#
+# A backward whose nodes are all gradient-free, the compiled engine runs in
+# a loop of its own that makes the call itself: no ``apply``, no list of
+# Nones, no validation, no ReadyQueue, no InputBuffers (See Note
+# [Gradient-free graphs] in ``pyengine/_engine.pyx``). In a graph that mixes
+# in other nodes, and in the twin, the engine calls ``apply``, and its Nones
+# take the general path, where a None reaching a node that must wait for
+# more gradients makes no InputBuffer (an InputBuffer of Nones and none at
+# all give the node the same inputs once it is ready). The results are the
+# same either way. A node with hooks runs them around ``apply`` as any
+# node does, so they see the Nones.
+
+
+class GradientFreeNodeBase(NodeBase):
+    """A node that passes no gradients: running it calls ``owner.<method>()``.
+    See Note [Gradient-free nodes].
+
+    Fields, immutable after construction: ``owner``, any object; ``method``,
+    the name (a str) of the method of ``owner`` to call, looked up when the
+    node runs.
+    """
+
+    __slots__ = ("owner", "method")
+
+    def __init__(self, owner, method, next_edges=(), input_metadata=()):
+        if not isinstance(method, str):
+            raise TypeError(f"method must be a str (a method name), got {type(method).__name__}")
+        super().__init__(next_edges, input_metadata)
+        self.owner = owner
+        self.method = method
+
+    def apply(self, grads):
+        getattr(self.owner, self.method)()
+        return [None] * len(self._next_edges)
+
+
 def _creation_stream(input_metadata):
     """The current stream of the node's device, the first non-CPU device among
     its input slots; None on the CPU. See Note [Streaming backwards]."""

@@ -1,0 +1,411 @@
+"""GradientFreeNode: nodes that call ``owner.<method>()`` and pass no gradients.
+
+See Note [Gradient-free nodes] and Note [Gradient-free graphs]. Oracles:
+the same graph built from plain Nodes whose ``apply`` returns a None per
+edge (the engine's general path, which PyTorch's order specifies) runs the
+same nodes in the same order, with the same hooks, errors, profiler events
+and callbacks; a small scalar program whose nodes add into their inputs'
+``.grad``, as micrograd's closures do, gets its analytic derivatives.
+"""
+
+import random
+import threading
+
+import numpy as np
+import pytest
+from minitensor import leaf
+
+import pyengine
+from pyengine import AccumulateGrad, Edge, GradientFreeNode, Node
+
+# -- two builds of one graph ---------------------------------------------------------------
+
+
+class Recorder:
+    """The owner of a gradient-free node: ``run()`` logs its tag."""
+
+    def __init__(self, tag, log, fail=False):
+        self.tag = tag
+        self.log = log
+        self.fail = fail
+
+    def run(self):
+        self.log.append(self.tag)
+        if self.fail:
+            raise ValueError(f"node {self.tag} failed")
+
+
+class PlainRecorder(Node):
+    """The oracle's node: the same log entry from ``apply``, and a None per edge."""
+
+    def __init__(self, next_edges, recorder):
+        super().__init__(next_edges=next_edges)
+        self.recorder = recorder
+
+    def apply(self, grads):
+        self.recorder.run()
+        return [None] * len(self.next_edges)
+
+
+def build(spec, gradient_free, log, fail=None):
+    """The nodes of ``spec`` (per node, the indices of the earlier nodes its
+    edges go to; None: a None edge), in order, gradient-free or plain."""
+    nodes = []
+    for index, targets in enumerate(spec):
+        edges = [None if target is None else Edge(nodes[target], 0) for target in targets]
+        recorder = Recorder(index, log, fail=index == fail)
+        if gradient_free:
+            nodes.append(GradientFreeNode(recorder, "run", next_edges=edges))
+        else:
+            nodes.append(PlainRecorder(edges, recorder))
+    return nodes
+
+
+def random_spec(rng, size):
+    """A random DAG: each node has up to three edges to earlier nodes (repeats
+    and None edges included), so fan-in, fan-out and unreachable nodes occur."""
+    spec = []
+    for index in range(size):
+        targets = [rng.randrange(index) if rng.random() < 0.9 else None
+                   for _ in range(rng.randint(0, 3))] if index else []
+        spec.append(targets)
+    return spec
+
+
+def run(nodes, root=-1, **kwargs):
+    return pyengine.get_default_engine().execute([Edge(nodes[root], 0)], [None],
+                                                 kwargs.get("keep_graph", True), False, True,
+                                                 kwargs.get("outputs"))
+
+
+def both(spec, **kwargs):
+    """The logs of running ``spec`` gradient-free and plain."""
+    logs = []
+    for gradient_free in (True, False):
+        log = []
+        run(build(spec, gradient_free, log), **kwargs)
+        logs.append(log)
+    return logs
+
+
+# -- order -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_graphs_run_in_the_plain_nodes_order(seed):
+    rng = random.Random(seed)
+    spec = random_spec(rng, rng.randint(1, 60))
+    gradient_free, plain = both(spec)
+    assert gradient_free == plain
+    assert gradient_free[0] == len(spec) - 1  # the root first
+
+
+def test_a_node_runs_after_all_of_its_consumers():
+    # 3 -> 1, 3 -> 2, 2 -> 1, 1 -> 0: 1 waits for both 3 and 2.
+    log = []
+    run(build([[], [0], [1], [1, 2]], True, log))
+    assert log == [3, 2, 1, 0]
+
+
+def test_a_deep_chain_needs_no_recursion():
+    depth = 100_000
+    log = []
+    run(build([[]] + [[index] for index in range(depth - 1)], True, log))
+    assert log == list(range(depth - 1, -1, -1))
+
+
+def test_retained_graph_runs_again_and_a_released_one_releases_its_nodes():
+    log = []
+    nodes = build([[], [0], [1]], True, log)
+    run(nodes)
+    run(nodes)
+    assert log == [2, 1, 0] * 2
+    run(nodes, keep_graph=False)
+    assert all(node._released for node in nodes)
+
+
+# -- with other nodes --------------------------------------------------------------------------
+
+class Doubler(Node):
+    """A plain node between gradient-free ones: passes its gradient on, doubled."""
+
+    def __init__(self, next_edges, log):
+        super().__init__(next_edges=next_edges)
+        self.log = log
+        self.seen = []
+
+    def apply(self, grads):
+        self.seen.append(list(grads))
+        self.log.append("doubler")
+        grad = grads[0] if grads else None
+        return [None if grad is None else 2.0 * grad] * len(self.next_edges)
+
+
+def test_mixed_graph_matches_the_plain_one():
+    """Gradient-free nodes feeding a plain node and a leaf, and a plain node
+    feeding gradient-free ones: the engine's general path, gradients None
+    where a gradient-free node produced them."""
+    results = []
+    for gradient_free in (True, False):
+        log = []
+        x = leaf([1.0, 2.0])
+        accumulate = AccumulateGrad(x)
+        bottom = build([[]], gradient_free, log)[0]
+        doubler = Doubler([Edge(accumulate, 0), Edge(bottom, 0)], log)
+        middle = (GradientFreeNode(Recorder("middle", log), "run", [Edge(doubler, 0)])
+                  if gradient_free else PlainRecorder([Edge(doubler, 0)], Recorder("middle", log)))
+        pyengine.get_default_engine().execute([Edge(middle, 0)], [None], True, False, True)
+        results.append((log, doubler.seen, x.grad))
+    assert results[0] == results[1]
+    assert results[0][0] == ["middle", "doubler", 0]
+    assert results[0][1] == [[]]  # no slots declared, and only a None arrived
+    assert results[0][2] is None
+
+
+def test_a_gradient_free_node_ignores_the_gradient_it_receives():
+    log = []
+    node = GradientFreeNode(Recorder("sink", log), "run", input_metadata=[((2,), np.float64)])
+    doubler = Doubler([Edge(node, 0)], log)
+    pyengine.get_default_engine().execute([Edge(doubler, 0)], [np.ones(2)], True, False, True)
+    assert log == ["doubler", "sink"]
+    np.testing.assert_array_equal(doubler.seen[0][0], np.ones(2))
+
+
+def test_a_slot_without_metadata_gets_no_list_entry_for_a_none_gradient():
+    """A None flowing into slot 2 of a node that declared no slots leaves its
+    gradient list empty, as an InputBuffer that got only Nones (both cores)."""
+    seen = []
+
+    class Sink(Node):
+        def apply(self, grads):
+            seen.append(list(grads))
+            return []
+
+    sink = Sink()
+    middle = GradientFreeNode(Recorder("middle", []), "run", [Edge(sink, 2)])
+    pyengine.get_default_engine().execute([Edge(middle, 0)], [None], True, False, True)
+    assert seen == [[]]
+
+
+def test_grad_with_outputs_captures_none_and_prunes_like_plain_nodes():
+    spec = [[], [0], [1], [0], [2, 3]]
+    results = []
+    for gradient_free in (True, False):
+        log = []
+        nodes = build(spec, gradient_free, log)
+        captured = run(nodes, outputs=[Edge(nodes[1], 0)])
+        results.append((log, captured))
+    assert results[0] == results[1]
+    assert results[0] == ([4, 2, 1], [None])
+
+
+# -- hooks, errors, callbacks, profiler, threads ----------------------------------------------
+
+def test_hooks_see_the_nones_the_plain_node_returns():
+    calls = []
+    for gradient_free in (True, False):
+        log = []
+        nodes = build([[], [0, 0]], gradient_free, log)
+        hooked = nodes[1]
+        hooked.register_prehook(lambda grads: calls.append(("pre", grads)))
+        hooked.register_hook(lambda grad_inputs, grad_outputs:
+                             calls.append(("post", grad_inputs, grad_outputs)))
+        run(nodes)
+        assert log == [1, 0]
+    assert calls[:2] == calls[2:]
+    assert calls[:2] == [("pre", ()), ("post", (None, None), ())]
+
+
+@pytest.mark.parametrize("anomaly", [False, True])
+def test_an_error_propagates_and_stops_the_backward(anomaly, no_anomaly_warning):
+    spec = [[], [0], [1], [2]]
+    outcomes = []
+    for gradient_free in (True, False):
+        log = []
+        nodes = build(spec, gradient_free, log, fail=2)
+        with pyengine.detect_anomaly() if anomaly else _nothing():
+            with pytest.raises(ValueError, match="node 2 failed") as excinfo:
+                run(nodes)
+        notes = getattr(excinfo.value, "__notes__", [])
+        outcomes.append((log, [note.split(".")[0] for note in notes]))
+    assert outcomes[0][0] == outcomes[1][0] == [3, 2]
+    assert len(outcomes[0][1]) == len(outcomes[1][1]) == (1 if anomaly else 0)
+
+
+def test_a_callback_queued_by_a_node_runs_after_every_node():
+    log = []
+
+    class Queuer:
+        def run(self):
+            log.append("queuer")
+            pyengine.queue_callback(lambda: log.append("callback"))
+
+    bottom = build([[]], True, log)[0]
+    top = GradientFreeNode(Queuer(), "run", [Edge(bottom, 0)])
+    pyengine.get_default_engine().execute([Edge(top, 0)], [None], True, False, True)
+    assert log == ["queuer", 0, "callback"]
+
+
+def test_node_sees_the_graph_tasks_grad_mode_and_a_reentrant_backward_works():
+    """Inside a node: grad mode is create_graph, and a backward started there
+    (reentrant) runs to completion before the outer one goes on."""
+    log = []
+    inner = build([[], [0]], True, log)
+
+    class Reenters:
+        def run(self):
+            log.append(("grad mode", pyengine.is_grad_enabled()))
+            run(inner)
+
+    bottom = GradientFreeNode(Recorder("bottom", log), "run")
+    top = GradientFreeNode(Reenters(), "run", [Edge(bottom, 0)])
+    for create_graph in (False, True):
+        log.clear()
+        pyengine.get_default_engine().execute([Edge(top, 0)], [None], True, create_graph, True)
+        assert log == [("grad mode", create_graph), 1, 0, "bottom"]
+
+
+def test_profiler_sees_the_same_nodes_as_for_plain_nodes():
+    spec = [[], [0], [0, 1]]
+    sequences = []
+    for gradient_free in (True, False):
+        nodes = build(spec, gradient_free, [])
+        with pyengine.profile() as prof:
+            run(nodes)
+        order = {node.sequence_nr: index for index, node in enumerate(nodes)}
+        sequences.append([order[event.sequence_nr] for event in prof.events])
+    assert sequences[0] == sequences[1] == [2, 1, 0]
+
+
+def test_threads_share_a_gradient_free_graph():
+    """Each backward has its own dependency counts: every node of the shared
+    graph runs once per call."""
+    counts = {}
+    lock = threading.Lock()
+
+    class Counted:
+        def __init__(self, index):
+            self.index = index
+
+        def run(self):
+            with lock:
+                counts[self.index] = counts.get(self.index, 0) + 1
+
+    nodes = []
+    for index in range(200):
+        edges = [Edge(nodes[index - 1], 0)] + ([Edge(nodes[index // 2], 0)] if index > 1 else []) \
+            if index else []
+        nodes.append(GradientFreeNode(Counted(index), "run", edges))
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(20):
+                run(nodes)
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert counts == {index: 80 for index in range(200)}
+
+
+# -- micrograd's way: closures that write the gradients -----------------------------------------
+
+class Scalar:
+    """A scalar whose backward adds into its inputs' ``.grad``, as micrograd's
+    Value does; its node is gradient-free."""
+
+    def __init__(self, data, inputs=(), backward=None):
+        self.data = data
+        self.grad = 0.0
+        self._inputs = inputs
+        self._backward_formula = backward
+        self.node = GradientFreeNode(self, "backward_step",
+                                     [x.node_edge for x in inputs if x.node is not None]) \
+            if inputs else None
+        self.node_edge = Edge(self.node, 0) if self.node is not None else None
+
+    def backward_step(self):
+        self._backward_formula(self)
+
+    def __mul__(self, other):
+        def backward(out):
+            self.grad += other.data * out.grad
+            other.grad += self.data * out.grad
+        return Scalar(self.data * other.data, (self, other), backward)
+
+    def __add__(self, other):
+        def backward(out):
+            self.grad += out.grad
+            other.grad += out.grad
+        return Scalar(self.data + other.data, (self, other), backward)
+
+    def sin(self):
+        def backward(out):
+            self.grad += np.cos(self.data) * out.grad
+        return Scalar(np.sin(self.data), (self,), backward)
+
+
+def test_closures_that_write_gradients_get_the_analytic_derivatives():
+    a, b = Scalar(0.7), Scalar(-1.3)
+    c = a * b
+    d = c.sin() + a * a
+    e = d * c + b
+    e.grad = 1.0
+    pyengine.get_default_engine().execute([e.node_edge], [None], True, False, True)
+    # e = (sin(ab) + a^2) ab + b
+    ab = 0.7 * -1.3
+    de_da = (np.cos(ab) * -1.3 + 2 * 0.7) * ab + (np.sin(ab) + 0.49) * -1.3
+    de_db = (np.cos(ab) * 0.7) * ab + (np.sin(ab) + 0.49) * 0.7 + 1.0
+    np.testing.assert_allclose([a.grad, b.grad], [de_da, de_db], rtol=1e-12)
+
+
+# -- the contract -------------------------------------------------------------------------------
+
+def test_apply_calls_the_method_and_returns_a_none_per_edge():
+    log = []
+    bottom = build([[]], True, log)[0]
+    node = GradientFreeNode(Recorder("node", log), "run", [Edge(bottom, 0), None])
+    assert node.apply([]) == [None, None]
+    assert log == ["node"]
+    assert isinstance(node, pyengine.Node)
+    assert node.next_functions == ((bottom, 0), (None, 0))
+
+
+def test_the_method_is_looked_up_when_the_node_runs():
+    log = []
+    owner = Recorder("first", log)
+    node = GradientFreeNode(owner, "run")
+    owner.run = lambda: log.append("replaced")
+    run([node])
+    assert log == ["replaced"]
+
+
+def test_method_must_be_a_name():
+    with pytest.raises(TypeError, match="method must be a str"):
+        GradientFreeNode(Recorder("x", []), Recorder.run)
+
+
+def test_subclasses_cannot_override_apply():
+    with pytest.raises(TypeError, match="does not call an apply override"):
+        class Overrides(GradientFreeNode):  # noqa: F841
+            def apply(self, grads):
+                return []
+
+    class Named(GradientFreeNode):
+        def name(self):
+            return "Named"
+
+    assert Named(Recorder("x", []), "run").name() == "Named"
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
