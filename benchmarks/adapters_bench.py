@@ -213,8 +213,9 @@ def dezero_benchmarks():
         return sample
 
     benchmarks = []
+    graphs_by_name = {}
     for name, build in (("DeZero chain 10k, backward", chain), ("DeZero wide 1000x10, backward", wide)):
-        graphs = built(build)
+        graphs = graphs_by_name[name] = built(build)
         benchmarks.append(Benchmark(
             name,
             on_engine("native", backward_sample(graphs["native"][1], [graphs["native"][0]])),
@@ -299,9 +300,34 @@ def dezero_benchmarks():
                 _core.set_multithreading_enabled(previous)
         return sample
 
+    # A chain node's apply as the engine calls it in Variable.backward (DeZero's
+    # mode, Config and grad mode off), `-gy` included: the rest is bookkeeping.
+    chain_nodes = []
+    function = graphs_by_name["DeZero chain 10k, backward"]["pyengine"][1].creator
+    while function is not None:
+        chain_nodes.append(function._pyengine_node)
+        function = function.inputs[0].creator
+
+    def apply_each():
+        for node in chain_nodes:
+            node.apply([gradient])  # dropped at once, as the engine drops it
+
+    def apply_only():
+        with adapter.installed(), pyengine.no_grad():
+            mode = adapter._dezero_backward.set(False)
+            previous = dezero.Config.enable_backprop
+            dezero.Config.enable_backprop = False
+            try:
+                return timed(apply_each)
+            finally:
+                dezero.Config.enable_backprop = previous
+                adapter._dezero_backward.reset(mode)
+
     components = [
         Component("DeZero chain: `-gy` with DeZero's Function.__call__", formula("native"), CHAIN),
         Component("DeZero chain: `-gy` with the adapter's Function.__call__", formula("pyengine"), CHAIN),
+        Component("DeZero chain: a node's apply (its `-gy` included), called directly", apply_only,
+                  CHAIN),
         Component("DeZero chain: engine alone (pass-through nodes, Variable gradients)",
                   engine_only(edge, gradient), CHAIN),
         Component("for scale: the same with numpy gradients and input metadata",
@@ -399,8 +425,8 @@ def micrograd_benchmarks():
         return sample
 
     # Where an MLP node's time goes: micrograd's own topological sort, the
-    # closures alone (in that order), and the engine alone (nodes whose
-    # apply skips the closure).
+    # closures alone (in that order), and the engine alone (nodes that call a
+    # C no-op instead of the closure).
     native_root = graphs["native"]["mlp"][1]
     pyengine_root = graphs["pyengine"]["mlp"][1]
     nodes = sum(1 for value in all_values(pyengine_root) if value._prev)
@@ -430,18 +456,22 @@ def micrograd_benchmarks():
         return timed(topological_sort)
 
     def engine_only():
-        apply = adapter.ValueNode.apply
-        adapter.ValueNode.apply = lambda self, grads: [None] * self._num_edges
+        # int() is a C call that does nothing; swapped in and out untimed.
+        closures = [(value, value._backward) for value in all_values(pyengine_root) if value._prev]
+        for value, _ in closures:
+            value._backward = int
         try:
             with adapter.installed():
                 return backward_of("pyengine", "mlp")()
         finally:
-            adapter.ValueNode.apply = apply
+            for value, closure in closures:
+                value._backward = closure
 
     components = [
         Component("micrograd MLP: micrograd's topological sort", sort_only, nodes),
         Component("micrograd MLP: the closures alone", closures, nodes),
-        Component("micrograd MLP: engine alone (apply without the closure)", engine_only, nodes),
+        Component("micrograd MLP: engine alone (nodes call a C no-op, not the closure)", engine_only,
+                  nodes),
     ]
 
     return [

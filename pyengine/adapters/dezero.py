@@ -61,6 +61,7 @@ functions above keep PyTorch's:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 import weakref
 
@@ -123,9 +124,11 @@ _is_grad_enabled = _core.is_grad_enabled
 # read nor write ``.grad``.
 #
 # Which of the two applies is per backward call, and a node is shared by
-# every call that reaches it, so the call's mode is thread-local state set by
-# ``Variable.backward`` (``_mode``). See Note [DeZero runs on the caller's
-# thread] for why a thread-local suffices.
+# every call that reaches it, so the call's mode is per-thread state set by
+# ``Variable.backward`` (``_dezero_backward``, a ContextVar: each thread starts
+# from its default, and reading it costs a node a quarter of what a
+# ``threading.local`` attribute does). See Note [DeZero runs on the caller's
+# thread] for why per-thread state suffices.
 
 # Note [No input metadata]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -145,21 +148,16 @@ _is_grad_enabled = _core.is_grad_enabled
 # other's setting, so ``Variable.backward`` and ``grad()`` run their graph
 # task with pyengine's device threads off (``set_multithreading_enabled``):
 # every node, cupy ones included, runs on the calling thread, as in DeZero's
-# own loop. That also makes the thread-local ``_mode`` of Note [DeZero's
-# Variable.grad is the buffer] visible to every node of the call. (A
+# own loop. That also makes the per-thread ``_dezero_backward`` of Note
+# [DeZero's Variable.grad is the buffer] visible to every node of the call. (A
 # reentrant backward nested deeper than the engine's inline limit moves to a
 # pool thread; DeZero code never nests backward calls.)
 
-class _BackwardMode(threading.local):
-    """Per thread: whether the running backward follows DeZero's
-    ``Variable.backward`` (Note [DeZero's Variable.grad is the buffer]) and
-    its ``retain_grad`` flag. Set by ``Variable.backward`` only."""
-
-    dezero = False
-    retain_grad = False
-
-
-_mode = _BackwardMode()
+# Per thread: None while no backward follows DeZero's Variable.backward
+# (in ``grad()``, PyTorch's semantics), else that call's ``retain_grad``
+# (Note [DeZero's Variable.grad is the buffer]). Set by Variable.backward
+# and grad() only.
+_dezero_backward = contextvars.ContextVar("pyengine_dezero_backward", default=None)
 
 
 # -- arithmetic on gradients ----------------------------------------------------------
@@ -230,9 +228,12 @@ class FunctionNode(Node):
       _num_inputs, _num_outputs: of the forward call.
       _cut: None, or a dict ``output index -> next edge index`` of the
         outputs that were unchained.
+      _common: whether ``apply`` may take its short path: one output, none
+        cut, not released. Only ever goes from True to False.
     """
 
-    __slots__ = ("_function", "_name", "_constants", "_num_inputs", "_num_outputs", "_cut")
+    __slots__ = ("_function", "_name", "_constants", "_num_inputs", "_num_outputs", "_cut",
+                 "_common")
 
     def __init__(self, function, next_edges, constants=(), num_outputs=1):
         super().__init__(next_edges=next_edges)
@@ -242,6 +243,7 @@ class FunctionNode(Node):
         self._num_inputs = len(self._next_edges)
         self._num_outputs = num_outputs
         self._cut = None
+        self._common = num_outputs == 1
 
     def name(self) -> str:
         return self._name
@@ -252,6 +254,41 @@ class FunctionNode(Node):
         return self._function()
 
     def apply(self, grads):
+        if not self._common:
+            return self._apply_uncommon(grads)
+        function = self._function()
+        if function is None or Config.enable_backprop != _is_grad_enabled():
+            return self._apply_uncommon(grads)
+        # The common case: one output, not unchained, DeZero's Config already
+        # as the engine's grad mode wants it. _apply_general does the same.
+        gy = grads[0] if grads else None
+        retain_grad = _dezero_backward.get()
+        if retain_grad is not None:
+            output = function.outputs[0]()
+            if output is not None:
+                stale = output.grad
+                if stale is not None:
+                    gy = stale if gy is None else _add(stale, gy)
+                output.grad = gy if retain_grad else None
+        if gy is None:
+            return [None] * self._num_inputs
+        gxs = function.backward(gy)
+        if isinstance(gxs, tuple):
+            gxs = list(gxs)
+            if len(gxs) != self._num_inputs:
+                gxs = self._zip_inputs(gxs)
+        elif self._num_inputs == 1:
+            gxs = [gxs]
+        else:
+            gxs = self._zip_inputs([gxs])
+        if retain_grad is not None and self._constants:
+            self._accumulate_constants(function, gxs)
+        return gxs
+
+    def _apply_uncommon(self, grads):
+        """``apply`` when its short path does not fit: a released node, cut
+        outputs, several outputs, a freed Function, or DeZero's Config not
+        as the engine's grad mode wants it."""
         if self._released:
             raise RuntimeError(RELEASED_ERROR)
         if self._cut is not None and len(self._cut) == self._num_outputs:
@@ -263,29 +300,12 @@ class FunctionNode(Node):
         if function is None:
             raise RuntimeError(f"{self._name}: its DeZero Function was freed, so it cannot run; "
                                "keep a reference to the graph's outputs while you differentiate it")
-        if (self._cut is not None or self._num_outputs != 1
-                or Config.enable_backprop != _is_grad_enabled()):
-            return self._apply_general(function, grads)
-        # The common case: one output, not unchained, DeZero's Config already
-        # as the engine's grad mode wants it. _apply_general does the same.
-        gy = grads[0] if grads else None
-        dezero_mode = _mode.dezero
-        if dezero_mode:
-            output = function.outputs[0]()
-            if output is not None:
-                stale = output.grad
-                if stale is not None:
-                    gy = stale if gy is None else _add(stale, gy)
-                output.grad = gy if _mode.retain_grad else None
-        if gy is None:
-            return [None] * self._num_inputs
-        gxs = function.backward(gy)
-        gxs = list(gxs) if isinstance(gxs, tuple) else [gxs]
-        if len(gxs) != self._num_inputs:
-            gxs = self._zip_inputs(gxs)
-        if dezero_mode and self._constants:
-            self._accumulate_constants(function, gxs)
-        return gxs
+        return self._apply_general(function, grads)
+
+    def release_variables(self):
+        # The engine sets _released next; the short path does not look.
+        self._common = False
+        super().release_variables()
 
     def _apply_general(self, function, grads):
         """``apply`` for any number of outputs and unchained ones, with
@@ -305,7 +325,7 @@ class FunctionNode(Node):
                 gxs = list(gxs) if isinstance(gxs, tuple) else [gxs]
                 if len(gxs) != self._num_inputs:
                     gxs = self._zip_inputs(gxs)
-                if _mode.dezero and self._constants:
+                if _dezero_backward.get() is not None and self._constants:
                     self._accumulate_constants(function, gxs)
         finally:
             Config.enable_backprop = previous
@@ -325,8 +345,7 @@ class FunctionNode(Node):
         output's ``.grad`` and stores or clears it
         (Note [DeZero's Variable.grad is the buffer])."""
         outputs = function.outputs
-        dezero_mode = _mode.dezero
-        retain = _mode.retain_grad
+        retain_grad = _dezero_backward.get()
         gys = []
         defined = False
         for index in range(len(outputs)):
@@ -336,13 +355,13 @@ class FunctionNode(Node):
                 gys.append(None)
                 continue
             gy = grads[index] if index < len(grads) else None
-            if dezero_mode:
+            if retain_grad is not None:
                 output = outputs[index]()
                 if output is not None:
                     stale = output.grad
                     if stale is not None:
                         gy = stale if gy is None else _add(stale, gy)
-                    output.grad = gy if retain else None
+                    output.grad = gy if retain_grad else None
             if gy is not None:
                 defined = True
             gys.append(gy)
@@ -374,6 +393,7 @@ class FunctionNode(Node):
             edges[:self._num_inputs] = [None] * self._num_inputs
         self.next_edges = edges
         self._cut = cut
+        self._common = False
 
     def __repr__(self):
         return f"<{self._name} sequence_nr={self.sequence_nr}>"
@@ -542,19 +562,25 @@ def _function_call(self, *inputs):
     Function call, backward formulas included, so the common cases take
     short paths that compute exactly what DeZero's lines compute."""
     constants = None
-    for value in inputs:
-        if not isinstance(value, Variable):
-            inputs, constants = _as_variables(inputs)
-            break
     if len(inputs) == 1:
+        if not isinstance(inputs[0], Variable):
+            inputs, constants = _as_variables(inputs)
         ys = self.forward(inputs[0].data)
     else:
+        for value in inputs:
+            if not isinstance(value, Variable):
+                inputs, constants = _as_variables(inputs)
+                break
         ys = self.forward(*[x.data for x in inputs])
     # as_array(y) returns an ndarray unchanged: test that first.
     if isinstance(ys, tuple):
         outputs = [Variable(y if type(y) is np.ndarray else _dezero_core.as_array(y)) for y in ys]
     else:
-        outputs = [Variable(ys if type(ys) is np.ndarray else _dezero_core.as_array(ys))]
+        output = Variable(ys if type(ys) is np.ndarray else _dezero_core.as_array(ys))
+        if not Config.enable_backprop:
+            # A backward formula, or no_grad: no list, no links.
+            return output
+        outputs = [output]
 
     if Config.enable_backprop:
         variables = list(inputs)
@@ -613,9 +639,8 @@ def _variable_backward(self, retain_grad=False, create_graph=False):
     # The seed enters through the engine, not through .grad: See Note
     # [DeZero's Variable.grad is the buffer].
     self.grad = None
-    previous_mode = _mode.dezero, _mode.retain_grad
     previous_config = Config.enable_backprop
-    _mode.dezero, _mode.retain_grad = True, bool(retain_grad)
+    mode = _dezero_backward.set(bool(retain_grad))
     # As DeZero's using_config around each backward formula, for the whole
     # call (hooks see it too): nodes then need not switch it.
     Config.enable_backprop = bool(create_graph)
@@ -628,7 +653,7 @@ def _variable_backward(self, retain_grad=False, create_graph=False):
         raise
     finally:
         Config.enable_backprop = previous_config
-        _mode.dezero, _mode.retain_grad = previous_mode
+        _dezero_backward.reset(mode)
 
 
 def _variable_unchain(self):
@@ -817,9 +842,8 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
             # The root's sink must be ours, not the AccumulateGrad that
             # pyengine would make for a leaf it meets first.
             _grad_accumulator(output)
-    previous_mode = _mode.dezero
     previous_config = Config.enable_backprop
-    _mode.dezero = False
+    mode = _dezero_backward.set(None)
     Config.enable_backprop = bool(create_graph)
     try:
         with _on_calling_thread():
@@ -830,7 +854,7 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
                                  materialize_grads=materialize_grads)
     finally:
         Config.enable_backprop = previous_config
-        _mode.dezero = previous_mode
+        _dezero_backward.reset(mode)
 
 
 def grad_fn(variable):

@@ -15,13 +15,15 @@ node on the default engine.
 
 micrograd's gradients are not values passed from node to node: each Value's
 ``_backward`` closure adds into its children's ``.grad`` in place, reading
-its own ``.grad``. So the engine passes no gradients at all (every ``apply``
-returns None for each edge) and does what micrograd's topological sort is
-for: a node runs once every consumer of its Value has run, that is, once
-its ``.grad`` is complete. Leaves need no node: only closures write their
-``.grad``. The traversal is pyengine's iterative one, so a graph of any
-depth works where micrograd's recursive ``build_topo`` raises
-RecursionError (about a thousand levels deep by default).
+its own ``.grad``. So a ValueNode is a :class:`pyengine.GradientFreeNode`:
+the engine passes no gradients at all and does what micrograd's topological
+sort is for: a node runs once every consumer of its Value has run, that is,
+once its ``.grad`` is complete, and running it calls ``value._backward()``
+(looked up then: micrograd assigns the closure after making the Value).
+Leaves need no node: only closures write their ``.grad``. The traversal is
+pyengine's iterative one, so a graph of any depth works where micrograd's
+recursive ``build_topo`` raises RecursionError (about a thousand levels deep
+by default).
 
 Where micrograd and PyTorch differ, micrograd's semantics are kept:
 
@@ -40,12 +42,16 @@ Where micrograd and PyTorch differ, micrograd's semantics are kept:
   first backward; their children come from ``_prev`` (a set), so for those
   graphs the order is micrograd's kind, not the program's.
 
-What it costs: a forward operation makes three more objects (the node, the
-Edge into it, the tuple of its edges), which the cyclic GC traverses.
-micrograd's Values are reference cycles (each closure refers to its
-Value), so freeing a graph is the cyclic GC's work, and a training step
+What it costs: backward is faster than micrograd's (its sort is Python, and
+the engine runs a graph of gradient-free nodes in a loop of its own: See
+Note [Gradient-free graphs] in ``pyengine/_engine.pyx``), but a forward
+operation makes four more objects (the node, the Edge into it, the tuple of
+its edges, the node's empty list of input metadata), which the cyclic GC
+traverses. micrograd's Values are reference cycles (each closure refers to
+its Value), so freeing a graph is the cyclic GC's work, and a training step
 that makes a new graph each time spends most of its time there; the extra
-objects make that part longer. ``benchmarks/RESULTS.md`` has the figures.
+objects make that part longer, and such a step is slower than micrograd's.
+``benchmarks/RESULTS.md`` has the figures.
 """
 
 from __future__ import annotations
@@ -60,40 +66,43 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 import pyengine
 from pyengine.adapters import installed_while
 
-from ..node import Edge, Node
+from ..node import Edge, GradientFreeNode
 
 __all__ = ["install", "uninstall", "is_installed", "installed", "ValueNode", "node_of"]
 
 Value = _micrograd_engine.Value
 
 
-class ValueNode(Node):
-    """The Node of one non-leaf micrograd Value: ``apply`` runs the Value's
-    ``_backward`` closure, which adds into its children's ``.grad``.
+class ValueNode(GradientFreeNode):
+    """The Node of one non-leaf micrograd Value: running it calls the
+    Value's ``_backward`` closure, which adds into its children's ``.grad``;
+    no gradient flows along its edges (See Note [Gradient-free nodes]).
 
-    Fields, immutable after construction: ``value``, held strongly (the
-    Value holds this node as ``_pyengine_node``: a cycle like the one
-    micrograd makes itself, each Value's closure referring to the Value);
+    Fields, immutable after construction: ``owner`` (also ``value``), the
+    Value, held strongly (the Value holds this node as ``_pyengine_node``: a
+    cycle like the one micrograd makes itself, each Value's closure
+    referring to the Value); ``method``, ``"_backward"``, looked up when the
+    node runs (micrograd assigns the closure after making the Value);
     ``edge``, the Edge into this node, one shared by all its consumers
-    (fewer objects for the cyclic GC, which micrograd's graphs keep busy);
-    ``_num_edges``.
+    (fewer objects for the cyclic GC, which micrograd's graphs keep busy).
 
     Copied (``copy.deepcopy``) or pickled, a node becomes None: the copy of
     a Value gets a node of its own at its first backward.
     """
 
-    __slots__ = ("value", "edge", "_num_edges")
+    __slots__ = ("edge",)
 
-    # No __init__: NodeBase's (compiled) takes the edges and _make_node sets
-    # the fields; a Python __init__ here would cost a third of a forward op.
+    # No __init__: GradientFreeNodeBase's (compiled) takes the Value, the
+    # method name and the edges; a Python __init__ here would cost a third
+    # of a forward op.
+
+    @property
+    def value(self):
+        return self.owner
 
     def name(self) -> str:
-        return f"ValueBackward({self.value._op})" if self.value._op else "ValueBackward"
-
-    def apply(self, grads):
-        self.value._backward()
-        # No gradient flows along an edge: the closure wrote the children's .grad.
-        return [None] * self._num_edges
+        op = self.owner._op
+        return f"ValueBackward({op})" if op else "ValueBackward"
 
     def __reduce__(self):
         # copy, deepcopy and pickle all go through here.
@@ -107,9 +116,7 @@ def _no_node():
 def _make_node(value, edges):
     """Make ``value``'s node, with ``edges`` (a tuple), and return the Edge
     into it."""
-    node = ValueNode(next_edges=edges)
-    node.value = value
-    node._num_edges = len(edges)
+    node = ValueNode(value, "_backward", edges)
     edge = node.edge = Edge(node, 0)
     value._pyengine_node = node
     return edge
@@ -175,9 +182,7 @@ def _value_init(self, data, _children=(), _op=''):
                 edge = node.edge if node is not None else _build_nodes(child)
                 if edge not in edges:  # x * x: one edge; the closure adds both terms
                     edges += (edge,)
-        node = ValueNode(next_edges=edges)
-        node.value = self
-        node._num_edges = len(edges)
+        node = ValueNode(self, "_backward", edges)
         node.edge = Edge(node, 0)
         self._pyengine_node = node
 
