@@ -47,6 +47,8 @@ import numpy as np
 
 import pyengine
 
+from .workload import size_label
+
 SHAPE = (3,)
 DTYPE = np.dtype(np.float64)
 
@@ -112,15 +114,6 @@ class Graph:
         self.run()
         self.check()
         self.reset()
-
-
-def size_label(n: int) -> str:
-    """10000 -> "10k", 1000000 -> "1M"."""
-    if n >= 1_000_000 and n % 1_000_000 == 0:
-        return f"{n // 1_000_000}M"
-    if n >= 1_000 and n % 1_000 == 0:
-        return f"{n // 1_000}k"
-    return str(n)
 
 
 def _metadata():

@@ -46,6 +46,7 @@ exact comparison, except the MLP steps (``rtol=1e-9``: sums in another order).
 
 from __future__ import annotations
 
+import importlib
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -339,18 +340,6 @@ def _torch_mlp_step(problem: MLPProblem):
 
 # -- DeZero -------------------------------------------------------------------------------
 
-def _dezero_setup(on_pyengine):
-    def setup():
-        if on_pyengine:
-            from pyengine.adapters import dezero as adapter
-
-            adapter.install()
-        else:
-            import dezero  # noqa: F401
-
-    return setup
-
-
 def _sum_chain(values):
     """``values[0] + values[1] + ...`` one ``+`` at a time: frameworks
     without an n-ary add join branches with ``len(values) - 1`` add nodes."""
@@ -440,18 +429,6 @@ def _dezero_mlp_step(problem: MLPProblem):
 
 
 # -- micrograd ----------------------------------------------------------------------------
-
-def _micrograd_setup(on_pyengine):
-    def setup():
-        if on_pyengine:
-            from pyengine.adapters import micrograd as adapter
-
-            adapter.install()
-        else:
-            import micrograd  # noqa: F401
-
-    return setup
-
 
 def _micrograd_values(root):
     """Every Value of ``root``'s graph, found without recursion."""
@@ -563,6 +540,18 @@ def _micrograd_mlp_step(problem: MLPProblem):
 
 # -- the registry --------------------------------------------------------------------------
 
+def _framework_setup(framework, on_pyengine):
+    """The setup of a framework's worker: import it, or install pyengine's
+    adapter for it (``pyengine.adapters.<framework>``), which imports it."""
+    def setup():
+        if on_pyengine:
+            importlib.import_module(f"pyengine.adapters.{framework}").install()
+        else:
+            importlib.import_module(framework)
+
+    return setup
+
+
 def _torch_subject(flavor, label):
     return Subject(f"torch-{flavor}", label, "engine", "pyengine", ("torch",), None, _torch_setup,
                    lambda kind, size: _torch_build(flavor, kind, size))
@@ -577,11 +566,11 @@ SUBJECTS = {subject.key: subject for subject in (
     _torch_subject("function", "PyTorch Function"),
     _torch_subject("mul", "PyTorch x*c"),
     Subject("dezero", "DeZero native", "DeZero", "dezero-pyengine", ("dezero",), None,
-            _dezero_setup(False), _dezero_build),
+            _framework_setup("dezero", False), _dezero_build),
     Subject("dezero-pyengine", "DeZero on pyengine", "DeZero", "dezero-pyengine", ("dezero",),
-            False, _dezero_setup(True), _dezero_build),
+            False, _framework_setup("dezero", True), _dezero_build),
     Subject("micrograd", "micrograd native", "micrograd", "micrograd-pyengine", ("micrograd",),
-            None, _micrograd_setup(False), _micrograd_build),
+            None, _framework_setup("micrograd", False), _micrograd_build),
     Subject("micrograd-pyengine", "micrograd on pyengine", "micrograd", "micrograd-pyengine",
-            ("micrograd",), False, _micrograd_setup(True), _micrograd_build),
+            ("micrograd",), False, _framework_setup("micrograd", True), _micrograd_build),
 )}
