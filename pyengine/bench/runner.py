@@ -31,11 +31,17 @@ def _worker_command(*args) -> list:
     return [sys.executable, "-m", "pyengine.bench.worker", *map(str, args)]
 
 
+# The folder that holds the pyengine this process imported (a checkout or
+# site-packages). Workers get it first on PYTHONPATH and as their working
+# directory: `python -m` puts the working directory ahead of PYTHONPATH, and
+# a checkout's source tree there (without its compiled modules) would be
+# imported instead.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _worker_env(subject) -> dict:
     env = dict(os.environ)
-    # The pyengine this process imported, also when it runs from a checkout.
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"]
+    env["PYTHONPATH"] = PACKAGE_ROOT + (os.pathsep + env["PYTHONPATH"]
                                         if env.get("PYTHONPATH") else "")
     if subject.pure is not None:
         env["PYENGINE_PURE"] = "1" if subject.pure else "0"
@@ -59,7 +65,8 @@ class Worker:
     def __init__(self, subject, budget, keys):
         self.subject = subject
         self.proc = subprocess.Popen(_worker_command("serve", subject.key, budget, *keys),
-                                     env=_worker_env(subject), stdin=subprocess.PIPE,
+                                     env=_worker_env(subject), cwd=PACKAGE_ROOT,
+                                     stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         self.hello = self._read()
         wrong = _misimported(subject, self.hello.get("implementation"))
@@ -176,7 +183,7 @@ def run_memory(subject_keys, sizes, log=print) -> list:
             log(f"memory: {subject.label}, chain of {size:,}")
             extra = ["--tracemalloc"] if key in TRACED_SUBJECTS else []
             proc = subprocess.run(_worker_command("memory", key, size, *extra),
-                                  env=_worker_env(subject),
+                                  env=_worker_env(subject), cwd=PACKAGE_ROOT,
                                   stdout=subprocess.PIPE, text=True, timeout=WORKER_TIMEOUT_S)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             if proc.returncode or not lines:

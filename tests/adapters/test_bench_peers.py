@@ -23,7 +23,8 @@ import pyengine
 pytest.importorskip("dezero")
 pytest.importorskip("micrograd")
 
-# Where the pyengine under test lives, so that the workers import the same one.
+# Where the pyengine under test lives, so that the workers import the same one
+# (also their working directory: `python -m` puts it ahead of PYTHONPATH).
 PYENGINE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
 KEYS = ["chain:200", "wide:200", "lattice:36", "fan-in:50", "mlp-step:0"]
 
@@ -40,6 +41,7 @@ def test_peer_workloads_pass_their_oracle_before_and_after_samples(subject):
     requests = "".join(f"sample {key}\n" for key in KEYS) + "check\nquit\n"
     proc = subprocess.run([sys.executable, "-m", "pyengine.bench.worker", "serve", subject,
                            "1000", *KEYS], input=requests, env=_worker_env(),
+                          cwd=PYENGINE_ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     hello, *samples, check = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -55,6 +57,7 @@ def test_a_native_chain_deeper_than_the_recursion_limit_works_in_the_bench():
     # limit as far as the graph needs (pyengine needs no such thing).
     proc = subprocess.run([sys.executable, "-m", "pyengine.bench.worker", "serve", "micrograd",
                            "1000", "chain:5000"], input="check\nquit\n", env=_worker_env(),
+                          cwd=PYENGINE_ROOT,
                           capture_output=True, text=True, timeout=600)
     hello, check = [json.loads(line) for line in proc.stdout.splitlines()]
     assert hello["workloads"]["chain:5000"]["nodes"] == 5000
