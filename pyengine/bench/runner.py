@@ -55,7 +55,9 @@ def _expected_implementation(subject) -> str | None:
 def _misimported(subject, implementation) -> str | None:
     expected = _expected_implementation(subject)
     if expected and implementation != expected:
-        return f"asked for pyengine's {expected} core, imported {implementation!r}"
+        return (f"asked for pyengine's {expected} core, imported {implementation!r} from "
+                f"{PACKAGE_ROOT} (a source tree without its compiled modules? build them, "
+                "or run from outside it)")
     return None
 
 
