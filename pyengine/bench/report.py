@@ -14,8 +14,6 @@ import statistics
 from .subjects import SUBJECTS
 from .workload import size_label
 
-UNIT_LABELS = {"node": "us/node", "call": "us/call", "step": "ms/step"}
-
 GOAL_CHAIN_100K_US = 0.3
 GOAL_WIDE_US = 0.4
 GOAL_FIXED_US = 3.0

@@ -96,6 +96,47 @@ def _branches(size):
     return max(1, size // WIDE_DEPTH)
 
 
+def _build_graph(kind, size, x, unary, add, join, sign=1.0):
+    """Graph ``kind`` (chain, wide, lattice, fan-in; See the module docstring)
+    from leaf ``x`` with a framework's ops: ``unary(y)``, whose derivative is
+    ``sign``; ``add(a, b)``; ``join(values) -> (root, nodes it made)``.
+    Returns ``(name, root, nodes, leaf gradient)``, the gradient a float
+    (every one of its entries) for a root gradient of ones."""
+    def repeat(y, times):
+        for _ in range(times):
+            y = unary(y)
+        return y
+
+    if kind == "chain":
+        return f"chain {size_label(size)}", repeat(x, size), size, sign ** size
+    if kind == "wide":
+        branches = _branches(size)
+        root, joins = join([repeat(x, WIDE_DEPTH) for _ in range(branches)])
+        return (f"wide {branches}x{WIDE_DEPTH}", root, branches * WIDE_DEPTH + joins,
+                branches * sign ** WIDE_DEPTH)
+    if kind == "lattice":
+        side = _lattice_side(size)
+        layer = [unary(x) for _ in range(side)]
+        for _ in range(side - 1):
+            layer = [add(layer[i], layer[(i + 1) % side]) for i in range(side)]
+        root, joins = join(layer)
+        return f"lattice {side}x{side}", root, side * side + joins, sign * side * 2.0 ** (side - 1)
+    if kind == "fan-in":
+        sink = unary(x)
+        root, joins = join([unary(sink) for _ in range(size)])
+        return f"fan-in {size_label(size)}", root, 1 + size + joins, size * sign ** 2
+    raise Unsupported(kind)
+
+
+def _sum_chain(values):
+    """``values[0] + values[1] + ...`` one ``+`` at a time: frameworks
+    without an n-ary add join branches with ``len(values) - 1`` add nodes."""
+    total = values[0]
+    for value in values[1:]:
+        total = total + value
+    return total, len(values) - 1
+
+
 # -- pyengine itself ----------------------------------------------------------------------
 
 def _pyengine_setup():
@@ -233,39 +274,14 @@ def _torch_build(flavor, kind, size):
         raise Unsupported(kind)
     unary, binary = _torch_ops(flavor)
     x = torch.zeros(SHAPE, dtype=torch.float64, requires_grad=True)
-    ones = torch.ones(SHAPE, dtype=torch.float64)
 
-    def repeat(y, times):
-        for _ in range(times):
-            y = unary(y)
-        return y
+    def stack(values):
+        return torch.stack(values), 1
 
-    if kind == "chain" or fixed:
-        root, grad, nodes, expected = repeat(x, size), ones, size, np.ones(SHAPE)
-        name = f"chain {size_label(size)}"
-    elif kind == "wide":
-        branches = _branches(size)
-        root = torch.stack([repeat(x, WIDE_DEPTH) for _ in range(branches)])
-        grad = torch.ones((branches,) + SHAPE, dtype=torch.float64)
-        nodes, expected = 1 + branches * WIDE_DEPTH, np.full(SHAPE, float(branches))
-        name = f"wide {branches}x{WIDE_DEPTH}"
-    elif kind == "lattice":
-        side = _lattice_side(size)
-        layer = [unary(x) for _ in range(side)]
-        for _ in range(side - 1):
-            layer = [binary(layer[i], layer[(i + 1) % side]) for i in range(side)]
-        root = torch.stack(layer)
-        grad = torch.ones((side,) + SHAPE, dtype=torch.float64)
-        nodes, expected = 1 + side * side, np.full(SHAPE, side * 2.0 ** (side - 1))
-        name = f"lattice {side}x{side}"
-    elif kind == "fan-in":
-        sink = unary(x)
-        root = torch.stack([unary(sink) for _ in range(size)])
-        grad = torch.ones((size,) + SHAPE, dtype=torch.float64)
-        nodes, expected = size + 2, np.full(SHAPE, float(size))
-        name = f"fan-in {size_label(size)}"
-    else:
-        raise Unsupported(kind)
+    name, root, nodes, gradient = _build_graph("chain" if fixed else kind, size, x, unary,
+                                               binary, stack)
+    grad = torch.ones_like(root)
+    expected = np.full(SHAPE, gradient)
 
     if kind == "grad-fixed":
         result = [None]
@@ -340,50 +356,15 @@ def _torch_mlp_step(problem: MLPProblem):
 
 # -- DeZero -------------------------------------------------------------------------------
 
-def _sum_chain(values):
-    """``values[0] + values[1] + ...`` one ``+`` at a time: frameworks
-    without an n-ary add join branches with ``len(values) - 1`` add nodes."""
-    total = values[0]
-    for value in values[1:]:
-        total = total + value
-    return total
-
-
 def _dezero_build(kind, size):
     import dezero
 
     if kind == "mlp-step":
         return _dezero_mlp_step(tensor_mlp_problem())
     x = dezero.Variable(np.zeros(SHAPE))
-
-    def negate(y, times):
-        for _ in range(times):
-            y = -y
-        return y
-
-    if kind == "chain":
-        root, nodes, sign = negate(x, size), size, (-1.0) ** size
-        expected, name = np.full(SHAPE, sign), f"chain {size_label(size)}"
-    elif kind == "wide":
-        branches = _branches(size)
-        root = _sum_chain([negate(x, WIDE_DEPTH) for _ in range(branches)])
-        nodes = branches * WIDE_DEPTH + branches - 1
-        expected, name = np.full(SHAPE, float(branches)), f"wide {branches}x{WIDE_DEPTH}"
-    elif kind == "lattice":
-        side = _lattice_side(size)
-        layer = [-x for _ in range(side)]
-        for _ in range(side - 1):
-            layer = [layer[i] + layer[(i + 1) % side] for i in range(side)]
-        root = _sum_chain(layer)
-        nodes = side * side + side - 1
-        expected, name = np.full(SHAPE, -side * 2.0 ** (side - 1)), f"lattice {side}x{side}"
-    elif kind == "fan-in":
-        sink = -x
-        root = _sum_chain([-sink for _ in range(size)])
-        nodes = 1 + size + size - 1
-        expected, name = np.full(SHAPE, float(size)), f"fan-in {size_label(size)}"
-    else:
-        raise Unsupported(kind)
+    name, root, nodes, gradient = _build_graph(kind, size, x, lambda y: -y, lambda a, b: a + b,
+                                               _sum_chain, sign=-1.0)
+    expected = np.full(SHAPE, gradient)
 
     def run():
         x.cleargrad()
@@ -449,35 +430,8 @@ def _micrograd_build(kind, size):
     if kind == "mlp-step":
         return _micrograd_mlp_step(scalar_mlp_problem())
     x = Value(0.0)
-
-    def scale(y, times):
-        for _ in range(times):
-            y = y * 1.0
-        return y
-
-    if kind == "chain":
-        root, nodes, expected = scale(x, size), size, 1.0
-        name = f"chain {size_label(size)}"
-    elif kind == "wide":
-        branches = _branches(size)
-        root = _sum_chain([scale(x, WIDE_DEPTH) for _ in range(branches)])
-        nodes, expected = branches * WIDE_DEPTH + branches - 1, float(branches)
-        name = f"wide {branches}x{WIDE_DEPTH}"
-    elif kind == "lattice":
-        side = _lattice_side(size)
-        layer = [x * 1.0 for _ in range(side)]
-        for _ in range(side - 1):
-            layer = [layer[i] + layer[(i + 1) % side] for i in range(side)]
-        root = _sum_chain(layer)
-        nodes, expected = side * side + side - 1, side * 2.0 ** (side - 1)
-        name = f"lattice {side}x{side}"
-    elif kind == "fan-in":
-        sink = x * 1.0
-        root = _sum_chain([sink * 1.0 for _ in range(size)])
-        nodes, expected = 1 + size + size - 1, float(size)
-        name = f"fan-in {size_label(size)}"
-    else:
-        raise Unsupported(kind)
+    name, root, nodes, expected = _build_graph(kind, size, x, lambda y: y * 1.0,
+                                               lambda a, b: a + b, _sum_chain)
 
     values = _micrograd_values(root)
     # micrograd's own backward sorts the graph recursively, a frame per level.
