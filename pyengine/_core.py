@@ -40,6 +40,8 @@ if IMPLEMENTATION == "pure":
 
 NodeBase = node_module.NodeBase
 GradientFreeNodeBase = node_module.GradientFreeNodeBase
+AccumulateGradBase = node_module.AccumulateGradBase
+LeafState = node_module.LeafState
 Edge = node_module.Edge
 InputMetadata = node_module.InputMetadata
 ACCUMULATE_GRAD_SEQUENCE_NR = node_module.ACCUMULATE_GRAD_SEQUENCE_NR

@@ -42,6 +42,26 @@ cdef class GradientFreeNodeBase(NodeBase):
     cdef readonly str method
 
 
+cdef class LeafState:
+    # Immutable after construction.
+    cdef readonly object lock
+    # Guarded by lock: None or a weak reference to the .grad pyengine stored.
+    cdef object _owned_grad
+    # Replaced (never edited) under the GIL.
+    cdef public object accumulator
+    cdef public object tensor_pre_hooks
+    cdef public object post_accumulate_grad_hooks
+
+    cpdef object owned_grad(self)
+    cpdef set_owned_grad(self, grad)
+
+
+cdef class AccumulateGradBase(NodeBase):
+    # Set once by the subclass's __init__.
+    cdef public object variable
+    cdef public LeafState leaf_state
+
+
 cdef class Edge:
     cdef readonly NodeBase node
     cdef readonly Py_ssize_t input_nr

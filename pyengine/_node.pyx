@@ -1,4 +1,6 @@
-"""The engine's view of a backward-graph node: NodeBase, Edge, InputMetadata.
+"""The engine's view of a backward-graph node: NodeBase, Edge, InputMetadata,
+and the base of the two kinds of node the engine itself defines,
+GradientFreeNodeBase and AccumulateGradBase.
 
 ``NodeBase`` holds, in C fields, exactly the per-node state the engine reads
 while it runs (next edges, input metadata, sequence number, hook lists,
@@ -9,12 +11,20 @@ fields' guards (all guarded by the GIL).
 
 cimport cython
 cimport numpy as cnp
+from cpython.dict cimport PyDict_GetItem
+from cpython.number cimport PyNumber_Add, PyNumber_InPlaceAdd
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_REFCNT
+from cpython.weakref cimport PyWeakref_GET_OBJECT, PyWeakref_NewRef
 from libc.stdint cimport uint64_t, UINT64_MAX
 
-from pyengine._state cimport anomaly_enabled
+from pyengine._state cimport anomaly_enabled, thread_state
+
+from _thread import allocate_lock as _allocate_lock
 
 import numpy as np
 
+from pyengine import backends as _backends
 from pyengine.backends import backend_of
 from pyengine.device import CPU
 
@@ -227,6 +237,122 @@ cdef class GradientFreeNodeBase(NodeBase):
     def apply(self, grads):
         getattr(self.owner, self.method)()
         return [None] * len(self._next_edges)
+
+
+
+# backend_of's cache, type -> backend or None; register_backend clears it in
+# place, so this reference stays the live cache.
+cdef dict _backend_cache = _backends._backend_cache
+cdef object _numpy_backend = _backends.NUMPY
+
+
+cdef inline bint is_numpy_array(object value) noexcept:
+    """Whether ``value`` is an exact numpy array that the built-in numpy
+    backend handles (no backend registered over it)."""
+    if type(value) is not cnp.ndarray:
+        return False
+    return PyDict_GetItem(_backend_cache, cnp.ndarray) == <PyObject*>_numpy_backend
+
+
+cdef inline bint can_steal(object value) noexcept:
+    """Whether nothing outside the engine can see ``value``, so that it may
+    become ``.grad`` without a copy. ``value`` is borrowed from the caller's
+    only reference (the twin counts three references where this counts one:
+    its local, its argument and getrefcount's)."""
+    if not is_numpy_array(value) or Py_REFCNT(value) != 1:
+        return False
+    cdef cnp.ndarray array = <cnp.ndarray>value
+    return (cnp.PyArray_BASE(array) == NULL
+            and cnp.PyArray_CHKFLAGS(array, cnp.NPY_ARRAY_OWNDATA)
+            and cnp.PyArray_ISWRITEABLE(array))
+
+
+cdef object copy_value(object value):
+    if is_numpy_array(value):
+        # np.array(value, copy=True), the numpy backend's copy.
+        return cnp.PyArray_NewCopy(<cnp.ndarray>value, cnp.NPY_KEEPORDER)
+    return backend_of(value).copy(value)
+
+
+cdef object add_in_place(object grad, object new_grad):
+    if is_numpy_array(grad) and type(new_grad) is cnp.ndarray:
+        if cnp.PyArray_ISWRITEABLE(<cnp.ndarray>grad):
+            # np.add(grad, new_grad, out=grad), the numpy backend's add_.
+            return PyNumber_InPlaceAdd(grad, new_grad)
+        return PyNumber_Add(grad, new_grad)
+    return backend_of(grad).add_(grad, new_grad)
+
+
+cdef object add_values(object grad, object new_grad):
+    if is_numpy_array(grad) and type(new_grad) is cnp.ndarray:
+        return PyNumber_Add(grad, new_grad)
+    return backend_of(grad).add(grad, new_grad)
+
+
+@cython.final
+cdef class LeafState:
+    """What pyengine keeps on a leaf tensor. See the twin's docstring for each
+    field; the .pxd says how each is guarded."""
+
+    def __cinit__(self):
+        self.lock = _allocate_lock()
+
+    def __reduce__(self):
+        # A copied or pickled tensor starts with fresh engine state (as the twin).
+        return (LeafState, ())
+
+    cpdef object owned_grad(self):
+        """The ``.grad`` array pyengine stored, if it is still alive, else None."""
+        if self._owned_grad is None:
+            return None
+        return <object>PyWeakref_GET_OBJECT(self._owned_grad)
+
+    cpdef set_owned_grad(self, grad):
+        if grad is None:
+            self._owned_grad = None
+            return
+        try:
+            self._owned_grad = PyWeakref_NewRef(grad, None)
+        except TypeError:
+            # Not weakly referenceable: never add into it in place.
+            self._owned_grad = None
+
+
+cdef class AccumulateGradBase(NodeBase):
+    """The sink of a leaf: ``apply`` accumulates into ``variable.grad``. See
+    Note [Accumulating into .grad] in the twin, ``pyengine/_pure/node.py``,
+    which states the fields. numpy arrays take C paths that do what the
+    numpy backend's ``copy``, ``add_`` and ``add`` do; other values go
+    through their backend."""
+
+    def apply(self, list grads):
+        new_grad = grads[0]
+        if new_grad is None:
+            return ()
+        grads[0] = None
+        cdef object variable = self.variable
+        cdef LeafState leaf_state = self.leaf_state
+        cdef bint create_graph = thread_state().grad_enabled
+        lock = leaf_state.lock
+        lock.acquire()
+        try:
+            old_grad = variable.grad
+            if old_grad is None:
+                if create_graph or not can_steal(new_grad):
+                    new_grad = copy_value(new_grad)
+                variable.grad = new_grad
+            elif old_grad is leaf_state.owned_grad() and not create_graph:
+                variable.grad = add_in_place(old_grad, new_grad)
+            else:
+                variable.grad = add_values(old_grad, new_grad)
+            leaf_state.set_owned_grad(None if create_graph else variable.grad)
+        finally:
+            lock.release()
+        hooks = leaf_state.post_accumulate_grad_hooks
+        if hooks:
+            for _, hook in list(hooks):
+                hook(variable)
+        return ()
 
 
 def _record_forward_traceback(node):

@@ -27,15 +27,18 @@ backward calls share a retained graph; a node that mutates its own state in
 from __future__ import annotations
 
 import itertools
-import sys
 import threading
-import weakref
-
-import numpy as np
 
 from . import _core
-from ._core import ACCUMULATE_GRAD_SEQUENCE_NR, Edge, GradientFreeNodeBase, InputMetadata, NodeBase
-from .backends import backend_of
+from ._core import (
+    ACCUMULATE_GRAD_SEQUENCE_NR,
+    AccumulateGradBase,
+    Edge,
+    GradientFreeNodeBase,
+    InputMetadata,
+    LeafState,
+    NodeBase,
+)
 
 __all__ = ["Node", "GradientFreeNode", "Edge", "InputMetadata", "AccumulateGrad", "RemovableHandle"]
 
@@ -176,25 +179,14 @@ class GradientFreeNode(GradientFreeNodeBase, Node):
                             "the engine does not call an apply override")
 
 
-class AccumulateGrad(Node):
-    """The sink of a leaf ``variable``: adds the gradient into ``variable.grad``.
-
-    Writing ``.grad`` (PyTorch's rules, under the leaf's lock):
-
-    - no ``.grad`` yet: take the incoming array if nothing else can see it
-      (a fresh numpy array only the engine references), else store a copy
-      (under ``create_graph`` always a copy, made by the value's backend, so
-      that a framework can record it);
-    - ``.grad`` is an array pyengine stored there itself: add in place;
-    - otherwise (the user assigned ``.grad``, or ``create_graph``): add out of
-      place and store the sum.
-
-    Then the variable's post-accumulate-grad hooks run, ``fn(variable)``.
-    ``.grad`` changes in one step: after a backward that failed, each leaf's
-    gradient is either as it was or holds that backward's full contribution
-    (a leaf's AccumulateGrad runs once per backward, after all of its
-    gradient arrived). What must outlive this node (a new forward pass makes a new one) lives
-    on the variable, in its :class:`LeafState`.
+class AccumulateGrad(AccumulateGradBase, Node):
+    """The sink of a leaf ``variable``: adds the gradient into ``variable.grad``
+    (PyTorch's rules: See Note [Accumulating into .grad] in
+    ``pyengine/_pure/node.py``), then runs the variable's
+    post-accumulate-grad hooks, ``fn(variable)``. ``apply`` is the core's
+    (compiled in the compiled core). What must outlive this node (a new
+    forward pass makes a new one) lives on the variable, in its
+    :class:`LeafState`.
     """
 
     def __init__(self, variable, metadata=None):
@@ -208,92 +200,6 @@ class AccumulateGrad(Node):
 
     def name(self) -> str:
         return "AccumulateGrad"
-
-    def apply(self, grads):
-        new_grad = grads[0]
-        if new_grad is None:
-            return ()
-        # Drop the buffer's reference so that a fresh array is seen as stealable.
-        grads[0] = None
-        variable = self.variable
-        state = self.leaf_state
-        create_graph = _core.is_grad_enabled()
-        with state.lock:
-            old_grad = variable.grad
-            if old_grad is None:
-                # Under create_graph the copy is the backend's (a framework's
-                # differentiable clone), as PyTorch clones there too.
-                if create_graph or not _can_steal(new_grad):
-                    new_grad = backend_of(new_grad).copy(new_grad)
-                variable.grad = new_grad
-            elif old_grad is state.owned_grad() and not create_graph:
-                variable.grad = backend_of(old_grad).add_(old_grad, new_grad)
-            else:
-                variable.grad = backend_of(old_grad).add(old_grad, new_grad)
-            state.set_owned_grad(None if create_graph else variable.grad)
-        hooks = state.post_accumulate_grad_hooks
-        if hooks:
-            for _, hook in list(hooks):
-                hook(variable)
-        return ()
-
-
-# The references to an array that only AccumulateGrad.apply holds, seen from
-# _can_steal: apply's local, _can_steal's argument, getrefcount's argument.
-_STEALABLE_REFCOUNT = 3
-
-
-def _can_steal(value) -> bool:
-    """Whether nothing outside the engine can see ``value``, so that it may
-    become ``.grad`` without a copy (PyTorch's use_count test)."""
-    # Cheapest test first: a gradient someone else holds fails on the count.
-    if type(value) is not np.ndarray or sys.getrefcount(value) > _STEALABLE_REFCOUNT:
-        return False
-    flags = value.flags
-    return value.base is None and flags.owndata and flags.writeable
-
-
-def _no_owned_grad():
-    return None
-
-
-class LeafState:
-    """What pyengine keeps on a leaf tensor, as its ``_pyengine_leaf`` attribute.
-
-    Fields:
-      lock: guards the tensor's ``.grad`` and ``owned_grad`` while a gradient
-        is accumulated, across every AccumulateGrad of this tensor.
-      accumulator: weak reference to the current AccumulateGrad (the graph,
-        not the tensor, keeps it alive, as in PyTorch), or None.
-      owned_grad: weak reference to the ``.grad`` array pyengine stored, the
-        only one it may add into in place; guarded by ``lock``.
-      tensor_pre_hooks, post_accumulate_grad_hooks: None or lists of
-        ``(handle_id, ...)`` entries, replaced (never edited) under the GIL.
-        The AccumulateGrad runs ``tensor_pre_hooks`` as its tensor pre-hooks.
-    """
-
-    __slots__ = ("lock", "accumulator", "owned_grad", "tensor_pre_hooks",
-                 "post_accumulate_grad_hooks")
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.accumulator = None
-        self.owned_grad = _no_owned_grad
-        self.tensor_pre_hooks = None
-        self.post_accumulate_grad_hooks = None
-
-    def __reduce__(self):
-        # A copied or pickled tensor starts with fresh engine state: a lock
-        # cannot be copied, and the accumulator, hooks and owned .grad belong
-        # to the original tensor.
-        return (LeafState, ())
-
-    def set_owned_grad(self, grad):
-        try:
-            self.owned_grad = _no_owned_grad if grad is None else weakref.ref(grad)
-        except TypeError:
-            # Not weakly referenceable: never add into it in place.
-            self.owned_grad = _no_owned_grad
 
 
 _leaf_state_lock = threading.Lock()

@@ -724,6 +724,83 @@ def test_fresh_gradient_becomes_grad_without_a_copy():
     assert_close(x.grad, [2.0, 2.0])
 
 
+
+class _Keeps(pyengine.Node):
+    """Returns an array it keeps (or a view of it, or a read-only one): one
+    that something besides the engine can see."""
+
+    def __init__(self, variable, kept):
+        super().__init__(next_edges=[gradient_edge(variable)], input_metadata=[variable.data])
+        self.kept = kept
+
+    def apply(self, grads):
+        return [self.kept]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.array([2.0, 3.0]),
+    lambda: np.array([[2.0, 3.0], [9.0, 9.0]])[0],
+    lambda: np.frombuffer(np.array([2.0, 3.0]).tobytes()),  # read-only, not owning its data
+], ids=["kept", "view", "read-only"])
+def test_a_gradient_something_else_sees_is_copied_into_grad(make):
+    x = leaf([1.0, 2.0])
+    kept = make()
+    pyengine.backward(Edge(_Keeps(x, kept), 0), np.ones(2))
+    assert x.grad is not kept and not np.shares_memory(x.grad, kept)
+    assert x.grad.flags.writeable and x.grad.flags.owndata
+    assert_close(x.grad, [2.0, 3.0])
+    # The copy is pyengine's own: the next backward adds into it in place.
+    first = x.grad
+    pyengine.backward(Edge(_Keeps(x, kept), 0), np.ones(2))
+    assert x.grad is first
+    assert_close(x.grad, [4.0, 6.0])
+    assert_close(kept, [2.0, 3.0])
+
+
+def test_a_read_only_grad_is_replaced_by_the_sum():
+    x = leaf([1.0, 2.0])
+    pyengine.backward(Edge(_Keeps(x, np.array([2.0, 3.0])), 0), np.ones(2))
+    x.grad.flags.writeable = False  # still the array pyengine stored
+    frozen = x.grad
+    pyengine.backward(Edge(_Keeps(x, np.array([1.0, 1.0])), 0), np.ones(2))
+    assert x.grad is not frozen
+    assert_close(frozen, [2.0, 3.0])
+    assert_close(x.grad, [3.0, 4.0])
+
+
+def test_accumulation_uses_a_backend_registered_over_numpy():
+    # AccumulateGrad's numpy fast paths stand for the built-in numpy backend
+    # only: a backend registered for np.ndarray must see every copy and add.
+    from pyengine.backends import NUMPY, NumpyBackend
+
+    calls = []
+
+    class Recording(NumpyBackend):
+        def copy(self, value):
+            calls.append("copy")
+            return super().copy(value)
+
+        def add_(self, a, b):
+            calls.append("add_")
+            return super().add_(a, b)
+
+        def add(self, a, b):
+            calls.append("add")
+            return super().add(a, b)
+
+    x = leaf([1.0, 2.0])
+    pyengine.register_backend(np.ndarray, Recording())
+    try:
+        pyengine.backward(Edge(_Keeps(x, np.array([2.0, 3.0])), 0), np.ones(2))
+        pyengine.backward(Edge(_Keeps(x, np.array([1.0, 1.0])), 0), np.ones(2))
+        x.grad = np.array([5.0, 5.0])
+        pyengine.backward(Edge(_Keeps(x, np.array([1.0, 1.0])), 0), np.ones(2))
+    finally:
+        pyengine.register_backend(np.ndarray, NUMPY)
+    assert calls == ["copy", "add_", "add"]
+    assert_close(x.grad, [6.0, 6.0])
+
+
 def test_queue_callback_goes_to_the_default_engine():
     class Recording(CountingEngine):
         callbacks = 0

@@ -102,6 +102,54 @@ def test_release_variables_called_unless_retained():
     assert_close(x.grad, [2.0])
 
 
+
+def test_release_variables_frees_saved_values_and_looks_on_the_class():
+    # The base frees save_for_backward's values; the engine calls the
+    # method of the node's class (a C++ virtual method): a function set on
+    # one node is not called, in either core.
+    x = leaf([1.0])
+    plain = Releasing(x)
+    plain.save_for_backward(np.ones(1))
+    calls = []
+    plain.release_variables = lambda: calls.append("instance")
+    pyengine.backward(Edge(plain, 0), np.ones(1))
+    assert plain.releases == 1 and calls == []
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        plain.saved_values  # noqa: B018
+    base = _PassOn(x)
+    base.save_for_backward(np.ones(1))
+    pyengine.backward(Edge(base, 0), np.ones(1))
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        base.saved_values  # noqa: B018
+    assert base._saved_values is None
+    assert_close(x.grad, [2.0])
+
+
+
+def test_an_override_added_to_a_class_later_is_called():
+    # The compiled engine remembers which classes override
+    # release_variables; changing a class must be seen at the next backward.
+    class Late(_PassOn):
+        pass
+
+    x = leaf([1.0])
+    pyengine.backward(Edge(Late(x), 0), np.ones(1))
+    calls = []
+    Late.release_variables = lambda self: calls.append("class")
+    pyengine.backward(Edge(Late(x), 0), np.ones(1))
+    assert calls == ["class"]
+    del Late.release_variables
+    pyengine.backward(Edge(Late(x), 0), np.ones(1))
+    assert calls == ["class"]
+    assert_close(x.grad, [3.0])
+
+class _PassOn(pyengine.Node):
+    def __init__(self, x):
+        super().__init__(next_edges=[gradient_edge(x)], input_metadata=[x.data])
+
+    def apply(self, grads):
+        return [grads[0]]
+
 def test_create_graph_retains_graph_by_default():
     x = leaf([1.0, 2.0])
     y = (x * x).sum()

@@ -360,7 +360,10 @@ class Engine:
         with streams.stream_guard(producer_stream):
             outputs = call_function(graph_task, node, inputs)
         if not graph_task.keep_graph:
-            node.release_variables()
+            # Looked up on the class, as a C++ virtual method is (the compiled
+            # engine's lookup is then cheap): a function set on the node
+            # itself is not an override.
+            type(node).release_variables(node)
             node._released = True
         if not outputs:
             if producer_stream is not None:

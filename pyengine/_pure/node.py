@@ -1,4 +1,6 @@
-"""The engine's view of a backward-graph node: NodeBase, Edge, InputMetadata.
+"""The engine's view of a backward-graph node: NodeBase, Edge, InputMetadata,
+and the base of the two kinds of node the engine itself defines,
+GradientFreeNodeBase and AccumulateGradBase.
 
 Twin of ``pyengine/_node.pyx``. ``NodeBase`` holds exactly the per-node state
 the engine reads while it runs (next edges, input metadata, sequence number,
@@ -6,7 +8,9 @@ hook lists, stream); the user-facing methods live on
 :class:`pyengine.Node`, which subclasses it.
 """
 
+import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -260,6 +264,129 @@ class GradientFreeNodeBase(NodeBase):
     def apply(self, grads):
         getattr(self.owner, self.method)()
         return [None] * len(self._next_edges)
+
+
+
+# Note [Accumulating into .grad]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# AccumulateGrad writes a leaf's ``.grad`` by PyTorch's rules, under the
+# leaf's lock (its LeafState's, shared by every AccumulateGrad of that leaf):
+#
+# - no ``.grad`` yet: take the incoming array if nothing else can see it (a
+#   fresh numpy array that only the engine references: PyTorch's use_count
+#   test), else store a copy. Under ``create_graph`` always a copy, made by
+#   the value's backend (a framework's differentiable clone, as PyTorch
+#   clones there too);
+# - ``.grad`` is an array pyengine stored there itself (the LeafState's
+#   ``owned_grad``): add in place;
+# - otherwise (the user assigned ``.grad``, or ``create_graph``): add out of
+#   place and store the sum.
+#
+# Then the leaf's post-accumulate-grad hooks run, ``fn(variable)``. ``.grad``
+# changes in one step, so after a backward that failed, each leaf's gradient
+# is either as it was or holds that backward's full contribution (a leaf's
+# AccumulateGrad runs once per backward, after all of its gradient arrived).
+# The engine's buffer lets go of the gradient before the test, so that a
+# fresh array is seen as stealable.
+
+
+class LeafState:
+    """What pyengine keeps on a leaf tensor (a framework keeps it where it
+    likes; :func:`pyengine.node.leaf_state` puts it in ``_pyengine_leaf``).
+
+    Fields:
+      lock: a ``threading.Lock``; guards the tensor's ``.grad`` and the owned
+        ``.grad`` while a gradient is accumulated, across every
+        AccumulateGrad of this tensor. Immutable after construction.
+      accumulator: weak reference to the current AccumulateGrad (the graph,
+        not the tensor, keeps it alive, as in PyTorch), or None.
+      _owned_grad: None or a weak reference to the ``.grad`` array pyengine
+        stored, the only one it may add into in place (``owned_grad()``,
+        ``set_owned_grad()``); guarded by ``lock``.
+      tensor_pre_hooks, post_accumulate_grad_hooks: None or lists of
+        ``(handle_id, ...)`` entries, replaced (never edited) under the GIL.
+        The AccumulateGrad runs ``tensor_pre_hooks`` as its tensor pre-hooks.
+    """
+
+    __slots__ = ("lock", "accumulator", "_owned_grad", "tensor_pre_hooks",
+                 "post_accumulate_grad_hooks")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.accumulator = None
+        self._owned_grad = None
+        self.tensor_pre_hooks = None
+        self.post_accumulate_grad_hooks = None
+
+    def __reduce__(self):
+        # A copied or pickled tensor starts with fresh engine state: a lock
+        # cannot be copied, and the accumulator, hooks and owned .grad belong
+        # to the original tensor.
+        return (LeafState, ())
+
+    def owned_grad(self):
+        """The ``.grad`` array pyengine stored, if it is still alive, else None."""
+        return None if self._owned_grad is None else self._owned_grad()
+
+    def set_owned_grad(self, grad):
+        try:
+            self._owned_grad = None if grad is None else weakref.ref(grad)
+        except TypeError:
+            # Not weakly referenceable: never add into it in place.
+            self._owned_grad = None
+
+
+class AccumulateGradBase(NodeBase):
+    """The sink of a leaf: ``apply`` accumulates into ``variable.grad``. See
+    Note [Accumulating into .grad]; :class:`pyengine.AccumulateGrad` is the
+    class users meet.
+
+    Fields, set once by the subclass's ``__init__``: ``variable``, the leaf
+    tensor; ``leaf_state``, its :class:`LeafState` (the lock, the owned
+    ``.grad``, the hooks).
+    """
+
+    __slots__ = ("variable", "leaf_state")
+
+    def apply(self, grads):
+        new_grad = grads[0]
+        if new_grad is None:
+            return ()
+        grads[0] = None
+        variable = self.variable
+        leaf_state = self.leaf_state
+        create_graph = state.is_grad_enabled()
+        with leaf_state.lock:
+            old_grad = variable.grad
+            if old_grad is None:
+                if create_graph or not _can_steal(new_grad):
+                    new_grad = backend_of(new_grad).copy(new_grad)
+                variable.grad = new_grad
+            elif old_grad is leaf_state.owned_grad() and not create_graph:
+                variable.grad = backend_of(old_grad).add_(old_grad, new_grad)
+            else:
+                variable.grad = backend_of(old_grad).add(old_grad, new_grad)
+            leaf_state.set_owned_grad(None if create_graph else variable.grad)
+        hooks = leaf_state.post_accumulate_grad_hooks
+        if hooks:
+            for _, hook in list(hooks):
+                hook(variable)
+        return ()
+
+
+# The references to an array that only AccumulateGradBase.apply holds, seen
+# from _can_steal: apply's local, _can_steal's argument, getrefcount's argument.
+_STEALABLE_REFCOUNT = 3
+
+
+def _can_steal(value) -> bool:
+    """Whether nothing outside the engine can see ``value``, so that it may
+    become ``.grad`` without a copy."""
+    # Cheapest test first: a gradient someone else holds fails on the count.
+    if type(value) is not np.ndarray or sys.getrefcount(value) > _STEALABLE_REFCOUNT:
+        return False
+    flags = value.flags
+    return value.base is None and flags.owndata and flags.writeable
 
 
 def _creation_stream(input_metadata):
