@@ -58,7 +58,7 @@ from libcpp.mutex cimport mutex, unique_lock
 from libcpp.vector cimport vector
 from libc.stdint cimport uint64_t
 
-from pyengine._graph_task cimport GraphTask, NodePtr
+from pyengine._graph_task cimport ExecInfo, GraphTask, NodePtr, find_exec_info, new_graph_task
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._locks cimport lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
@@ -345,7 +345,7 @@ cdef class Engine:
         cdef WorkerState worker = get_worker_state()
         if worker.local_ready_queue is None:
             worker.local_ready_queue = ReadyQueue()
-        cdef GraphTask graph_task = GraphTask(
+        cdef GraphTask graph_task = new_graph_task(
             keep, grad_mode, 0 if worker.worker_device == NO_DEVICE else worker.total_depth + 1,
             worker.local_ready_queue, False, thread_state().multithreading_enabled)
 
@@ -369,7 +369,7 @@ cdef class Engine:
         graph_task.graph_root = graph_root
         cdef bint gradient_free = compute_dependencies(graph_root, graph_task)
         if outputs:
-            graph_task.init_to_execute(graph_root, list(outputs), accumulate_grad)
+            graph_task.init_to_execute(graph_root, outputs, accumulate_grad)
 
         if (gradient_free and not outputs and worker.worker_device == NO_DEVICE
                 and self.route(graph_task, graph_root, input_buffer.buffer)
@@ -542,8 +542,9 @@ cdef class Engine:
         """Run one node on ``inputs`` (its InputBuffer's list of gradients) and
         pass its gradients on to the nodes they flow into."""
         cdef dict exec_info = graph_task.exec_info
+        cdef ExecInfo info
         if exec_info:
-            info = exec_info.get(id(node))
+            info = find_exec_info(exec_info, node)
             if info is None:
                 return 0
             if not info.needed:
@@ -846,7 +847,7 @@ cdef list single_gradient(Py_ssize_t num_inputs, Py_ssize_t input_nr, object gra
 
 
 cdef bint _should_execute(dict exec_info, NodeBase node) except -1:
-    info = exec_info.get(id(node))
+    cdef ExecInfo info = find_exec_info(exec_info, node)
     return info is not None and info.should_execute()
 
 

@@ -1,5 +1,8 @@
-# GraphTask; see _graph_task.pyx.
+# GraphTask and ExecInfo; see _graph_task.pyx.
 
+cimport cython
+from cpython.dict cimport PyDict_GetItemWithError
+from cpython.long cimport PyLong_FromVoidPtr
 from cpython.object cimport PyObject
 from libcpp.atomic cimport atomic
 from libcpp.condition_variable cimport condition_variable
@@ -18,6 +21,17 @@ cdef extern from "_dependency_map.h" nogil:
         int remove(PyObject* node)
 
 
+@cython.final
+cdef class ExecInfo:
+    # Written only by init_to_execute, before any task runs; read-only after.
+    cdef public bint needed
+    # (input_nr, output_idx) pairs; never None, so the engine reads it in C.
+    cdef readonly list captures
+
+    cpdef bint should_execute(self) noexcept
+
+
+@cython.final
 cdef class GraphTask:
     # Immutable after execute() pushed the first task.
     cdef readonly bint keep_graph
@@ -29,6 +43,8 @@ cdef class GraphTask:
     cdef readonly dict caller_current_streams
     cdef public int owner
     cdef public object graph_root
+    # id(node) -> ExecInfo, written only by init_to_execute; empty when
+    # every node runs.
     cdef public dict exec_info
 
     # Guarded by mutex_. Keys are borrowed node pointers: the graph keeps its
@@ -56,4 +72,28 @@ cdef class GraphTask:
     # Device threads keep weak references to graph tasks that sent them work.
     cdef object __weakref__
 
+    cdef int _init_fields(self, bint keep_graph, bint grad_mode, int reentrant_depth,
+                          ReadyQueue cpu_ready_queue, bint exit_on_error,
+                          bint multithreading) except -1
     cdef void clear_not_ready(self) noexcept
+
+    # What the engine calls once per backward, called in C. The ones that
+    # return None to Python report errors as exceptions (a NULL return).
+    cpdef init_to_execute(self, graph_root, outputs, bint accumulate_grad)
+    cpdef void set_exception(self, exception) noexcept
+    cpdef mark_as_completed_and_run_post_processing(self)
+    cpdef exec_post_processing(self)
+    cpdef void wait(self) noexcept
+
+
+cdef GraphTask new_graph_task(bint keep_graph, bint grad_mode, int reentrant_depth,
+                              ReadyQueue cpu_ready_queue, bint exit_on_error,
+                              bint multithreading)
+
+
+cdef inline ExecInfo find_exec_info(dict exec_info, object node):
+    """``exec_info``'s entry for ``node``, or None."""
+    cdef PyObject* info = PyDict_GetItemWithError(exec_info, PyLong_FromVoidPtr(<void*>node))
+    if info == NULL:
+        return None
+    return <ExecInfo?>info

@@ -5,6 +5,13 @@ from typing import Any
 
 from pyengine._ready_queue import ReadyQueue
 
+class ExecInfo:
+    needed: bool
+    @property
+    def captures(self) -> list[tuple[int, int]]: ...
+    def __init__(self) -> None: ...
+    def should_execute(self) -> bool: ...
+
 class GraphTask:
     keep_graph: bool
     grad_mode: bool
@@ -15,7 +22,7 @@ class GraphTask:
     caller_current_streams: dict[Any, Any]
     owner: int
     graph_root: Any
-    exec_info: dict[int, Any]
+    exec_info: dict[int, ExecInfo]
     captured_vars: list[Any]
     leaf_streams: list[Any]
     final_callbacks: list[Callable[[], Any]]

@@ -10,8 +10,8 @@ Note [Slow paths are shared]
 The compiled core does in C what runs per node and per edge on the common
 path: queue, dependency counts, buffers, a numpy gradient that already has
 the right shape, dtype and device, a node without hooks. For the rare paths
-(hooks, broadcast reductions and casts, other value types, anomaly checks,
-``init_to_execute`` for ``grad(inputs=)``) it calls the functions of this
-twin, which only touch the attributes both cores share. Each rule is then
-written once, and the twin stays the specification of both.
+(hooks, broadcast reductions and casts, other value types, anomaly checks)
+it calls the functions of this twin, which only touch the attributes both
+cores share. Each rule is then written once, and the twin stays the
+specification of both.
 """
