@@ -18,6 +18,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
+
 from .backends import backend_of
 from .engine import get_default_engine
 from .node import AccumulateGrad, Edge, Node, RemovableHandle, leaf_state
@@ -34,10 +36,6 @@ __all__ = [
 
 
 # -- the tensor protocol ----------------------------------------------------------
-
-def _is_edge(value):
-    return isinstance(value, Edge)
-
 
 def grad_accumulator(tensor) -> AccumulateGrad:
     """The AccumulateGrad of a leaf that requires grad, made on first use."""
@@ -65,7 +63,7 @@ def _try_get_grad_accumulator(tensor):
 def gradient_edge(tensor) -> Edge | None:
     """Where a gradient for ``tensor`` enters the graph, or None if it does not
     require grad."""
-    if _is_edge(tensor):
+    if isinstance(tensor, Edge):
         return tensor
     grad_fn = getattr(tensor, "grad_fn", None)
     if grad_fn is not None:
@@ -153,7 +151,7 @@ def retain_grad(tensor) -> None:
 def _as_tuple(values, what):
     if values is None:
         return ()
-    if _is_edge(values) or not isinstance(values, Sequence) or hasattr(values, "grad_fn"):
+    if isinstance(values, Edge) or not isinstance(values, Sequence) or hasattr(values, "grad_fn"):
         return (values,)
     return tuple(values)
 
@@ -168,7 +166,7 @@ def _grads_as_tuple(grads, count):
 
 def _output_metadata(output):
     """Shape and dtype of an output tensor or Edge, for implicit gradients."""
-    if _is_edge(output):
+    if isinstance(output, Edge):
         metadata = output.node._input_metadata
         if output.input_nr >= len(metadata) or metadata[output.input_nr] is None:
             return None
@@ -182,53 +180,71 @@ def _make_grads(outputs, grads):
     if len(grads) != len(outputs):
         raise RuntimeError(f"got {len(outputs)} tensors and {len(grads)} gradients")
     new_grads = []
-    for i, (output, grad) in enumerate(zip(outputs, grads)):
-        edge_metadata = _output_metadata(output)
-        if edge_metadata is not None:
-            out_shape, out_dtype = edge_metadata.shape, edge_metadata.dtype
-            out_backend = None
-        elif _is_edge(output):
-            out_shape = out_dtype = out_backend = None
-        else:
-            value = output.data
-            out_backend = backend_of(value)
-            if out_backend is None:
-                raise TypeError(f"output {i} has a value of type {type(value).__name__} that no "
-                                "value backend handles")
-            out_shape, out_dtype = out_backend.shape(value), out_backend.dtype(value)
-        if grad is not None:
-            grad_backend = backend_of(grad)
-            if grad_backend is None:
-                raise TypeError("gradients can be either arrays or None, but got "
-                                f"{type(grad).__name__}")
-            if out_shape is not None and tuple(grad_backend.shape(grad)) != tuple(out_shape):
-                raise RuntimeError(
-                    f"Mismatch in shape: grad_output[{i}] has a shape of {grad_backend.shape(grad)} "
-                    f"and output[{i}] has a shape of {out_shape}.")
-            new_grads.append(grad)
-            continue
-        if not _is_edge(output) and not output.requires_grad:
-            new_grads.append(None)
-            continue
-        if out_shape is None:
-            raise RuntimeError(f"grad_output[{i}] must be given for a GradientEdge output whose "
-                               "node has no input metadata")
-        size = 1
-        for extent in out_shape:
-            size *= extent
-        if size != 1:
-            raise RuntimeError("grad can be implicitly created only for scalar outputs")
-        if out_backend is not None:
-            kind = out_backend.dtype_kind(out_dtype)
-            if kind != "f":
-                raise RuntimeError("grad can be implicitly created only for real scalar outputs "
-                                   f"but got {out_dtype}")
-            new_grads.append(out_backend.ones_like(output.data))
-        else:
-            import numpy as np
+    for i, output in enumerate(outputs):
+        grad = grads[i]
+        new_grads.append(_implicit_grad(i, output) if grad is None
+                         else _checked_grad(i, output, grad))
+    return new_grads
 
-            new_grads.append(np.ones(out_shape, dtype=out_dtype))
-    return tuple(new_grads)
+
+def _output_shape_dtype(i, output):
+    """``(shape, dtype, backend)`` of output ``i``: from the slot's metadata
+    for an Edge (backend None; shape None without metadata), else read from
+    the tensor's value through its backend."""
+    if isinstance(output, Edge):
+        metadata = _output_metadata(output)
+        if metadata is None:
+            return None, None, None
+        return metadata.shape, metadata.dtype, None
+    value = output.data
+    backend = backend_of(value)
+    if backend is None:
+        raise TypeError(f"output {i} has a value of type {type(value).__name__} that no "
+                        "value backend handles")
+    return backend.shape(value), backend.dtype(value), backend
+
+
+def _checked_grad(i, output, grad):
+    """``grad``, once its shape is known to match output ``i``'s."""
+    if type(grad) is np.ndarray:
+        grad_shape = grad.shape
+    else:
+        grad_backend = backend_of(grad)
+        if grad_backend is None:
+            raise TypeError(f"gradients can be either arrays or None, but got {type(grad).__name__}")
+        grad_shape = tuple(grad_backend.shape(grad))
+    if isinstance(output, Edge):
+        # The common case, read without _output_shape_dtype's tuple.
+        metadata = _output_metadata(output)
+        out_shape = None if metadata is None else metadata.shape
+    else:
+        out_shape = _output_shape_dtype(i, output)[0]
+    if out_shape is not None and grad_shape != tuple(out_shape):
+        raise RuntimeError(f"Mismatch in shape: grad_output[{i}] has a shape of {grad_shape} "
+                           f"and output[{i}] has a shape of {out_shape}.")
+    return grad
+
+
+def _implicit_grad(i, output):
+    """The gradient of output ``i`` when none was given: ones for a real
+    scalar, None for a tensor that does not require grad."""
+    if not isinstance(output, Edge) and not output.requires_grad:
+        return None
+    out_shape, out_dtype, out_backend = _output_shape_dtype(i, output)
+    if out_shape is None:
+        raise RuntimeError(f"grad_output[{i}] must be given for a GradientEdge output whose "
+                           "node has no input metadata")
+    size = 1
+    for extent in out_shape:
+        size *= extent
+    if size != 1:
+        raise RuntimeError("grad can be implicitly created only for scalar outputs")
+    if out_backend is None:
+        return np.ones(out_shape, dtype=out_dtype)
+    if out_backend.dtype_kind(out_dtype) != "f":
+        raise RuntimeError("grad can be implicitly created only for real scalar outputs "
+                           f"but got {out_dtype}")
+    return out_backend.ones_like(output.data)
 
 
 def _root_edges(outputs):
@@ -236,7 +252,7 @@ def _root_edges(outputs):
     for i, output in enumerate(outputs):
         if output is None:
             raise TypeError(f"element {i} of tensors is None")
-        edge = gradient_edge(output)
+        edge = output if isinstance(output, Edge) else gradient_edge(output)
         if edge is None:
             raise RuntimeError(f"element {i} of tensors does not require grad and does not have "
                                "a grad_fn")
@@ -257,7 +273,7 @@ def _input_edges(inputs, accumulate_grad):
     for i, tensor in enumerate(inputs):
         if tensor is None:
             raise TypeError(f"element {i} of inputs is None")
-        if _is_edge(tensor):
+        if isinstance(tensor, Edge):
             edges.append(tensor)
             continue
         if not getattr(tensor, "requires_grad", False):
@@ -332,12 +348,10 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
 
 
 def _zeros_like_input(tensor):
-    if _is_edge(tensor):
+    if isinstance(tensor, Edge):
         metadata = _output_metadata(tensor)
         if metadata is None:
             raise RuntimeError("materialize_grads needs input metadata for a GradientEdge input")
-        import numpy as np
-
         return np.zeros(metadata.shape, dtype=metadata.dtype)
     value = tensor.data
     backend = backend_of(value)

@@ -115,7 +115,7 @@ class NumpyBackend(ArrayBackend):
     name = "numpy"
 
     def shape(self, value):
-        return np.shape(value)
+        return value.shape
 
     def dtype(self, value):
         return value.dtype
