@@ -156,12 +156,32 @@ def _as_tuple(values, what):
     return tuple(values)
 
 
-def _grads_as_tuple(grads, count):
+def _roots_and_grads(outputs, grads):
+    """The root edge of each output, and its gradient: ``grads`` (one value,
+    a list or tuple, or None) checked against the outputs' shapes where
+    given, made (ones, for scalar outputs only) where not. One pass and few
+    calls: this is most of what a backward costs on a small graph."""
     if grads is None:
-        return (None,) * count
-    if isinstance(grads, (list, tuple)):
-        return tuple(grads)
-    return (grads,)
+        grads = (None,) * len(outputs)
+    elif not isinstance(grads, (list, tuple)):
+        grads = (grads,)
+    if len(grads) != len(outputs):
+        raise RuntimeError(f"got {len(outputs)} tensors and {len(grads)} gradients")
+    roots, checked = [], []
+    for i, output in enumerate(outputs):
+        if isinstance(output, Edge):
+            roots.append(output)
+        else:
+            if output is None:
+                raise TypeError(f"element {i} of tensors is None")
+            edge = gradient_edge(output)
+            if edge is None:
+                raise RuntimeError(f"element {i} of tensors does not require grad and does not "
+                                   "have a grad_fn")
+            roots.append(edge)
+        grad = grads[i]
+        checked.append(_implicit_grad(i, output) if grad is None else _checked_grad(i, output, grad))
+    return roots, checked
 
 
 def _output_metadata(output):
@@ -172,19 +192,6 @@ def _output_metadata(output):
             return None
         return metadata[output.input_nr]
     return None
-
-
-def _make_grads(outputs, grads):
-    """Check given gradients against their outputs; make implicit ones (ones,
-    for scalar outputs only)."""
-    if len(grads) != len(outputs):
-        raise RuntimeError(f"got {len(outputs)} tensors and {len(grads)} gradients")
-    new_grads = []
-    for i, output in enumerate(outputs):
-        grad = grads[i]
-        new_grads.append(_implicit_grad(i, output) if grad is None
-                         else _checked_grad(i, output, grad))
-    return new_grads
 
 
 def _output_shape_dtype(i, output):
@@ -247,19 +254,6 @@ def _implicit_grad(i, output):
     return out_backend.ones_like(output.data)
 
 
-def _root_edges(outputs):
-    edges = []
-    for i, output in enumerate(outputs):
-        if output is None:
-            raise TypeError(f"element {i} of tensors is None")
-        edge = output if isinstance(output, Edge) else gradient_edge(output)
-        if edge is None:
-            raise RuntimeError(f"element {i} of tensors does not require grad and does not have "
-                               "a grad_fn")
-        edges.append(edge)
-    return edges
-
-
 class _Unreachable(Node):
     """Stands for an input that no graph can reach (a leaf without an
     accumulator): pruning then marks nothing as needed for it."""
@@ -297,15 +291,15 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
     accumulation to those tensors (non-leaf inputs retain their grad) and runs
     only the nodes on a path to them.
     """
-    if inputs is not None and not _as_tuple(inputs, "inputs"):
-        raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
-    outputs = _as_tuple(tensors, "tensors")
-    input_tuple = _as_tuple(inputs, "inputs")
-    roots = _root_edges(outputs)
-    grads = _make_grads(outputs, _grads_as_tuple(grad_tensors, len(outputs)))
+    roots, grads = _roots_and_grads(_as_tuple(tensors, "tensors"), grad_tensors)
     if retain_graph is None:
         retain_graph = create_graph
-    output_edges = _input_edges(input_tuple, accumulate_grad=True) if input_tuple else None
+    output_edges = None
+    if inputs is not None:
+        input_tuple = _as_tuple(inputs, "inputs")
+        if not input_tuple:
+            raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
+        output_edges = _input_edges(input_tuple, accumulate_grad=True)
     get_default_engine().execute(roots, grads, bool(retain_graph), bool(create_graph),
                                  True, output_edges)
 
@@ -328,8 +322,7 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     input_tuple = _as_tuple(inputs, "inputs")
     if not input_tuple:
         raise RuntimeError("grad requires non-empty inputs.")
-    roots = _root_edges(output_tuple)
-    grads = _make_grads(output_tuple, _grads_as_tuple(grad_outputs, len(output_tuple)))
+    roots, grads = _roots_and_grads(output_tuple, grad_outputs)
     if retain_graph is None:
         retain_graph = create_graph
     output_edges = _input_edges(input_tuple, accumulate_grad=False)
