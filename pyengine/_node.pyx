@@ -239,7 +239,6 @@ cdef class GradientFreeNodeBase(NodeBase):
         return [None] * len(self._next_edges)
 
 
-
 # backend_of's cache, type -> backend or None; register_backend clears it in
 # place, so this reference stays the live cache.
 cdef dict _backend_cache = _backends._backend_cache
@@ -259,7 +258,7 @@ cdef inline bint can_steal(object value) noexcept:
     become ``.grad`` without a copy. ``value`` is borrowed from the caller's
     only reference (the twin counts three references where this counts one:
     its local, its argument and getrefcount's)."""
-    if not is_numpy_array(value) or Py_REFCNT(value) != 1:
+    if type(value) is not cnp.ndarray or Py_REFCNT(value) != 1:
         return False
     cdef cnp.ndarray array = <cnp.ndarray>value
     return (cnp.PyArray_BASE(array) == NULL

@@ -266,7 +266,6 @@ class GradientFreeNodeBase(NodeBase):
         return [None] * len(self._next_edges)
 
 
-
 # Note [Accumulating into .grad]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # AccumulateGrad writes a leaf's ``.grad`` by PyTorch's rules, under the
