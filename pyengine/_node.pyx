@@ -15,6 +15,7 @@ from cpython.dict cimport PyDict_GetItem
 from cpython.number cimport PyNumber_Add, PyNumber_InPlaceAdd
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_REFCNT
+from cpython.tuple cimport PyTuple_GET_SIZE
 from cpython.weakref cimport PyWeakref_GET_OBJECT, PyWeakref_NewRef
 from libc.stdint cimport uint64_t, UINT64_MAX
 
@@ -153,6 +154,11 @@ cdef tuple _check_next_edges(next_edges):
     return next_edges
 
 
+# The _input_metadata of every node with no input slots. See Note [Shared
+# empty input metadata] in the twin, ``pyengine/_pure/node.py``.
+cdef list _NO_INPUT_METADATA = []
+
+
 # trashcan: dropping a long chain of nodes must not recurse in C.
 @cython.trashcan(True)
 cdef class NodeBase:
@@ -160,7 +166,7 @@ cdef class NodeBase:
 
     def __cinit__(self, *args, **kwargs):
         self._next_edges = ()
-        self._input_metadata = []
+        self._input_metadata = _NO_INPUT_METADATA
 
     def __init__(self, next_edges=(), input_metadata=()):
         self._initialize(next_edges, input_metadata)
@@ -168,7 +174,11 @@ cdef class NodeBase:
     cdef int _initialize(self, next_edges, input_metadata) except -1:
         global pyengine_next_sequence_nr
         self._next_edges = _check_next_edges(next_edges)
-        self._input_metadata = [as_input_metadata(spec) for spec in input_metadata]
+        # No list to make for the default (): See Note [Shared empty input metadata].
+        if type(input_metadata) is tuple and PyTuple_GET_SIZE(input_metadata) == 0:
+            self._input_metadata = _NO_INPUT_METADATA
+        else:
+            self._input_metadata = [as_input_metadata(spec) for spec in input_metadata] or _NO_INPUT_METADATA
         self._sequence_nr = pyengine_next_sequence_nr
         pyengine_next_sequence_nr += 1
         if not on_cpu(self._input_metadata):
@@ -199,7 +209,12 @@ cdef class NodeBase:
 
     def add_input_metadata(self, spec):
         """Append an input slot described by ``spec``; return its index."""
-        self._input_metadata.append(as_input_metadata(spec))
+        metadata = as_input_metadata(spec)
+        if not self._input_metadata:
+            # Maybe the shared empty list: See Note [Shared empty input metadata].
+            self._input_metadata = [metadata]
+        else:
+            self._input_metadata.append(metadata)
         if self._stream is None and not on_cpu(self._input_metadata):
             self._stream = _creation_stream(self._input_metadata)
         return len(self._input_metadata) - 1

@@ -133,12 +133,27 @@ def _check_next_edges(next_edges):
     return next_edges
 
 
+# Note [Shared empty input metadata]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A node made without input metadata (micrograd's, one per forward
+# operation) gets no list of its own: its ``_input_metadata`` is one empty
+# list shared by all such nodes, which saves an allocation per node, and
+# one object per node for the cyclic GC to count and traverse. Sharing is
+# safe because nothing mutates an empty ``_input_metadata`` in place:
+# ``add_input_metadata``, the only code that mutates the list at all,
+# rebinds a new list when the node's is empty, and appends only to a list
+# of its own (one it made, never empty). Readers (the engine,
+# ``validate_outputs``) only read it.
+_NO_INPUT_METADATA = []
+
+
 class NodeBase:
     """The per-node state the engine reads; see :class:`pyengine.Node`.
 
     Fields, all guarded by the GIL:
       _next_edges: tuple of Edge or None, one per gradient ``apply`` returns.
-      _input_metadata: list of InputMetadata or None, one per input slot.
+      _input_metadata: list of InputMetadata or None, one per input slot;
+        an empty one may be shared (See Note [Shared empty input metadata]).
       _sequence_nr: immutable after construction.
       _pre_hooks, _post_hooks, _tensor_pre_hooks: None or a list of
         ``(handle_id, fn)`` (tensor pre-hooks: ``(handle_id, input_nr, fn)``).
@@ -158,7 +173,8 @@ class NodeBase:
 
     def __init__(self, next_edges=(), input_metadata=()):
         self._next_edges = _check_next_edges(next_edges)
-        self._input_metadata = [as_input_metadata(spec) for spec in input_metadata]
+        # See Note [Shared empty input metadata].
+        self._input_metadata = [as_input_metadata(spec) for spec in input_metadata] or _NO_INPUT_METADATA
         self._sequence_nr = _sequence_counter.next_value
         _sequence_counter.next_value += 1
         self._pre_hooks = None
@@ -194,7 +210,12 @@ class NodeBase:
 
     def add_input_metadata(self, spec):
         """Append an input slot described by ``spec``; return its index."""
-        self._input_metadata.append(as_input_metadata(spec))
+        metadata = as_input_metadata(spec)
+        if not self._input_metadata:
+            # Maybe the shared empty list: See Note [Shared empty input metadata].
+            self._input_metadata = [metadata]
+        else:
+            self._input_metadata.append(metadata)
         if self._stream is None:
             self._stream = _creation_stream(self._input_metadata)
         return len(self._input_metadata) - 1

@@ -39,19 +39,24 @@ Where micrograd and PyTorch differ, micrograd's semantics are kept:
   from micrograd's in the last bits, as micrograd's differ between runs.
 - ``Value`` s made before ``install()`` (and copies made with
   ``copy.deepcopy``, whose nodes copy as None) get their nodes at their
-  first backward; their children come from ``_prev`` (a set), so for those
-  graphs the order is micrograd's kind, not the program's.
+  first backward, or when an operation uses them; their children come from
+  ``_prev`` (a set), so for those graphs the order is micrograd's kind, not
+  the program's.
+- A leaf made while installed gets ``_pyengine_node = None`` (an attribute
+  micrograd never reads; See Note [Few objects per operation]).
 
 What it costs: backward is faster than micrograd's (its sort is Python, and
 the engine runs a graph of gradient-free nodes in a loop of its own: See
 Note [Gradient-free graphs] in ``pyengine/_engine.pyx``), but a forward
-operation makes four more objects (the node, the Edge into it, the tuple of
-its edges, the node's empty list of input metadata), which the cyclic GC
-traverses. micrograd's Values are reference cycles (each closure refers to
-its Value), so freeing a graph is the cyclic GC's work, and a training step
-that makes a new graph each time spends most of its time there; the extra
-objects make that part longer, and such a step is slower than micrograd's.
-``benchmarks/RESULTS.md`` has the figures.
+operation makes two or three more objects (the node, the Edge into it, and
+the tuple of its edges where it has two non-leaf children: See Note [Few
+objects per operation]), which the cyclic GC counts and traverses.
+micrograd's Values are reference cycles (each closure refers to its Value),
+so freeing a graph is the cyclic GC's work, and a training step that makes
+a new graph each time spends most of its time there; the extra objects make
+that part longer (more full collections, each visiting more objects), and
+such a step is slower than micrograd's. ``benchmarks/RESULTS.md`` has the
+figures.
 """
 
 from __future__ import annotations
@@ -85,12 +90,16 @@ class ValueNode(GradientFreeNode):
     node runs (micrograd assigns the closure after making the Value);
     ``edge``, the Edge into this node, one shared by all its consumers
     (fewer objects for the cyclic GC, which micrograd's graphs keep busy).
+    ``edges_to``: None, then ``(edge,)`` once a consumer has this node as
+    its only next edge, one tuple shared by all such consumers; written
+    once, under the GIL. See Note [Few objects per operation].
 
     Copied (``copy.deepcopy``) or pickled, a node becomes None: the copy of
-    a Value gets a node of its own at its first backward.
+    a Value gets a node of its own at its first backward, or when an
+    operation uses it.
     """
 
-    __slots__ = ("edge",)
+    __slots__ = ("edge", "edges_to")
 
     # No __init__: GradientFreeNodeBase's (compiled) takes the Value, the
     # method name and the edges; a Python __init__ here would cost a third
@@ -116,10 +125,22 @@ def _no_node():
 def _make_node(value, edges):
     """Make ``value``'s node, with ``edges`` (a tuple), and return the Edge
     into it."""
+    if len(edges) == 1:
+        edges = _edges_to(edges[0].node)
     node = ValueNode(value, "_backward", edges)
     edge = node.edge = Edge(node, 0)
+    node.edges_to = None
     value._pyengine_node = node
     return edge
+
+
+def _edges_to(node):
+    """``(node.edge,)``, one tuple shared by every consumer whose only next
+    edge it is. See Note [Few objects per operation]."""
+    edges = node.edges_to
+    if edges is None:
+        edges = node.edges_to = (node.edge,)
+    return edges
 
 
 def _edge_of(value):
@@ -167,24 +188,74 @@ def node_of(value):
     return _edge_of(value).node
 
 
+# Note [Few objects per operation]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# micrograd's Values are reference cycles, so only the cyclic GC frees a
+# graph, and in a training step that builds a new graph each time the GC
+# takes most of the time. Each object an operation makes costs it twice:
+# CPython (3.11) runs a full collection about every 85,000 allocations of
+# tracked objects (11 middle-generation collections, each after 11 young
+# ones, each after ~700), and each full collection visits every tracked
+# object. micrograd makes about 7 per operation (the Value, its set
+# ``_prev``, the closure, its cells and their tuple); the adapter adds as
+# few as it can:
+#
+# - the node, and the Edge into it (one, shared by all consumers);
+# - a tuple of next edges only for two distinct non-leaf children. With
+#   one (``y.relu()``, ``w * y`` with a leaf ``w``, ``y * y``) the next
+#   edges are the child node's ``edges_to``, ``(edge,)``, made by its first
+#   such consumer and shared by the others; with none, ``()``;
+# - no list: a node made without input metadata shares one empty list (See
+#   Note [Shared empty input metadata] in ``pyengine/_pure/node.py``).
+#
+# On micrograd's MLP(2, [16, 16, 1]) over 20 points (12,860 operations a
+# step) that is 124,511 tracked allocations a step instead of 142,171
+# (micrograd alone: 91,374), 2.6 objects per operation instead of 4.0.
+# The floor is the node and the Edge: the engine needs both. A leaf made
+# while installed gets ``_pyengine_node = None``, so that finding a child's
+# node is one attribute load (a Value made before install() has no such
+# attribute, and a copy's is None: its ``_prev`` tells whether it needs one).
+
+
 def _value_init(self, data, _children=(), _op=''):
     """micrograd's ``Value.__init__``, then the Value's node if it has
     children: one edge per distinct non-leaf child, in ``_children`` order
     (a leaf's .grad is written by the closure; nothing runs for it). This
-    is ``_make_node`` inlined: it runs for every operation of a forward."""
+    is ``_make_node`` inlined: it runs for every operation of a forward.
+    See Note [Few objects per operation]."""
     _original_init(self, data, _children, _op)
-    if _children:
-        # A tuple, which NodeBase keeps as it is: no list to allocate and copy.
-        edges = ()
-        for child in _children:
-            if child._prev:
-                node = getattr(child, "_pyengine_node", None)
-                edge = node.edge if node is not None else _build_nodes(child)
-                if edge not in edges:  # x * x: one edge; the closure adds both terms
-                    edges += (edge,)
-        node = ValueNode(self, "_backward", edges)
-        node.edge = Edge(node, 0)
-        self._pyengine_node = node
+    if not _children:
+        self._pyengine_node = None  # a leaf: See Note [Few objects per operation]
+        return
+    first = None  # the node of the first non-leaf child
+    edges = None  # the edges, once there are two distinct non-leaf children
+    for child in _children:
+        try:
+            node = child._pyengine_node
+        except AttributeError:  # made before install()
+            node = None
+        if node is None:
+            if not child._prev:
+                continue  # a leaf
+            node = _edge_of(child).node  # made before install(), or a copy
+        if first is None:
+            first = node
+        elif edges is None:
+            if node is not first:  # x * x: one edge; the closure adds both terms
+                edges = (first.edge, node.edge)
+        elif node.edge not in edges:
+            edges += (node.edge,)
+    if edges is None:
+        if first is None:
+            edges = ()
+        else:
+            edges = first.edges_to
+            if edges is None:
+                edges = first.edges_to = (first.edge,)
+    node = ValueNode(self, "_backward", edges)
+    node.edge = Edge(node, 0)
+    node.edges_to = None
+    self._pyengine_node = node
 
 
 def _value_backward(self):
