@@ -185,7 +185,7 @@ def _roots_and_grads(outputs, grads):
 
 
 def _output_metadata(output):
-    """Shape and dtype of an output tensor or Edge, for implicit gradients."""
+    """The InputMetadata of the slot an Edge output flows into, or None."""
     if isinstance(output, Edge):
         metadata = output.node._input_metadata
         if output.input_nr >= len(metadata) or metadata[output.input_nr] is None:
@@ -220,12 +220,7 @@ def _checked_grad(i, output, grad):
         if grad_backend is None:
             raise TypeError(f"gradients can be either arrays or None, but got {type(grad).__name__}")
         grad_shape = tuple(grad_backend.shape(grad))
-    if isinstance(output, Edge):
-        # The common case, read without _output_shape_dtype's tuple.
-        metadata = _output_metadata(output)
-        out_shape = None if metadata is None else metadata.shape
-    else:
-        out_shape = _output_shape_dtype(i, output)[0]
+    out_shape = _output_shape_dtype(i, output)[0]
     if out_shape is not None and grad_shape != tuple(out_shape):
         raise RuntimeError(f"Mismatch in shape: grad_output[{i}] has a shape of {grad_shape} "
                            f"and output[{i}] has a shape of {out_shape}.")
