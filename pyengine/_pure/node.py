@@ -234,7 +234,9 @@ class NodeBase:
         raise NotImplementedError(f"{type(self).__name__} must override apply(grads)")
 
     def release_variables(self):
-        """Drop what the node saved for backward. Override to free more."""
+        """Drop what the node saved for backward. Override it in a subclass to
+        free more: the engine calls the method of the node's class (as C++
+        calls a virtual method), not a function set on the node itself."""
         self._saved_values = None
 
 
