@@ -180,7 +180,6 @@ cdef inline bint has_hooks(NodeBase node) noexcept:
                 or node._post_hooks)
 
 
-
 # What NodeBase.release_variables is, looked up on a node's type, when no
 # subclass overrides it.
 cdef object _base_release_variables = NodeBase.__dict__["release_variables"]
@@ -244,6 +243,7 @@ cdef inline int release_variables(NodeBase node) except -1:
         node._saved_values = None  # NodeBase.release_variables
     node._released = True
     return 0
+
 
 cdef list call_function(GraphTask graph_task, NodeBase node, list inputs):
     """A node without hooks: ``apply`` and ``validate_outputs``, here. With
