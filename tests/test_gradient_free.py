@@ -5,18 +5,26 @@ the same graph built from plain Nodes whose ``apply`` returns a None per
 edge (the engine's general path, which PyTorch's order specifies) runs the
 same nodes in the same order, with the same hooks, errors, profiler events
 and callbacks; a small scalar program whose nodes add into their inputs'
-``.grad``, as micrograd's closures do, gets its analytic derivatives.
+``.grad``, as micrograd's closures do, gets its analytic derivatives; a
+deep copy of such a program is the same program over the copies (See Note
+[Copying gradient-free nodes]); nodes and Edges made after many died (from
+the compiled core's free lists: See Note [Free lists for nodes and edges])
+start as new ones do.
 """
 
+import copy
+import gc
+import pickle
 import random
 import threading
+import weakref
 
 import numpy as np
 import pytest
 from minitensor import leaf
 
 import pyengine
-from pyengine import AccumulateGrad, Edge, GradientFreeNode, Node
+from pyengine import AccumulateGrad, Edge, GradientFreeNode, Node, _core
 
 # -- two builds of one graph ---------------------------------------------------------------
 
@@ -362,6 +370,129 @@ def test_closures_that_write_gradients_get_the_analytic_derivatives():
     de_da = (np.cos(ab) * -1.3 + 2 * 0.7) * ab + (np.sin(ab) + 0.49) * -1.3
     de_db = (np.cos(ab) * 0.7) * ab + (np.sin(ab) + 0.49) * 0.7 + 1.0
     np.testing.assert_allclose([a.grad, b.grad], [de_da, de_db], rtol=1e-12)
+
+
+class CoreScalar:
+    """A Scalar whose node is the core's own GradientFreeNodeBase, kept with
+    its Edge among the value's attributes (as micrograd's adapter keeps
+    them), so that copying the value copies them."""
+
+    def __init__(self, data, inputs=(), backward=None):
+        self.data = data
+        self.grad = 0.0
+        self.inputs = inputs
+        self._backward_formula = backward
+        edges = tuple(x.edge for x in inputs if x.edge is not None)
+        self.edge = _core.Edge(_core.GradientFreeNodeBase(self, "backward_step", edges), 0) \
+            if inputs else None
+
+    def backward_step(self):
+        self._backward_formula(self)
+
+    def __mul__(self, other):
+        def backward(out):
+            out.inputs[0].grad += out.inputs[1].data * out.grad
+            out.inputs[1].grad += out.inputs[0].data * out.grad
+        return CoreScalar(self.data * other.data, (self, other), backward)
+
+    def __add__(self, other):
+        def backward(out):
+            out.inputs[0].grad += out.grad
+            out.inputs[1].grad += out.grad
+        return CoreScalar(self.data + other.data, (self, other), backward)
+
+
+def core_program():
+    """e = (a b + a) b, with a = 0.5, b = -2: de/da = (b + 1) b = 2,
+    de/db = 2 a b + a = -1.5."""
+    a, b = CoreScalar(0.5), CoreScalar(-2.0)
+    c = a * b
+    d = c + a
+    return a, b, d * b
+
+
+def backward_of(root):
+    root.grad = 1.0
+    pyengine.get_default_engine().execute([root.edge], [None], True, False, True)
+
+
+def test_a_deep_copy_of_values_copies_their_gradient_free_graph():
+    a, b, e = core_program()
+    a2, b2, e2 = copy.deepcopy((a, b, e))
+    node, copied = e.edge.node, e2.edge.node
+    assert type(copied) is _core.GradientFreeNodeBase and copied is not node
+    assert copied.owner is e2 and copied.method == "backward_step"
+    assert copied.sequence_nr > node.sequence_nr  # a new node
+    d2 = e2.inputs[0]
+    assert copied.next_edges == (d2.edge,) and d2.edge.node.owner is d2
+    assert d2.edge.node.next_edges == (d2.inputs[0].edge,)  # c's node; a is a leaf
+    # The copy is the same program over the copies; the originals are untouched.
+    backward_of(e2)
+    assert (a2.grad, b2.grad) == (2.0, -1.5)
+    assert (a.grad, b.grad) == (0.0, 0.0)
+    backward_of(e)
+    assert (a.grad, b.grad) == (2.0, -1.5)
+
+
+def test_copy_and_pickle_of_an_edge_and_a_gradient_free_node():
+    node = _core.GradientFreeNodeBase(Picklable(3), "run")
+    edge = _core.Edge(node, 1)
+    shallow = copy.copy(edge)
+    assert shallow is not edge and shallow == edge  # the same node and slot
+    restored = pickle.loads(pickle.dumps(edge))
+    assert restored.input_nr == 1 and restored.node.method == "run"
+    assert restored.node.owner.tag == 3 and restored.node is not node
+    assert repr(edge) == "Edge(GradientFreeNodeBase, 1)"  # a core node has no name()
+
+
+class Picklable:
+    def __init__(self, tag):
+        self.tag = tag
+
+    def run(self):
+        pass
+
+
+def test_nodes_and_edges_made_after_many_died_start_as_new_ones():
+    """20,000 nodes and Edges with every field set die; those made next
+    (from the free lists, in the compiled core) carry none of it, and weak
+    references to the dead ones stay dead."""
+    def spent_graph():
+        nodes = []
+        for index in range(20_000):
+            node = _core.GradientFreeNodeBase(Picklable(index), "run")
+            node._pre_hooks = [(index, print)]
+            node._post_hooks = [(index, print)]
+            node._saved_values = (index,)
+            node._retains_grad_hooks = {0: print}
+            node._metadata = {"index": index}
+            node._released = True
+            nodes.append(_core.Edge(node, index % 3))
+        return nodes
+
+    edges = spent_graph()
+    last = max(edge.node.sequence_nr for edge in edges)
+    dead = [weakref.ref(edge.node) for edge in edges[::1000]]
+    del edges
+    gc.collect()
+    assert all(ref() is None for ref in dead)
+    owner = Picklable("new")
+    fresh = [_core.Edge(_core.GradientFreeNodeBase(owner, "run", ()), 0) for _ in range(20_000)]
+    assert all(ref() is None for ref in dead)
+    numbers = [edge.node.sequence_nr for edge in fresh]
+    assert numbers == sorted(numbers) and numbers[0] > last
+    for edge in fresh:
+        node = edge.node
+        assert edge.input_nr == 0 and node.owner is owner and node.method == "run"
+        assert node._pre_hooks is None and node._post_hooks is None
+        assert node._saved_values is None and node._retains_grad_hooks is None
+        assert node._metadata is None and not node._released
+        assert node.next_edges == () and node.input_metadata == ()
+    # And they run: each node calls its owner once.
+    calls = []
+    owner.run = lambda: calls.append(1)
+    pyengine.get_default_engine().execute([fresh[0]], [None], True, False, True)
+    assert calls == [1]
 
 
 # -- the contract -------------------------------------------------------------------------------

@@ -6,12 +6,8 @@ paths are shared].
 """
 
 from ..backends import backend_of
+from .node import node_name
 from .validate_outputs import validate_outputs
-
-
-def node_name(node):
-    name = getattr(node, "name", None)
-    return name() if callable(name) else type(node).__name__
 
 
 def _hook_name(hook):

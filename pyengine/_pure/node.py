@@ -117,7 +117,18 @@ class Edge:
         yield self.input_nr
 
     def __repr__(self):
-        return f"Edge({self.node.name()}, {self.input_nr})"
+        return f"Edge({node_name(self.node)}, {self.input_nr})"
+
+    def __reduce__(self):
+        # copy, deepcopy and pickle: See Note [Copying gradient-free nodes].
+        return Edge, (self.node, self.input_nr)
+
+
+def node_name(node):
+    """``node.name()`` (a :class:`pyengine.Node`'s), or the type's name for
+    a node without one (a core node type used as it is)."""
+    name = getattr(node, "name", None)
+    return name() if callable(name) else type(node).__name__
 
 
 def not_initialized_message(node):
@@ -287,6 +298,26 @@ class GradientFreeNodeBase(NodeBase):
     def apply(self, grads):
         getattr(self.owner, self.method)()
         return [None] * len(self._next_edges)
+
+    def __reduce__(self):
+        # See Note [Copying gradient-free nodes].
+        return type(self), (self.owner, self.method, self._next_edges)
+
+
+# Note [Copying gradient-free nodes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A framework may keep a value's node and Edge among the value's attributes
+# (micrograd's adapter does), and then ``copy.deepcopy`` of a value copies
+# them too. So an Edge copies as ``Edge(node, input_nr)`` and a
+# gradient-free node as ``type(node)(owner, method, next_edges)``, each
+# argument copied along: a deep copy of a value is a value whose node's
+# owner is the copy, with copies of the nodes below it (the copy module's
+# memo makes each object's copy once). A copy is a new node, made by its
+# class's constructor: its sequence number is new, and hooks, metadata and
+# input metadata are not copied (a gradient-free node has no input slots
+# that matter: no gradient arrives). A subclass whose constructor takes
+# other arguments defines ``__reduce__`` itself. pickle works the same way
+# where the owner can be pickled.
 
 
 # Note [Accumulating into .grad]
