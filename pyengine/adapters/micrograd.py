@@ -7,15 +7,16 @@
 ``Value.backward``; ``uninstall()`` puts the very same functions back;
 ``installed()`` is the context manager. Installing twice is harmless.
 
-What this module owns: :class:`ValueNode`, the Node of one non-leaf Value,
-made when the Value is made (so ``sequence_nr`` follows the forward order),
-with one next edge per distinct non-leaf child, in the order of the
-``_children`` tuple; and the patched ``backward``, which runs the root's
-node on the default engine.
+What this module owns: the node of each non-leaf Value, made when the Value
+is made (so ``sequence_nr`` follows the forward order), with one next edge
+per distinct non-leaf child, in the order of the ``_children`` tuple; and
+the patched ``backward``, which runs the root's node on the default engine.
 
 micrograd's gradients are not values passed from node to node: each Value's
 ``_backward`` closure adds into its children's ``.grad`` in place, reading
-its own ``.grad``. So a ValueNode is a :class:`pyengine.GradientFreeNode`:
+its own ``.grad``. So a Value's node is a gradient-free node (the core's
+``GradientFreeNodeBase``, whose owner is the Value and whose method is
+``"_backward"``; See Note [Gradient-free nodes] in ``pyengine/_pure/node.py``):
 the engine passes no gradients at all and does what micrograd's topological
 sort is for: a node runs once every consumer of its Value has run, that is,
 once its ``.grad`` is complete, and running it calls ``value._backward()``
@@ -24,6 +25,11 @@ Leaves need no node: only closures write their ``.grad``. The traversal is
 pyengine's iterative one, so a graph of any depth works where micrograd's
 recursive ``build_topo`` raises RecursionError (about a thousand levels deep
 by default).
+
+Each Value made while installed gets one attribute, which micrograd never
+reads: ``_pyengine_edge``, None for a leaf, else the Edge into its node, or
+the tuple ``(edge,)`` once a consumer shares it (See Note [Few objects per
+operation]). ``node_of(value)`` and ``edge_of(value)`` read it.
 
 Where micrograd and PyTorch differ, micrograd's semantics are kept:
 
@@ -37,13 +43,12 @@ Where micrograd and PyTorch differ, micrograd's semantics are kept:
   (dependency counting, then the later Value first) depends only on the
   program. Sums of one or two terms are identical; sums of more may differ
   from micrograd's in the last bits, as micrograd's differ between runs.
-- ``Value`` s made before ``install()`` (and copies made with
-  ``copy.deepcopy``, whose nodes copy as None) get their nodes at their
-  first backward, or when an operation uses them; their children come from
+- ``Value`` s made before ``install()`` get their nodes at their first
+  backward, or when an operation uses them; their children come from
   ``_prev`` (a set), so for those graphs the order is micrograd's kind, not
   the program's.
-- A leaf made while installed gets ``_pyengine_node = None`` (an attribute
-  micrograd never reads; See Note [Few objects per operation]).
+- ``copy.deepcopy`` of a Value copies its nodes with it (a gradient-free
+  node copies as a new node of the copied owner, with the copied edges).
 
 What it costs: backward is faster than micrograd's (its sort is Python, and
 the engine runs a graph of gradient-free nodes in a loop of its own: See
@@ -54,8 +59,8 @@ objects per operation]), which the cyclic GC counts and traverses.
 micrograd's Values are reference cycles (each closure refers to its Value),
 so freeing a graph is the cyclic GC's work, and a training step that makes
 a new graph each time spends most of its time there; the extra objects make
-that part longer (more full collections, each visiting more objects), and
-such a step is slower than micrograd's. ``benchmarks/RESULTS.md`` has the
+that part longer (more objects to visit in each full collection), and such
+a step is slower than micrograd's. ``benchmarks/RESULTS.md`` has the
 figures.
 """
 
@@ -69,85 +74,54 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pyengine.adapters.micrograd needs micrograd: pip install micrograd") from error
 
 import pyengine
+from pyengine import _core
 from pyengine.adapters import installed_while
 
-from ..node import Edge, GradientFreeNode
-
-__all__ = ["install", "uninstall", "is_installed", "installed", "ValueNode", "node_of"]
+__all__ = ["install", "uninstall", "is_installed", "installed", "node_of", "edge_of"]
 
 Value = _micrograd_engine.Value
 
-
-class ValueNode(GradientFreeNode):
-    """The Node of one non-leaf micrograd Value: running it calls the
-    Value's ``_backward`` closure, which adds into its children's ``.grad``;
-    no gradient flows along its edges (See Note [Gradient-free nodes]).
-
-    Fields, immutable after construction: ``owner`` (also ``value``), the
-    Value, held strongly (the Value holds this node as ``_pyengine_node``: a
-    cycle like the one micrograd makes itself, each Value's closure
-    referring to the Value); ``method``, ``"_backward"``, looked up when the
-    node runs (micrograd assigns the closure after making the Value);
-    ``edge``, the Edge into this node, one shared by all its consumers
-    (fewer objects for the cyclic GC, which micrograd's graphs keep busy).
-    ``edges_to``: None, then ``(edge,)`` once a consumer has this node as
-    its only next edge, one tuple shared by all such consumers; written
-    once, under the GIL. See Note [Few objects per operation].
-
-    Copied (``copy.deepcopy``) or pickled, a node becomes None: the copy of
-    a Value gets a node of its own at its first backward, or when an
-    operation uses it.
-    """
-
-    __slots__ = ("edge", "edges_to")
-
-    # No __init__: GradientFreeNodeBase's (compiled) takes the Value, the
-    # method name and the edges; a Python __init__ here would cost a third
-    # of a forward op.
-
-    @property
-    def value(self):
-        return self.owner
-
-    def name(self) -> str:
-        op = self.owner._op
-        return f"ValueBackward({op})" if op else "ValueBackward"
-
-    def __reduce__(self):
-        # copy, deepcopy and pickle all go through here.
-        return _no_node, ()
+# The core's (compiled or pure) node and edge types. A node is exactly a
+# GradientFreeNodeBase, not a subclass defined here, so that the compiled
+# core can make it from its free list (See Note [Free lists for nodes and
+# edges] in ``pyengine/_node.pyx``).
+_GradientFreeNode = _core.GradientFreeNodeBase
+_Edge = _core.Edge
 
 
-def _no_node():
-    return None
+def _edge_in(slot):
+    """The Edge a Value's ``_pyengine_edge`` holds: the Edge itself, or the
+    one-edge tuple its consumers share. See Note [Few objects per
+    operation]."""
+    return slot[0] if type(slot) is tuple else slot
 
 
-def _make_node(value, edges):
-    """Make ``value``'s node, with ``edges`` (a tuple), and return the Edge
-    into it."""
-    if len(edges) == 1:
-        edges = _edges_to(edges[0].node)
-    node = ValueNode(value, "_backward", edges)
-    edge = node.edge = Edge(node, 0)
-    node.edges_to = None
-    value._pyengine_node = node
-    return edge
-
-
-def _edges_to(node):
-    """``(node.edge,)``, one tuple shared by every consumer whose only next
-    edge it is. See Note [Few objects per operation]."""
-    edges = node.edges_to
-    if edges is None:
-        edges = node.edges_to = (node.edge,)
+def _shared_edges_to(value, slot):
+    """``(edge,)`` for the non-leaf ``value`` whose ``_pyengine_edge`` is
+    ``slot``: the tuple every consumer whose only next edge it is shares,
+    made (and kept on ``value``) by the first of them."""
+    if type(slot) is tuple:
+        return slot
+    edges = value._pyengine_edge = (slot,)
     return edges
 
 
-def _edge_of(value):
-    """The Edge into a non-leaf Value's node, made (with the nodes below it
+def _make_node(value, children):
+    """Make the node of ``value``, whose distinct non-leaf children (all
+    with nodes) are ``children``, in order; return the Edge into it."""
+    if len(children) == 1:
+        edges = _shared_edges_to(children[0], children[0]._pyengine_edge)
+    else:
+        edges = tuple(_edge_in(child._pyengine_edge) for child in children)
+    edge = value._pyengine_edge = _Edge(_GradientFreeNode(value, "_backward", edges), 0)
+    return edge
+
+
+def _slot_of(value):
+    """A non-leaf Value's ``_pyengine_edge``, made (with the nodes below it
     that are missing) if it has none."""
-    node = getattr(value, "_pyengine_node", None)
-    return node.edge if node is not None else _build_nodes(value)
+    slot = getattr(value, "_pyengine_edge", None)
+    return slot if slot is not None else _build_nodes(value)
 
 
 def _build_nodes(value):
@@ -159,33 +133,44 @@ def _build_nodes(value):
             for child in v._prev:
                 if child._prev and not has_node(child):
                     build(child)
-            make_node(v, edges_to(child for child in v._prev if child._prev))
+            make_node(v, [child for child in v._prev if child._prev])
     """
     stack = [(value, False)]
     while stack:
         current, children_done = stack.pop()
-        if getattr(current, "_pyengine_node", None) is not None:
+        if getattr(current, "_pyengine_edge", None) is not None:
             continue
         # _prev is a set: its order is micrograd's, fixed for this Value.
         children = [child for child in current._prev if child._prev]
         if children_done:
-            _make_node(current, tuple(child._pyengine_node.edge for child in children))
+            _make_node(current, children)
             continue
         stack.append((current, True))
         for child in children:
-            if getattr(child, "_pyengine_node", None) is None:
+            if getattr(child, "_pyengine_edge", None) is None:
                 stack.append((child, False))
-    return value._pyengine_node.edge
+    return value._pyengine_edge
+
+
+def _check_value(value):
+    if not isinstance(value, Value):
+        raise TypeError(f"expected a micrograd Value, got {type(value).__name__}")
+
+
+def edge_of(value):
+    """The Edge into a non-leaf Value's node (made now if it has none), or
+    None for a leaf."""
+    _check_value(value)
+    if not value._prev:
+        return None
+    return _edge_in(_slot_of(value))
 
 
 def node_of(value):
-    """The ValueNode of a non-leaf Value (made now if it has none), or None
-    for a leaf."""
-    if not isinstance(value, Value):
-        raise TypeError(f"expected a micrograd Value, got {type(value).__name__}")
-    if not value._prev:
-        return None
-    return _edge_of(value).node
+    """The node of a non-leaf Value (made now if it has none; a
+    ``GradientFreeNodeBase`` whose owner is the Value), or None for a leaf."""
+    edge = edge_of(value)
+    return None if edge is None else edge.node
 
 
 # Note [Few objects per operation]
@@ -194,27 +179,34 @@ def node_of(value):
 # graph, and in a training step that builds a new graph each time the GC
 # takes most of the time. Each object an operation makes costs it twice:
 # CPython (3.11) runs a full collection about every 85,000 allocations of
-# tracked objects (11 middle-generation collections, each after 11 young
-# ones, each after ~700), and each full collection visits every tracked
-# object. micrograd makes about 7 per operation (the Value, its set
-# ``_prev``, the closure, its cells and their tuple); the adapter adds as
-# few as it can:
+# tracked objects that are still alive (11 middle-generation collections,
+# each after 11 young ones, each after ~700), and each full collection
+# visits every tracked object. micrograd makes about 7 per operation (the
+# Value, its set ``_prev``, the closure, its cells and their tuple); the
+# adapter adds as few as it can:
 #
-# - the node, and the Edge into it (one, shared by all consumers);
+# - the node, and the Edge into it (one, shared by all consumers). Both come
+#   from the compiled core's free lists once a step's graph has died (See
+#   Note [Free lists for nodes and edges] in ``pyengine/_node.pyx``), so
+#   they no longer bring collections closer, though each full collection
+#   still visits them; the node is the core's own type, whose instances
+#   have no ``__dict__``;
 # - a tuple of next edges only for two distinct non-leaf children. With
 #   one (``y.relu()``, ``w * y`` with a leaf ``w``, ``y * y``) the next
-#   edges are the child node's ``edges_to``, ``(edge,)``, made by its first
-#   such consumer and shared by the others; with none, ``()``;
+#   edges are ``(edge,)`` for the child's Edge, made by its first such
+#   consumer, kept in the child's ``_pyengine_edge`` in place of the Edge,
+#   and shared by the others; with none, ``()``;
 # - no list: a node made without input metadata shares one empty list (See
-#   Note [Shared empty input metadata] in ``pyengine/_pure/node.py``).
+#   Note [Shared empty input metadata] in ``pyengine/_pure/node.py``);
+# - one attribute on the Value, no more: with micrograd's five, six
+#   attributes stay in the object's inline values, where CPython (3.11)
+#   makes a seventh materialize a dict, one more tracked object per Value.
 #
-# On micrograd's MLP(2, [16, 16, 1]) over 20 points (12,860 operations a
-# step) that is 124,511 tracked allocations a step instead of 142,171
-# (micrograd alone: 91,374), 2.6 objects per operation instead of 4.0.
 # The floor is the node and the Edge: the engine needs both. A leaf made
-# while installed gets ``_pyengine_node = None``, so that finding a child's
-# node is one attribute load (a Value made before install() has no such
-# attribute, and a copy's is None: its ``_prev`` tells whether it needs one).
+# while installed gets ``_pyengine_edge = None``, so that finding a child's
+# Edge is one attribute load (a Value made before install() has no such
+# attribute: its ``_prev`` tells whether it needs a node). The figures are
+# in ``benchmarks/RESULTS.md``.
 
 
 def _value_init(self, data, _children=(), _op=''):
@@ -225,37 +217,36 @@ def _value_init(self, data, _children=(), _op=''):
     See Note [Few objects per operation]."""
     _original_init(self, data, _children, _op)
     if not _children:
-        self._pyengine_node = None  # a leaf: See Note [Few objects per operation]
+        self._pyengine_edge = None  # a leaf: See Note [Few objects per operation]
         return
-    first = None  # the node of the first non-leaf child
+    first = None  # the first non-leaf child
+    first_slot = None  # its _pyengine_edge
+    first_edge = None  # the Edge into its node
     edges = None  # the edges, once there are two distinct non-leaf children
     for child in _children:
         try:
-            node = child._pyengine_node
+            slot = child._pyengine_edge
         except AttributeError:  # made before install()
-            node = None
-        if node is None:
+            slot = None
+        if slot is None:
             if not child._prev:
                 continue  # a leaf
-            node = _edge_of(child).node  # made before install(), or a copy
+            slot = _slot_of(child)  # made before install(), or a copy
+        # _edge_in(slot), inlined.
+        edge = slot[0] if type(slot) is tuple else slot
         if first is None:
-            first = node
+            first, first_slot, first_edge = child, slot, edge
         elif edges is None:
-            if node is not first:  # x * x: one edge; the closure adds both terms
-                edges = (first.edge, node.edge)
-        elif node.edge not in edges:
-            edges += (node.edge,)
+            if edge is not first_edge:  # x * x: one edge; the closure adds both terms
+                edges = (first_edge, edge)
+        elif edge not in edges:
+            edges += (edge,)
     if edges is None:
         if first is None:
             edges = ()
         else:
-            edges = first.edges_to
-            if edges is None:
-                edges = first.edges_to = (first.edge,)
-    node = ValueNode(self, "_backward", edges)
-    node.edge = Edge(node, 0)
-    node.edges_to = None
-    self._pyengine_node = node
+            edges = _shared_edges_to(first, first_slot)
+    self._pyengine_edge = _Edge(_GradientFreeNode(self, "_backward", edges), 0)
 
 
 def _value_backward(self):
@@ -265,7 +256,7 @@ def _value_backward(self):
     if not self._prev:
         self.grad = 1
         return  # a leaf: micrograd runs only its no-op closure
-    edge = _edge_of(self)
+    edge = _edge_in(_slot_of(self))
     self.grad = 1
     # No gradient enters: see the module docstring. keep_graph: micrograd
     # never frees a graph.

@@ -21,7 +21,7 @@ micrograd = pytest.importorskip("micrograd")
 from micrograd.engine import Value  # noqa: E402
 from micrograd.nn import MLP  # noqa: E402
 
-import pyengine  # noqa: E402
+from pyengine import _core  # noqa: E402
 from pyengine.adapters import micrograd as pyengine_micrograd  # noqa: E402
 
 
@@ -340,16 +340,24 @@ def test_nodes_follow_the_forward_order():
         d = c * c
         e = d + c
         leaf_node = pyengine_micrograd.node_of(a)
-        nodes = [pyengine_micrograd.node_of(v) for v in (c, d, e)]
-    assert leaf_node is None
-    assert all(isinstance(node, pyengine.Node) for node in nodes)
+        values = (c, d, e)
+        nodes = [pyengine_micrograd.node_of(v) for v in values]
+        edges = [pyengine_micrograd.edge_of(v) for v in values]
+    assert leaf_node is None and pyengine_micrograd.edge_of(a) is None
+    # The core's own gradient-free node type, not a subclass: See Note [Few
+    # objects per operation].
+    assert all(type(node) is _core.GradientFreeNodeBase for node in nodes)
+    assert [node.owner for node in nodes] == list(values)
+    assert all(node.method == "_backward" for node in nodes)
+    assert [edge.node for edge in edges] == nodes and all(edge.input_nr == 0 for edge in edges)
     assert [node.sequence_nr for node in nodes] == sorted(node.sequence_nr for node in nodes)
-    assert nodes[0].next_functions == ()  # both children are leaves
-    assert nodes[1].next_functions == ((nodes[0], 0),)  # c * c: one edge
-    assert nodes[2].next_functions == ((nodes[1], 0), (nodes[0], 0))
-    assert nodes[2].name() == "ValueBackward(+)"
+    assert nodes[0].next_edges == ()  # both children are leaves
+    assert nodes[1].next_edges == (edges[0],)  # c * c: one edge
+    assert nodes[2].next_edges == (edges[1], edges[0])
     with pytest.raises(TypeError, match="expected a micrograd Value"):
         pyengine_micrograd.node_of(1.0)
+    with pytest.raises(TypeError, match="expected a micrograd Value"):
+        pyengine_micrograd.edge_of("c")
 
 
 def test_errors_in_closures_reach_the_caller():
