@@ -31,18 +31,14 @@ cdef class NodeBase:
     cdef public dict _metadata
     cdef readonly bint _initialized
     cdef object __weakref__
-    # GradientFreeNodeBase's owner and method, immutable after construction;
-    # here so that it shares NodeBase's free list: See Note [Free lists for
-    # nodes and edges] in _node.pyx.
-    cdef object _owner
-    cdef str _method
 
     cpdef release_variables(self)
     cdef int _initialize(self, next_edges, input_metadata) except -1
 
 
 cdef class GradientFreeNodeBase(NodeBase):
-    pass
+    cdef object _owner
+    cdef str _method
 
 
 cdef class LeafState:

@@ -106,7 +106,7 @@ def as_input_metadata(spec):
 
 @cython.final
 @cython.trashcan(True)
-@cython.freelist(16384)  # See Note [Free lists for nodes and edges].
+@cython.freelist(16384)  # See Note [A free list for Edges].
 cdef class Edge:
     """Which input slot (``input_nr``) of which ``node`` a gradient flows into.
 
@@ -165,30 +165,27 @@ cdef tuple _check_next_edges(next_edges):
 cdef list _NO_INPUT_METADATA = []
 
 
-# Note [Free lists for nodes and edges]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The last 16,384 dead Edges, and as many dead NodeBases and
-# GradientFreeNodeBases, are kept for reuse, as CPython keeps floats and
-# tuples (Cython's free lists; they take only types defined in C of exactly
-# NodeBase's size, so not the subclasses a framework defines in Python).
-# Making one from the list skips the allocator and, what matters more, the
-# cyclic GC's count: a full collection runs about every 85,000 net
-# allocations of tracked objects and visits every tracked object. A
-# framework whose graphs are reference cycles, freed only by the GC
-# (micrograd: See Note [Few objects per operation] in
-# ``pyengine/adapters/micrograd.py``), frees a step's nodes and Edges at a
-# collection and remakes them in the next forward from the lists, so they
-# no longer bring the next collection closer (on micrograd's MLP, 1.1 full
-# collections a training step instead of 1.3, and about 5% fewer
-# instructions; ``benchmarks/RESULTS.md``). GradientFreeNodeBase's two
-# fields live in NodeBase (as ``_owner`` and ``_method``), since a subtype
-# with fields of its own cannot share its base's list: every node is 16
-# bytes larger (160 with the GC's header). The lists keep at most
-# 16,384 x (160 + 48) bytes, about 3.4 MB, once a large graph has died.
+# Note [A free list for Edges]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The last 16,384 dead Edges are kept for reuse (Cython's free list), as
+# CPython keeps floats and tuples. Making an Edge from the list skips the
+# allocator and, what matters more, the cyclic GC's count: a full
+# collection runs about every 85,000 net allocations of tracked objects and
+# visits every tracked object. A framework whose graphs are reference
+# cycles, freed only by the GC (micrograd: See Note [Few objects per
+# operation] in ``pyengine/adapters/micrograd.py``), frees a step's Edges
+# at a collection and remakes them in the next forward from the list, so
+# they no longer bring the next collection closer (on micrograd's MLP, 1.2
+# full collections a training step instead of 1.3, and 2% fewer
+# instructions). The list keeps at most 16,384 x 48 bytes, 0.8 MB, once a
+# large graph has died. Nodes have no such list: Cython gives one only to
+# a base type and its subtypes of the same size, so GradientFreeNodeBase's
+# two fields would have to move into NodeBase, and the 16 bytes that adds
+# to every node cost 7% more cache misses on a 100,000-node chain
+# (callgrind, 512 KB last-level cache), for 3% of a micrograd step.
 
 # trashcan: dropping a long chain of nodes must not recurse in C.
 @cython.trashcan(True)
-@cython.freelist(16384)  # See Note [Free lists for nodes and edges].
 cdef class NodeBase:
     """The per-node state the engine reads; see :class:`pyengine.Node`."""
 
@@ -279,7 +276,6 @@ cdef class GradientFreeNodeBase(NodeBase):
         self._owner = owner
         self._method = method
 
-    # Its fields live in NodeBase: See Note [Free lists for nodes and edges].
     @property
     def owner(self):
         return self._owner

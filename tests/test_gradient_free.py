@@ -7,9 +7,9 @@ same nodes in the same order, with the same hooks, errors, profiler events
 and callbacks; a small scalar program whose nodes add into their inputs'
 ``.grad``, as micrograd's closures do, gets its analytic derivatives; a
 deep copy of such a program is the same program over the copies (See Note
-[Copying gradient-free nodes]); nodes and Edges made after many died (from
-the compiled core's free lists: See Note [Free lists for nodes and edges])
-start as new ones do.
+[Copying gradient-free nodes]); nodes and Edges made after many died (the
+Edges from the compiled core's free list: See Note [A free list for
+Edges]) start as new ones do.
 """
 
 import copy

@@ -82,9 +82,8 @@ __all__ = ["install", "uninstall", "is_installed", "installed", "node_of", "edge
 Value = _micrograd_engine.Value
 
 # The core's (compiled or pure) node and edge types. A node is exactly a
-# GradientFreeNodeBase, not a subclass defined here, so that the compiled
-# core can make it from its free list (See Note [Free lists for nodes and
-# edges] in ``pyengine/_node.pyx``).
+# GradientFreeNodeBase, not a subclass defined here: See Note [Few objects
+# per operation].
 _GradientFreeNode = _core.GradientFreeNodeBase
 _Edge = _core.Edge
 
@@ -185,12 +184,14 @@ def node_of(value):
 # Value, its set ``_prev``, the closure, its cells and their tuple); the
 # adapter adds as few as it can:
 #
-# - the node, and the Edge into it (one, shared by all consumers). Both come
-#   from the compiled core's free lists once a step's graph has died (See
-#   Note [Free lists for nodes and edges] in ``pyengine/_node.pyx``), so
-#   they no longer bring collections closer, though each full collection
-#   still visits them; the node is the core's own type, whose instances
-#   have no ``__dict__``;
+# - the node, and the Edge into it (one, shared by all consumers). The node
+#   is the core's own GradientFreeNodeBase, made and visited by the GC
+#   without the costs of a class defined in Python (its construction
+#   through the type's slots, its ``__dict__``): about 5% of a training step's
+#   instructions. The Edge comes from the compiled core's free list once a
+#   step's graph has died (See Note [A free list for Edges] in
+#   ``pyengine/_node.pyx``), so it no longer brings collections closer,
+#   though each full collection still visits it;
 # - a tuple of next edges only for two distinct non-leaf children. With
 #   one (``y.relu()``, ``w * y`` with a leaf ``w``, ``y * y``) the next
 #   edges are ``(edge,)`` for the child's Edge, made by its first such
