@@ -106,7 +106,6 @@ def as_input_metadata(spec):
 
 @cython.final
 @cython.trashcan(True)
-@cython.freelist(16384)  # See Note [A free list for Edges].
 cdef class Edge:
     """Which input slot (``input_nr``) of which ``node`` a gradient flows into.
 
@@ -164,25 +163,6 @@ cdef tuple _check_next_edges(next_edges):
 # empty input metadata] in the twin, ``pyengine/_pure/node.py``.
 cdef list _NO_INPUT_METADATA = []
 
-
-# Note [A free list for Edges]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The last 16,384 dead Edges are kept for reuse (Cython's free list), as
-# CPython keeps floats and tuples. Making an Edge from the list skips the
-# allocator and, what matters more, the cyclic GC's count: a full
-# collection runs about every 85,000 net allocations of tracked objects and
-# visits every tracked object. A framework whose graphs are reference
-# cycles, freed only by the GC (micrograd: See Note [Few objects per
-# operation] in ``pyengine/adapters/micrograd.py``), frees a step's Edges
-# at a collection and remakes them in the next forward from the list, so
-# they no longer bring the next collection closer (on micrograd's MLP, 1.2
-# full collections a training step instead of 1.3, and 2% fewer
-# instructions). The list keeps at most 16,384 x 48 bytes, 0.8 MB, once a
-# large graph has died. Nodes have no such list: Cython gives one only to
-# a base type and its subtypes of the same size, so GradientFreeNodeBase's
-# two fields would have to move into NodeBase, and the 16 bytes that adds
-# to every node cost 7% more cache misses on a 100,000-node chain
-# (callgrind, 512 KB last-level cache), for 3% of a micrograd step.
 
 # trashcan: dropping a long chain of nodes must not recurse in C.
 @cython.trashcan(True)

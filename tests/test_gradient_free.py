@@ -7,17 +7,13 @@ same nodes in the same order, with the same hooks, errors, profiler events
 and callbacks; a small scalar program whose nodes add into their inputs'
 ``.grad``, as micrograd's closures do, gets its analytic derivatives; a
 deep copy of such a program is the same program over the copies (See Note
-[Copying gradient-free nodes]); nodes and Edges made after many died (the
-Edges from the compiled core's free list: See Note [A free list for
-Edges]) start as new ones do.
+[Copying gradient-free nodes]).
 """
 
 import copy
-import gc
 import pickle
 import random
 import threading
-import weakref
 
 import numpy as np
 import pytest
@@ -451,48 +447,6 @@ class Picklable:
 
     def run(self):
         pass
-
-
-def test_nodes_and_edges_made_after_many_died_start_as_new_ones():
-    """20,000 nodes and Edges with every field set die; those made next
-    (from the free lists, in the compiled core) carry none of it, and weak
-    references to the dead ones stay dead."""
-    def spent_graph():
-        nodes = []
-        for index in range(20_000):
-            node = _core.GradientFreeNodeBase(Picklable(index), "run")
-            node._pre_hooks = [(index, print)]
-            node._post_hooks = [(index, print)]
-            node._saved_values = (index,)
-            node._retains_grad_hooks = {0: print}
-            node._metadata = {"index": index}
-            node._released = True
-            nodes.append(_core.Edge(node, index % 3))
-        return nodes
-
-    edges = spent_graph()
-    last = max(edge.node.sequence_nr for edge in edges)
-    dead = [weakref.ref(edge.node) for edge in edges[::1000]]
-    del edges
-    gc.collect()
-    assert all(ref() is None for ref in dead)
-    owner = Picklable("new")
-    fresh = [_core.Edge(_core.GradientFreeNodeBase(owner, "run", ()), 0) for _ in range(20_000)]
-    assert all(ref() is None for ref in dead)
-    numbers = [edge.node.sequence_nr for edge in fresh]
-    assert numbers == sorted(numbers) and numbers[0] > last
-    for edge in fresh:
-        node = edge.node
-        assert edge.input_nr == 0 and node.owner is owner and node.method == "run"
-        assert node._pre_hooks is None and node._post_hooks is None
-        assert node._saved_values is None and node._retains_grad_hooks is None
-        assert node._metadata is None and not node._released
-        assert node.next_edges == () and node.input_metadata == ()
-    # And they run: each node calls its owner once.
-    calls = []
-    owner.run = lambda: calls.append(1)
-    pyengine.get_default_engine().execute([fresh[0]], [None], True, False, True)
-    assert calls == [1]
 
 
 # -- the contract -------------------------------------------------------------------------------

@@ -186,12 +186,9 @@ def node_of(value):
 #
 # - the node, and the Edge into it (one, shared by all consumers). The node
 #   is the core's own GradientFreeNodeBase, made and visited by the GC
-#   without the costs of a class defined in Python (its construction
-#   through the type's slots, its ``__dict__``): about 5% of a training step's
-#   instructions. The Edge comes from the compiled core's free list once a
-#   step's graph has died (See Note [A free list for Edges] in
-#   ``pyengine/_node.pyx``), so it no longer brings collections closer,
-#   though each full collection still visits it;
+#   without the costs of a class defined in Python (construction through
+#   the type's slots, a ``__dict__``): 5% of a training step's
+#   instructions;
 # - a tuple of next edges only for two distinct non-leaf children. With
 #   one (``y.relu()``, ``w * y`` with a leaf ``w``, ``y * y``) the next
 #   edges are ``(edge,)`` for the child's Edge, made by its first such
