@@ -171,7 +171,7 @@ cdef extern from "Python.h":
 cdef inline int call_owner_method(GradientFreeNodeBase node) except -1:
     """``node.owner.<node.method>()``: what a gradient-free node's ``apply``
     runs, called from C (See Note [Gradient-free nodes])."""
-    PyObject_CallMethodNoArgs(node._owner, node._method)
+    PyObject_CallMethodNoArgs(node.owner, node.method)
     return 0
 
 

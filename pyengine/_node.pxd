@@ -37,8 +37,9 @@ cdef class NodeBase:
 
 
 cdef class GradientFreeNodeBase(NodeBase):
-    cdef object _owner
-    cdef str _method
+    # Immutable after construction.
+    cdef readonly object owner
+    cdef readonly str method
 
 
 cdef class LeafState:

@@ -253,24 +253,16 @@ cdef class GradientFreeNodeBase(NodeBase):
         if not isinstance(method, str):
             raise TypeError(f"method must be a str (a method name), got {type(method).__name__}")
         self._initialize(next_edges, input_metadata)
-        self._owner = owner
-        self._method = method
-
-    @property
-    def owner(self):
-        return self._owner
-
-    @property
-    def method(self):
-        return self._method
+        self.owner = owner
+        self.method = method
 
     def apply(self, grads):
-        getattr(self._owner, self._method)()
+        getattr(self.owner, self.method)()
         return [None] * len(self._next_edges)
 
     def __reduce__(self):
         # See Note [Copying gradient-free nodes] in the twin.
-        return type(self), (self._owner, self._method, self._next_edges)
+        return type(self), (self.owner, self.method, self._next_edges)
 
 
 # backend_of's cache, type -> backend or None; register_backend clears it in
