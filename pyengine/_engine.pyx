@@ -20,10 +20,10 @@ never starts a backward. It may release the GIL (a large numpy add does);
 a thread that then wants the same mutex waits without the GIL, so nothing
 deadlocks.
 
-Note [Gradient-free graphs]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Note [GradientFreeNode graphs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 When every node a backward reaches is a gradient-free node (See Note
-[Gradient-free nodes] in ``pyengine/_pure/node.py``) on the CPU without a
+[GradientFreeNode] in ``pyengine/_pure/node.py``) on the CPU without a
 stream, the graph task has nothing for the ReadyQueue, the InputBuffers or
 validate_outputs to do: it is a topological order and a call per node. If
 the caller is not inside the engine already (no reentrant backward, no
@@ -170,7 +170,7 @@ cdef extern from "Python.h":
 
 cdef inline int call_owner_method(GradientFreeNodeBase node) except -1:
     """``node.owner.<node.method>()``: what a gradient-free node's ``apply``
-    runs, called from C (See Note [Gradient-free nodes])."""
+    runs, called from C (See Note [GradientFreeNode])."""
     PyObject_CallMethodNoArgs(node.owner, node.method)
     return 0
 
@@ -374,7 +374,7 @@ cdef class Engine:
         if (gradient_free and not outputs and worker.worker_device == NO_DEVICE
                 and self.route(graph_task, graph_root, input_buffer.buffer)
                 is graph_task.cpu_ready_queue):
-            # See Note [Gradient-free graphs].
+            # See Note [GradientFreeNode graphs].
             self.run_gradient_free(worker, graph_task, graph_root, input_buffer.buffer)
         else:
             self.execute_with_graph_task(worker, graph_task, graph_root, input_buffer.buffer)
@@ -423,7 +423,7 @@ cdef class Engine:
     cdef int run_gradient_free(self, WorkerState worker, GraphTask graph_task, NodeBase graph_root,
                                list root_inputs) except -1:
         """Run a graph task whose nodes are all gradient-free CPU nodes on
-        this thread, from a queue of its own. See Note [Gradient-free graphs]."""
+        this thread, from a queue of its own. See Note [GradientFreeNode graphs]."""
         cdef GradientFreeQueue ready
         cdef PyObject* next_node
         cdef NodeBase node
@@ -855,7 +855,7 @@ cdef bint compute_dependencies(NodeBase graph_root, GraphTask graph_task) except
     """Count, for each node reachable from ``graph_root``, the edges into it.
     Iterative: graphs of millions of nodes, deep or wide, use no C stack.
     Returns whether every one of those nodes is a gradient-free CPU node
-    (See Note [Gradient-free graphs])."""
+    (See Note [GradientFreeNode graphs])."""
     cdef vector[PyObject*] stack
     cdef NodeBase node
     cdef tuple edges

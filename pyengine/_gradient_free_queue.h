@@ -1,5 +1,5 @@
 // GradientFreeQueue: the ready nodes of a gradient-free graph, for the
-// compiled engine's loop of Note [Gradient-free graphs] (pyengine/_engine.pyx).
+// compiled engine's loop of Note [GradientFreeNode graphs] (pyengine/_engine.pyx).
 //
 // Beside _node_task.h, whose heap steps it uses, so that every heap of tasks
 // in the compiled core is kept the same way (See Note [Ties in the ready
@@ -13,7 +13,7 @@
 
 #include "_node_task.h"
 
-/* The ready nodes of a gradient-free graph: See Note [Gradient-free
+/* The ready nodes of a gradient-free graph: See Note [GradientFreeNode
    graphs]. Pops in the order of a ReadyQueue holding only this graph
    task's tasks (CompareNodeTaskTime at one reentrant depth: the higher
    sequence_nr first; gradient-free nodes never tie, so the insertion

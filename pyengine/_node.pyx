@@ -138,7 +138,7 @@ cdef class Edge:
         return f"Edge({node_name(self.node)}, {self.input_nr})"
 
     def __reduce__(self):
-        # copy, deepcopy and pickle: See Note [Copying gradient-free nodes]
+        # copy, deepcopy and pickle: See Note [Copying a GradientFreeNode]
         # in the twin.
         return Edge, (self.node, self.input_nr)
 
@@ -246,7 +246,7 @@ cdef class NodeBase:
 
 cdef class GradientFreeNodeBase(NodeBase):
     """A node that passes no gradients: running it calls ``owner.<method>()``.
-    See Note [Gradient-free nodes] in the twin, ``pyengine/_pure/node.py``,
+    See Note [GradientFreeNode] in the twin, ``pyengine/_pure/node.py``,
     which states the fields' guards."""
 
     def __init__(self, owner, method, next_edges=(), input_metadata=()):
@@ -261,7 +261,7 @@ cdef class GradientFreeNodeBase(NodeBase):
         return [None] * len(self._next_edges)
 
     def __reduce__(self):
-        # See Note [Copying gradient-free nodes] in the twin.
+        # See Note [Copying a GradientFreeNode] in the twin.
         return type(self), (self.owner, self.method, self._next_edges)
 
 

@@ -162,7 +162,7 @@ class GradientFreeNode(GradientFreeNodeBase, Node):
     """A node that passes no gradients, for frameworks whose backward
     formulas write the gradients themselves (micrograd's closures): running
     it calls ``owner.<method>()``, and its edges only order the backward (it
-    runs after every node that feeds it). See Note [Gradient-free nodes] in
+    runs after every node that feeds it). See Note [GradientFreeNode] in
     ``pyengine/_pure/node.py``.
 
     ``GradientFreeNode(owner, method, next_edges=(), input_metadata=())``:

@@ -1,13 +1,13 @@
 """GradientFreeNode: nodes that call ``owner.<method>()`` and pass no gradients.
 
-See Note [Gradient-free nodes] and Note [Gradient-free graphs]. Oracles:
+See Note [GradientFreeNode] and Note [GradientFreeNode graphs]. Oracles:
 the same graph built from plain Nodes whose ``apply`` returns a None per
 edge (the engine's general path, which PyTorch's order specifies) runs the
 same nodes in the same order, with the same hooks, errors, profiler events
 and callbacks; a small scalar program whose nodes add into their inputs'
 ``.grad``, as micrograd's closures do, gets its analytic derivatives; a
 deep copy of such a program is the same program over the copies (See Note
-[Copying gradient-free nodes]).
+[Copying a GradientFreeNode]).
 """
 
 import copy

@@ -120,7 +120,7 @@ class Edge:
         return f"Edge({node_name(self.node)}, {self.input_nr})"
 
     def __reduce__(self):
-        # copy, deepcopy and pickle: See Note [Copying gradient-free nodes].
+        # copy, deepcopy and pickle: See Note [Copying a GradientFreeNode].
         return Edge, (self.node, self.input_nr)
 
 
@@ -251,8 +251,8 @@ class NodeBase:
         self._saved_values = None
 
 
-# Note [Gradient-free nodes]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Note [GradientFreeNode]
+# ~~~~~~~~~~~~~~~~~~~~~~~
 # Some frameworks pass no gradients from node to node: micrograd's closures
 # read their own Value's ``.grad`` and add into their children's. There the
 # engine's only job is the order: a node runs once every node that feeds it
@@ -268,7 +268,7 @@ class NodeBase:
 # A backward whose nodes are all gradient-free, the compiled engine runs in
 # a loop of its own that makes the call itself: no ``apply``, no list of
 # Nones, no validation, no ReadyQueue, no InputBuffers (See Note
-# [Gradient-free graphs] in ``pyengine/_engine.pyx``). In a graph that mixes
+# [GradientFreeNode graphs] in ``pyengine/_engine.pyx``). In a graph that mixes
 # in other nodes, and in the twin, the engine calls ``apply``, and its Nones
 # take the general path, where a None reaching a node that must wait for
 # more gradients makes no InputBuffer (an InputBuffer of Nones and none at
@@ -279,7 +279,7 @@ class NodeBase:
 
 class GradientFreeNodeBase(NodeBase):
     """A node that passes no gradients: running it calls ``owner.<method>()``.
-    See Note [Gradient-free nodes].
+    See Note [GradientFreeNode].
 
     Fields, immutable after construction: ``owner``, any object; ``method``,
     the name (a str) of the method of ``owner`` to call, looked up when the
@@ -300,12 +300,12 @@ class GradientFreeNodeBase(NodeBase):
         return [None] * len(self._next_edges)
 
     def __reduce__(self):
-        # See Note [Copying gradient-free nodes].
+        # See Note [Copying a GradientFreeNode].
         return type(self), (self.owner, self.method, self._next_edges)
 
 
-# Note [Copying gradient-free nodes]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Note [Copying a GradientFreeNode]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A framework may keep a value's node and Edge among the value's attributes
 # (micrograd's adapter does), and then ``copy.deepcopy`` of a value copies
 # them too. So an Edge copies as ``Edge(node, input_nr)`` and a

@@ -16,7 +16,7 @@ micrograd's gradients are not values passed from node to node: each Value's
 ``_backward`` closure adds into its children's ``.grad`` in place, reading
 its own ``.grad``. So a Value's node is a gradient-free node (the core's
 ``GradientFreeNodeBase``, whose owner is the Value and whose method is
-``"_backward"``; See Note [Gradient-free nodes] in ``pyengine/_pure/node.py``):
+``"_backward"``; See Note [GradientFreeNode] in ``pyengine/_pure/node.py``):
 the engine passes no gradients at all and does what micrograd's topological
 sort is for: a node runs once every consumer of its Value has run, that is,
 once its ``.grad`` is complete, and running it calls ``value._backward()``
@@ -52,7 +52,7 @@ Where micrograd and PyTorch differ, micrograd's semantics are kept:
 
 What it costs: backward is faster than micrograd's (its sort is Python, and
 the engine runs a graph of gradient-free nodes in a loop of its own: See
-Note [Gradient-free graphs] in ``pyengine/_engine.pyx``), but a forward
+Note [GradientFreeNode graphs] in ``pyengine/_engine.pyx``), but a forward
 operation makes two or three more objects (the node, the Edge into it, and
 the tuple of its edges where it has two non-leaf children: See Note [Few
 objects per operation]), which the cyclic GC counts and traverses.

@@ -254,8 +254,8 @@ def test_three_children_made_by_hand(micrograd):
 
 
 def test_copies_and_values_made_before_install_as_children(micrograd):
-    """A deepcopy of a non-leaf (its nodes copy with it: See Note [Copying
-    gradient-free nodes] in ``pyengine/_pure/node.py``) and a Value made
+    """A deepcopy of a non-leaf (its nodes copy with it: See Note [Copying a
+    GradientFreeNode] in ``pyengine/_pure/node.py``) and a Value made
     before install() (its node is made when an operation uses it) work as
     children."""
     Value, adapter = micrograd
