@@ -19,9 +19,65 @@ Adapters are frontends: they import the engine, never the reverse.
 """
 
 import contextlib
+import threading
 
 # No names: ``from pyengine.adapters import *`` must not import a framework.
 __all__: list = []
+
+
+class Patches:
+    """The attributes an adapter replaces on a framework's classes, and what
+    ``install()`` and ``uninstall()`` do with them: replace them all, or put
+    the very originals back; both idempotent.
+
+    ``patches``: ``(cls, name, replacement)`` triples, each ``name`` defined
+    on ``cls`` itself (else ``install()`` raises RuntimeError naming it, with
+    ``unsupported``, a sentence on the framework's version).
+    ``on_install(originals)``, if given, runs before the attributes are
+    replaced, with ``{(cls, name): original}`` (an adapter's replacement
+    may call an original).
+
+    Fields: ``_originals``, None when not installed, else the ``(cls, name,
+    original)`` triples install() replaced; guarded by ``_lock``.
+    """
+
+    def __init__(self, adapter, patches, unsupported, on_install=None):
+        self._adapter = adapter
+        self._patches = tuple(patches)
+        self._unsupported = unsupported
+        self._on_install = on_install
+        self._originals = None
+        self._lock = threading.Lock()
+
+    def install(self):
+        with self._lock:
+            if self._originals is not None:
+                return
+            for cls, name, _ in self._patches:
+                if name not in cls.__dict__:
+                    raise RuntimeError(f"{self._adapter}: {cls.__module__}.{cls.__name__} has no "
+                                       f"{name}; {self._unsupported()}")
+            originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in self._patches]
+            if self._on_install is not None:
+                self._on_install({(cls, name): original for cls, name, original in originals})
+            for cls, name, replacement in self._patches:
+                setattr(cls, name, replacement)
+            self._originals = originals
+
+    def uninstall(self):
+        with self._lock:
+            if self._originals is None:
+                return
+            for cls, name, original in self._originals:
+                setattr(cls, name, original)
+            self._originals = None
+
+    def is_installed(self) -> bool:
+        return self._originals is not None
+
+    def installed(self):
+        """The body of an adapter's ``installed()``: See installed_while."""
+        return installed_while(self.is_installed, self.install, self.uninstall)
 
 
 @contextlib.contextmanager

@@ -66,8 +66,6 @@ figures.
 
 from __future__ import annotations
 
-import threading
-
 try:
     import micrograd.engine as _micrograd_engine
 except ImportError as error:  # pragma: no cover - depends on the environment
@@ -75,7 +73,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 import pyengine
 from pyengine import _core
-from pyengine.adapters import installed_while
+from pyengine.adapters import Patches
 
 __all__ = ["install", "uninstall", "is_installed", "installed", "node_of", "edge_of"]
 
@@ -261,52 +259,39 @@ def _value_backward(self):
     pyengine.get_default_engine().execute([edge], [None], True, False, True)
 
 
-# Set by install(): micrograd's own __init__, called by ours.
+# micrograd's own __init__, called by ours; set again by install(), in case
+# something replaced it since this module was imported.
 _original_init = Value.__init__
 
-_PATCHES = (("__init__", _value_init), ("backward", _value_backward))
 
-# The attributes install() replaced, as (name, original); None when not
-# installed. Guarded by _install_lock.
-_originals = None
-_install_lock = threading.Lock()
+def _keep_original_init(originals):
+    global _original_init
+    _original_init = originals[(Value, "__init__")]
+
+
+_PATCHES = Patches("pyengine.adapters.micrograd",
+                   ((Value, "__init__", _value_init), (Value, "backward", _value_backward)),
+                   lambda: "this micrograd version is not supported",
+                   on_install=_keep_original_init)
 
 
 def install():
     """Make micrograd's ``Value.backward`` run on pyengine. Idempotent.
     Values made before ``install()`` work too."""
-    global _originals, _original_init
-    with _install_lock:
-        if _originals is not None:
-            return
-        for name, _ in _PATCHES:
-            if name not in Value.__dict__:
-                raise RuntimeError(f"pyengine.adapters.micrograd: micrograd.engine.Value has no {name}; "
-                                   "this micrograd version is not supported")
-        originals = [(name, Value.__dict__[name]) for name, _ in _PATCHES]
-        _original_init = Value.__dict__["__init__"]
-        for name, replacement in _PATCHES:
-            setattr(Value, name, replacement)
-        _originals = originals
+    _PATCHES.install()
 
 
 def uninstall():
     """Put micrograd's own methods back (the very objects). Idempotent.
     Values made while installed keep their nodes; micrograd ignores them."""
-    global _originals
-    with _install_lock:
-        if _originals is None:
-            return
-        for name, original in _originals:
-            setattr(Value, name, original)
-        _originals = None
+    _PATCHES.uninstall()
 
 
 def is_installed() -> bool:
-    return _originals is not None
+    return _PATCHES.is_installed()
 
 
 def installed():
     """``with installed():`` runs its block with the adapter installed and
     then restores the previous state (it stays installed if it was)."""
-    return installed_while(is_installed, install, uninstall)
+    return _PATCHES.installed()

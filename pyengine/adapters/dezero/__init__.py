@@ -66,7 +66,6 @@ functions above keep PyTorch's:
 
 from __future__ import annotations
 
-import threading
 import weakref
 
 import numpy as np
@@ -77,7 +76,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pyengine.adapters.dezero needs DeZero: pip install dezero") from error
 
 import pyengine
-from pyengine.adapters import installed_while
+from pyengine.adapters import Patches
 
 from ...node import Edge
 from .autograd_api import grad, grad_fn, register_hook, register_post_accumulate_grad_hook
@@ -210,16 +209,15 @@ def _variable_unchain(self):
             node._cut_output(_output_nr(creator, self), self)
 
 
-_PATCHES = (
+def _unsupported():
+    return f"this DeZero version ({_dezero_version()}) is not supported"
+
+
+_PATCHES = Patches("pyengine.adapters.dezero", (
     (Function, "__call__", _function_call),
     (Variable, "backward", _variable_backward),
     (Variable, "unchain", _variable_unchain),
-)
-
-# The attributes install() replaced, as (class, name, original); None when
-# not installed. Guarded by _install_lock.
-_originals = None
-_install_lock = threading.Lock()
+), _unsupported)
 
 
 def install():
@@ -228,18 +226,7 @@ def install():
     Graphs recorded before ``install()`` work too (their nodes are made at
     their first backward).
     """
-    global _originals
-    with _install_lock:
-        if _originals is not None:
-            return
-        for cls, name, _ in _PATCHES:
-            if name not in cls.__dict__:
-                raise RuntimeError(f"pyengine.adapters.dezero: dezero.core.{cls.__name__} has no "
-                                   f"{name}; this DeZero version ({_dezero_version()}) is not supported")
-        originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in _PATCHES]
-        for cls, name, replacement in _PATCHES:
-            setattr(cls, name, replacement)
-        _originals = originals
+    _PATCHES.install()
 
 
 def uninstall():
@@ -248,23 +235,17 @@ def uninstall():
     Nodes already made stay on their Functions and are used again after a
     new ``install()``; DeZero's own loop ignores them.
     """
-    global _originals
-    with _install_lock:
-        if _originals is None:
-            return
-        for cls, name, original in _originals:
-            setattr(cls, name, original)
-        _originals = None
+    _PATCHES.uninstall()
 
 
 def is_installed() -> bool:
-    return _originals is not None
+    return _PATCHES.is_installed()
 
 
 def installed():
     """``with installed():`` runs its block with the adapter installed and
     then restores the previous state (it stays installed if it was)."""
-    return installed_while(is_installed, install, uninstall)
+    return _PATCHES.installed()
 
 
 def _dezero_version():
