@@ -24,6 +24,7 @@ from .backends import ArrayBackend, backend_of, register_backend
 from .device import CPU, Device
 from .engine import (
     Engine,
+    execute_owner_graph,
     get_default_engine,
     is_multithreading_enabled,
     queue_callback,
@@ -31,7 +32,14 @@ from .engine import (
     set_multithreading_enabled,
 )
 from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
-from .node import AccumulateGrad, Edge, GradientFreeNode, Node, RemovableHandle
+from .node import (
+    AccumulateGrad,
+    Edge,
+    GradientFreeNode,
+    Node,
+    RemovableHandle,
+    translate_owner_graph,
+)
 from .profiler import profile
 from .viz import graph_to_dot, render_graph
 
@@ -74,6 +82,7 @@ __all__ = [
     "backward",
     "detect_anomaly",
     "enable_grad",
+    "execute_owner_graph",
     "get_default_engine",
     "grad",
     "grad_accumulator",
@@ -95,4 +104,5 @@ __all__ = [
     "set_detect_anomaly",
     "set_grad_enabled",
     "set_multithreading_enabled",
+    "translate_owner_graph",
 ]

@@ -8,6 +8,8 @@ twin is used with a warning. Everything else imports the core from here.
 import os
 import warnings
 
+from ._pure import owner_graph as owner_graph_module
+
 IMPLEMENTATION = "pure"
 
 if os.environ.get("PYENGINE_PURE", "") in ("", "0"):
@@ -53,6 +55,11 @@ InputBuffer = input_buffer_module.InputBuffer
 GraphTask = graph_task_module.GraphTask
 
 Engine = engine_module.Engine
+# Both cores run owner graphs by this one translation where they make nodes
+# for them: See Note [Owner graphs] in pyengine/_pure/owner_graph.py.
+owner_graph_edge = owner_graph_module.owner_graph_edge
+execute_translated = owner_graph_module.execute_translated
+
 GraphRoot = engine_module.GraphRoot
 validate_outputs = validate_outputs_module.validate_outputs
 register_engine = engine_module._register_engine

@@ -45,6 +45,12 @@ class pyengine_DependencyMap {
         return --slot.count == 0 ? 1 : 0;
     }
 
+    // The edges into node not delivered yet (those added, for a map used
+    // to count visits): 0 when node is not in the map.
+    Py_ssize_t count(PyObject *node) {
+        return find_slot(slots_, node).count;
+    }
+
   private:
     struct Slot {
         PyObject *node = nullptr;

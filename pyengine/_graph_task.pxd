@@ -19,6 +19,7 @@ cdef extern from "_dependency_map.h" nogil:
         DependencyMap()
         bint add(PyObject* node)
         int remove(PyObject* node)
+        Py_ssize_t count(PyObject* node)
 
 
 @cython.final

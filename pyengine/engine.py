@@ -1,6 +1,7 @@
 """The default engine, and swapping another one in.
 
-``backward``, ``grad`` and ``queue_callback`` run on the engine returned by
+``backward``, ``grad``, ``queue_callback`` and ``execute_owner_graph`` run
+on the engine returned by
 :func:`get_default_engine`. Any object with PyTorch's
 ``execute(roots, grads, keep_graph, create_graph, accumulate_grad, outputs)``
 and ``queue_callback(callback)`` can replace it. Also here: whether device
@@ -9,11 +10,13 @@ nodes run on the devices' worker threads (``set_multithreading_enabled``).
 
 from __future__ import annotations
 
-from ._core import Engine, is_multithreading_enabled, register_engine
+from ._core import Edge as _Edge
+from ._core import Engine, execute_translated, is_multithreading_enabled, register_engine
+from ._core import GradientFreeNodeBase as _GradientFreeNodeBase
 from ._core import set_multithreading_enabled as _set_multithreading_enabled
 
 __all__ = ["Engine", "get_default_engine", "set_default_engine", "queue_callback",
-           "set_multithreading_enabled", "is_multithreading_enabled"]
+           "execute_owner_graph", "set_multithreading_enabled", "is_multithreading_enabled"]
 
 _default_engine = Engine()
 register_engine(_default_engine)
@@ -39,6 +42,27 @@ def queue_callback(callback):
     Only valid during backward (from a node, a hook or another callback).
     """
     return _default_engine.queue_callback(callback)
+
+
+def execute_owner_graph(root, children, method):
+    """Run backward over a framework's own graph of values, read now: call
+    ``owner.<method>()`` for ``root`` and for every value below it through
+    the ``children`` collections (attribute names) that has children
+    itself, each once every value made from it has run, in the order of a
+    depth-first topological sort (micrograd's own). For frameworks whose
+    backward closures add into their inputs' ``.grad`` in place (micrograd):
+    no node is made at forward. See Note [Owner graphs] in
+    ``pyengine/_pure/owner_graph.py``.
+
+    An engine swapped in with ``set_default_engine`` that has no
+    ``execute_owner_graph`` runs the graph's translation into nodes with its
+    ``execute``."""
+    engine = _default_engine
+    run = getattr(engine, "execute_owner_graph", None)
+    if run is not None:
+        run(root, children, method)
+    else:
+        execute_translated(engine, root, children, method, _GradientFreeNodeBase, _Edge)
 
 
 class set_multithreading_enabled:

@@ -40,7 +40,8 @@ from ._core import (
     NodeBase,
 )
 
-__all__ = ["Node", "GradientFreeNode", "Edge", "InputMetadata", "AccumulateGrad", "RemovableHandle"]
+__all__ = ["Node", "GradientFreeNode", "Edge", "InputMetadata", "AccumulateGrad", "RemovableHandle",
+           "translate_owner_graph"]
 
 _handle_ids = itertools.count()
 
@@ -177,6 +178,18 @@ class GradientFreeNode(GradientFreeNodeBase, Node):
         if "apply" in cls.__dict__:
             raise TypeError(f"{cls.__name__}: a GradientFreeNode runs owner.<method>(); "
                             "the engine does not call an apply override")
+
+
+def translate_owner_graph(root, children, method):
+    """The Edge into ``root``'s node in the graph of GradientFreeNodes that
+    the owner graph under ``root`` means (its values' ``children``
+    collections and ``method`` methods), or None when ``root`` has no
+    children. Each call makes new nodes, for looking at the graph
+    (:func:`pyengine.graph_to_dot`) or running it with hooks; running the
+    Edge with the engine's ``execute`` does what
+    :func:`pyengine.execute_owner_graph` does. See Note [Owner graphs] in
+    ``pyengine/_pure/owner_graph.py``."""
+    return _core.owner_graph_edge(root, children, method, GradientFreeNode, Edge)
 
 
 class AccumulateGrad(AccumulateGradBase, Node):

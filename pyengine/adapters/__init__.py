@@ -33,19 +33,15 @@ class Patches:
     ``patches``: ``(cls, name, replacement)`` triples, each ``name`` defined
     on ``cls`` itself (else ``install()`` raises RuntimeError naming it, with
     ``unsupported``, a sentence on the framework's version).
-    ``on_install(originals)``, if given, runs before the attributes are
-    replaced, with ``{(cls, name): original}`` (an adapter's replacement
-    may call an original).
 
     Fields: ``_originals``, None when not installed, else the ``(cls, name,
     original)`` triples install() replaced; guarded by ``_lock``.
     """
 
-    def __init__(self, adapter, patches, unsupported, on_install=None):
+    def __init__(self, adapter, patches, unsupported):
         self._adapter = adapter
         self._patches = tuple(patches)
         self._unsupported = unsupported
-        self._on_install = on_install
         self._originals = None
         self._lock = threading.Lock()
 
@@ -58,8 +54,6 @@ class Patches:
                     raise RuntimeError(f"{self._adapter}: {cls.__module__}.{cls.__name__} has no "
                                        f"{name}; {self._unsupported()}")
             originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in self._patches]
-            if self._on_install is not None:
-                self._on_install({(cls, name): original for cls, name, original in originals})
             for cls, name, replacement in self._patches:
                 setattr(cls, name, replacement)
             self._originals = originals
