@@ -21,8 +21,9 @@ disturb the figures less.
 What is timed:
 
 - *backward*: ``y.backward()`` on a graph built, for each engine, before
-  any sample (with the adapter installed for pyengine, since the nodes are
-  made in forward); the leaves' ``.grad`` is cleared before each sample.
+  any sample (with the adapter installed for pyengine: DeZero's nodes are
+  made in forward; micrograd's graph is read at backward); the leaves'
+  ``.grad`` is cleared before each sample.
   The graphs are then frozen out of the cyclic GC (``gc.freeze()``), and
   ``gc.collect()`` runs before each sample; the GC stays enabled while
   timing. Before timing, one backward per engine runs and the leaf
@@ -425,8 +426,8 @@ def micrograd_benchmarks():
         return sample
 
     # Where an MLP node's time goes: micrograd's own topological sort, the
-    # closures alone (in that order), and the engine alone (nodes that call a
-    # C no-op instead of the closure).
+    # closures alone (in that order), and the engine alone (the owner graph
+    # run with each Value's _backward a C no-op instead of the closure).
     native_root = graphs["native"]["mlp"][1]
     pyengine_root = graphs["pyengine"]["mlp"][1]
     nodes = sum(1 for value in all_values(pyengine_root) if value._prev)
@@ -470,7 +471,7 @@ def micrograd_benchmarks():
     components = [
         Component("micrograd MLP: micrograd's topological sort", sort_only, nodes),
         Component("micrograd MLP: the closures alone", closures, nodes),
-        Component("micrograd MLP: engine alone (nodes call a C no-op, not the closure)", engine_only,
+        Component("micrograd MLP: engine alone (each _backward a C no-op, not the closure)", engine_only,
                   nodes),
     ]
 

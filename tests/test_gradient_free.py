@@ -370,8 +370,8 @@ def test_closures_that_write_gradients_get_the_analytic_derivatives():
 
 class CoreScalar:
     """A Scalar whose node is the core's own GradientFreeNodeBase, kept with
-    its Edge among the value's attributes (as micrograd's adapter keeps
-    them), so that copying the value copies them."""
+    its Edge among the value's attributes (as a framework that makes its
+    nodes at forward keeps them), so that copying the value copies them."""
 
     def __init__(self, data, inputs=(), backward=None):
         self.data = data

@@ -146,8 +146,8 @@ def _check_next_edges(next_edges):
 
 # Note [Shared empty input metadata]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A node made without input metadata (micrograd's, one per forward
-# operation) gets no list of its own: its ``_input_metadata`` is one empty
+# A node made without input metadata (a gradient-free node, one per value
+# a forward makes) gets no list of its own: its ``_input_metadata`` is one empty
 # list shared by all such nodes, which saves an allocation per node, and
 # one object per node for the cyclic GC to count and traverse. Sharing is
 # safe because nothing mutates an empty ``_input_metadata`` in place:
@@ -307,8 +307,8 @@ class GradientFreeNodeBase(NodeBase):
 # Note [Copying a GradientFreeNode]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A framework may keep a value's node and Edge among the value's attributes
-# (micrograd's adapter does), and then ``copy.deepcopy`` of a value copies
-# them too. So an Edge copies as ``Edge(node, input_nr)`` and a
+# (one that makes its nodes at forward), and then ``copy.deepcopy`` of a
+# value copies them too. So an Edge copies as ``Edge(node, input_nr)`` and a
 # gradient-free node as ``type(node)(owner, method, next_edges)``, each
 # argument copied along: a deep copy of a value is a value whose node's
 # owner is the copy, with copies of the nodes below it (the copy module's
