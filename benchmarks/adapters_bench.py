@@ -545,7 +545,9 @@ GOALS = {
     "DeZero chain 10k, backward": (2.0, "DeZero on pyengine >= 2x faster on the chain"),
     "DeZero wide 1000x10, backward": (5.0, "DeZero on pyengine >= 5x faster on the wide graph"),
     "micrograd chain 10k, backward": (1.0, "micrograd on pyengine no slower than native (chain)"),
-    "micrograd MLP backward": (1.0, "micrograd on pyengine no slower than native (MLP)"),
+    "micrograd MLP backward": (1.0, "micrograd on pyengine no slower than native (MLP backward)"),
+    "micrograd MLP step (forward+backward+SGD)": (
+        1.0, "micrograd on pyengine no slower than native (MLP training step)"),
 }
 
 
