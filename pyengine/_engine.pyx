@@ -38,10 +38,12 @@ Everything a node sees is as in ``thread_main``: the graph task's grad mode
 and ``current_graph_task`` while it runs, its hooks through the twin's
 ``call_function``, the profiler, anomaly mode's note on an error, which
 stops the backward, and the final callbacks once all nodes ran. On a
-micrograd MLP's backward the engine's share is a third fewer instructions
-per node than through ``thread_main`` (callgrind; ``benchmarks/RESULTS.md``
-has the times). The twin has no such loop: it runs these graphs through its
-ReadyQueue, in the same order.
+micrograd MLP's graph made of such nodes the engine's share is a third
+fewer instructions per node than through ``thread_main`` (callgrind;
+``benchmarks/RESULTS.md`` has the times). The twin has no such loop: it
+runs these graphs through its ReadyQueue, in the same order. (An owner
+graph needs no nodes at all: See Note [Owner graphs] in
+``pyengine/_pure/owner_graph.py``.)
 """
 
 cimport cython

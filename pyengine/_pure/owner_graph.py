@@ -84,14 +84,15 @@ def owner_graph_post_order(root, children):
     in the depth-first post-order of Note [Owner graphs]. Empty when
     ``root`` is a leaf. Iterative, so any depth works. Owners are told
     apart by identity, whatever their ``==``."""
-    if not getattr(root, children):
+    collection = getattr(root, children)
+    if not collection:
         return []
     seen = {id(root): _ON_STACK}
     held = [root]  # keeps every owner seen alive, so that its id stays its own
     order = []
     # Frames: [owner, iterator over its children, its non-leaf children so
     # far, and their ids].
-    stack = [[root, iter(getattr(root, children)), [], set()]]
+    stack = [[root, iter(collection), [], set()]]
     while stack:
         frame = stack[-1]
         for child in frame[1]:
