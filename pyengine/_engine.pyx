@@ -60,7 +60,8 @@ from libcpp.mutex cimport mutex, unique_lock
 from libcpp.vector cimport vector
 from libc.stdint cimport uint64_t
 
-from pyengine._graph_task cimport ExecInfo, GraphTask, NodePtr, find_exec_info, new_graph_task
+from pyengine._graph_task cimport (ExecInfo, GraphTask, NodePtr, find_exec_info, new_graph_task,
+                                   running_thread_state)
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._locks cimport lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
@@ -465,11 +466,7 @@ cdef class Engine:
         cdef NodeBase node
         cdef ThreadState* thread = thread_state()
         cdef ThreadState previous = thread[0]
-        # What thread_main sets while a node of graph_task runs.
-        cdef ThreadState running = thread[0]
-        running.current_graph_task = <PyObject*>graph_task
-        running.grad_enabled = graph_task.grad_mode
-        running.checkpoint_valid = True
+        cdef ThreadState running = running_thread_state(graph_task)
         worker.worker_device = CPU_DEVICE
         graph_task.owner = CPU_DEVICE
         Py_INCREF(graph_root)

@@ -10,6 +10,7 @@ from libcpp.mutex cimport mutex
 from libcpp.unordered_map cimport unordered_map
 
 from pyengine._ready_queue cimport ReadyQueue
+from pyengine._state cimport ThreadState, thread_state
 
 ctypedef PyObject* NodePtr
 ctypedef PyObject* InputBufferPtr
@@ -98,3 +99,15 @@ cdef inline ExecInfo find_exec_info(dict exec_info, object node):
     if info == NULL:
         return None
     return <ExecInfo?>info
+
+
+cdef inline ThreadState running_thread_state(GraphTask graph_task) noexcept:
+    """This thread's state as thread_main sets it while a node of
+    ``graph_task`` runs (PyTorch's ThreadLocalStateGuard), for a graph task
+    that runs every node (no ``exec_info``): what the engine's own loops
+    for gradient-free nodes and owner graphs set around each call."""
+    cdef ThreadState running = thread_state()[0]
+    running.current_graph_task = <PyObject*>graph_task
+    running.grad_enabled = graph_task.grad_mode
+    running.checkpoint_valid = True
+    return running

@@ -13,7 +13,7 @@ from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libcpp.vector cimport vector
 
-from pyengine._graph_task cimport DependencyMap, GraphTask
+from pyengine._graph_task cimport DependencyMap, GraphTask, running_thread_state
 from pyengine._state cimport ThreadState, thread_state
 
 from pyengine._pure.owner_graph import cycle_error
@@ -158,11 +158,7 @@ cdef int run_owner_graph(object root, str children, str method,
     post_order(root, children, held, order)
     cdef ThreadState* thread = thread_state()
     cdef ThreadState previous = thread[0]
-    # What thread_main sets while a node of graph_task runs.
-    cdef ThreadState running = thread[0]
-    running.current_graph_task = <PyObject*>graph_task
-    running.grad_enabled = graph_task.grad_mode
-    running.checkpoint_valid = True
+    cdef ThreadState running = running_thread_state(graph_task)
     cdef Py_ssize_t i = <Py_ssize_t>order.size() - 1
     while i >= 0:
         thread[0] = running
