@@ -30,8 +30,8 @@ post-order among the ready ones; and the node latest in the post-order
 among those not run yet is always ready, because each of its consumers
 finished the search after it (a consumer reaches its child before it
 finishes), so comes later in the post-order and has run. So the nodes run
-in exactly the reverse post-order, and nothing is read at backward but the
-graph itself. Two consequences:
+in exactly the reverse post-order, and running them in that order needs no
+dependency counts and no ready queue. Two consequences:
 
 - A depth-first post-order that visits the collections in their iteration
   order is what micrograd's own ``backward`` computes (its recursive
@@ -47,7 +47,8 @@ graph itself. Two consequences:
   forward or at backward, makes the GC's collections both more frequent
   and longer (``benchmarks/RESULTS.md`` has the figures). Inside another
   backward (reentrant), with a profiler, or with anomaly mode on, it runs
-  the translation instead, where those have nodes to report.
+  the translation instead: the enclosing graph task, the profiler's events
+  and anomaly mode's notes need nodes.
 
 The graph belongs to the framework: it is read at each backward and never
 released, so backward can run again. An owner graph with a cycle (an owner
@@ -78,6 +79,23 @@ _NODE = 1  # finished, and it has children: it has a node
 _LEAF = 2  # no children: no node
 
 
+class _Frame:
+    """The search's place in one owner's collection of children."""
+
+    __slots__ = ("owner", "children", "node_children", "node_child_ids")
+
+    def __init__(self, owner, collection):
+        self.owner = owner
+        self.children = iter(collection)
+        self.node_children = []  # its distinct non-leaf children so far
+        self.node_child_ids = set()
+
+    def add_node_child(self, child):
+        if id(child) not in self.node_child_ids:
+            self.node_child_ids.add(id(child))
+            self.node_children.append(child)
+
+
 def owner_graph_post_order(root, children):
     """The non-leaf owners under ``root`` (its own ``children`` collection
     included), each with the list of its distinct non-leaf children: pairs
@@ -90,12 +108,10 @@ def owner_graph_post_order(root, children):
     seen = {id(root): _ON_STACK}
     held = [root]  # keeps every owner seen alive, so that its id stays its own
     order = []
-    # Frames: [owner, iterator over its children, its non-leaf children so
-    # far, and their ids].
-    stack = [[root, iter(collection), [], set()]]
+    stack = [_Frame(root, collection)]
     while stack:
         frame = stack[-1]
-        for child in frame[1]:
+        for child in frame.children:
             child_state = seen.get(id(child))
             if child_state is None:
                 held.append(child)
@@ -104,19 +120,17 @@ def owner_graph_post_order(root, children):
                     seen[id(child)] = _LEAF
                     continue
                 seen[id(child)] = _ON_STACK
-                frame[2].append(child)
-                frame[3].add(id(child))
-                stack.append([child, iter(grandchildren), [], set()])
-                break
+                frame.add_node_child(child)
+                stack.append(_Frame(child, grandchildren))
+                break  # search the child first; this frame resumes after it
             if child_state == _ON_STACK:
                 raise cycle_error(child, children)
-            if child_state == _NODE and id(child) not in frame[3]:
-                frame[2].append(child)
-                frame[3].add(id(child))
+            if child_state == _NODE:
+                frame.add_node_child(child)
         else:
             stack.pop()
-            seen[id(frame[0])] = _NODE
-            order.append((frame[0], frame[2]))
+            seen[id(frame.owner)] = _NODE
+            order.append((frame.owner, frame.node_children))
     return order
 
 
