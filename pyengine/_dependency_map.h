@@ -45,10 +45,18 @@ class pyengine_DependencyMap {
         return --slot.count == 0 ? 1 : 0;
     }
 
-    // The edges into node not delivered yet (those added, for a map used
-    // to count visits): 0 when node is not in the map.
-    Py_ssize_t count(PyObject *node) {
-        return find_slot(slots_, node).count;
+    // add(node), for a map that counts visits: returns the count before
+    // this one, 0 when node was not in the map yet. One probe sequence.
+    Py_ssize_t add_counting(PyObject *node) {
+        if (2 * (used_ + 1) > slots_.size()) {
+            grow();
+        }
+        Slot &slot = find_slot(slots_, node);
+        if (slot.node == nullptr) {
+            slot.node = node;
+            ++used_;
+        }
+        return slot.count++;
     }
 
   private:

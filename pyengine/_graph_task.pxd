@@ -20,7 +20,7 @@ cdef extern from "_dependency_map.h" nogil:
         DependencyMap()
         bint add(PyObject* node)
         int remove(PyObject* node)
-        Py_ssize_t count(PyObject* node)
+        Py_ssize_t add_counting(PyObject* node)
 
 
 @cython.final

@@ -109,8 +109,8 @@ cdef int post_order(object root, str children, list held, vector[PyObject*]& ord
     cdef object collection = getattr(root, children)
     if not collection:
         return 0
-    # Visits counted per owner: 1 while its search runs, 2 once it finished
-    # (a leaf finishes at once).
+    # Visits counted per owner: 1 while its search runs, 2 or more once it
+    # finished (a leaf finishes at once).
     cdef DependencyMap seen
     cdef vector[Frame] stack
     cdef PyObject* child
@@ -127,13 +127,12 @@ cdef int post_order(object root, str children, list held, vector[PyObject*]& ord
                 Py_DECREF(<object>stack.back().children)
                 stack.pop_back()
                 continue
-            visits = seen.count(child)
+            visits = seen.add_counting(child)
             if visits == 1:
                 raise cycle_error(<object>child, children)
-            if visits == 2:
+            if visits >= 2:
                 continue
             held.append(<object>child)
-            seen.add(child)
             collection = getattr(<object>child, children)
             if not collection:
                 seen.add(child)  # a leaf
