@@ -1,8 +1,7 @@
 """The default engine, and swapping another one in.
 
 ``backward``, ``grad``, ``queue_callback`` and ``execute_owner_graph`` run
-on the engine returned by
-:func:`get_default_engine`. Any object with PyTorch's
+on the engine returned by :func:`get_default_engine`. Any object with PyTorch's
 ``execute(roots, grads, keep_graph, create_graph, accumulate_grad, outputs)``
 and ``queue_callback(callback)`` can replace it. Also here: whether device
 nodes run on the devices' worker threads (``set_multithreading_enabled``).

@@ -146,6 +146,30 @@ def test_the_translation_paths_keep_the_order(seed, no_anomaly_warning):
     assert log == expected
 
 
+def test_an_engine_without_owner_graphs_runs_the_translation():
+    """An engine swapped in that has only PyTorch's execute and
+    queue_callback gets the translated graph."""
+    root, log = random_owner_graph(0, "set")
+    default = pyengine.get_default_engine()
+    calls = []
+
+    class ExecuteOnly:
+        def execute(self, roots, grads, *args):
+            calls.append([type(edge.node) for edge in roots])
+            return default.execute(roots, grads, *args)
+
+        def queue_callback(self, callback):
+            return default.queue_callback(callback)
+
+    previous = pyengine.set_default_engine(ExecuteOnly())
+    try:
+        run_owner_graph(root)
+    finally:
+        pyengine.set_default_engine(previous)
+    assert calls == [[pyengine._core.GradientFreeNodeBase]]
+    assert log == reference_order(root)
+
+
 def test_a_leaf_root_runs_nothing():
     log = []
     leaf = Owner("leaf", (), log)
