@@ -21,18 +21,9 @@ class pyengine_DependencyMap {
 
     // One more edge into node. True when node was not in the map yet.
     bool add(PyObject *node) {
-        if (2 * (used_ + 1) > slots_.size()) {
-            grow();
-        }
-        Slot &slot = find_slot(slots_, node);
-        if (slot.node == nullptr) {
-            slot.node = node;
-            slot.count = 1;
-            ++used_;
-            return true;
-        }
-        ++slot.count;
-        return false;
+        bool inserted;
+        ++insert(node, &inserted).count;
+        return inserted;
     }
 
     // One edge into node delivered: 1 when that was its last, 0 when more are
@@ -46,17 +37,10 @@ class pyengine_DependencyMap {
     }
 
     // add(node), for a map that counts visits: returns the count before
-    // this one, 0 when node was not in the map yet. One probe sequence.
+    // this one (0 when node was not in the map yet). One probe sequence.
     Py_ssize_t add_counting(PyObject *node) {
-        if (2 * (used_ + 1) > slots_.size()) {
-            grow();
-        }
-        Slot &slot = find_slot(slots_, node);
-        if (slot.node == nullptr) {
-            slot.node = node;
-            ++used_;
-        }
-        return slot.count++;
+        bool inserted;
+        return insert(node, &inserted).count++;
     }
 
   private:
@@ -64,6 +48,21 @@ class pyengine_DependencyMap {
         PyObject *node = nullptr;
         Py_ssize_t count = 0;
     };
+
+    // node's slot, made with a count of 0 when node was not in the map
+    // (*inserted says which).
+    Slot &insert(PyObject *node, bool *inserted) {
+        if (2 * (used_ + 1) > slots_.size()) {
+            grow();
+        }
+        Slot &slot = find_slot(slots_, node);
+        *inserted = slot.node == nullptr;
+        if (*inserted) {
+            slot.node = node;
+            ++used_;
+        }
+        return slot;
+    }
 
     static size_t hash(PyObject *node) {
         // Objects are 16-byte aligned. Nodes made one after the other lie
