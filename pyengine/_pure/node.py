@@ -147,9 +147,9 @@ def _check_next_edges(next_edges):
 # Note [Shared empty input metadata]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A node made without input metadata (a gradient-free node, one per value
-# a forward makes) gets no list of its own: its ``_input_metadata`` is one empty
-# list shared by all such nodes, which saves an allocation per node, and
-# one object per node for the cyclic GC to count and traverse. Sharing is
+# a forward makes) gets no list of its own: its ``_input_metadata`` is one
+# empty list shared by all such nodes, which saves an allocation per node,
+# and one object per node for the cyclic GC to count and traverse. Sharing is
 # safe because nothing mutates an empty ``_input_metadata`` in place:
 # ``add_input_metadata``, the only code that mutates the list at all,
 # rebinds a new list when the node's is empty, and appends only to a list
