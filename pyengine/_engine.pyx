@@ -63,7 +63,7 @@ from libc.stdint cimport uint64_t
 from pyengine._graph_task cimport (ExecInfo, GraphTask, NodePtr, find_exec_info, new_graph_task,
                                    running_thread_state)
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
-from pyengine._locks cimport lock_releasing_gil
+from pyengine._locks cimport is_main_thread, lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
 from pyengine._owner_graph cimport run_owner_graph
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
@@ -79,7 +79,8 @@ from time import perf_counter_ns as _perf_counter_ns
 from pyengine import backends as _backends
 from pyengine import streams as _streams
 from pyengine._pure import hooks as _hooks
-from pyengine._pure.engine import SHUTDOWN_ERROR, _DeviceThreads
+from pyengine._pure.engine import (SHUTDOWN_ERROR, _DeviceThreads, pool_full_message,
+                                   total_depth_message)
 from pyengine._pure.node import node_device, not_initialized_message
 from pyengine._pure.owner_graph import check_owner_graph_arguments, execute_translated
 from pyengine._validate_outputs import NodeErrorFormat, plain_error_format
@@ -94,8 +95,11 @@ DEF NO_DEVICE = -2
 DEF CPU_DEVICE = -1
 
 # Levels of reentrant backward run inline on one thread before a pool thread
-# takes over. See Note [Reentrant backward].
+# takes over; levels of reentrant backward in all; threads of the reentrant
+# pool. See Note [Reentrant backward] and Note [Bounds on reentrant backward].
 MAX_RECURSION_DEPTH = 60
+MAX_TOTAL_DEPTH = 4096
+MAX_POOL_THREADS = 256
 
 
 cdef extern from "_gradient_free_queue.h" nogil:
@@ -116,9 +120,12 @@ cdef class WorkerState:
     # Reentrant levels in all, on this thread and the threads that handed off to it.
     cdef int total_depth
     cdef ReadyQueue local_ready_queue
+    # Whether this thread runs signal handlers: See Note [Waits honour signals].
+    cdef bint on_main_thread
 
     def __cinit__(self):
         self.worker_device = NO_DEVICE
+        self.on_main_thread = is_main_thread()
 
 
 _thread_local = threading.local()
@@ -293,13 +300,16 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs):
 @cython.final
 cdef class _ThreadPoolShared:
     """Graph tasks handed off by a too-deep reentrant backward, and the pool
-    threads that run them. ``graph_tasks`` (owned references), ``num_idle``
-    and ``stopping`` are guarded by ``mutex_``; ``work`` is signalled under
-    it. ``threads`` is guarded by the GIL."""
+    threads that run them. ``graph_tasks`` (owned references), ``num_idle``,
+    ``num_threads`` (started or starting, not yet ended: at most the
+    engine's ``max_pool_threads``) and ``stopping`` are guarded by
+    ``mutex_``; ``work`` is signalled under it. ``threads`` (the started
+    ones, for ``stop`` to join) is guarded by the GIL."""
     cdef mutex mutex_
     cdef condition_variable work
     cdef deque[PyObject*] graph_tasks
     cdef size_t num_idle
+    cdef Py_ssize_t num_threads
     cdef bint stopping
     cdef list threads
 
@@ -318,11 +328,21 @@ cdef class Engine:
     """PyTorch's autograd engine. One default instance serves every thread;
     see :func:`pyengine.get_default_engine`."""
     cdef public int max_recursion_depth
+    cdef public int max_total_depth
+    cdef public int max_pool_threads
     cdef _ThreadPoolShared _pool
     cdef object _devices
 
-    def __init__(self, int max_recursion_depth=MAX_RECURSION_DEPTH):
+    def __init__(self, int max_recursion_depth=MAX_RECURSION_DEPTH,
+                 int max_total_depth=MAX_TOTAL_DEPTH, int max_pool_threads=MAX_POOL_THREADS):
+        """``max_recursion_depth``: reentrant levels run inline on one thread;
+        ``max_total_depth``: reentrant levels in all, past which a reentrant
+        backward raises RecursionError; ``max_pool_threads``: threads of the
+        reentrant pool, past which a hand-off raises RuntimeError. See
+        Note [Bounds on reentrant backward]."""
         self.max_recursion_depth = max_recursion_depth
+        self.max_total_depth = max_total_depth
+        self.max_pool_threads = max_pool_threads
         self._pool = _ThreadPoolShared()
         self._devices = _DeviceThreads(ReadyQueue)
 
@@ -383,7 +403,11 @@ cdef class Engine:
             self.run_gradient_free(worker, graph_task, graph_root, input_buffer.buffer)
         else:
             self.execute_with_graph_task(worker, graph_task, graph_root, input_buffer.buffer)
-        graph_task.wait()
+        try:
+            graph_task.wait()
+        except BaseException as error:
+            cancel_graph_task(graph_task, error)
+            raise
         if graph_task.exception_ is not None:
             # Take the error off the task: the traceback must not keep the task alive.
             error = graph_task.exception_
@@ -441,6 +465,10 @@ cdef class Engine:
                 worker.worker_device = NO_DEVICE
         else:
             # A reentrant backward. See Note [Reentrant backward].
+            if graph_task.reentrant_depth > self.max_total_depth:
+                # See Note [Bounds on reentrant backward].
+                raise RecursionError(total_depth_message(graph_task.reentrant_depth,
+                                                         self.max_total_depth))
             graph_task.owner = worker.worker_device
             push_task(queue, graph_task, graph_root, inputs)
             if worker.current_depth >= self.max_recursion_depth:
@@ -519,55 +547,74 @@ cdef class Engine:
         cdef GraphTask local_graph_task
         cdef ThreadState* thread = thread_state()
         cdef ThreadState previous
-        while graph_task is None or not graph_task.future_completed_.load():
-            if not queue.try_pop_record(&record):
-                with nogil:
-                    record = queue.pop_record()
-            if record.is_shutdown:
-                release_record(&record)
-                break
-            if record.node == NULL:
-                # A wake-up task: loop back and look at graph_task again.
-                release_record(&record)
-                continue
-            local_graph_task = <GraphTask>record.graph_task
-            # The graph task's thread-local state while its node runs, as
-            # PyTorch's ThreadLocalStateGuard.
-            previous = thread[0]
-            thread.current_graph_task = record.graph_task
-            thread.grad_enabled = local_graph_task.grad_mode
-            thread.checkpoint_valid = not local_graph_task.exec_info
-            try:
-                if not local_graph_task.has_error_.load():
-                    # One check per node when nobody profiles.
-                    if profiler() == NULL:
-                        self.evaluate_function(local_graph_task, <NodeBase>record.node,
-                                               <list>record.inputs)
-                    else:
-                        self.evaluate_profiled(local_graph_task, <NodeBase>record.node,
-                                               <list>record.inputs)
-            except BaseException as error:
-                if anomaly_enabled():
-                    _hooks.add_anomaly_note(error, <object>record.node)
-                local_graph_task.set_exception(error)
-            finally:
-                thread[0] = previous
-                # Drop the task's references before the graph task may complete.
-                release_record(&record)
-            local_graph_task.outstanding_tasks_.fetch_sub(1)
-            if (local_graph_task.outstanding_tasks_.load() == 0
-                    or (local_graph_task.exit_on_error and local_graph_task.has_error_.load())):
-                local_graph_task.mark_as_completed_and_run_post_processing()
-                if worker.worker_device != local_graph_task.owner:
-                    # The owner may sleep in pop(): wake it up.
-                    self.ready_queue_by_index(local_graph_task.cpu_ready_queue,
-                                              local_graph_task.owner).push_record(
-                        make_record(local_graph_task, None, None, 0, 0))
-            # Let go of the task now: a worker about to sleep in pop() must not
-            # keep its last graph alive until the next task comes.
-            local_graph_task = None
+        # See Note [Waits honour signals].
+        cdef bint on_main_thread = graph_task is not None and worker.on_main_thread
+        try:
+            while graph_task is None or not graph_task.future_completed_.load():
+                if not queue.try_pop_record(&record):
+                    with nogil:
+                        queue.pop_record(&record, on_main_thread)
+                if record.is_shutdown:
+                    release_record(&record)
+                    break
+                if record.node == NULL:
+                    # A wake-up task: loop back and look at graph_task again.
+                    release_record(&record)
+                    continue
+                local_graph_task = <GraphTask>record.graph_task
+                # The graph task's thread-local state while its node runs, as
+                # PyTorch's ThreadLocalStateGuard.
+                previous = thread[0]
+                thread.current_graph_task = record.graph_task
+                thread.grad_enabled = local_graph_task.grad_mode
+                thread.checkpoint_valid = not local_graph_task.exec_info
+                try:
+                    if not local_graph_task.has_error_.load():
+                        # One check per node when nobody profiles.
+                        if profiler() == NULL:
+                            self.evaluate_function(local_graph_task, <NodeBase>record.node,
+                                                   <list>record.inputs)
+                        else:
+                            self.evaluate_profiled(local_graph_task, <NodeBase>record.node,
+                                                   <list>record.inputs)
+                except BaseException as error:
+                    if anomaly_enabled():
+                        _hooks.add_anomaly_note(error, <object>record.node)
+                    local_graph_task.set_exception(error)
+                finally:
+                    thread[0] = previous
+                    # Drop the task's references before the graph task may complete.
+                    release_record(&record)
+                local_graph_task.outstanding_tasks_.fetch_sub(1)
+                if (worker.worker_device != local_graph_task.owner
+                        and local_graph_task.has_error_.load()):
+                    # Tasks this node queued for an owner that may have gone:
+                    # See Note [Cancelling a graph task].
+                    local_graph_task.outstanding_tasks_.fetch_sub(
+                        self.ready_queue_by_index(local_graph_task.cpu_ready_queue,
+                                                  local_graph_task.owner)
+                        .discard_graph_task_records(local_graph_task))
+                if (local_graph_task.outstanding_tasks_.load() == 0
+                        or (local_graph_task.exit_on_error and local_graph_task.has_error_.load())):
+                    local_graph_task.mark_as_completed_and_run_post_processing()
+                    if worker.worker_device != local_graph_task.owner:
+                        # The owner may sleep in pop(): wake it up. A wake-up
+                        # holds no graph task, so that one left in the queue of
+                        # an owner that has gone keeps nothing alive.
+                        self.ready_queue_by_index(local_graph_task.cpu_ready_queue,
+                                                  local_graph_task.owner).push_record(
+                            make_record(None, None, None, 0, 0))
+                # Let go of the task now: a worker about to sleep in pop() must not
+                # keep its last graph alive until the next task comes.
+                local_graph_task = None
+        except BaseException as error:
+            # A wait interrupted (See Note [Waits honour signals]), or an error
+            # outside any node: the graph task this loop drives ends with it.
+            if graph_task is not None:
+                cancel_graph_task(graph_task, error)
+            raise
         if graph_task is not None and graph_task.has_error_.load():
-            queue.discard_graph_task(graph_task)
+            queue.discard_graph_task_records(graph_task)
         return 0
 
     cdef int evaluate_function(self, GraphTask graph_task, NodeBase node,
@@ -730,20 +777,58 @@ cdef class Engine:
 
     cdef int add_thread_pool_task(self, GraphTask graph_task) except -1:
         """Hand ``graph_task`` to a pool thread and block, without the GIL, until
-        it completes. See Note [Reentrant backward]."""
+        it completes. See Note [Reentrant backward] and Note [Bounds on
+        reentrant backward]."""
         cdef _ThreadPoolShared pool = self._pool
         lock_releasing_gil(pool.mutex_)
+        # PyTorch's rule: a new thread unless an idle one is left over for it.
+        cdef bint start_thread = pool.num_idle <= pool.graph_tasks.size()
+        if start_thread and pool.num_threads >= self.max_pool_threads:
+            pool.mutex_.unlock()
+            error = RuntimeError(pool_full_message(graph_task.reentrant_depth,
+                                                   self.max_pool_threads))
+            cancel_graph_task(graph_task, error)
+            raise error
+        if start_thread:
+            pool.num_threads += 1
         Py_INCREF(graph_task)
         pool.graph_tasks.push_back(<PyObject*>graph_task)
-        cdef bint start_thread = pool.num_idle < pool.graph_tasks.size()
         pool.mutex_.unlock()
-        if start_thread:
-            thread = threading.Thread(target=self._reentrant_thread_main,
-                                      name="pyengine-reentrant", daemon=True)
-            pool.threads.append(thread)
+        try:
+            if start_thread:
+                self.start_pool_thread(graph_task)
+            pool.work.notify_one()
+            graph_task.wait()
+        except BaseException as error:
+            # A thread that did not start, or Ctrl-C while waiting: the
+            # child ends here. See Note [Cancelling a graph task].
+            withdraw_pool_task(pool, graph_task)
+            cancel_graph_task(graph_task, error)
+            raise
+        return 0
+
+    cdef int start_pool_thread(self, GraphTask graph_task) except -1:
+        """Start a pool thread, its slot in ``num_threads`` already taken; if
+        it cannot start, give the slot back and raise RuntimeError."""
+        cdef _ThreadPoolShared pool = self._pool
+        thread = threading.Thread(target=self._reentrant_thread_main,
+                                  name="pyengine-reentrant", daemon=True)
+        pool.threads.append(thread)
+        try:
             thread.start()
-        pool.work.notify_one()
-        graph_task.wait()
+        except BaseException as error:
+            if thread.ident is not None:
+                # It started (Ctrl-C came while start() waited for it).
+                raise
+            pool.threads.remove(thread)
+            lock_releasing_gil(pool.mutex_)
+            pool.num_threads -= 1
+            pool.mutex_.unlock()
+            if not isinstance(error, Exception):
+                raise
+            raise RuntimeError(
+                f"could not start a reentrant pool thread for a backward nested "
+                f"{graph_task.reentrant_depth} levels deep: {error}") from error
         return 0
 
     def _reentrant_thread_main(self):
@@ -752,32 +837,38 @@ cdef class Engine:
         cdef PyObject* next_graph_task = NULL
         cdef GraphTask graph_task
         cdef unique_lock[mutex] lock
-        while True:
-            with nogil:
-                lock = unique_lock[mutex](pool.mutex_)
-                pool.num_idle += 1
-                while pool.graph_tasks.empty() and not pool.stopping:
-                    pool.work.wait(lock)
-                pool.num_idle -= 1
-                if pool.stopping:
-                    next_graph_task = NULL
-                else:
-                    next_graph_task = pool.graph_tasks.front()
-                    pool.graph_tasks.pop_front()
-                lock.unlock()
-            if next_graph_task == NULL:
-                pool.threads.remove(threading.current_thread())
-                return
-            graph_task = <GraphTask>next_graph_task
-            Py_DECREF(graph_task)  # the pool's reference; graph_task holds one
-            worker.worker_device = graph_task.owner
-            worker.local_ready_queue = graph_task.cpu_ready_queue
-            worker.total_depth = graph_task.reentrant_depth
-            worker.current_depth = 0
-            self.thread_main(worker, graph_task)
-            worker.local_ready_queue = None
-            worker.worker_device = NO_DEVICE
-            graph_task = None
+        try:
+            while True:
+                with nogil:
+                    lock = unique_lock[mutex](pool.mutex_)
+                    pool.num_idle += 1
+                    while pool.graph_tasks.empty() and not pool.stopping:
+                        pool.work.wait(lock)
+                    pool.num_idle -= 1
+                    if pool.stopping:
+                        next_graph_task = NULL
+                    else:
+                        next_graph_task = pool.graph_tasks.front()
+                        pool.graph_tasks.pop_front()
+                    lock.unlock()
+                if next_graph_task == NULL:
+                    return
+                graph_task = <GraphTask>next_graph_task
+                Py_DECREF(graph_task)  # the pool's reference; graph_task holds one
+                worker.worker_device = graph_task.owner
+                worker.local_ready_queue = graph_task.cpu_ready_queue
+                worker.total_depth = graph_task.reentrant_depth
+                worker.current_depth = 0
+                self.thread_main(worker, graph_task)
+                worker.local_ready_queue = None
+                worker.worker_device = NO_DEVICE
+                graph_task = None
+        finally:
+            # However it ends, it leaves no dead thread in the pool.
+            pool.threads.remove(threading.current_thread())
+            lock_releasing_gil(pool.mutex_)
+            pool.num_threads -= 1
+            pool.mutex_.unlock()
 
     def stop(self, timeout=1.0):
         """Stop the device and pool threads (at interpreter exit). A backward
@@ -791,7 +882,7 @@ cdef class Engine:
             if not graph_task.future_completed_.load():
                 graph_task.set_exception(error)
                 self.ready_queue_by_index(graph_task.cpu_ready_queue, graph_task.owner).push_record(
-                    make_record(graph_task, None, None, 0, 0))
+                    make_record(None, None, None, 0, 0))
         for queue in device_queues:
             (<ReadyQueue>queue).push_shutdown()
         cdef _ThreadPoolShared pool = self._pool
@@ -855,6 +946,35 @@ cdef inline void push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node
     graph_task.outstanding_tasks_.fetch_add(1)
     queue.push_record(make_record(graph_task, node, inputs, graph_task.reentrant_depth,
                                   node._sequence_nr))
+
+
+cdef int cancel_graph_task(GraphTask graph_task, object error) except -1:
+    """End ``graph_task`` with ``error``, which its caller raises itself: See
+    Note [Cancelling a graph task]."""
+    graph_task.set_exception(error)
+    # The caller raises the error: the task must not keep it (and its traceback).
+    if graph_task.exception_ is error:
+        graph_task.exception_ = None
+    graph_task.cpu_ready_queue.discard_graph_task_records(graph_task)
+    return 0
+
+
+cdef int withdraw_pool_task(_ThreadPoolShared pool, GraphTask graph_task) except -1:
+    """Take ``graph_task`` back from the pool's queue if no thread took it yet."""
+    cdef deque[PyObject*].iterator it
+    cdef bint found = False
+    lock_releasing_gil(pool.mutex_)
+    it = pool.graph_tasks.begin()
+    while it != pool.graph_tasks.end():
+        if deref(it) == <PyObject*>graph_task:
+            pool.graph_tasks.erase(it)
+            found = True
+            break
+        it += 1
+    pool.mutex_.unlock()
+    if found:
+        Py_DECREF(graph_task)  # the pool's reference
+    return 0
 
 
 cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, object gradient,

@@ -17,7 +17,7 @@ from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport NodePtr
-from pyengine._locks cimport lock_releasing_gil
+from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
 from pyengine._node cimport Edge, NodeBase
 from pyengine._ready_queue cimport ReadyQueue
 from pyengine._state cimport ThreadState, thread_state
@@ -312,12 +312,17 @@ cdef class GraphTask:
         finally:
             thread.current_graph_task = previous
 
-    cpdef void wait(self) noexcept:
-        """Block, without the GIL, until the future completed."""
+    cpdef int wait(self) except -1:
+        """Block, without the GIL, until the future completed. On the main
+        thread a signal handler's exception (KeyboardInterrupt) ends the
+        wait: See Note [Waits honour signals] in ``_locks.pxd``; the caller
+        cancels what it waited for."""
         cdef unique_lock[mutex] lock
         if self.future_completed_.load():
-            return
+            return 0
+        cdef bint on_main_thread = is_main_thread()
         with nogil:
             lock = unique_lock[mutex](self.completion_mutex)
             while not self.future_completed_.load():
-                self.completed_cv.wait(lock)
+                wait_honouring_signals(self.completed_cv, lock, on_main_thread)
+        return 0

@@ -17,3 +17,63 @@ cdef inline void lock_releasing_gil(mutex& m) noexcept:
     if not m.try_lock():
         with nogil:
             m.lock()
+
+
+# Note [Waits honour signals]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A thread that waits for the engine (for a task in its ReadyQueue, for a
+# graph task to complete, for a pool thread) waits on a C++ condition
+# variable without the GIL. A signal (Ctrl-C) only sets a flag there:
+# CPython runs the handler on the main thread, at its next bytecode. So the
+# main thread never waits unbounded: it waits in slices of WAIT_SLICE_MS,
+# and between slices, with the engine mutex released, it takes the GIL and
+# calls PyErr_CheckSignals(), which runs pending handlers and raises what
+# they raise (KeyboardInterrupt) out of the wait; a wait ends on a
+# notification as before, so a slice costs nothing when work comes. Other
+# threads never run signal handlers, so they wait without slices: they
+# would take the GIL every slice for nothing.
+#
+# The pure twin waits the same way (wait_honouring_signals in
+# pyengine/_pure/ready_queue.py): Condition.wait(timeout) in slices on the
+# main thread; an interrupted Condition.wait re-takes its lock before it
+# raises, so the twin's waits end with the same exception and no lock held.
+#
+# Whoever waited then cancels what it waited for (See Note [Cancelling a
+# graph task] in pyengine/_pure/engine.py) and lets the exception go on:
+# backward raises KeyboardInterrupt within about a slice.
+
+from libcpp.condition_variable cimport condition_variable
+from libcpp.mutex cimport unique_lock
+from cpython.exc cimport PyErr_CheckSignals
+
+cdef extern from "<chrono>" namespace "std::chrono" nogil:
+    cppclass milliseconds:
+        milliseconds(long long count)
+
+# Short enough for Ctrl-C to feel immediate (the goal is 100 ms), long
+# enough that an idle main thread takes the GIL only 50 times a second.
+cdef enum:
+    WAIT_SLICE_MS = 20
+
+
+cdef inline bint is_main_thread() except -1:
+    """Whether this thread runs signal handlers (CPython's main thread);
+    needs the GIL. See Note [Waits honour signals]."""
+    import threading
+    return threading.get_ident() == threading.main_thread().ident
+
+
+cdef inline int wait_honouring_signals(condition_variable& cv, unique_lock[mutex]& lock,
+                                       bint on_main_thread) except -1 nogil:
+    """``cv.wait(lock)`` without the GIL; on the main thread, one slice of it,
+    then signal handlers run (with ``lock`` released while they do), raising
+    out of the wait with ``lock`` not held. See Note [Waits honour signals]."""
+    if not on_main_thread:
+        cv.wait(lock)
+        return 0
+    cv.wait_for(lock, milliseconds(WAIT_SLICE_MS))
+    lock.unlock()
+    with gil:
+        PyErr_CheckSignals()
+    lock.lock()
+    return 0

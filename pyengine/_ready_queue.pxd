@@ -46,9 +46,15 @@ cdef class ReadyQueue:
     cdef condition_variable not_empty
 
     cdef void push_record(self, NodeTaskRecord record) noexcept
-    cdef NodeTaskRecord pop_record(self) noexcept nogil
+    cdef int pop_record(self, NodeTaskRecord* record, bint on_main_thread) except -1 nogil
     cdef bint try_pop_record(self, NodeTaskRecord* record) noexcept nogil
+    cdef Py_ssize_t discard_graph_task_records(self, object graph_task) except -1
 
+
+# The heap's push and pop: touch no Python object, so they run with or
+# without the GIL; the caller holds the queue's mutex.
+cdef void heap_push(vector[NodeTaskRecord]& heap, NodeTaskRecord record) noexcept nogil
+cdef NodeTaskRecord heap_pop(vector[NodeTaskRecord]& heap) noexcept nogil
 
 cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
                                 int reentrant_depth, uint64_t sequence_nr) noexcept

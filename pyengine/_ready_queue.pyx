@@ -4,7 +4,9 @@ A ReadyQueue is a C++ binary heap of NodeTaskRecords under a std::mutex and
 a condition variable. Records own references to their graph task, node and
 input buffer: taken (with the GIL) when a record is made, handed over
 through the queue, and released (with the GIL) by whoever popped it.
-``pop`` waits with the GIL released. The order is that of Note [Ready queue
+``pop`` waits with the GIL released, in slices on the main thread (See
+Note [Waits honour signals] in ``_locks.pxd``). The heap's push and pop
+are nogil functions. The order is that of Note [Ready queue
 order] in the twin, ``pyengine/_pure/ready_queue.py``, kept by the
 comparator CompareNodeTaskTime and, among tasks that tie in it, by the heap
 algorithms of libstdc++, both in ``_node_task.h`` (See Note [Ties in the
@@ -18,7 +20,20 @@ from libc.stdint cimport uint64_t
 from libcpp.mutex cimport unique_lock
 from libcpp.vector cimport vector
 
-from pyengine._locks cimport lock_releasing_gil
+from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
+
+
+cdef void heap_push(vector[NodeTaskRecord]& heap, NodeTaskRecord record) noexcept nogil:
+    heap.push_back(record)
+    push_heap(heap.begin(), heap.end(), CompareNodeTaskTime())
+
+
+cdef NodeTaskRecord heap_pop(vector[NodeTaskRecord]& heap) noexcept nogil:
+    """Remove and return the front of a non-empty heap."""
+    pop_heap(heap.begin(), heap.end(), CompareNodeTaskTime())
+    cdef NodeTaskRecord record = heap.back()
+    heap.pop_back()
+    return record
 
 
 cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
@@ -80,21 +95,21 @@ cdef class ReadyQueue:
         """Queue ``record``, taking over its references; needs the GIL (it
         never blocks with it: See Note [Locks and the GIL])."""
         lock_releasing_gil(self.mutex_)
-        self.heap.push_back(record)
-        push_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
+        heap_push(self.heap, record)
         self.mutex_.unlock()
         self.not_empty.notify_one()
 
-    cdef NodeTaskRecord pop_record(self) noexcept nogil:
-        """The next record, its references now the caller's; waits while empty.
-        Call it without the GIL."""
+    cdef int pop_record(self, NodeTaskRecord* record, bint on_main_thread) except -1 nogil:
+        """Pop the next record into ``record``, its references now the
+        caller's; waits while empty. Call it without the GIL. On the main
+        thread (``on_main_thread``), signal handlers run while it waits and
+        what they raise ends the wait, with nothing popped (See Note [Waits
+        honour signals])."""
         cdef unique_lock[mutex] lock = unique_lock[mutex](self.mutex_)
         while self.heap.empty():
-            self.not_empty.wait(lock)
-        pop_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
-        cdef NodeTaskRecord record = self.heap.back()
-        self.heap.pop_back()
-        return record
+            wait_honouring_signals(self.not_empty, lock, on_main_thread)
+        record[0] = heap_pop(self.heap)
+        return 0
 
     cdef bint try_pop_record(self, NodeTaskRecord* record) noexcept nogil:
         """Pop into ``record`` if the lock is free and a task is queued; never
@@ -104,11 +119,27 @@ cdef class ReadyQueue:
         if self.heap.empty():
             self.mutex_.unlock()
             return False
-        pop_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
-        record[0] = self.heap.back()
-        self.heap.pop_back()
+        record[0] = heap_pop(self.heap)
         self.mutex_.unlock()
         return True
+
+    cdef Py_ssize_t discard_graph_task_records(self, object graph_task) except -1:
+        """Drop every queued task of ``graph_task``; return how many."""
+        cdef vector[NodeTaskRecord] dropped
+        cdef vector[NodeTaskRecord] kept
+        lock_releasing_gil(self.mutex_)
+        for i in range(self.heap.size()):
+            if self.heap[i].graph_task == <PyObject*>graph_task:
+                dropped.push_back(self.heap[i])
+            else:
+                kept.push_back(self.heap[i])
+        self.heap.swap(kept)
+        make_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
+        self.mutex_.unlock()
+        # Release outside the lock: dropping a reference can run arbitrary code.
+        for i in range(dropped.size()):
+            release_record(&dropped[i])
+        return dropped.size()
 
     def push(self, NodeTask task, increment_outstanding_tasks=True):
         """Queue ``task``; count it as outstanding in its graph task unless it is
@@ -128,9 +159,10 @@ cdef class ReadyQueue:
     def pop(self):
         """The next task; waits (without the GIL) while the queue is empty."""
         cdef NodeTaskRecord record
+        cdef bint on_main_thread = is_main_thread()
         cdef NodeTask task = NodeTask.__new__(NodeTask)
         with nogil:
-            record = self.pop_record()
+            self.pop_record(&record, on_main_thread)
         task.graph_task = <object>record.graph_task if record.graph_task != NULL else None
         task.node = <object>record.node if record.node != NULL else None
         task.inputs = <object>record.inputs if record.inputs != NULL else None
@@ -142,21 +174,7 @@ cdef class ReadyQueue:
 
     def discard_graph_task(self, graph_task):
         """Drop every queued task of ``graph_task`` (after it failed); return how many."""
-        cdef vector[NodeTaskRecord] dropped
-        cdef vector[NodeTaskRecord] kept
-        lock_releasing_gil(self.mutex_)
-        for i in range(self.heap.size()):
-            if self.heap[i].graph_task == <PyObject*>graph_task:
-                dropped.push_back(self.heap[i])
-            else:
-                kept.push_back(self.heap[i])
-        self.heap.swap(kept)
-        make_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
-        self.mutex_.unlock()
-        # Release outside the lock: dropping a reference can run arbitrary code.
-        for i in range(dropped.size()):
-            release_record(&dropped[i])
-        return dropped.size()
+        return self.discard_graph_task_records(graph_task)
 
     def __len__(self):
         lock_releasing_gil(self.mutex_)

@@ -26,6 +26,56 @@ fresh stack, while the caller blocks (with the GIL released) until the child
 completes. A pool thread may in turn go ``max_recursion_depth`` levels deep
 before handing off again, so chains thousands of levels deep complete.
 
+Note [Bounds on reentrant backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A hook that calls backward on its own retained graph nests without end,
+and every ``max_recursion_depth`` levels it takes one more pool thread: left
+alone it starts threads until the system refuses one. PyTorch's engine.cpp
+has no bound here (``total_depth`` only orders the ready queue; its pool
+grows by a thread per hand-off), so pyengine sets three:
+
+- ``max_total_depth`` (default ``MAX_TOTAL_DEPTH``, 4096): a reentrant
+  backward nested deeper than that raises RecursionError before it queues
+  anything, naming the depth and the attribute that raises the limit. The
+  error goes up through every level as that level's error, so the outermost
+  backward raises it, after at most about ``max_total_depth /
+  (max_recursion_depth + 1)`` pool threads (68 with the defaults) took part.
+- ``max_pool_threads`` (default ``MAX_POOL_THREADS``, 256): a hand-off that
+  finds no idle pool thread and this many threads started raises
+  RuntimeError instead of waiting, since the busy threads may all be waiting
+  for it (a deadlock). Several threads that each nest deeply at once share
+  the pool, so it is larger than one chain needs.
+- A pool thread that fails to start (``threading.Thread.start`` raises) is
+  taken off the pool's list and its slot given back, the graph task handed
+  off is taken back and cancelled (See Note [Cancelling a graph task]),
+  and the reentrant ``execute`` raises RuntimeError naming the depth, from
+  the original error. A pool thread that ends for any reason takes itself
+  off the list, so ``stop`` joins only threads that ran.
+
+Note [Cancelling a graph task]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A caller that stops waiting for its graph task (Ctrl-C in a wait: See Note
+[Waits honour signals] in ``pyengine/_locks.pxd``; a pool thread that could
+not start) cancels it with ``cancel_graph_task`` and raises the error
+itself:
+
+- ``set_exception`` marks the task failed and completes its future, so every
+  thread skips its remaining tasks (``thread_main`` runs no node of a task
+  with an error) and a pool thread running it returns once its current
+  node does; the task does not keep the error, whose traceback the caller
+  raises;
+- its tasks queued in its CPU queue (the caller's) are discarded;
+- a node of it still running on a device thread may queue tasks for the
+  owner after it left: that worker, seeing the error, discards them from
+  the owner's queue (counting them as done), and a wake-up it sends holds
+  no graph task, so nothing left in a queue keeps a cancelled task alive.
+
+Only a wait raises in the compiled core; the twin's main thread may see
+KeyboardInterrupt between any two bytecodes, so ``thread_main`` cancels its
+graph task whatever escapes its loop, and ``discard_graph_task`` rebuilds
+the queue's heap. Pool and device threads never see a signal: they keep
+serving, and the engine works afterwards.
+
 Note [AccumulateGrad first]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 AccumulateGrad nodes carry the largest sequence number, so a leaf's
@@ -47,7 +97,7 @@ from .hooks import add_anomaly_note, call_function, call_tensor_pre_hooks, check
 from .input_buffer import InputBuffer
 from .node import Edge, GradientFreeNodeBase, NodeBase, node_device, not_initialized_message
 from .owner_graph import execute_translated
-from .ready_queue import NodeTask, ReadyQueue
+from .ready_queue import NodeTask, ReadyQueue, is_main_thread
 from .validate_outputs import validate_outputs
 
 # worker_device values: the thread runs no engine loop, or the CPU loop.
@@ -56,8 +106,26 @@ NO_DEVICE = -2
 CPU_DEVICE = -1
 
 # Levels of reentrant backward run inline on one thread before a pool thread
-# takes over. See Note [Reentrant backward].
+# takes over; levels of reentrant backward in all; threads of the reentrant
+# pool. See Note [Reentrant backward] and Note [Bounds on reentrant backward].
 MAX_RECURSION_DEPTH = 60
+MAX_TOTAL_DEPTH = 4096
+MAX_POOL_THREADS = 256
+
+
+def total_depth_message(depth, limit):
+    return (f"reentrant backward nested {depth} levels deep, past the engine's "
+            f"max_total_depth of {limit} (a hook or node that calls backward on its own graph "
+            f"recurses without end?); to allow deeper nesting, set "
+            f"pyengine.get_default_engine().max_total_depth or pass "
+            f"Engine(max_total_depth=...)")
+
+
+def pool_full_message(depth, limit):
+    return (f"reentrant backward nested {depth} levels deep needs a pool thread, but all "
+            f"{limit} threads of the engine's reentrant pool are busy; set "
+            f"pyengine.get_default_engine().max_pool_threads or pass "
+            f"Engine(max_pool_threads=...) to allow more")
 
 
 class _WorkerState(threading.local):
@@ -69,6 +137,10 @@ class _WorkerState(threading.local):
     # Reentrant levels in all, on this thread and the threads that handed off to it.
     total_depth = 0
     local_ready_queue = None
+
+    def __init__(self):
+        # Whether this thread runs signal handlers: See Note [Waits honour signals].
+        self.on_main_thread = is_main_thread()
 
 
 _worker_state = _WorkerState()
@@ -99,13 +171,16 @@ class GraphRoot(NodeBase):
 
 class _ThreadPoolShared:
     """Graph tasks handed off by a too-deep reentrant backward, and the pool
-    threads that run them. ``graph_tasks``, ``num_idle`` and ``threads`` are
-    guarded by ``condition``'s lock."""
+    threads that run them. ``graph_tasks``, ``num_idle``, ``num_threads``
+    (started or starting, not yet ended: at most the engine's
+    ``max_pool_threads``), ``threads`` (the started ones, for ``stop`` to
+    join) and ``stopping`` are guarded by ``condition``'s lock."""
 
     def __init__(self):
         self.condition = threading.Condition(threading.Lock())
         self.graph_tasks = []
         self.num_idle = 0
+        self.num_threads = 0
         self.threads = []
         self.stopping = False
 
@@ -176,8 +251,16 @@ class Engine:
     """PyTorch's autograd engine. One default instance serves every thread;
     see :func:`pyengine.get_default_engine`."""
 
-    def __init__(self, max_recursion_depth=MAX_RECURSION_DEPTH):
-        self.max_recursion_depth = max_recursion_depth
+    def __init__(self, max_recursion_depth=MAX_RECURSION_DEPTH, max_total_depth=MAX_TOTAL_DEPTH,
+                 max_pool_threads=MAX_POOL_THREADS):
+        """``max_recursion_depth``: reentrant levels run inline on one thread;
+        ``max_total_depth``: reentrant levels in all, past which a reentrant
+        backward raises RecursionError; ``max_pool_threads``: threads of the
+        reentrant pool, past which a hand-off raises RuntimeError. See
+        Note [Bounds on reentrant backward]."""
+        self.max_recursion_depth = int(max_recursion_depth)
+        self.max_total_depth = int(max_total_depth)
+        self.max_pool_threads = int(max_pool_threads)
         self._pool = _ThreadPoolShared()
         self._devices = _DeviceThreads(ReadyQueue)
 
@@ -223,7 +306,11 @@ class Engine:
             graph_task.init_to_execute(graph_root, list(outputs), accumulate_grad)
 
         self.execute_with_graph_task(graph_task, graph_root, input_buffer)
-        graph_task.wait()
+        try:
+            graph_task.wait()
+        except BaseException as error:
+            cancel_graph_task(graph_task, error)
+            raise
         if graph_task.exception is not None:
             # Take the error off the task: the traceback must not keep the task alive.
             error, graph_task.exception = graph_task.exception, None
@@ -256,6 +343,10 @@ class Engine:
                 worker.worker_device = NO_DEVICE
         else:
             # A reentrant backward. See Note [Reentrant backward].
+            if graph_task.reentrant_depth > self.max_total_depth:
+                # See Note [Bounds on reentrant backward].
+                raise RecursionError(total_depth_message(graph_task.reentrant_depth,
+                                                         self.max_total_depth))
             graph_task.owner = worker.worker_device
             queue.push(NodeTask(graph_task, graph_root, input_buffer.buffer))
             if worker.current_depth >= self.max_recursion_depth:
@@ -293,46 +384,66 @@ class Engine:
         """Pop and run tasks until ``graph_task`` completes (forever for None)."""
         worker = _worker_state
         queue = worker.local_ready_queue
-        while graph_task is None or not graph_task.future_completed:
-            task = queue.pop()
-            if task.is_shutdown:
-                break
-            local_graph_task = task.graph_task
-            if task.node is None:
-                # A wake-up task: loop back and look at graph_task again.
-                continue
-            previous_graph_task = state.set_current_graph_task(local_graph_task)
-            previous_grad_mode = state.is_grad_enabled()
-            state.set_grad_enabled(local_graph_task.grad_mode)
-            previous_checkpoint_valid = state.swap_checkpoint_valid(local_graph_task.can_checkpoint())
-            try:
-                if not local_graph_task.has_error:
-                    profiler = state.profiler()
-                    if profiler is None:
-                        self.evaluate_function(local_graph_task, task.node, task.inputs)
-                    else:
-                        self.evaluate_profiled(profiler, local_graph_task, task.node, task.inputs)
-            except BaseException as error:
-                if state.is_anomaly_enabled():
-                    add_anomaly_note(error, task.node)
-                local_graph_task.set_exception(error)
-            finally:
-                state.swap_checkpoint_valid(previous_checkpoint_valid)
-                state.set_grad_enabled(previous_grad_mode)
-                state.set_current_graph_task(previous_graph_task)
-            # Drop the task's references before the graph task may complete.
-            del task
-            local_graph_task.decrement_outstanding_tasks()
-            if local_graph_task.completed():
-                local_graph_task.mark_as_completed_and_run_post_processing()
+        # See Note [Waits honour signals].
+        on_main_thread = graph_task is not None and worker.on_main_thread
+        try:
+            while graph_task is None or not graph_task.future_completed:
+                task = queue.pop(on_main_thread)
+                if task.is_shutdown:
+                    break
+                local_graph_task = task.graph_task
+                if task.node is None:
+                    # A wake-up task: loop back and look at graph_task again.
+                    continue
+                previous_graph_task = state.set_current_graph_task(local_graph_task)
+                previous_grad_mode = state.is_grad_enabled()
+                state.set_grad_enabled(local_graph_task.grad_mode)
+                previous_checkpoint_valid = state.swap_checkpoint_valid(
+                    local_graph_task.can_checkpoint())
+                try:
+                    if not local_graph_task.has_error:
+                        profiler = state.profiler()
+                        if profiler is None:
+                            self.evaluate_function(local_graph_task, task.node, task.inputs)
+                        else:
+                            self.evaluate_profiled(profiler, local_graph_task, task.node,
+                                                   task.inputs)
+                except BaseException as error:
+                    if state.is_anomaly_enabled():
+                        add_anomaly_note(error, task.node)
+                    local_graph_task.set_exception(error)
+                finally:
+                    state.swap_checkpoint_valid(previous_checkpoint_valid)
+                    state.set_grad_enabled(previous_grad_mode)
+                    state.set_current_graph_task(previous_graph_task)
+                # Drop the task's references before the graph task may complete.
+                del task
+                local_graph_task.decrement_outstanding_tasks()
                 owner = local_graph_task.owner
-                if worker.worker_device != owner:
-                    # The owner may sleep in pop(): wake it up.
-                    self.ready_queue_by_index(local_graph_task.cpu_ready_queue, owner).push(
-                        NodeTask(local_graph_task, None, None))
-            # Let go of the task now: a worker about to sleep in pop() must not
-            # keep its last graph alive until the next task comes.
-            local_graph_task = None
+                if worker.worker_device != owner and local_graph_task.has_error:
+                    # Tasks this node queued for an owner that may have gone:
+                    # See Note [Cancelling a graph task].
+                    dropped = self.ready_queue_by_index(local_graph_task.cpu_ready_queue,
+                                                        owner).discard_graph_task(local_graph_task)
+                    for _ in range(dropped):
+                        local_graph_task.decrement_outstanding_tasks()
+                if local_graph_task.completed():
+                    local_graph_task.mark_as_completed_and_run_post_processing()
+                    if worker.worker_device != owner:
+                        # The owner may sleep in pop(): wake it up. A wake-up
+                        # holds no graph task, so that one left in the queue of
+                        # an owner that has gone keeps nothing alive.
+                        self.ready_queue_by_index(local_graph_task.cpu_ready_queue, owner).push(
+                            NodeTask(None, None, None))
+                # Let go of the task now: a worker about to sleep in pop() must not
+                # keep its last graph alive until the next task comes.
+                local_graph_task = None
+        except BaseException as error:
+            # A wait interrupted (See Note [Waits honour signals]), or an error
+            # outside any node: the graph task this loop drives ends with it.
+            if graph_task is not None:
+                cancel_graph_task(graph_task, error)
+            raise
         if graph_task is not None and graph_task.has_error:
             queue.discard_graph_task(graph_task)
 
@@ -463,39 +574,85 @@ class Engine:
 
     def add_thread_pool_task(self, graph_task):
         """Hand ``graph_task`` to a pool thread and block until it completes.
-        See Note [Reentrant backward]."""
+        See Note [Reentrant backward] and Note [Bounds on reentrant backward]."""
         pool = self._pool
         with pool.condition:
-            pool.graph_tasks.append(graph_task)
-            if pool.num_idle < len(pool.graph_tasks):
-                thread = threading.Thread(target=self._reentrant_thread_main,
-                                          name="pyengine-reentrant", daemon=True)
-                pool.threads.append(thread)
-                thread.start()
-            pool.condition.notify()
-        graph_task.wait()
+            # PyTorch's rule: a new thread unless an idle one is left over for it.
+            start_thread = pool.num_idle <= len(pool.graph_tasks)
+            if start_thread and pool.num_threads >= self.max_pool_threads:
+                full = True
+            else:
+                full = False
+                if start_thread:
+                    pool.num_threads += 1
+                pool.graph_tasks.append(graph_task)
+        if full:
+            error = RuntimeError(pool_full_message(graph_task.reentrant_depth,
+                                                   self.max_pool_threads))
+            cancel_graph_task(graph_task, error)
+            raise error
+        try:
+            if start_thread:
+                self.start_pool_thread(graph_task)
+            with pool.condition:
+                pool.condition.notify()
+            graph_task.wait()
+        except BaseException as error:
+            # A thread that did not start, or Ctrl-C while waiting: the
+            # child ends here. See Note [Cancelling a graph task].
+            withdraw_pool_task(pool, graph_task)
+            cancel_graph_task(graph_task, error)
+            raise
+
+    def start_pool_thread(self, graph_task):
+        """Start a pool thread, its slot in ``num_threads`` already taken; if
+        it cannot start, give the slot back and raise RuntimeError."""
+        pool = self._pool
+        thread = threading.Thread(target=self._reentrant_thread_main,
+                                  name="pyengine-reentrant", daemon=True)
+        with pool.condition:
+            pool.threads.append(thread)
+        try:
+            thread.start()
+        except BaseException as error:
+            if thread.ident is not None:
+                # It started (Ctrl-C came while start() waited for it).
+                raise
+            with pool.condition:
+                pool.threads.remove(thread)
+                pool.num_threads -= 1
+            if not isinstance(error, Exception):
+                raise
+            raise RuntimeError(
+                f"could not start a reentrant pool thread for a backward nested "
+                f"{graph_task.reentrant_depth} levels deep: {error}") from error
 
     def _reentrant_thread_main(self):
         pool = self._pool
         worker = _worker_state
-        while True:
+        try:
+            while True:
+                with pool.condition:
+                    pool.num_idle += 1
+                    while not pool.graph_tasks and not pool.stopping:
+                        pool.condition.wait()
+                    pool.num_idle -= 1
+                    if pool.stopping:
+                        return
+                    graph_task = pool.graph_tasks.pop(0)
+                worker.worker_device = graph_task.owner
+                worker.local_ready_queue = graph_task.cpu_ready_queue
+                worker.total_depth = graph_task.reentrant_depth
+                worker.current_depth = 0
+                self.thread_main(graph_task)
+                worker.local_ready_queue = None
+                worker.worker_device = NO_DEVICE
+                del graph_task
+        finally:
+            # However it ends, it leaves no dead thread in the pool.
             with pool.condition:
-                pool.num_idle += 1
-                while not pool.graph_tasks and not pool.stopping:
-                    pool.condition.wait()
-                pool.num_idle -= 1
-                if pool.stopping:
-                    pool.threads.remove(threading.current_thread())
-                    return
-                graph_task = pool.graph_tasks.pop(0)
-            worker.worker_device = graph_task.owner
-            worker.local_ready_queue = graph_task.cpu_ready_queue
-            worker.total_depth = graph_task.reentrant_depth
-            worker.current_depth = 0
-            self.thread_main(graph_task)
-            worker.local_ready_queue = None
-            worker.worker_device = NO_DEVICE
-            del graph_task
+                pool.threads.remove(threading.current_thread())
+                pool.num_threads -= 1
 
     def stop(self, timeout=1.0):
         """Stop the device and pool threads (at interpreter exit). A backward
@@ -507,7 +664,7 @@ class Engine:
             if not graph_task.future_completed:
                 graph_task.set_exception(error)
                 self.ready_queue_by_index(graph_task.cpu_ready_queue, graph_task.owner).push(
-                    NodeTask(graph_task, None, None))
+                    NodeTask(None, None, None))
         for queue in device_queues:
             queue.push_shutdown()
         pool = self._pool
@@ -532,6 +689,25 @@ class Engine:
         if graph_task is None:
             raise RuntimeError("Final callbacks can only be installed during backward pass.")
         graph_task.final_callbacks.append(callback)
+
+
+def cancel_graph_task(graph_task, error):
+    """End ``graph_task`` with ``error``, which its caller raises itself: See
+    Note [Cancelling a graph task]."""
+    graph_task.set_exception(error)
+    # The caller raises the error: the task must not keep it (and its traceback).
+    if graph_task.exception is error:
+        graph_task.exception = None
+    graph_task.cpu_ready_queue.discard_graph_task(graph_task)
+
+
+def withdraw_pool_task(pool, graph_task):
+    """Take ``graph_task`` back from the pool's queue if no thread took it yet."""
+    with pool.condition:
+        for i, queued in enumerate(pool.graph_tasks):
+            if queued is graph_task:
+                del pool.graph_tasks[i]
+                break
 
 
 def _reset_worker_state_after_fork():

@@ -8,6 +8,7 @@ import threading
 
 from .. import streams
 from . import state
+from .ready_queue import is_main_thread, wait_honouring_signals
 
 
 class ExecInfo:
@@ -195,8 +196,9 @@ class GraphTask:
         another thread that gets here waits until that is done."""
         with self._completion:
             if self._completing:
+                on_main_thread = is_main_thread()
                 while not self.future_completed:
-                    self._completion.wait()
+                    wait_honouring_signals(self._completion, on_main_thread)
                 return
             self._completing = True
         try:
@@ -223,10 +225,16 @@ class GraphTask:
             state.set_current_graph_task(previous)
 
     def wait(self):
-        """Block until the future completed."""
+        """Block until the future completed. On the main thread a signal
+        handler's exception (KeyboardInterrupt) ends the wait: See Note [Waits
+        honour signals] in ``pyengine/_locks.pxd``; the caller cancels what it
+        waited for."""
+        if self.future_completed:
+            return
+        on_main_thread = is_main_thread()
         with self._completion:
             while not self.future_completed:
-                self._completion.wait()
+                wait_honouring_signals(self._completion, on_main_thread)
 
 
 def sync_leaf_streams(graph_task):

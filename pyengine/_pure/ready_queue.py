@@ -62,6 +62,27 @@ hook order against PyTorch.
 
 import threading
 
+# See Note [Waits honour signals] in pyengine/_locks.pxd: the compiled
+# core's WAIT_SLICE_MS, in seconds.
+WAIT_SLICE = 0.020
+
+
+def wait_honouring_signals(condition, on_main_thread):
+    """``condition.wait()``, as the compiled core waits (See Note [Waits honour
+    signals] in ``pyengine/_locks.pxd``): on the main thread, one slice of it,
+    after which signal handlers run and what they raise ends the wait, with
+    the condition's lock held again (``Condition.wait`` re-takes it however
+    it ends), so that the ``with`` around the wait releases it."""
+    if on_main_thread:
+        condition.wait(WAIT_SLICE)
+    else:
+        condition.wait()
+
+
+def is_main_thread():
+    """Whether this thread runs signal handlers."""
+    return threading.current_thread() is threading.main_thread()
+
 
 class NodeTask:
     """One unit of work: run ``node`` of ``graph_task`` on ``inputs``, the list
@@ -186,11 +207,16 @@ class ReadyQueue:
     def push_shutdown(self):
         self.push(NodeTask.shutdown())
 
-    def pop(self):
-        """The next task; waits (without the GIL) while the queue is empty."""
+    def pop(self, on_main_thread=None):
+        """The next task; waits (without the GIL) while the queue is empty. On
+        the main thread (``on_main_thread``, found out when None), signal
+        handlers run while it waits and what they raise ends the wait, with
+        nothing popped (See Note [Waits honour signals])."""
+        if on_main_thread is None:
+            on_main_thread = is_main_thread()
         with self._not_empty:
             while not self._heap:
-                self._not_empty.wait()
+                wait_honouring_signals(self._not_empty, on_main_thread)
             return _pop_heap(self._heap)
 
     def discard_graph_task(self, graph_task):
