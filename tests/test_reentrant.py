@@ -13,6 +13,7 @@ inline before handing off.
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -339,3 +340,135 @@ def test_parent_that_catches_the_child_error_continues_and_the_child_stops():
     assert inner_leaf.grad is None
     assert (out_leaf.grad == 4 * G).all()
     _engine_still_works()
+
+
+# -- bounds: See Note [Bounds on reentrant backward] ------------------------------------------
+
+def _reentrant_threads():
+    return {t for t in threading.enumerate() if t.name == "pyengine-reentrant"}
+
+
+@pytest.fixture
+def engine_with(request):
+    """Swap in an Engine made with the given arguments; restore the default."""
+    previous = []
+
+    def make(**kwargs):
+        engine = pyengine.Engine(**kwargs)
+        previous.append(pyengine.set_default_engine(engine))
+        return engine
+
+    yield make
+    for engine in reversed(previous):
+        pyengine.set_default_engine(engine)
+
+
+def test_default_bounds():
+    engine = pyengine.Engine()
+    assert engine.max_total_depth == 4096
+    assert engine.max_pool_threads == 256
+
+
+def test_a_hook_that_runs_backward_on_its_own_graph_ends_in_recursion_error():
+    # The runaway of issue 15: before the bound it started a pool thread
+    # every 61 levels until the system refused one, minutes later.
+    x = leaf()
+    y = Fn("Y", (pyengine.gradient_edge(x),), lambda g: [g[0]])
+    levels = []
+
+    def again(grads):
+        levels.append(None)
+        if len(levels) > 20_000:
+            # A guard for the test, far past the engine's bound.
+            raise Boom("no bound on reentrant depth")
+        pyengine.get_default_engine().execute([pyengine.Edge(y, 0)], [grads[0]], True, False,
+                                              True)
+
+    y.register_prehook(again)
+    threads_before = threading.active_count()
+    start = time.monotonic()
+    with pytest.raises(RecursionError) as info:
+        pyengine.backward(value(y), grad_tensors=G)
+    elapsed = time.monotonic() - start
+    engine = pyengine.get_default_engine()
+    limit, per_thread = engine.max_total_depth, engine.max_recursion_depth + 1
+    threads_started = threading.active_count() - threads_before
+    print(f"runaway hook: RecursionError after {elapsed:.2f} s, {len(levels)} levels, "
+          f"{threads_started} threads started", file=sys.stderr)
+    assert elapsed < 60, "hang guard"
+    message = str(info.value)
+    assert f"nested {limit + 1} levels deep" in message and "max_total_depth" in message
+    # Levels 0..limit ran their hook; the next level was refused before it ran.
+    assert len(levels) == limit + 1
+    assert threads_started <= limit // per_thread + 1
+    assert x.grad is None
+    _engine_still_works()
+
+
+@pytest.mark.parametrize("limit", [0, 5, 600])
+def test_max_total_depth_is_the_deepest_legal_nesting(engine_with, limit):
+    engine_with(max_recursion_depth=7, max_total_depth=limit)
+    # A chain of n levels nests n - 1 deep.
+    levels = _level_chain(limit + 1, None)
+    pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert (levels.leaves[-1].grad == (limit + 1) * G).all()
+    levels = _level_chain(limit + 2, None)
+    with pytest.raises(RecursionError, match=f"nested {limit + 1} levels deep, past the engine's "
+                                             f"max_total_depth of {limit}"):
+        pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert all(x.grad is None for x in levels.leaves)
+    # The deepest legal chain still runs.
+    levels = _level_chain(limit + 1, None)
+    pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert (levels.leaves[-1].grad == (limit + 1) * G).all()
+
+
+def test_a_full_pool_raises_instead_of_waiting(engine_with):
+    # max_recursion_depth 0: each reentrant level takes a pool thread of its
+    # own while the level above waits, so a chain of n levels needs n - 1.
+    engine_with(max_recursion_depth=0, max_pool_threads=3)
+    before = _reentrant_threads()
+    levels = _level_chain(4, None)
+    pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert (levels.leaves[-1].grad == 4 * G).all()
+    levels = _level_chain(5, None)
+    with pytest.raises(RuntimeError, match="all 3 threads of the engine's reentrant pool are busy"):
+        pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert all(x.grad is None for x in levels.leaves)
+    assert len(_reentrant_threads() - before) == 3
+    # The three threads still serve.
+    levels = _level_chain(4, None)
+    pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert (levels.leaves[-1].grad == 4 * G).all()
+    assert len(_reentrant_threads() - before) == 3
+
+
+def test_a_pool_thread_that_fails_to_start_is_reported_and_cleaned_up(engine_with, monkeypatch):
+    engine = engine_with(max_recursion_depth=0)
+    before = _reentrant_threads()
+    start = threading.Thread.start
+
+    def refuse(thread):
+        if thread.name == "pyengine-reentrant":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    levels = _level_chain(3, None)
+    with pytest.raises(RuntimeError, match="could not start a reentrant pool thread for a "
+                                           "backward nested 1 levels deep: can't start new "
+                                           "thread") as info:
+        pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert all(x.grad is None for x in levels.leaves)
+    assert _reentrant_threads() == before
+    monkeypatch.setattr(threading.Thread, "start", start)
+    # The engine works, and starts its pool threads now.
+    levels = _level_chain(3, None)
+    pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    assert (levels.leaves[-1].grad == 3 * G).all()
+    assert len(_reentrant_threads() - before) == 2
+    # stop joins only threads that ran (it raised "cannot join thread before
+    # it is started" when a failed one stayed in the pool's list).
+    engine.stop()
+    assert _reentrant_threads() == before
