@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <iterator>
+#include <vector>
 
 struct pyengine_NodeTaskRecord {
     // Owned references (NULL where absent), handed over with the record.
@@ -134,6 +135,26 @@ inline void make_heap(RandomAccessIterator first, RandomAccessIterator last, Com
             return;
         }
     }
+}
+
+// A ReadyQueue's push and pop, with CompareNodeTaskTime: they touch no
+// Python object, so they run with or without the GIL (the records'
+// references are taken and released by the callers, with the GIL); the
+// caller holds the queue's mutex. Inline, so that a push or pop costs no
+// call and copies no record more than the heap algorithms do.
+typedef std::vector<pyengine_NodeTaskRecord> NodeTaskHeap;
+
+inline void heap_push(NodeTaskHeap &heap, const pyengine_NodeTaskRecord &record) {
+    heap.push_back(record);
+    pyengine::push_heap(heap.begin(), heap.end(), pyengine_CompareNodeTaskTime());
+}
+
+// Remove and return the front of a non-empty heap.
+inline pyengine_NodeTaskRecord heap_pop(NodeTaskHeap &heap) noexcept {
+    pyengine::pop_heap(heap.begin(), heap.end(), pyengine_CompareNodeTaskTime());
+    pyengine_NodeTaskRecord record = heap.back();
+    heap.pop_back();
+    return record;
 }
 
 }  // namespace pyengine

@@ -28,6 +28,9 @@ cdef extern from "_node_task.h" namespace "pyengine" nogil:
     void push_heap[Iter, Compare](Iter first, Iter last, Compare comp)
     void pop_heap[Iter, Compare](Iter first, Iter last, Compare comp)
     void make_heap[Iter, Compare](Iter first, Iter last, Compare comp)
+    # A ReadyQueue's push and pop, without the GIL: see _node_task.h.
+    void heap_push(vector[NodeTaskRecord]& heap, const NodeTaskRecord& record) except +
+    NodeTaskRecord heap_pop(vector[NodeTaskRecord]& heap) noexcept
 
 
 cdef class NodeTask:
@@ -50,11 +53,6 @@ cdef class ReadyQueue:
     cdef bint try_pop_record(self, NodeTaskRecord* record) noexcept nogil
     cdef Py_ssize_t discard_graph_task_records(self, object graph_task) except -1
 
-
-# The heap's push and pop: touch no Python object, so they run with or
-# without the GIL; the caller holds the queue's mutex.
-cdef void heap_push(vector[NodeTaskRecord]& heap, NodeTaskRecord record) noexcept nogil
-cdef NodeTaskRecord heap_pop(vector[NodeTaskRecord]& heap) noexcept nogil
 
 cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
                                 int reentrant_depth, uint64_t sequence_nr) noexcept

@@ -23,19 +23,6 @@ from libcpp.vector cimport vector
 from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
 
 
-cdef void heap_push(vector[NodeTaskRecord]& heap, NodeTaskRecord record) noexcept nogil:
-    heap.push_back(record)
-    push_heap(heap.begin(), heap.end(), CompareNodeTaskTime())
-
-
-cdef NodeTaskRecord heap_pop(vector[NodeTaskRecord]& heap) noexcept nogil:
-    """Remove and return the front of a non-empty heap."""
-    pop_heap(heap.begin(), heap.end(), CompareNodeTaskTime())
-    cdef NodeTaskRecord record = heap.back()
-    heap.pop_back()
-    return record
-
-
 cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
                                 int reentrant_depth, uint64_t sequence_nr) noexcept:
     cdef NodeTaskRecord record
