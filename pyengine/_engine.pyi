@@ -6,6 +6,8 @@ from typing import Any
 from pyengine._node import Edge, NodeBase
 
 MAX_RECURSION_DEPTH: int
+MAX_TOTAL_DEPTH: int
+MAX_POOL_THREADS: int
 
 class GraphRoot(NodeBase):
     outputs: list[Any]
@@ -14,7 +16,10 @@ class GraphRoot(NodeBase):
 
 class Engine:
     max_recursion_depth: int
-    def __init__(self, max_recursion_depth: int = ...) -> None: ...
+    max_total_depth: int
+    max_pool_threads: int
+    def __init__(self, max_recursion_depth: int = ..., max_total_depth: int = ...,
+                 max_pool_threads: int = ...) -> None: ...
     def execute(self, roots: Sequence[Edge], grads: Sequence[Any], keep_graph: bool,
                 create_graph: bool, accumulate_grad: bool,
                 outputs: Sequence[Edge] | None = ...) -> list[Any]: ...

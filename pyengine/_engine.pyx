@@ -891,7 +891,8 @@ cdef class Engine:
         pool.mutex_.unlock()
         pool.work.notify_all()
         for thread in device_threads + list(pool.threads):
-            thread.join(timeout)
+            if thread.ident is not None:  # not one that another thread is starting
+                thread.join(timeout)
 
     def _reset_after_fork(self):
         # The child has only the forking thread: the pool's and the devices'

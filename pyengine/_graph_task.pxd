@@ -85,7 +85,7 @@ cdef class GraphTask:
     cpdef void set_exception(self, exception) noexcept
     cpdef mark_as_completed_and_run_post_processing(self)
     cpdef exec_post_processing(self)
-    cpdef int wait(self) except -1
+    cpdef wait(self)
 
 
 cdef GraphTask new_graph_task(bint keep_graph, bint grad_mode, int reentrant_depth,

@@ -312,17 +312,16 @@ cdef class GraphTask:
         finally:
             thread.current_graph_task = previous
 
-    cpdef int wait(self) except -1:
+    cpdef wait(self):
         """Block, without the GIL, until the future completed. On the main
         thread a signal handler's exception (KeyboardInterrupt) ends the
         wait: See Note [Waits honour signals] in ``_locks.pxd``; the caller
         cancels what it waited for."""
         cdef unique_lock[mutex] lock
         if self.future_completed_.load():
-            return 0
+            return
         cdef bint on_main_thread = is_main_thread()
         with nogil:
             lock = unique_lock[mutex](self.completion_mutex)
             while not self.future_completed_.load():
                 wait_honouring_signals(self.completed_cv, lock, on_main_thread)
-        return 0

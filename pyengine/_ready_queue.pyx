@@ -143,13 +143,16 @@ cdef class ReadyQueue:
         record.is_shutdown = True
         self.push_record(record)
 
-    def pop(self):
-        """The next task; waits (without the GIL) while the queue is empty."""
+    def pop(self, on_main_thread=None):
+        """The next task; waits (without the GIL) while the queue is empty. On
+        the main thread (``on_main_thread``, found out when None), signal
+        handlers run while it waits and what they raise ends the wait, with
+        nothing popped (See Note [Waits honour signals])."""
         cdef NodeTaskRecord record
-        cdef bint on_main_thread = is_main_thread()
+        cdef bint main = is_main_thread() if on_main_thread is None else on_main_thread
         cdef NodeTask task = NodeTask.__new__(NodeTask)
         with nogil:
-            self.pop_record(&record, on_main_thread)
+            self.pop_record(&record, main)
         task.graph_task = <object>record.graph_task if record.graph_task != NULL else None
         task.node = <object>record.node if record.node != NULL else None
         task.inputs = <object>record.inputs if record.inputs != NULL else None

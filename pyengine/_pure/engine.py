@@ -673,7 +673,8 @@ class Engine:
             threads = list(pool.threads)
             pool.condition.notify_all()
         for thread in device_threads + threads:
-            thread.join(timeout)
+            if thread.ident is not None:  # not one that another thread is starting
+                thread.join(timeout)
 
     def _reset_after_fork(self):
         # The child has only the forking thread: the pool's and the devices'
