@@ -117,6 +117,11 @@ def test_input_nr_must_be_an_int(input_nr, kind):
     with pytest.raises(TypeError) as info:
         Edge(sink, input_nr)
     assert str(info.value) == f"Edge input_nr must be an int, got {kind} (for Sink_)"
+    # What operator.index takes, an Edge takes, as an int.
+    edge = Edge(sink, np.int64(0))
+    assert type(edge.input_nr) is int and edge.input_nr == 0 and Edge(sink, True).input_nr == 1
+    _backward(Scale([edge], 2.0))
+    assert sink.got == [[[2.0, 2.0, 2.0]]]
 
 
 class Sink_(Node):
@@ -145,14 +150,6 @@ class Scale(Node):
 def _backward(root, keep_graph=False):
     return pyengine.get_default_engine().execute([Edge(root, 0)], [np.ones(3)], keep_graph, False,
                                                  True)
-
-
-def test_input_nr_takes_anything_with_index():
-    sink = Sink_()
-    edge = Edge(sink, np.int64(0))
-    assert type(edge.input_nr) is int and edge.input_nr == 0 and Edge(sink, True).input_nr == 1
-    _backward(Scale([edge], 2.0))
-    assert sink.got == [[[2.0, 2.0, 2.0]]]
 
 
 def test_undeclared_slots_grow_up_to_the_limit():
@@ -298,24 +295,32 @@ def test_execute_checks_outputs_before_anything_runs():
     ]
 
 
-@pytest.mark.parametrize("roots, grads, error, message", [
-    ([object()], [np.ones(3)], TypeError, "roots[0] must be an Edge, got object"),
-    ([None], [np.ones(3)], TypeError, "roots[0] must be an Edge, got NoneType"),
-    ([], [], RuntimeError, "execute needs at least one root edge"),
-    ("edge", [np.ones(3), np.ones(3)], RuntimeError,
-     "invalid number of gradients - expected 1, but got 2"),
-    ("edge", [], RuntimeError, "invalid number of gradients - expected 1, but got 0"),
-    ("edge", [object()], TypeError, "invalid gradient at index 0 - expected an array, but got object"),
-    ("edge", 5, TypeError, "'int' object is not iterable"),
-])
-def test_execute_checks_roots_and_grads_before_anything_runs(roots, grads, error, message):
+def test_execute_checks_roots_grads_and_outputs_before_anything_runs():
     sink = Sink_()
     fan = Scale([Edge(sink, 0)])
-    if roots == "edge":
-        roots = [Edge(fan, 0)]
-    with pytest.raises(error) as info:
-        pyengine.get_default_engine().execute(roots, grads, False, False, True)
-    assert str(info.value) == message
+    edge, ones = Edge(fan, 0), np.ones(3)
+    # (roots, grads, outputs, error, message); roots are checked first,
+    # then outputs, then grads.
+    table = [
+        ([object()], [ones], None, TypeError, "roots[0] must be an Edge, got object"),
+        ([None], [ones], None, TypeError, "roots[0] must be an Edge, got NoneType"),
+        ([], [], None, RuntimeError, "execute needs at least one root edge"),
+        ([edge], [ones, ones], None, RuntimeError,
+         "invalid number of gradients - expected 1, but got 2"),
+        ([edge], [], None, RuntimeError, "invalid number of gradients - expected 1, but got 0"),
+        ([edge], [object()], None, TypeError,
+         "invalid gradient at index 0 - expected an array, but got object"),
+        ([edge], 5, None, TypeError, "'int' object is not iterable"),
+        ([object()], [ones], [object()], TypeError, "roots[0] must be an Edge, got object"),
+        ([edge], [ones], [object()], TypeError, "outputs[0] must be an Edge, got object"),
+        ([edge], [], ["edge"], TypeError, "outputs[0] must be an Edge, got str"),
+        ([edge], [ones], [Edge(sink, 0), None], TypeError, "outputs[1] must be an Edge, got NoneType"),
+        ([edge], [ones], [Edge(sink, 0), 1.0], TypeError, "outputs[1] must be an Edge, got float"),
+    ]
+    for roots, grads, outputs, error, message in table:
+        with pytest.raises(error) as info:
+            pyengine.get_default_engine().execute(roots, grads, False, False, False, outputs)
+        assert str(info.value) == message
     assert sink.got == []
 
 
