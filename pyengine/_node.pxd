@@ -61,9 +61,11 @@ cdef class LeafState:
 
 
 cdef class AccumulateGradBase(NodeBase):
-    # Set once by the subclass's __init__.
+    # Set once by the subclass's __init__. leaf_state is never None: a fresh
+    # LeafState until then, and checked when set (by the property of the
+    # same name).
     cdef public object variable
-    cdef public LeafState leaf_state
+    cdef LeafState leaf_state
 
 
 cdef class Edge:

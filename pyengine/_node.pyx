@@ -30,7 +30,7 @@ from pyengine.backends import backend_of
 from pyengine.device import CPU
 
 from pyengine._pure.node import (MAX_INPUT_NR, _cannot_delete, _creation_stream, _input_nr_error,
-                                 node_name, not_initialized_message)
+                                 _leaf_state_error, node_name, not_initialized_message)
 
 cnp.import_array()
 
@@ -64,6 +64,9 @@ cdef class InputMetadata:
     """
 
     def __init__(self, shape, dtype, device=CPU):
+        if self.shape is not None:
+            # Its fields and the fast path's copy of them must agree.
+            raise TypeError("InputMetadata is immutable: its __init__ ran already")
         self.shape = tuple([int(size) for size in shape])
         self.dtype = _normalize_dtype(dtype)
         self.device = device
@@ -94,6 +97,9 @@ cdef class InputMetadata:
     def __repr__(self):
         return f"InputMetadata(shape={self.shape}, dtype={self.dtype}, device={self.device})"
 
+    def __reduce__(self):
+        return InputMetadata, (self.shape, self.dtype, self.device)
+
 
 def as_input_metadata(spec):
     """An InputMetadata from an InputMetadata, ``None``, a ``(shape, dtype[, device])``
@@ -115,7 +121,9 @@ cdef class Edge:
     ``input_nr`` may take.
     """
 
-    def __init__(self, node, input_nr=0):
+    def __cinit__(self, node, input_nr=0):
+        # In __cinit__, not __init__: no Edge exists without a checked node
+        # (Edge.__new__(Edge) is a TypeError), and none changes after.
         if not isinstance(node, NodeBase):
             raise TypeError(f"Edge needs a Node, got {type(node).__name__}")
         if not (<NodeBase>node)._initialized:
@@ -390,12 +398,35 @@ cdef class LeafState:
             self._owned_grad = None
 
 
+cdef LeafState _check_leaf_state(leaf_state):
+    if not isinstance(leaf_state, LeafState):
+        raise TypeError(_leaf_state_error(leaf_state))
+    return <LeafState>leaf_state
+
+
 cdef class AccumulateGradBase(NodeBase):
     """The sink of a leaf: ``apply`` accumulates into ``variable.grad``. See
     Note [Accumulating into .grad] in the twin, ``pyengine/_pure/node.py``,
     which states the fields. numpy arrays take C paths that do what the
     numpy backend's ``copy``, ``add_`` and ``add`` do; other values go
     through their backend."""
+
+    def __cinit__(self, *args, **kwargs):
+        # apply reads leaf_state in C: it is never None (See Note [Fields
+        # Python code can write] in the twin).
+        self.leaf_state = LeafState()
+
+    @property
+    def leaf_state(self):
+        return self.leaf_state
+
+    @leaf_state.setter
+    def leaf_state(self, leaf_state):
+        self.leaf_state = _check_leaf_state(leaf_state)
+
+    @leaf_state.deleter
+    def leaf_state(self):
+        _cannot_delete("leaf_state")
 
     def apply(self, list grads):
         new_grad = grads[0]

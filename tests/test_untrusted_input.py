@@ -374,7 +374,22 @@ _WRITES = [
     ("edge input_nr", "mid.next_edges[0].input_nr = -1", "write AttributeError"),
     ("free method", "free.method = 5", "write AttributeError"),
     ("free owner", "free.owner = None", "write AttributeError"),
-    ("acc leaf_state", "acc.leaf_state = 1", "write TypeError"),
+    ("acc leaf_state", "acc.leaf_state = 1", "write TypeError: leaf_state must be a LeafState, got int"),
+    ("acc leaf_state None", "acc.leaf_state = None",
+     "write TypeError: leaf_state must be a LeafState, got NoneType"),
+    ("del acc leaf_state", "del acc.leaf_state", "write AttributeError: cannot delete leaf_state"),
+    ("edge without a node", "mid.next_edges = [Edge.__new__(Edge)]", "write TypeError"),
+    ("root without a node", "engine.execute([Edge.__new__(Edge)], [np.ones(3)], False, False, True)",
+     "write TypeError"),
+    ("edge init again", "mid.next_edges[0].__init__(root, 0); assert mid.next_edges[0].node is sink",
+     "backward -> []"),
+    ("AccumulateGrad without its own leaf_state",
+     "bare = type('Bare', (AccumulateGradBase,), {})(input_metadata=[((3,), np.float64)]); "
+     "bare.variable = variable; run(Fan([Edge(bare, 0)])); "
+     "assert variable.grad.tolist() == [1.0] * 3; variable.grad = None",
+     "backward -> []"),
+    ("input_metadata init again", "sink.input_metadata[0].__init__((2,), np.float64)",
+     "write TypeError: InputMetadata is immutable: its __init__ ran already"),
     ("leaf_state lock", "acc.leaf_state.lock = None", "write AttributeError"),
     ("input buffer slot", "InputBuffer(1).add(-1, np.ones(3), False)",
      "write IndexError: InputBuffer slot -1 is negative"),
@@ -390,7 +405,7 @@ def test_writing_fields_from_python_never_crashes():
     # _input_metadata and crashed on their contents.
     lines = run_isolated(f'''
         from pyengine import AccumulateGrad, GradientFreeNode
-        from pyengine._core import InputBuffer
+        from pyengine._core import AccumulateGradBase, InputBuffer
 
 
         class Owner:

@@ -61,6 +61,9 @@ class InputMetadata:
     __slots__ = ("shape", "dtype", "device", "is_cpu")
 
     def __init__(self, shape, dtype, device=CPU):
+        if getattr(self, "shape", None) is not None:
+            # Its fields and the compiled fast path's copy of them must agree.
+            raise TypeError("InputMetadata is immutable: its __init__ ran already")
         set_field = object.__setattr__
         set_field(self, "shape", tuple(int(size) for size in shape))
         set_field(self, "dtype", _normalize_dtype(dtype))
@@ -68,6 +71,9 @@ class InputMetadata:
         set_field(self, "is_cpu", device == CPU)
 
     __setattr__ = __delattr__ = _not_writable
+
+    def __reduce__(self):
+        return InputMetadata, (self.shape, self.dtype, self.device)
 
     @classmethod
     def from_value(cls, value):
@@ -149,13 +155,17 @@ class Edge:
 
     __slots__ = ("node", "input_nr")
 
-    def __init__(self, node, input_nr=0):
+    def __new__(cls, node, input_nr=0):
+        # In __new__, not __init__: no Edge exists without a checked node
+        # (Edge.__new__(Edge) is a TypeError), and none changes after.
         if not isinstance(node, NodeBase):
             raise TypeError(f"Edge needs a Node, got {type(node).__name__}")
         if not getattr(node, "_initialized", False):
             raise RuntimeError(not_initialized_message(node))
+        self = object.__new__(cls)
         object.__setattr__(self, "node", node)
         object.__setattr__(self, "input_nr", _check_input_nr(node, input_nr))
+        return self
 
     __setattr__ = __delattr__ = _not_writable
 
@@ -190,6 +200,10 @@ def node_name(node):
 def not_initialized_message(node):
     return (f"{type(node).__name__} was not initialized: its __init__ must call "
             "super().__init__(next_edges, input_metadata)")
+
+
+def _leaf_state_error(leaf_state):
+    return f"leaf_state must be a LeafState, got {type(leaf_state).__name__}"
 
 
 def _check_next_edges(next_edges):
@@ -233,15 +247,19 @@ def _check_input_metadata(input_metadata):
 #   tuples, which no Python code can change in place; the public
 #   ``next_edges`` setter and ``add_input_metadata`` go through the same
 #   checks. ``_pre_hooks``, ``_post_hooks``, ``_tensor_pre_hooks`` (a list
-#   or None), ``_retains_grad_hooks``, ``_metadata`` (a dict or None) and
-#   AccumulateGrad's ``leaf_state`` (a LeafState or None) are typed C
-#   fields in the compiled core, so a value of another type is a TypeError
-#   when set; the twin checks the same. Deleting one of these sets it to
-#   None, as Cython does. Their contents are read only by Python code (the
-#   hooks' ``call_function``), which raises on a bad entry;
+#   or None), ``_retains_grad_hooks`` and ``_metadata`` (a dict or None) are
+#   typed C fields in the compiled core, so a value of another type is a
+#   TypeError when set; the twin checks the same. Deleting one of these
+#   sets it to None, as Cython does. Their contents are read only by Python
+#   code (the hooks' ``call_function``), which raises on a bad entry.
+#   AccumulateGrad's ``leaf_state`` must be a LeafState (never None: a
+#   fresh one until the subclass sets its own), as the compiled ``apply``
+#   reads it in C;
 # - read only: ``_sequence_nr``, ``_initialized``, a GradientFreeNode's
 #   ``owner`` and ``method``, a LeafState's ``lock``, every field of an Edge
-#   and of an InputMetadata (AttributeError when written);
+#   and of an InputMetadata (AttributeError when written). An Edge checks
+#   its node and input_nr in ``__new__`` (no Edge without a node exists),
+#   and an InputMetadata's ``__init__`` runs once;
 # - free: ``_saved_values``, ``_stream``, ``_released`` (its truth value),
 #   AccumulateGrad's ``variable``, a LeafState's ``accumulator`` and hook
 #   lists: the engine hands them to Python code only, never to C.
@@ -581,10 +599,25 @@ class AccumulateGradBase(NodeBase):
 
     __slots__ = ("variable", "leaf_state_")
 
-    # A typed C field in the compiled core: See Note [Fields Python code can write].
-    leaf_state = _checked_field("leaf_state", "leaf_state_",
-                                lambda value: value is not None and not isinstance(value, LeafState),
-                                "LeafState")
+    def __init__(self, *args, **kwargs):
+        # apply reads leaf_state: it is never None, a fresh LeafState until
+        # the subclass sets it (See Note [Fields Python code can write]).
+        self.leaf_state_ = LeafState()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def leaf_state(self):
+        return self.leaf_state_
+
+    @leaf_state.setter
+    def leaf_state(self, leaf_state):
+        if not isinstance(leaf_state, LeafState):
+            raise TypeError(_leaf_state_error(leaf_state))
+        self.leaf_state_ = leaf_state
+
+    @leaf_state.deleter
+    def leaf_state(self):
+        _cannot_delete("leaf_state")
 
     def apply(self, grads):
         new_grad = grads[0]
