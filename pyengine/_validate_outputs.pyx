@@ -60,4 +60,9 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error) exc
 
 def validate_outputs(edges, list grads, format_error):
     """Check and fix ``grads`` against ``edges``; see the twin's docstring."""
-    validate_outputs_impl(tuple(edges), grads, format_error)
+    edges = tuple(edges)
+    # Only a caller from Python: the engine passes a node's checked edges.
+    for i, edge in enumerate(edges):
+        if edge is not None and not isinstance(edge, Edge):
+            raise TypeError(f"edges[{i}] must be an Edge or None, got {type(edge).__name__}")
+    validate_outputs_impl(edges, grads, format_error)

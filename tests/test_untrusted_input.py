@@ -391,6 +391,10 @@ _WRITES = [
     ("input_metadata init again", "sink.input_metadata[0].__init__((2,), np.float64)",
      "write TypeError: InputMetadata is immutable: its __init__ ran already"),
     ("leaf_state lock", "acc.leaf_state.lock = None", "write AttributeError"),
+    # The core's validate_outputs (private) from Python: the compiled one
+    # read object() as an Edge; the twin's raises AttributeError. Either is
+    # an error, never a crash.
+    ("validate_outputs edges", "validate_outputs([object()], [np.ones(3)], str)", "write "),
     ("input buffer slot", "InputBuffer(1).add(-1, np.ones(3), False)",
      "write IndexError: InputBuffer slot -1 is negative"),
     ("input buffer list", "b = InputBuffer(1); b.buffer = None; b.add(0, np.ones(3), False)",
@@ -405,7 +409,7 @@ def test_writing_fields_from_python_never_crashes():
     # _input_metadata and crashed on their contents.
     lines = run_isolated(f'''
         from pyengine import AccumulateGrad, GradientFreeNode
-        from pyengine._core import AccumulateGradBase, InputBuffer
+        from pyengine._core import AccumulateGradBase, InputBuffer, validate_outputs
 
 
         class Owner:
