@@ -51,7 +51,8 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error) exc
         # Tuples of checked types: See Note [Fields Python code can write] in
         # pyengine/_pure/node.py.
         slots = edge.node._input_metadata
-        metadata = <object>PyTuple_GET_ITEM(slots, edge.input_nr) if edge.input_nr < PyTuple_GET_SIZE(slots) else None
+        metadata = (<object>PyTuple_GET_ITEM(slots, edge.input_nr)
+                    if edge.input_nr < PyTuple_GET_SIZE(slots) else None)
         if metadata is not None and numpy_gradient_matches(<InputMetadata>metadata, grad):
             continue
         grads[i] = validate_gradient(i, grad, metadata, format_error)

@@ -292,7 +292,8 @@ def _checked_field(name, storage, wrong_type, expected):
     def delete_field(self):
         object.__setattr__(self, storage, None)
 
-    return property(get_field, set_field, delete_field, doc=f"See Note [Fields Python code can write] ({name}).")
+    return property(get_field, set_field, delete_field,
+                    doc=f"{name}: See Note [Fields Python code can write].")
 
 
 def _read_only_field(name, storage):
