@@ -257,11 +257,13 @@ cdef inline int release_variables(NodeBase node) except -1:
     return 0
 
 
-cdef list call_function(GraphTask graph_task, NodeBase node, list inputs):
-    """A node without hooks: ``apply`` and ``validate_outputs``, here. With
-    hooks: the twin's ``call_function``, which runs them in PyTorch's order."""
+cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple next_edges):
+    """A node without hooks: ``apply`` and ``validate_outputs`` against
+    ``next_edges``, the node's edges from before it ran (See Note [Next edges
+    while a node runs] in ``pyengine/_pure/engine.py``), here. With hooks:
+    the twin's ``call_function``, which runs them in PyTorch's order."""
     if has_hooks(node):
-        return _hooks.call_function(graph_task, node, inputs)
+        return _hooks.call_function(graph_task, node, inputs, next_edges)
     outputs = node.apply(inputs)
     if type(outputs) is not list:
         if not isinstance(outputs, (tuple, list)):
@@ -269,7 +271,7 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs):
                             f"of gradients, got {type(outputs).__name__}")
         outputs = list(outputs)
     cdef list checked = <list>outputs
-    cdef tuple next_edges = node._next_edges
+    cdef tuple slots
     if PyList_GET_SIZE(checked) != PyTuple_GET_SIZE(next_edges):
         validate_outputs_impl(next_edges, checked, NodeErrorFormat(node))
     for i in range(PyList_GET_SIZE(checked)):
@@ -277,11 +279,13 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs):
         grad = <object>PyList_GET_ITEM(checked, i)
         if edge_object is None or grad is None:
             continue
+        # Tuples of checked types: See Note [Fields Python code can write] in
+        # pyengine/_pure/node.py.
         slots = (<Edge>edge_object).node._input_metadata
         input_nr = (<Edge>edge_object).input_nr
         metadata = None
-        if input_nr < PyList_GET_SIZE(slots):
-            metadata = <object>PyList_GET_ITEM(slots, input_nr)
+        if input_nr < PyTuple_GET_SIZE(slots):
+            metadata = <object>PyTuple_GET_ITEM(slots, input_nr)
         if metadata is None:
             # A slot without metadata only asks for a value some backend
             # handles: a type backend_of has already resolved will do.
@@ -356,8 +360,11 @@ cdef class Engine:
         (``backward(inputs=)``), run only the nodes on a path to them.
         Returns the captured gradients (empty without ``outputs``).
         """
+        # Every argument is checked before anything runs: See Note [Checking
+        # execute's arguments] in pyengine/_pure/engine.py.
         cdef tuple root_edges = tuple(roots)
         cdef list root_grads = list(grads)
+        cdef list output_edges = None if outputs is None else list(outputs)
         cdef bint keep = keep_graph
         cdef bint grad_mode = create_graph
         if not root_edges:
@@ -365,6 +372,10 @@ cdef class Engine:
         for i, root in enumerate(root_edges):
             if not isinstance(root, Edge):
                 raise TypeError(f"roots[{i}] must be an Edge, got {type(root).__name__}")
+        if output_edges is not None:
+            for i, output in enumerate(output_edges):
+                if not isinstance(output, Edge):
+                    raise TypeError(f"outputs[{i}] must be an Edge, got {type(output).__name__}")
         validate_outputs_impl(root_edges, root_grads, plain_error_format)
 
         cdef WorkerState worker = get_worker_state()
@@ -393,10 +404,10 @@ cdef class Engine:
             input_buffer = new_input_buffer(0)
         graph_task.graph_root = graph_root
         cdef bint gradient_free = compute_dependencies(graph_root, graph_task)
-        if outputs:
-            graph_task.init_to_execute(graph_root, outputs, accumulate_grad)
+        if output_edges:
+            graph_task.init_to_execute(graph_root, output_edges, accumulate_grad)
 
-        if (gradient_free and not outputs and worker.worker_device == NO_DEVICE
+        if (gradient_free and not output_edges and worker.worker_device == NO_DEVICE
                 and self.route(graph_task, graph_root, input_buffer.buffer)
                 is graph_task.cpu_ready_queue):
             # See Note [GradientFreeNode graphs].
@@ -645,13 +656,15 @@ cdef class Engine:
 
         cdef object producer_stream = node._stream
         cdef list outputs
-        cdef PyObject* gradient
+        # The edges the node's gradients go along: those it had before it
+        # ran. See Note [Next edges while a node runs] in pyengine/_pure/engine.py.
+        cdef tuple next_edges = node._next_edges
         if producer_stream is None:
-            outputs = call_function(graph_task, node, inputs)
+            outputs = call_function(graph_task, node, inputs, next_edges)
         else:
             # See Note [Streaming backwards]: apply runs on the node's stream.
             with _streams.stream_guard(producer_stream):
-                outputs = call_function(graph_task, node, inputs)
+                outputs = call_function(graph_task, node, inputs, next_edges)
         if not graph_task.keep_graph:
             release_variables(node)
         cdef Py_ssize_t num_outputs = PyList_GET_SIZE(outputs)
@@ -662,7 +675,6 @@ cdef class Engine:
         if anomaly_enabled() and anomaly_check_nan():
             _hooks.check_nan(node, outputs)
 
-        cdef tuple next_edges = node._next_edges
         cdef bint grad_mode = graph_task.grad_mode
         cdef Edge edge
         cdef NodeBase next_node
@@ -670,6 +682,14 @@ cdef class Engine:
         cdef bint is_ready
         cdef int remaining
         cdef InputBuffer input_buffer
+        cdef object gradient
+        # validate_outputs checked that there is one gradient per edge. The
+        # node may keep the list it returned and change it while this loop
+        # lets other threads run (a large add releases the GIL): each
+        # gradient is read with a bound check, into a reference of our own.
+        if num_outputs != PyTuple_GET_SIZE(next_edges):
+            raise RuntimeError(f"Function {_hooks.node_name(node)} returned {num_outputs} "
+                               f"gradients for {PyTuple_GET_SIZE(next_edges)} next edges")
         # See Note [Accumulating under the graph task lock].
         lock_releasing_gil(graph_task.mutex_)
         try:
@@ -677,8 +697,10 @@ cdef class Engine:
                 edge_object = <object>PyTuple_GET_ITEM(next_edges, i)
                 if edge_object is None:
                     continue
-                # Borrowed: outputs holds it.
-                gradient = PyList_GET_ITEM(outputs, i)
+                if i >= PyList_GET_SIZE(outputs):
+                    raise RuntimeError(f"the gradients Function {_hooks.node_name(node)} returned "
+                                       "changed while the engine passed them on")
+                gradient = <object>PyList_GET_ITEM(outputs, i)
                 edge = <Edge>edge_object
                 next_node = edge.node
                 key = <PyObject*>next_node
@@ -697,16 +719,16 @@ cdef class Engine:
                             # Its only gradient: what InputBuffer's first add
                             # would hold, without the InputBuffer.
                             gradients = single_gradient(
-                                PyList_GET_SIZE(next_node._input_metadata), edge.input_nr,
-                                <object>gradient)
+                                PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
+                                gradient)
                             push_task(self.route(graph_task, next_node, gradients), graph_task,
                                       next_node, gradients)
                             continue
-                        if gradient == <PyObject*>None:
+                        if gradient is None:
                             # An InputBuffer of Nones: no InputBuffer at all
                             # gives the node the same inputs when it is ready.
                             continue
-                    input_buffer = new_input_buffer(PyList_GET_SIZE(next_node._input_metadata))
+                    input_buffer = new_input_buffer(PyTuple_GET_SIZE(next_node._input_metadata))
                     if not is_ready:
                         Py_INCREF(input_buffer)
                         graph_task.not_ready_[key] = <PyObject*>input_buffer
@@ -717,10 +739,10 @@ cdef class Engine:
                         # The map's reference; input_buffer still holds one.
                         Py_DECREF(input_buffer)
                 if streamed:
-                    accumulate_on_streams(input_buffer, edge.input_nr, <object>gradient, grad_mode,
+                    accumulate_on_streams(input_buffer, edge.input_nr, gradient, grad_mode,
                                           producer_stream, next_node._stream)
                 else:
-                    input_buffer.add(edge.input_nr, <object>gradient, grad_mode)
+                    input_buffer.add(edge.input_nr, gradient, grad_mode)
                 if is_ready:
                     push_task(self.route(graph_task, next_node, input_buffer.buffer), graph_task,
                               next_node, input_buffer.buffer)
@@ -914,16 +936,17 @@ cdef int run_gradient_free_node(GraphTask graph_task, NodeBase node, GradientFre
                                 list inputs) except -1:
     """Run ``node`` of a gradient-free graph (``inputs``: its gradients, None
     for all None) and queue the nodes it makes ready."""
+    # See Note [Next edges while a node runs] in pyengine/_pure/engine.py.
+    cdef tuple next_edges = node._next_edges
     if has_hooks(node):
         if inputs is None:
-            inputs = [None] * PyList_GET_SIZE(node._input_metadata)
+            inputs = [None] * PyTuple_GET_SIZE(node._input_metadata)
         # Its hooks run as in call_function; its gradients are all None.
-        _hooks.call_function(graph_task, node, inputs)
+        _hooks.call_function(graph_task, node, inputs, next_edges)
     else:
         call_owner_method(<GradientFreeNodeBase>node)
     if not graph_task.keep_graph:
         release_variables(node)
-    cdef tuple next_edges = node._next_edges
     cdef PyObject* edge
     cdef NodeBase next_node
     cdef int remaining

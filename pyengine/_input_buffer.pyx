@@ -53,6 +53,14 @@ cdef class InputBuffer:
         if value is None:
             return 0
         cdef list buffer = self.buffer
+        # Python code can reach an InputBuffer (pyengine._core.InputBuffer)
+        # and write its buffer; the engine's own are never None and take
+        # slots from Edges, which are never negative (See Note [Edge
+        # input_nr] in pyengine/_pure/node.py).
+        if buffer is None:
+            raise TypeError("InputBuffer.buffer is None; expected a list")
+        if pos < 0:
+            raise IndexError(f"InputBuffer slot {pos} is negative")
         if pos >= PyList_GET_SIZE(buffer):
             # A node that declared no metadata for this slot: grow to fit.
             buffer.extend([None] * (pos + 1 - PyList_GET_SIZE(buffer)))

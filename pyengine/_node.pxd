@@ -18,8 +18,12 @@ cdef class InputMetadata:
 
 
 cdef class NodeBase:
-    cdef public tuple _next_edges
-    cdef public list _input_metadata
+    # Checked when set, through the properties of the same names: Edges or
+    # None, and InputMetadata or None; immutable tuples, so that no Python
+    # code can change them in place. See Note [Fields Python code can write]
+    # in pyengine/_pure/node.py.
+    cdef tuple _next_edges
+    cdef tuple _input_metadata
     cdef readonly uint64_t _sequence_nr
     cdef public list _pre_hooks
     cdef public list _post_hooks
@@ -57,9 +61,11 @@ cdef class LeafState:
 
 
 cdef class AccumulateGradBase(NodeBase):
-    # Set once by the subclass's __init__.
+    # Set once by the subclass's __init__. leaf_state is never None: a fresh
+    # LeafState until then, and checked when set (by the property of the
+    # same name).
     cdef public object variable
-    cdef public LeafState leaf_state
+    cdef LeafState leaf_state
 
 
 cdef class Edge:
@@ -67,4 +73,4 @@ cdef class Edge:
     cdef readonly Py_ssize_t input_nr
 
 
-cdef bint on_cpu(list input_metadata) noexcept
+cdef bint on_cpu(tuple input_metadata) noexcept

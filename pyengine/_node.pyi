@@ -27,7 +27,7 @@ class Edge:
 
 class NodeBase:
     _next_edges: tuple[Edge | None, ...]
-    _input_metadata: list[InputMetadata | None]
+    _input_metadata: tuple[InputMetadata | None, ...]
     _sequence_nr: int
     _pre_hooks: list[Any] | None
     _post_hooks: list[Any] | None

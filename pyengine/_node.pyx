@@ -12,7 +12,7 @@ fields' guards (all guarded by the GIL).
 cimport cython
 cimport numpy as cnp
 from cpython.dict cimport PyDict_GetItem
-from cpython.number cimport PyNumber_Add, PyNumber_InPlaceAdd
+from cpython.number cimport PyNumber_Add, PyNumber_Index, PyNumber_InPlaceAdd
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_REFCNT
 from cpython.tuple cimport PyTuple_GET_SIZE
@@ -29,7 +29,8 @@ from pyengine import backends as _backends
 from pyengine.backends import backend_of
 from pyengine.device import CPU
 
-from pyengine._pure.node import _creation_stream, node_name, not_initialized_message
+from pyengine._pure.node import (MAX_INPUT_NR, _cannot_delete, _creation_stream, _input_nr_error,
+                                 _leaf_state_error, node_name, not_initialized_message)
 
 cnp.import_array()
 
@@ -63,6 +64,9 @@ cdef class InputMetadata:
     """
 
     def __init__(self, shape, dtype, device=CPU):
+        if self.shape is not None:
+            # Its fields and the fast path's copy of them must agree.
+            raise TypeError("InputMetadata is immutable: its __init__ ran already")
         self.shape = tuple([int(size) for size in shape])
         self.dtype = _normalize_dtype(dtype)
         self.device = device
@@ -93,6 +97,9 @@ cdef class InputMetadata:
     def __repr__(self):
         return f"InputMetadata(shape={self.shape}, dtype={self.dtype}, device={self.device})"
 
+    def __reduce__(self):
+        return InputMetadata, (self.shape, self.dtype, self.device)
+
 
 def as_input_metadata(spec):
     """An InputMetadata from an InputMetadata, ``None``, a ``(shape, dtype[, device])``
@@ -110,16 +117,19 @@ cdef class Edge:
     """Which input slot (``input_nr``) of which ``node`` a gradient flows into.
 
     Immutable after construction; equal when both node (by identity) and
-    slot are.
+    slot are. See Note [Edge input_nr] in the twin for the values
+    ``input_nr`` may take.
     """
 
-    def __init__(self, node, input_nr=0):
+    def __cinit__(self, node, input_nr=0):
+        # In __cinit__, not __init__: no Edge exists without a checked node
+        # (Edge.__new__(Edge) is a TypeError), and none changes after.
         if not isinstance(node, NodeBase):
             raise TypeError(f"Edge needs a Node, got {type(node).__name__}")
         if not (<NodeBase>node)._initialized:
             raise RuntimeError(not_initialized_message(node))
         self.node = node
-        self.input_nr = input_nr
+        self.input_nr = _check_input_nr(<NodeBase>node, input_nr)
 
     def __eq__(self, other):
         if not isinstance(other, Edge):
@@ -143,9 +153,22 @@ cdef class Edge:
         return Edge, (self.node, self.input_nr)
 
 
-cdef bint on_cpu(list input_metadata) noexcept:
+cdef Py_ssize_t _check_input_nr(NodeBase node, object input_nr) except -1:
+    """``input_nr`` as an index of one of ``node``'s input slots: See Note
+    [Edge input_nr] in the twin."""
+    try:
+        index = PyNumber_Index(input_nr)
+    except TypeError:
+        raise TypeError(_input_nr_error(node, input_nr)) from None
+    if index < 0 or (index >= MAX_INPUT_NR and index >= PyTuple_GET_SIZE(node._input_metadata)):
+        raise ValueError(_input_nr_error(node, index))
+    return index
+
+
+cdef bint on_cpu(tuple input_metadata) noexcept:
     """Whether every input slot with metadata is on the CPU."""
     for metadata in input_metadata:
+        # The tuple was checked when set: See Note [Fields Python code can write].
         if metadata is not None and not (<InputMetadata>metadata).is_cpu:
             return False
     return True
@@ -159,9 +182,13 @@ cdef tuple _check_next_edges(next_edges):
     return next_edges
 
 
-# The _input_metadata of every node with no input slots. See Note [Shared
-# empty input metadata] in the twin, ``pyengine/_pure/node.py``.
-cdef list _NO_INPUT_METADATA = []
+cdef tuple _check_input_metadata(input_metadata):
+    input_metadata = tuple(input_metadata)
+    for i, metadata in enumerate(input_metadata):
+        if metadata is not None and not isinstance(metadata, InputMetadata):
+            raise TypeError(f"input_metadata[{i}] must be an InputMetadata or None, got "
+                            f"{type(metadata).__name__}")
+    return input_metadata
 
 
 # trashcan: dropping a long chain of nodes must not recurse in C.
@@ -171,7 +198,7 @@ cdef class NodeBase:
 
     def __cinit__(self, *args, **kwargs):
         self._next_edges = ()
-        self._input_metadata = _NO_INPUT_METADATA
+        self._input_metadata = ()
 
     def __init__(self, next_edges=(), input_metadata=()):
         self._initialize(next_edges, input_metadata)
@@ -179,11 +206,11 @@ cdef class NodeBase:
     cdef int _initialize(self, next_edges, input_metadata) except -1:
         global pyengine_next_sequence_nr
         self._next_edges = _check_next_edges(next_edges)
-        # No list to make for the default (): See Note [Shared empty input metadata].
+        # Nothing to make for the default (): See Note [Shared empty input metadata].
         if type(input_metadata) is tuple and PyTuple_GET_SIZE(input_metadata) == 0:
-            self._input_metadata = _NO_INPUT_METADATA
+            self._input_metadata = ()
         else:
-            self._input_metadata = [as_input_metadata(spec) for spec in input_metadata] or _NO_INPUT_METADATA
+            self._input_metadata = tuple([as_input_metadata(spec) for spec in input_metadata])
         self._sequence_nr = pyengine_next_sequence_nr
         pyengine_next_sequence_nr += 1
         if not on_cpu(self._input_metadata):
@@ -205,21 +232,49 @@ cdef class NodeBase:
     def next_edges(self, next_edges):
         self._next_edges = _check_next_edges(next_edges)
 
+    @next_edges.deleter
+    def next_edges(self):
+        _cannot_delete("next_edges")
+
+    # The engine's fields, for Python code: checked when set, as next_edges
+    # is. See Note [Fields Python code can write] in the twin.
+    @property
+    def _next_edges(self):
+        return self._next_edges
+
+    @_next_edges.setter
+    def _next_edges(self, next_edges):
+        self._next_edges = _check_next_edges(next_edges)
+
+    @_next_edges.deleter
+    def _next_edges(self):
+        _cannot_delete("_next_edges")
+
+    @property
+    def _input_metadata(self):
+        return self._input_metadata
+
+    @_input_metadata.setter
+    def _input_metadata(self, input_metadata):
+        self._input_metadata = _check_input_metadata(input_metadata)
+        if self._stream is None and not on_cpu(self._input_metadata):
+            self._stream = _creation_stream(self._input_metadata)
+
+    @_input_metadata.deleter
+    def _input_metadata(self):
+        _cannot_delete("_input_metadata")
+
     @property
     def input_metadata(self):
-        return tuple(self._input_metadata)
+        return self._input_metadata
 
     def num_inputs(self):
         return len(self._input_metadata)
 
     def add_input_metadata(self, spec):
         """Append an input slot described by ``spec``; return its index."""
-        metadata = as_input_metadata(spec)
-        if not self._input_metadata:
-            # Maybe the shared empty list: See Note [Shared empty input metadata].
-            self._input_metadata = [metadata]
-        else:
-            self._input_metadata.append(metadata)
+        # A new tuple: See Note [Shared empty input metadata].
+        self._input_metadata = self._input_metadata + (as_input_metadata(spec),)
         if self._stream is None and not on_cpu(self._input_metadata):
             self._stream = _creation_stream(self._input_metadata)
         return len(self._input_metadata) - 1
@@ -343,12 +398,35 @@ cdef class LeafState:
             self._owned_grad = None
 
 
+cdef LeafState _check_leaf_state(leaf_state):
+    if not isinstance(leaf_state, LeafState):
+        raise TypeError(_leaf_state_error(leaf_state))
+    return <LeafState>leaf_state
+
+
 cdef class AccumulateGradBase(NodeBase):
     """The sink of a leaf: ``apply`` accumulates into ``variable.grad``. See
     Note [Accumulating into .grad] in the twin, ``pyengine/_pure/node.py``,
     which states the fields. numpy arrays take C paths that do what the
     numpy backend's ``copy``, ``add_`` and ``add`` do; other values go
     through their backend."""
+
+    def __cinit__(self, *args, **kwargs):
+        # apply reads leaf_state in C: it is never None (See Note [Fields
+        # Python code can write] in the twin).
+        self.leaf_state = LeafState()
+
+    @property
+    def leaf_state(self):
+        return self.leaf_state
+
+    @leaf_state.setter
+    def leaf_state(self, leaf_state):
+        self.leaf_state = _check_leaf_state(leaf_state)
+
+    @leaf_state.deleter
+    def leaf_state(self):
+        _cannot_delete("leaf_state")
 
     def apply(self, list grads):
         new_grad = grads[0]

@@ -38,7 +38,7 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error) exc
     """See the twin's ``validate_outputs``; ``grads`` is edited in place."""
     cdef Py_ssize_t num_edges = PyTuple_GET_SIZE(edges)
     cdef Edge edge
-    cdef list slots
+    cdef tuple slots
     if PyList_GET_SIZE(grads) != num_edges:
         raise RuntimeError(format_error(
             f"invalid number of gradients - expected {num_edges}, but got {len(grads)}"))
@@ -48,8 +48,11 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error) exc
         if edge_object is None or grad is None:
             continue
         edge = <Edge>edge_object
+        # Tuples of checked types: See Note [Fields Python code can write] in
+        # pyengine/_pure/node.py.
         slots = edge.node._input_metadata
-        metadata = <object>PyList_GET_ITEM(slots, edge.input_nr) if edge.input_nr < PyList_GET_SIZE(slots) else None
+        metadata = (<object>PyTuple_GET_ITEM(slots, edge.input_nr)
+                    if edge.input_nr < PyTuple_GET_SIZE(slots) else None)
         if metadata is not None and numpy_gradient_matches(<InputMetadata>metadata, grad):
             continue
         grads[i] = validate_gradient(i, grad, metadata, format_error)
@@ -58,4 +61,9 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error) exc
 
 def validate_outputs(edges, list grads, format_error):
     """Check and fix ``grads`` against ``edges``; see the twin's docstring."""
-    validate_outputs_impl(tuple(edges), grads, format_error)
+    edges = tuple(edges)
+    # Only a caller from Python: the engine passes a node's checked edges.
+    for i, edge in enumerate(edges):
+        if edge is not None and not isinstance(edge, Edge):
+            raise TypeError(f"edges[{i}] must be an Edge or None, got {type(edge).__name__}")
+    validate_outputs_impl(edges, grads, format_error)

@@ -15,6 +15,7 @@ search them.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -132,16 +133,27 @@ def retain_grad(tensor) -> None:
     except TypeError:
         # Not weakly referenceable: the hook keeps the tensor alive with its graph.
         tensor_ref = lambda: tensor  # noqa: E731
+    # Several threads may run backward through the tensor's node at once (a
+    # retained graph): the read, add and write of .grad must be one step,
+    # or one thread's sum overwrites another's. The lock is the tensor's
+    # LeafState's, which guards .grad as it does for a leaf's
+    # AccumulateGrad; for a tensor that cannot keep a LeafState, this
+    # hook's own (the hook is the only writer of .grad the engine has).
+    try:
+        lock = leaf_state(tensor).lock
+    except AttributeError:
+        lock = threading.Lock()
 
     def retains_grad_hook(new_grad):
         owner = tensor_ref()
         if owner is None:
             return
-        old_grad = owner.grad
-        if old_grad is None:
-            owner.grad = backend_of(new_grad).copy(new_grad)
-        else:
-            owner.grad = backend_of(old_grad).add(old_grad, new_grad)
+        with lock:
+            old_grad = owner.grad
+            if old_grad is None:
+                owner.grad = backend_of(new_grad).copy(new_grad)
+            else:
+                owner.grad = backend_of(old_grad).add(old_grad, new_grad)
 
     grad_fn.set_retains_grad_hook(getattr(tensor, "output_nr", 0), retains_grad_hook)
 

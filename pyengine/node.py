@@ -95,7 +95,9 @@ class Node(NodeBase):
     input slot: an ``InputMetadata``, a ``(shape, dtype[, device])`` tuple, a
     value to read them from, or ``None`` (that slot's gradients are not
     checked). A gradient may arrive at a slot the node declared no metadata
-    for; the node then gets as many slots as the highest one used.
+    for; the node then gets as many slots as the highest one used (an Edge
+    into an undeclared slot is refused from slot 65,536 on: See Note [Edge
+    input_nr] in ``pyengine/_pure/node.py``).
     """
 
     def name(self) -> str:

@@ -81,6 +81,33 @@ Note [AccumulateGrad first]
 AccumulateGrad nodes carry the largest sequence number, so a leaf's
 gradient is written (and the InputBuffer holding it freed) as soon as it is
 ready, before any other node runs.
+
+Note [Next edges while a node runs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Python code that runs while a node runs (its tensor pre-hooks, pre-hooks,
+``apply``, post-hooks, ``release_variables``) can replace the node's
+``next_edges``. The engine reads them once, just before the node's hooks
+and ``apply`` run, and uses that one tuple for everything that follows:
+``validate_outputs`` checks the gradients against it, and the gradients go
+along it. A change made while the node runs takes effect the next time the
+node runs (a retained graph). PyTorch reads ``fn.next_edges`` again after
+``call_function``, but no hook of a C++ node can change its edges, and a
+Python node's edges are fixed once made; here they can change, and
+reading them twice would let a hook hand the engine gradients checked
+against one set of edges and routed along another (the compiled engine
+would then read past the end of a shorter tuple). The dependency counts
+were taken from the edges before the backward started; an edge a node
+gains into a node outside them is the error "dependency not found", as in
+PyTorch.
+
+Note [Checking execute's arguments]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``execute`` checks all of its arguments before it makes a graph task: each
+of ``roots`` and of ``outputs`` must be an Edge (TypeError naming the index
+and the type), ``grads`` one gradient per root, each checked against its
+root's slot as ``validate_outputs`` checks a node's (RuntimeError). Nothing
+has run when one is wrong, and the compiled engine never reads an object of
+the wrong type as an Edge.
 """
 
 import atexit
@@ -274,13 +301,20 @@ class Engine:
         (``backward(inputs=)``), run only the nodes on a path to them.
         Returns the captured gradients (empty without ``outputs``).
         """
-        roots = list(roots)
+        # Every argument is checked before anything runs: See Note [Checking
+        # execute's arguments].
+        roots = tuple(roots)
         grads = list(grads)
+        outputs = None if outputs is None else list(outputs)
         if not roots:
             raise RuntimeError("execute needs at least one root edge")
         for i, root in enumerate(roots):
-            if root is None or not hasattr(root, "node") or not isinstance(root.node, NodeBase):
+            if not isinstance(root, Edge):
                 raise TypeError(f"roots[{i}] must be an Edge, got {type(root).__name__}")
+        if outputs is not None:
+            for i, output in enumerate(outputs):
+                if not isinstance(output, Edge):
+                    raise TypeError(f"outputs[{i}] must be an Edge, got {type(output).__name__}")
         validate_outputs(roots, grads, lambda message: message)
 
         worker = _worker_state
@@ -303,7 +337,7 @@ class Engine:
         graph_task.graph_root = graph_root
         self.compute_dependencies(graph_root, graph_task)
         if outputs:
-            graph_task.init_to_execute(graph_root, list(outputs), accumulate_grad)
+            graph_task.init_to_execute(graph_root, outputs, accumulate_grad)
 
         self.execute_with_graph_task(graph_task, graph_root, input_buffer)
         try:
@@ -477,9 +511,12 @@ class Engine:
                 return
 
         producer_stream = node._stream
+        # The edges the node's gradients go along: those it had before it
+        # ran. See Note [Next edges while a node runs].
+        next_edges = node._next_edges
         # See Note [Streaming backwards]: apply runs on the node's stream.
         with streams.stream_guard(producer_stream):
-            outputs = call_function(graph_task, node, inputs)
+            outputs = call_function(graph_task, node, inputs, next_edges)
         if not graph_task.keep_graph:
             # Looked up on the class, as a C++ virtual method is (the compiled
             # engine's lookup is then cheap): a function set on the node
@@ -493,7 +530,6 @@ class Engine:
         if state.is_anomaly_enabled() and state.is_anomaly_check_nan_enabled():
             check_nan(node, outputs)
 
-        next_edges = node._next_edges
         grad_mode = graph_task.grad_mode
         with graph_task.mutex:
             dependencies = graph_task.dependencies

@@ -64,10 +64,15 @@ def call_tensor_pre_hooks(node, grads):
     return grads
 
 
-def call_function(graph_task, node, grads):
+def call_function(graph_task, node, grads, next_edges=None):
     """Hooks and ``apply`` on ``grads`` (the node's InputBuffer's list), in
     PyTorch's order: tensor pre-hooks, retains-grad hooks, node pre-hooks,
-    ``apply``, ``validate_outputs``, node post-hooks."""
+    ``apply``, ``validate_outputs``, node post-hooks. ``next_edges``: the
+    node's edges from before it ran, which the engine routes the gradients
+    along (read here when not given). See Note [Next edges while a node
+    runs] in ``pyengine/_pure/engine.py``."""
+    if next_edges is None:
+        next_edges = node._next_edges
     if node._tensor_pre_hooks or node._retains_grad_hooks:
         grads = call_tensor_pre_hooks(node, grads)
     if node._pre_hooks:
@@ -83,7 +88,7 @@ def call_function(graph_task, node, grads):
             raise TypeError(f"Function {node_name(node)}.apply must return a tuple or list of "
                             f"gradients, got {type(outputs).__name__}")
         outputs = list(outputs)
-    validate_outputs(node._next_edges, outputs,
+    validate_outputs(next_edges, outputs,
                      lambda message: f"Function {node_name(node)} returned an {message}")
     if has_post_hooks:
         grad_outputs = tuple(grads)

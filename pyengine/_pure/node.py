@@ -8,6 +8,7 @@ hook lists, stream); the user-facing methods live on
 :class:`pyengine.Node`, which subclasses it.
 """
 
+import operator
 import sys
 import threading
 import weakref
@@ -42,6 +43,15 @@ def _normalize_dtype(dtype):
         return dtype
 
 
+def _not_writable(self, name, value=None):
+    # What writing a compiled class's readonly field raises.
+    raise AttributeError(f"attribute '{name}' of '{type(self).__name__}' objects is not writable")
+
+
+def _cannot_delete(name):
+    raise AttributeError(f"cannot delete {name}: set it to () instead")
+
+
 class InputMetadata:
     """Shape, dtype and device of the forward output an input slot stands for.
 
@@ -51,10 +61,19 @@ class InputMetadata:
     __slots__ = ("shape", "dtype", "device", "is_cpu")
 
     def __init__(self, shape, dtype, device=CPU):
-        self.shape = tuple(int(size) for size in shape)
-        self.dtype = _normalize_dtype(dtype)
-        self.device = device
-        self.is_cpu = device == CPU
+        if getattr(self, "shape", None) is not None:
+            # Its fields and the compiled fast path's copy of them must agree.
+            raise TypeError("InputMetadata is immutable: its __init__ ran already")
+        set_field = object.__setattr__
+        set_field(self, "shape", tuple(int(size) for size in shape))
+        set_field(self, "dtype", _normalize_dtype(dtype))
+        set_field(self, "device", device)
+        set_field(self, "is_cpu", device == CPU)
+
+    __setattr__ = __delattr__ = _not_writable
+
+    def __reduce__(self):
+        return InputMetadata, (self.shape, self.dtype, self.device)
 
     @classmethod
     def from_value(cls, value):
@@ -86,22 +105,69 @@ def as_input_metadata(spec):
     return InputMetadata.from_value(spec)
 
 
+# Note [Edge input_nr]
+# ~~~~~~~~~~~~~~~~~~~~
+# ``Edge(node, input_nr)``: ``input_nr`` is an int (anything with
+# ``__index__``, as PyTorch's int arguments: a numpy integer will do, a
+# float or a str will not: TypeError) and at least 0 (ValueError naming
+# the node and the value; PyTorch's input_nr is unsigned, and a negative
+# index would count from the end, or before the start, of the node's
+# slots). It may name a slot beyond the ones the node declared with
+# ``input_metadata``: the node's InputBuffer then grows to fit, one list
+# entry per slot up to ``input_nr``, and that slot's gradients are not
+# checked. That growth is bounded: an undeclared slot must be below
+# MAX_INPUT_NR (65,536 slots, half a MiB of list), so a huge ``input_nr``
+# is an error when the Edge is made (ValueError), never gigabytes of list
+# or a MemoryError in the middle of a backward. A slot the node declared
+# may be any of them. The check is made once, here: an Edge is immutable,
+# and a node's slots only grow (``add_input_metadata``).
+MAX_INPUT_NR = 1 << 16
+
+
+def _input_nr_error(node, input_nr):
+    if not isinstance(input_nr, int):
+        return f"Edge input_nr must be an int, got {type(input_nr).__name__} (for {node_name(node)})"
+    if input_nr < 0:
+        return f"Edge input_nr must be >= 0, got {input_nr} for {node_name(node)}"
+    return (f"Edge input_nr {input_nr} is beyond {node_name(node)}'s {len(node._input_metadata)} "
+            f"input slots and above {MAX_INPUT_NR}, the limit for undeclared slots; declare "
+            f"the slot with input_metadata first")
+
+
+def _check_input_nr(node, input_nr):
+    """``input_nr`` as an index of one of ``node``'s input slots: See Note
+    [Edge input_nr]."""
+    try:
+        index = operator.index(input_nr)
+    except TypeError:
+        raise TypeError(_input_nr_error(node, input_nr)) from None
+    if index < 0 or (index >= MAX_INPUT_NR and index >= len(node._input_metadata)):
+        raise ValueError(_input_nr_error(node, index))
+    return index
+
+
 class Edge:
     """Which input slot (``input_nr``) of which ``node`` a gradient flows into.
 
     Immutable after construction; equal when both node (by identity) and
-    slot are.
+    slot are. See Note [Edge input_nr] for the values ``input_nr`` may take.
     """
 
     __slots__ = ("node", "input_nr")
 
-    def __init__(self, node, input_nr=0):
+    def __new__(cls, node, input_nr=0):
+        # In __new__, not __init__: no Edge exists without a checked node
+        # (Edge.__new__(Edge) is a TypeError), and none changes after.
         if not isinstance(node, NodeBase):
             raise TypeError(f"Edge needs a Node, got {type(node).__name__}")
         if not getattr(node, "_initialized", False):
             raise RuntimeError(not_initialized_message(node))
-        self.node = node
-        self.input_nr = int(input_nr)
+        self = object.__new__(cls)
+        object.__setattr__(self, "node", node)
+        object.__setattr__(self, "input_nr", _check_input_nr(node, input_nr))
+        return self
+
+    __setattr__ = __delattr__ = _not_writable
 
     def __eq__(self, other):
         if not isinstance(other, Edge):
@@ -136,6 +202,10 @@ def not_initialized_message(node):
             "super().__init__(next_edges, input_metadata)")
 
 
+def _leaf_state_error(leaf_state):
+    return f"leaf_state must be a LeafState, got {type(leaf_state).__name__}"
+
+
 def _check_next_edges(next_edges):
     next_edges = tuple(next_edges)
     for i, edge in enumerate(next_edges):
@@ -144,27 +214,109 @@ def _check_next_edges(next_edges):
     return next_edges
 
 
+def _check_input_metadata(input_metadata):
+    input_metadata = tuple(input_metadata)
+    for i, metadata in enumerate(input_metadata):
+        if metadata is not None and not isinstance(metadata, InputMetadata):
+            raise TypeError(f"input_metadata[{i}] must be an InputMetadata or None, got "
+                            f"{type(metadata).__name__}")
+    return input_metadata
+
+
 # Note [Shared empty input metadata]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A node made without input metadata (a gradient-free node, one per value
-# a forward makes) gets no list of its own: its ``_input_metadata`` is one
-# empty list shared by all such nodes, which saves an allocation per node,
-# and one object per node for the cyclic GC to count and traverse. Sharing is
-# safe because nothing mutates an empty ``_input_metadata`` in place:
-# ``add_input_metadata``, the only code that mutates the list at all,
-# rebinds a new list when the node's is empty, and appends only to a list
-# of its own (one it made, never empty). Readers (the engine,
-# ``validate_outputs``) only read it.
-_NO_INPUT_METADATA = []
+# a forward makes) gets no container of its own: its ``_input_metadata`` is
+# the empty tuple, which every such node shares, which saves an allocation
+# per node, and one object per node for the cyclic GC to count and
+# traverse. ``_input_metadata`` is a tuple for every node, never changed in
+# place (See Note [Fields Python code can write]): ``add_input_metadata``
+# makes a new one, one slot longer (a copy per slot added: nodes have few).
+
+
+# Note [Fields Python code can write]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The compiled core reads a node's fields in C and trusts their types (it
+# casts each of ``_next_edges`` to an Edge, each of ``_input_metadata`` to
+# an InputMetadata), yet Python code can write every field it can read,
+# private ones included. So each field is, in both cores, with the same
+# error for the same bad write:
+#
+# - checked when set: ``_next_edges`` (Edges or None, TypeError naming the
+#   index) and ``_input_metadata`` (InputMetadata or None), stored as
+#   tuples, which no Python code can change in place; the public
+#   ``next_edges`` setter and ``add_input_metadata`` go through the same
+#   checks. ``_pre_hooks``, ``_post_hooks``, ``_tensor_pre_hooks`` (a list
+#   or None), ``_retains_grad_hooks`` and ``_metadata`` (a dict or None) are
+#   typed C fields in the compiled core, so a value of another type is a
+#   TypeError when set; the twin checks the same. Deleting one of these
+#   sets it to None, as Cython does. Their contents are read only by Python
+#   code (the hooks' ``call_function``), which raises on a bad entry.
+#   AccumulateGrad's ``leaf_state`` must be a LeafState (never None: a
+#   fresh one until the subclass sets its own), as the compiled ``apply``
+#   reads it in C;
+# - read only: ``_sequence_nr``, ``_initialized``, a GradientFreeNode's
+#   ``owner`` and ``method``, a LeafState's ``lock``, every field of an Edge
+#   and of an InputMetadata (AttributeError when written). An Edge checks
+#   its node and input_nr in ``__new__`` (no Edge without a node exists),
+#   and an InputMetadata's ``__init__`` runs once;
+# - free: ``_saved_values``, ``_stream``, ``_released`` (its truth value),
+#   AccumulateGrad's ``variable``, a LeafState's ``accumulator`` and hook
+#   lists: the engine hands them to Python code only, never to C.
+#
+# The engine also copies what it must not see change while a node runs:
+# See Note [Next edges while a node runs] in ``pyengine/_pure/engine.py``.
+# The checks cost nothing per node in the compiled engine: they run when a
+# field is set, and the engine reads the C fields directly.
+
+
+def _not_list(value):
+    return value is not None and type(value) is not list
+
+
+def _not_dict(value):
+    return value is not None and type(value) is not dict
+
+
+def _checked_field(name, storage, wrong_type, expected):
+    """A property ``name`` over slot ``storage`` that refuses, with the
+    TypeError of a typed Cython field, a value for which ``wrong_type`` is
+    true; deleting it stores None. See Note [Fields Python code can write]."""
+    get_field = operator.attrgetter(storage)
+
+    def set_field(self, value):
+        if wrong_type(value):
+            raise TypeError(f"Expected {expected}, got {type(value).__name__}")
+        object.__setattr__(self, storage, value)
+
+    def delete_field(self):
+        object.__setattr__(self, storage, None)
+
+    return property(get_field, set_field, delete_field,
+                    doc=f"{name}: See Note [Fields Python code can write].")
+
+
+def _read_only_field(name, storage):
+    """A property ``name`` over slot ``storage`` that Python code cannot
+    write, as a readonly Cython field."""
+
+    def set_field(self, value):
+        _not_writable(self, name)
+
+    def delete_field(self):
+        _not_writable(self, name)
+
+    return property(operator.attrgetter(storage), set_field, delete_field)
 
 
 class NodeBase:
     """The per-node state the engine reads; see :class:`pyengine.Node`.
 
-    Fields, all guarded by the GIL:
+    Fields, all guarded by the GIL (how each is checked when Python code
+    writes it: See Note [Fields Python code can write]):
       _next_edges: tuple of Edge or None, one per gradient ``apply`` returns.
-      _input_metadata: list of InputMetadata or None, one per input slot;
-        an empty one may be shared (See Note [Shared empty input metadata]).
+      _input_metadata: tuple of InputMetadata or None, one per input slot
+        (See Note [Shared empty input metadata]).
       _sequence_nr: immutable after construction.
       _pre_hooks, _post_hooks, _tensor_pre_hooks: None or a list of
         ``(handle_id, fn)`` (tensor pre-hooks: ``(handle_id, input_nr, fn)``).
@@ -176,27 +328,40 @@ class NodeBase:
       _initialized: set by ``__init__``; the engine refuses a node without it.
     """
 
+    # The fields Python code may not write as it likes live in slots with a
+    # trailing underscore, behind properties: See Note [Fields Python code
+    # can write].
     __slots__ = (
-        "_next_edges", "_input_metadata", "_sequence_nr", "_pre_hooks", "_post_hooks",
-        "_tensor_pre_hooks", "_retains_grad_hooks", "_saved_values", "_released",
-        "_stream", "_metadata", "_initialized", "__weakref__", "__dict__",
+        "_next_edges_", "_input_metadata_", "_sequence_nr_", "_pre_hooks_", "_post_hooks_",
+        "_tensor_pre_hooks_", "_retains_grad_hooks_", "_saved_values", "_released_",
+        "_stream", "_metadata_", "_initialized_", "__weakref__", "__dict__",
     )
 
+    _sequence_nr = _read_only_field("_sequence_nr", "_sequence_nr_")
+    _initialized = _read_only_field("_initialized", "_initialized_")
+    _pre_hooks = _checked_field("_pre_hooks", "_pre_hooks_", _not_list, "list")
+    _post_hooks = _checked_field("_post_hooks", "_post_hooks_", _not_list, "list")
+    _tensor_pre_hooks = _checked_field("_tensor_pre_hooks", "_tensor_pre_hooks_", _not_list, "list")
+    _retains_grad_hooks = _checked_field("_retains_grad_hooks", "_retains_grad_hooks_", _not_dict,
+                                         "dict")
+    _metadata = _checked_field("_metadata", "_metadata_", _not_dict, "dict")
+
     def __init__(self, next_edges=(), input_metadata=()):
-        self._next_edges = _check_next_edges(next_edges)
+        set_field = object.__setattr__
+        set_field(self, "_next_edges_", _check_next_edges(next_edges))
         # See Note [Shared empty input metadata].
-        self._input_metadata = [as_input_metadata(spec) for spec in input_metadata] or _NO_INPUT_METADATA
-        self._sequence_nr = _sequence_counter.next_value
+        set_field(self, "_input_metadata_", tuple(as_input_metadata(spec) for spec in input_metadata))
+        set_field(self, "_sequence_nr_", _sequence_counter.next_value)
         _sequence_counter.next_value += 1
-        self._pre_hooks = None
-        self._post_hooks = None
-        self._tensor_pre_hooks = None
-        self._retains_grad_hooks = None
+        set_field(self, "_pre_hooks_", None)
+        set_field(self, "_post_hooks_", None)
+        set_field(self, "_tensor_pre_hooks_", None)
+        set_field(self, "_retains_grad_hooks_", None)
         self._saved_values = None
-        self._released = False
-        self._metadata = None
-        self._stream = _creation_stream(self._input_metadata)
-        self._initialized = True
+        set_field(self, "_released_", False)
+        set_field(self, "_metadata_", None)
+        self._stream = _creation_stream(self._input_metadata_)
+        set_field(self, "_initialized_", True)
         if state.is_anomaly_enabled():
             _record_forward_traceback(self)
 
@@ -206,30 +371,58 @@ class NodeBase:
 
     @property
     def next_edges(self):
-        return self._next_edges
+        return self._next_edges_
 
     @next_edges.setter
     def next_edges(self, next_edges):
-        self._next_edges = _check_next_edges(next_edges)
+        self._next_edges_ = _check_next_edges(next_edges)
+
+    @next_edges.deleter
+    def next_edges(self):
+        _cannot_delete("next_edges")
+
+    # The engine's fields, for Python code: checked when set, as next_edges
+    # is. See Note [Fields Python code can write].
+    _next_edges = property(operator.attrgetter("_next_edges_"), next_edges.fset,
+                           lambda self: _cannot_delete("_next_edges"))
+
+    @property
+    def _input_metadata(self):
+        return self._input_metadata_
+
+    @_input_metadata.setter
+    def _input_metadata(self, input_metadata):
+        self._input_metadata_ = _check_input_metadata(input_metadata)
+        if self._stream is None:
+            self._stream = _creation_stream(self._input_metadata_)
+
+    @_input_metadata.deleter
+    def _input_metadata(self):
+        _cannot_delete("_input_metadata")
+
+    @property
+    def _released(self):
+        return self._released_
+
+    @_released.setter
+    def _released(self, released):
+        # A C bint: its truth value.
+        self._released_ = bool(released)
 
     @property
     def input_metadata(self):
-        return tuple(self._input_metadata)
+        return self._input_metadata_
 
     def num_inputs(self):
-        return len(self._input_metadata)
+        return len(self._input_metadata_)
 
     def add_input_metadata(self, spec):
         """Append an input slot described by ``spec``; return its index."""
-        metadata = as_input_metadata(spec)
-        if not self._input_metadata:
-            # Maybe the shared empty list: See Note [Shared empty input metadata].
-            self._input_metadata = [metadata]
-        else:
-            self._input_metadata.append(metadata)
+        # A new tuple: See Note [Shared empty input metadata].
+        self._input_metadata_ = self._input_metadata_ + (as_input_metadata(spec),)
         if self._stream is None:
-            self._stream = _creation_stream(self._input_metadata)
-        return len(self._input_metadata) - 1
+            self._stream = _creation_stream(self._input_metadata_)
+        return len(self._input_metadata_) - 1
 
     @property
     def metadata(self):
@@ -286,14 +479,17 @@ class GradientFreeNodeBase(NodeBase):
     node runs.
     """
 
-    __slots__ = ("owner", "method")
+    __slots__ = ("owner_", "method_")
+
+    owner = _read_only_field("owner", "owner_")
+    method = _read_only_field("method", "method_")
 
     def __init__(self, owner, method, next_edges=(), input_metadata=()):
         if not isinstance(method, str):
             raise TypeError(f"method must be a str (a method name), got {type(method).__name__}")
         super().__init__(next_edges, input_metadata)
-        self.owner = owner
-        self.method = method
+        object.__setattr__(self, "owner_", owner)
+        object.__setattr__(self, "method_", method)
 
     def apply(self, grads):
         getattr(self.owner, self.method)()
@@ -350,7 +546,8 @@ class LeafState:
     Fields:
       lock: a ``threading.Lock``; guards the tensor's ``.grad`` and the owned
         ``.grad`` while a gradient is accumulated, across every
-        AccumulateGrad of this tensor. Immutable after construction.
+        AccumulateGrad of this tensor, and while ``retain_grad``'s hook adds
+        into a non-leaf's ``.grad``. Immutable after construction.
       accumulator: weak reference to the current AccumulateGrad (the graph,
         not the tensor, keeps it alive, as in PyTorch), or None.
       _owned_grad: None or a weak reference to the ``.grad`` array pyengine
@@ -361,11 +558,13 @@ class LeafState:
         The AccumulateGrad runs ``tensor_pre_hooks`` as its tensor pre-hooks.
     """
 
-    __slots__ = ("lock", "accumulator", "_owned_grad", "tensor_pre_hooks",
+    __slots__ = ("lock_", "accumulator", "_owned_grad", "tensor_pre_hooks",
                  "post_accumulate_grad_hooks")
 
+    lock = _read_only_field("lock", "lock_")
+
     def __init__(self):
-        self.lock = threading.Lock()
+        object.__setattr__(self, "lock_", threading.Lock())
         self.accumulator = None
         self._owned_grad = None
         self.tensor_pre_hooks = None
@@ -399,7 +598,27 @@ class AccumulateGradBase(NodeBase):
     ``.grad``, the hooks).
     """
 
-    __slots__ = ("variable", "leaf_state")
+    __slots__ = ("variable", "leaf_state_")
+
+    def __init__(self, *args, **kwargs):
+        # apply reads leaf_state: it is never None, a fresh LeafState until
+        # the subclass sets it (See Note [Fields Python code can write]).
+        self.leaf_state_ = LeafState()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def leaf_state(self):
+        return self.leaf_state_
+
+    @leaf_state.setter
+    def leaf_state(self, leaf_state):
+        if not isinstance(leaf_state, LeafState):
+            raise TypeError(_leaf_state_error(leaf_state))
+        self.leaf_state_ = leaf_state
+
+    @leaf_state.deleter
+    def leaf_state(self):
+        _cannot_delete("leaf_state")
 
     def apply(self, grads):
         new_grad = grads[0]
@@ -477,4 +696,4 @@ def _record_forward_traceback(node):
 
 def _set_sequence_nr(node, sequence_nr):
     """Give ``node`` a fixed sequence number (AccumulateGrad); engine use only."""
-    node._sequence_nr = sequence_nr
+    object.__setattr__(node, "_sequence_nr_", sequence_nr)

@@ -1,0 +1,473 @@
+"""Input through the public API that the compiled core used to trust: Edge
+input numbers, next edges changed while a node runs, ``execute``'s
+arguments, and node fields written from Python. Each gets one clear error,
+the same in both cores (this file runs on both), never a crash. Anything
+that crashed the interpreter before runs in a subprocess (the same core as
+the test: ``PYENGINE_PURE`` and ``PYTHONPATH`` pass through), which must
+exit normally and print exactly the expected lines.
+
+Oracles: the error texts below, and the analytic gradients of small graphs
+(ones times a constant) that each sink receives.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import pyengine
+from pyengine import Edge, Node
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
+
+# The graph every subprocess builds: ``Fan`` hands ``grads[0] * (i + 1)``
+# to its edge ``i``; each ``Sink`` records what reaches its slot 0.
+_PRELUDE = '''
+import numpy as np
+import pyengine
+from pyengine import Edge, Node
+
+engine = pyengine.get_default_engine()
+
+
+class Sink(Node):
+    def __init__(self, name):
+        super().__init__(input_metadata=[((3,), np.float64)])
+        self.tag = name
+        self.got = []
+
+    def name(self):
+        return self.tag
+
+    def apply(self, grads):
+        self.got.append(None if grads[0] is None else grads[0].tolist())
+        return ()
+
+
+class Fan(Node):
+    def __init__(self, edges, count=None):
+        super().__init__(next_edges=edges, input_metadata=[((3,), np.float64)])
+        self.count = len(self.next_edges) if count is None else count
+
+    def apply(self, grads):
+        return [grads[0] * (i + 1) for i in range(self.count)]
+
+
+def run(root, keep_graph=False, outputs=None, accumulate_grad=True):
+    return engine.execute([Edge(root, 0)], [np.ones(3)], keep_graph, False, accumulate_grad,
+                          outputs)
+
+
+def report(what, fn):
+    try:
+        print(what, "->", fn())
+    except Exception as error:
+        print(what, "->", type(error).__name__ + ":", error)
+'''
+
+
+def run_isolated(code: str) -> list[str]:
+    """Run ``code`` after the prelude in a fresh interpreter on this test's
+    core; it must exit normally (no crash). Returns its output lines."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, os.environ.get("PYTHONPATH")]))
+    if pyengine.IMPLEMENTATION == "pure":
+        env["PYENGINE_PURE"] = "1"
+    else:
+        env.pop("PYENGINE_PURE", None)
+    proc = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (
+        f"exit status {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc.stdout.splitlines()
+
+
+# -- Edge input_nr: See Note [Edge input_nr] in pyengine/_pure/node.py ----------------
+
+def test_negative_input_nr_is_an_error_before_any_backward():
+    # The compiled core crashed (SIGSEGV) on either; the twin wrapped -1
+    # around to the last slot and raised IndexError for -1000.
+    lines = run_isolated('''
+        sink = Sink("sink")
+        for input_nr in (-1, -1000):
+            report(input_nr, lambda: run(Fan([Edge(sink, input_nr)])))
+        print("sink got", sink.got)
+        run(Fan([Edge(sink, 0)]))
+        print("then", sink.got)
+    ''')
+    assert lines == [
+        "-1 -> ValueError: Edge input_nr must be >= 0, got -1 for sink",
+        "-1000 -> ValueError: Edge input_nr must be >= 0, got -1000 for sink",
+        "sink got []",
+        "then [[1.0, 1.0, 1.0]]",
+    ]
+
+
+@pytest.mark.parametrize("input_nr, kind", [("0", "str"), (1.5, "float"), (None, "NoneType"),
+                                            (1.0, "float")])
+def test_input_nr_must_be_an_int(input_nr, kind):
+    # The compiled core said "'str' object cannot be interpreted as an
+    # integer"; the twin took int("0") and int(1.5).
+    sink = Sink_()
+    with pytest.raises(TypeError) as info:
+        Edge(sink, input_nr)
+    assert str(info.value) == f"Edge input_nr must be an int, got {kind} (for Sink_)"
+    # What operator.index takes, an Edge takes, as an int.
+    edge = Edge(sink, np.int64(0))
+    assert type(edge.input_nr) is int and edge.input_nr == 0 and Edge(sink, True).input_nr == 1
+    _backward(Scale([edge], 2.0))
+    assert sink.got == [[[2.0, 2.0, 2.0]]]
+
+
+class Sink_(Node):
+    """Records the gradients that reach it, per slot."""
+
+    def __init__(self, input_metadata=(((3,), np.float64),)):
+        super().__init__(input_metadata=input_metadata)
+        self.got = []
+
+    def apply(self, grads):
+        self.got.append([None if g is None else g.tolist() for g in grads])
+        return ()
+
+
+class Scale(Node):
+    """Hands ``grads[0] * factor`` to each of its edges."""
+
+    def __init__(self, edges, factor=1.0):
+        super().__init__(next_edges=edges, input_metadata=[((3,), np.float64)])
+        self.factor = factor
+
+    def apply(self, grads):
+        return [grads[0] * self.factor for _ in self.next_edges]
+
+
+def _backward(root, keep_graph=False):
+    return pyengine.get_default_engine().execute([Edge(root, 0)], [np.ones(3)], keep_graph, False,
+                                                 True)
+
+
+def test_undeclared_slots_grow_up_to_the_limit():
+    from pyengine._core import node_module
+
+    limit = node_module.MAX_INPUT_NR
+    assert limit == 65536
+    # A node that declares one slot receives a gradient at slot 3: its
+    # InputBuffer grows to four slots, as before.
+    sink = Sink_()
+    _backward(Scale([Edge(sink, 3)], 5.0))
+    assert sink.got == [[None, None, None, [5.0, 5.0, 5.0]]]
+    # The last undeclared slot allowed, and the first refused.
+    far = Sink_()
+    _backward(Scale([Edge(far, limit - 1)], 1.0))
+    assert len(far.got[0]) == limit and far.got[0][limit - 1] == [1.0, 1.0, 1.0]
+    for input_nr in (limit, 10**12, 2**64):
+        with pytest.raises(ValueError) as info:
+            Edge(far, input_nr)
+        assert str(info.value) == (
+            f"Edge input_nr {input_nr} is beyond Sink_'s 1 input slots and above {limit}, the "
+            "limit for undeclared slots; declare the slot with input_metadata first")
+
+
+def test_declared_slots_beyond_the_limit_are_fine():
+    from pyengine._core import node_module
+
+    limit = node_module.MAX_INPUT_NR
+    sink = Sink_(input_metadata=[None] * (limit + 2))
+    _backward(Scale([Edge(sink, limit + 1)], 3.0))
+    assert len(sink.got[0]) == limit + 2 and sink.got[0][limit + 1] == [3.0, 3.0, 3.0]
+    assert sink.got[0][:limit + 1] == [None] * (limit + 1)
+
+
+# -- next edges changed while a node runs: See Note [Next edges while a node runs] --------
+
+def test_next_edges_changed_while_the_node_runs():
+    # The node's gradients go along the edges it had before it ran, whoever
+    # changes them while it runs; the change holds from its next run on.
+    # A shorter tuple from a post-hook or release_variables crashed the
+    # compiled core (SIGSEGV), and raised IndexError in the twin.
+    lines = run_isolated('''
+        class Releasing(Fan):
+            change = None
+
+            def release_variables(self):
+                super().release_variables()
+                if self.change is not None:
+                    self.next_edges = self.change()
+
+
+        class Applying(Fan):
+            change = None
+
+            def apply(self, grads):
+                self.next_edges = self.change()
+                return super().apply(grads)
+
+
+        for where in ("tensor_prehook", "prehook", "apply", "posthook", "release_variables"):
+            for change in ("shorter", "longer", "other"):
+                a, b, c = Sink("a"), Sink("b"), Sink("c")
+                edges = [Edge(a, 0), Edge(b, 0)]
+                kind = {"apply": Applying, "release_variables": Releasing}.get(where, Fan)
+                fan = kind(edges, count=2)
+                new_edges = {"shorter": lambda: [Edge(a, 0)],
+                             "longer": lambda: [Edge(a, 0), Edge(b, 0), Edge(c, 0)],
+                             "other": lambda: [Edge(c, 0), Edge(a, 0)]}[change]
+
+                def mutate(*args):
+                    fan.next_edges = new_edges()
+
+                if where == "tensor_prehook":
+                    fan.register_tensor_prehook(0, mutate)
+                elif where == "prehook":
+                    fan.register_prehook(mutate)
+                elif where == "posthook":
+                    fan.register_hook(mutate)
+                else:
+                    fan.change = new_edges
+                report(f"{where} {change}", lambda: run(fan, keep_graph=where != "release_variables"))
+                print("   ", a.got, b.got, c.got, len(fan.next_edges))
+        print("done")
+    ''')
+    expected = []
+    for where in ("tensor_prehook", "prehook", "apply", "posthook", "release_variables"):
+        for change, edges_after in (("shorter", 1), ("longer", 3), ("other", 2)):
+            expected += [f"{where} {change} -> []",
+                         f"    [[1.0, 1.0, 1.0]] [[2.0, 2.0, 2.0]] [] {edges_after}"]
+    assert lines == expected + ["done"]
+
+
+def test_changed_next_edges_hold_from_the_next_run():
+    a, b, c = Sink_(), Sink_(), Sink_()
+    fan = Scale([Edge(a, 0), Edge(b, 0)], 2.0)
+    fan.register_hook(lambda grad_inputs, grad_outputs: setattr(fan, "next_edges", [Edge(c, 0)]))
+    _backward(fan, keep_graph=True)
+    assert (a.got, b.got, c.got) == ([[[2.0] * 3]], [[[2.0] * 3]], [])
+    # Scale returns one gradient per edge it has when it runs: now one, to c.
+    _backward(fan, keep_graph=True)
+    assert (a.got, b.got, c.got) == ([[[2.0] * 3]], [[[2.0] * 3]], [[[2.0] * 3]])
+
+
+def test_apply_that_keeps_returning_the_old_count_fails_cleanly_next_run():
+    a, b = Sink_(), Sink_()
+
+    class Two(Node):
+        def apply(self, grads):
+            self.next_edges = [Edge(a, 0)]
+            return [grads[0], grads[0]]
+
+    two = Two([Edge(a, 0), Edge(b, 0)], [((3,), np.float64)])
+    _backward(two, keep_graph=True)
+    assert a.got == b.got == [[[1.0] * 3]]
+    with pytest.raises(RuntimeError) as info:
+        _backward(two, keep_graph=True)
+    assert str(info.value) == "Function Two returned an invalid number of gradients - expected 1, but got 2"
+
+
+# -- execute's arguments: See Note [Checking execute's arguments] ----------------------
+
+def test_execute_checks_outputs_before_anything_runs():
+    # The compiled core read object() as an Edge and returned [None]; the
+    # twin raised AttributeError after compute_dependencies.
+    lines = run_isolated('''
+        sink = Sink("sink")
+        fan = Fan([Edge(sink, 0)])
+        report("object", lambda: run(fan, outputs=[object()], accumulate_grad=False))
+        report("None", lambda: run(fan, outputs=[Edge(sink, 0), None], accumulate_grad=False))
+        report("tuple", lambda: run(fan, outputs=[(sink, 0)], accumulate_grad=False))
+        report("int", lambda: run(fan, outputs=5, accumulate_grad=False))
+        print("ran", sink.got)
+        report("edge", lambda: [g.tolist() for g in run(fan, outputs=iter([Edge(sink, 0)]),
+                                                         accumulate_grad=False)])
+    ''')
+    assert lines == [
+        "object -> TypeError: outputs[0] must be an Edge, got object",
+        "None -> TypeError: outputs[1] must be an Edge, got NoneType",
+        "tuple -> TypeError: outputs[0] must be an Edge, got tuple",
+        "int -> TypeError: 'int' object is not iterable",
+        "ran []",
+        "edge -> [[1.0, 1.0, 1.0]]",
+    ]
+
+
+def test_execute_checks_roots_grads_and_outputs_before_anything_runs():
+    sink = Sink_()
+    fan = Scale([Edge(sink, 0)])
+    edge, ones = Edge(fan, 0), np.ones(3)
+    # (roots, grads, outputs, error, message); roots are checked first,
+    # then outputs, then grads.
+    table = [
+        ([object()], [ones], None, TypeError, "roots[0] must be an Edge, got object"),
+        ([None], [ones], None, TypeError, "roots[0] must be an Edge, got NoneType"),
+        ([], [], None, RuntimeError, "execute needs at least one root edge"),
+        ([edge], [ones, ones], None, RuntimeError,
+         "invalid number of gradients - expected 1, but got 2"),
+        ([edge], [], None, RuntimeError, "invalid number of gradients - expected 1, but got 0"),
+        ([edge], [object()], None, TypeError,
+         "invalid gradient at index 0 - expected an array, but got object"),
+        ([edge], 5, None, TypeError, "'int' object is not iterable"),
+        ([object()], [ones], [object()], TypeError, "roots[0] must be an Edge, got object"),
+        ([edge], [ones], [object()], TypeError, "outputs[0] must be an Edge, got object"),
+        ([edge], [], ["edge"], TypeError, "outputs[0] must be an Edge, got str"),
+        ([edge], [ones], [Edge(sink, 0), None], TypeError, "outputs[1] must be an Edge, got NoneType"),
+        ([edge], [ones], [Edge(sink, 0), 1.0], TypeError, "outputs[1] must be an Edge, got float"),
+    ]
+    for roots, grads, outputs, error, message in table:
+        with pytest.raises(error) as info:
+            pyengine.get_default_engine().execute(roots, grads, False, False, False, outputs)
+        assert str(info.value) == message
+    assert sink.got == []
+
+
+# -- node fields written from Python: See Note [Fields Python code can write] -------------
+
+# (what is written, the statement, what it gives: "write" when the write
+# itself fails, else what the backward after it gives). Each statement runs
+# on a fresh graph: leaf <- mid <- root, with ``acc`` an AccumulateGrad and
+# ``free`` a GradientFreeNode.
+_WRITES = [
+    ("_next_edges object", "mid._next_edges = (object(),)",
+     "write TypeError: next_edges[0] must be an Edge or None, got object"),
+    ("_next_edges int", "mid._next_edges = 5", "write TypeError: 'int' object is not iterable"),
+    ("_next_edges None", "mid._next_edges = None",
+     "write TypeError: 'NoneType' object is not iterable"),
+    ("_next_edges list", "mid._next_edges = [Edge(sink, 0)]", "backward -> []"),
+    ("del _next_edges", "del mid._next_edges",
+     "write AttributeError: cannot delete _next_edges: set it to () instead"),
+    ("del _input_metadata", "del sink._input_metadata",
+     "write AttributeError: cannot delete _input_metadata: set it to () instead"),
+    ("_input_metadata object", "sink._input_metadata = [object()]",
+     "write TypeError: input_metadata[0] must be an InputMetadata or None, got object"),
+    ("_input_metadata tuple spec", "sink._input_metadata = [((3,), np.float64)]",
+     "write TypeError: input_metadata[0] must be an InputMetadata or None, got tuple"),
+    ("_input_metadata append", "sink._input_metadata.append(1)",
+     "write AttributeError: 'tuple' object has no attribute 'append'"),
+    ("_input_metadata[0] = ", "sink._input_metadata[0] = 1",
+     "write TypeError: 'tuple' object does not support item assignment"),
+    ("_input_metadata None", "sink._input_metadata = None",
+     "write TypeError: 'NoneType' object is not iterable"),
+    ("_input_metadata fewer", "sink._input_metadata = []", "backward -> []"),
+    ("input_metadata shape", "sink.input_metadata[0].shape = (5,)", "write AttributeError"),
+    ("input_metadata dtype", "sink.input_metadata[0].dtype = object()", "write AttributeError"),
+    ("input_metadata is_cpu", "sink.input_metadata[0].is_cpu = False", "write AttributeError"),
+    ("_pre_hooks tuple", "mid._pre_hooks = (1,)", "write TypeError: Expected list, got tuple"),
+    ("_pre_hooks bad entry", "mid._pre_hooks = [1]",
+     "backward -> TypeError: cannot unpack non-iterable int object"),
+    ("_post_hooks str", "mid._post_hooks = 'x'", "write TypeError: Expected list, got str"),
+    ("_tensor_pre_hooks dict", "mid._tensor_pre_hooks = {}", "write TypeError: Expected list, got dict"),
+    ("_retains_grad_hooks list", "mid._retains_grad_hooks = []",
+     "write TypeError: Expected dict, got list"),
+    ("_metadata int", "mid._metadata = 1", "write TypeError: Expected dict, got int"),
+    ("del _pre_hooks", "del mid._pre_hooks", "backward -> []"),
+    ("_sequence_nr", "mid._sequence_nr = 2**70", "write AttributeError"),
+    ("_initialized", "mid._initialized = False", "write AttributeError"),
+    ("_released", "mid._released = 'yes'", "backward -> []"),
+    ("_saved_values", "mid._saved_values = object()", "backward -> []"),
+    ("_stream", "mid._stream = object()",
+     "backward -> AttributeError: 'object' object has no attribute 'device'"),
+    ("edge node", "mid.next_edges[0].node = root", "write AttributeError"),
+    ("edge input_nr", "mid.next_edges[0].input_nr = -1", "write AttributeError"),
+    ("free method", "free.method = 5", "write AttributeError"),
+    ("free owner", "free.owner = None", "write AttributeError"),
+    ("acc leaf_state", "acc.leaf_state = 1", "write TypeError: leaf_state must be a LeafState, got int"),
+    ("acc leaf_state None", "acc.leaf_state = None",
+     "write TypeError: leaf_state must be a LeafState, got NoneType"),
+    ("del acc leaf_state", "del acc.leaf_state", "write AttributeError: cannot delete leaf_state"),
+    ("edge without a node", "mid.next_edges = [Edge.__new__(Edge)]", "write TypeError"),
+    ("root without a node", "engine.execute([Edge.__new__(Edge)], [np.ones(3)], False, False, True)",
+     "write TypeError"),
+    ("edge init again", "mid.next_edges[0].__init__(root, 0); assert mid.next_edges[0].node is sink",
+     "backward -> []"),
+    ("AccumulateGrad without its own leaf_state",
+     "bare = type('Bare', (AccumulateGradBase,), {})(input_metadata=[((3,), np.float64)]); "
+     "bare.variable = variable; run(Fan([Edge(bare, 0)])); "
+     "assert variable.grad.tolist() == [1.0] * 3; variable.grad = None",
+     "backward -> []"),
+    ("input_metadata init again", "sink.input_metadata[0].__init__((2,), np.float64)",
+     "write TypeError: InputMetadata is immutable: its __init__ ran already"),
+    ("leaf_state lock", "acc.leaf_state.lock = None", "write AttributeError"),
+    # The core's validate_outputs (private) from Python: the compiled one
+    # read object() as an Edge; the twin's raises AttributeError. Either is
+    # an error, never a crash.
+    ("validate_outputs edges", "validate_outputs([object()], [np.ones(3)], str)", "write "),
+    ("input buffer slot", "InputBuffer(1).add(-1, np.ones(3), False)",
+     "write IndexError: InputBuffer slot -1 is negative"),
+    ("input buffer list", "b = InputBuffer(1); b.buffer = None; b.add(0, np.ones(3), False)",
+     "write TypeError"),
+]
+
+
+def test_writing_fields_from_python_never_crashes():
+    # Each write either fails with the error of a checked field, or the
+    # backward after it gives a clear error (or none): the same in both
+    # cores. Before, the compiled core trusted _next_edges and
+    # _input_metadata and crashed on their contents.
+    lines = run_isolated(f'''
+        from pyengine import AccumulateGrad, GradientFreeNode
+        from pyengine._core import AccumulateGradBase, InputBuffer, validate_outputs
+
+
+        class Owner:
+            def run(self):
+                pass
+
+
+        class Variable:
+            def __init__(self):
+                self.data = np.ones(3)
+                self.grad = None
+
+
+        for what, statement, expected in {_WRITES!r}:
+            sink = Sink("sink")
+            mid = Fan([Edge(sink, 0)])
+            root = Fan([Edge(mid, 0)])
+            variable = Variable()
+            acc = AccumulateGrad(variable)
+            free = GradientFreeNode(Owner(), "run")
+            try:
+                exec(statement)
+            except Exception as error:
+                outcome = f"write {{type(error).__name__}}: {{error}}"
+            else:
+                try:
+                    outcome = f"backward -> {{run(root)}}"
+                except Exception as error:
+                    outcome = f"backward -> {{type(error).__name__}}: {{error}}"
+                run(Fan([Edge(acc, 0)]))
+                assert variable.grad.tolist() == [1.0, 1.0, 1.0], what
+            print(what, "|", outcome)
+        # The engine works afterwards.
+        sink = Sink("sink")
+        run(Fan([Edge(Fan([Edge(sink, 0)], count=1), 0)]))
+        print("after", sink.got)
+    ''')
+    outcomes = dict(line.split(" | ", 1) for line in lines[:-1])
+    for what, _, expected in _WRITES:
+        assert outcomes[what].startswith(expected), (what, outcomes[what])
+    assert lines[-1] == "after [[1.0, 1.0, 1.0]]"
+
+
+def test_fields_keep_their_value_after_a_refused_write():
+    sink = Sink_()
+    mid = Scale([Edge(sink, 0)])
+    edges, metadata = mid._next_edges, mid._input_metadata
+    with pytest.raises(TypeError):
+        mid._next_edges = (Edge(sink, 0), object())
+    with pytest.raises(TypeError):
+        mid._input_metadata = [None, "spec"]
+    with pytest.raises(TypeError):
+        mid._pre_hooks = ()
+    assert mid._next_edges is edges and mid._input_metadata is metadata and mid._pre_hooks is None
+    # A checked write takes effect: the engine sees the new edges and slots.
+    other = Sink_()
+    mid._next_edges = [Edge(other, 0)]
+    mid._input_metadata = [pyengine.InputMetadata((3,), np.float64)]
+    assert type(mid._next_edges) is tuple and type(mid._input_metadata) is tuple
+    _backward(Scale([Edge(mid, 0)], 4.0))
+    assert sink.got == [] and other.got == [[[4.0] * 3]]
