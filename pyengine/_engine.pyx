@@ -933,8 +933,10 @@ cdef bint compute_dependencies(NodeBase graph_root, GraphTask graph_task) except
     CPU node (See Note [GradientFreeNode graphs])."""
     cdef vector[DependencyFrame] stack
     cdef DependencyFrame* frame
+    cdef PyObject* edges
     cdef PyObject* edge
     cdef PyObject* next_node
+    cdef Py_ssize_t index, size
     cdef SearchState state
     cdef size_t slot
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
@@ -944,27 +946,37 @@ cdef bint compute_dependencies(NodeBase graph_root, GraphTask graph_task) except
         slot = graph_task.dependencies_.enter(<PyObject*>graph_root)
         gradient_free = push_dependency_frame(stack, graph_root, slot, True)
         while not stack.empty():
-            let_others_run(&work_left)
             frame = &stack.back()
-            if frame.next == tuple_size(frame.edges):
-                graph_task.dependencies_.finish(frame.node, frame.slot)
-                decref(frame.edges)
-                stack.pop_back()
-                continue
-            edge = tuple_item(frame.edges, frame.next)
-            frame.next += 1
-            if edge == <PyObject*>None:
-                continue
-            next_node = <PyObject*>(<Edge>edge).node
-            state = graph_task.dependencies_.add_edge(next_node, &slot)
-            if state == SEARCH_NOT_SEEN:
+            edges = frame.edges
+            size = tuple_size(edges)
+            index = frame.next
+            next_node = NULL
+            while index < size:
+                let_others_run(&work_left)
+                edge = tuple_item(edges, index)
+                index += 1
+                if edge == <PyObject*>None:
+                    continue
+                next_node = <PyObject*>(<Edge>edge).node
+                state = graph_task.dependencies_.add_edge(next_node, &slot)
+                if state == SEARCH_NOT_SEEN:
+                    break
+                if state == SEARCH_ON_PATH:
+                    raise RuntimeError(
+                        f"the backward graph has a cycle: {_hooks.node_name(<object>next_node)} is "
+                        "reachable from itself through next_edges; backward needs a graph without "
+                        "cycles")
+                next_node = NULL
+            if next_node != NULL:
+                # Search below next_node first; this frame resumes after it.
+                frame.next = index
                 gradient_free = push_dependency_frame(stack, <NodeBase>next_node, slot,
                                                       gradient_free)
-            elif state == SEARCH_ON_PATH:
-                raise RuntimeError(
-                    f"the backward graph has a cycle: {_hooks.node_name(<object>next_node)} is "
-                    "reachable from itself through next_edges; backward needs a graph without "
-                    "cycles")
+            else:
+                let_others_run(&work_left)
+                graph_task.dependencies_.finish(frame.node, frame.slot)
+                decref(edges)
+                stack.pop_back()
     finally:
         # The frames an error (a cycle, Ctrl-C) left.
         while not stack.empty():

@@ -295,28 +295,29 @@ class Engine:
         stack = [[graph_root, graph_root._next_edges, 0]]
         while stack:
             frame = stack[-1]
-            node, edges, index = frame
-            if index == len(edges):
+            node, edges, start = frame
+            for index in range(start, len(edges)):
+                edge = edges[index]
+                if edge is None:
+                    continue
+                next_node = edge.node
+                key = id(next_node)
+                dependencies[key] = dependencies.get(key, 0) + 1
+                state = search_state.get(key)
+                if state is None:
+                    if not getattr(next_node, "_initialized", False):
+                        raise RuntimeError(not_initialized_message(next_node))
+                    search_state[key] = on_path
+                    frame[2] = index + 1
+                    stack.append([next_node, next_node._next_edges, 0])
+                    break  # search below next_node first; this frame resumes after it
+                if state == on_path:
+                    raise RuntimeError(
+                        f"the backward graph has a cycle: {node_name(next_node)} is reachable "
+                        "from itself through next_edges; backward needs a graph without cycles")
+            else:
                 search_state[id(node)] = finished
                 stack.pop()
-                continue
-            edge = edges[index]
-            frame[2] = index + 1
-            if edge is None:
-                continue
-            next_node = edge.node
-            key = id(next_node)
-            dependencies[key] = dependencies.get(key, 0) + 1
-            state = search_state.get(key)
-            if state is None:
-                if not getattr(next_node, "_initialized", False):
-                    raise RuntimeError(not_initialized_message(next_node))
-                search_state[key] = on_path
-                stack.append([next_node, next_node._next_edges, 0])
-            elif state == on_path:
-                raise RuntimeError(
-                    f"the backward graph has a cycle: {node_name(next_node)} is reachable "
-                    "from itself through next_edges; backward needs a graph without cycles")
 
     # -- the loop --
 
