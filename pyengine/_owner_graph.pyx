@@ -8,7 +8,7 @@ into gradient-free nodes that both cores run where this loop does not apply
 """
 
 from cpython.object cimport PyObject
-from cpython.ref cimport Py_DECREF, Py_INCREF
+from cpython.ref cimport Py_INCREF
 from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport (SEARCH_FINISHED, SEARCH_ON_PATH, DependencyMap, GraphTask,
@@ -20,6 +20,8 @@ from pyengine._pure.owner_graph import cycle_error
 
 cdef extern from "Python.h":
     object PyObject_CallMethodNoArgs(object obj, object name)
+    # On the arena's owned pointers, without a reference per use.
+    void decref "Py_DECREF"(PyObject* obj)
 
 
 cdef struct Frame:
@@ -83,7 +85,7 @@ cdef int post_order(object root, str children, list held, vector[PyObject*]& ord
                 order.push_back(frame.owner)
                 seen.finish(frame.owner, frame.slot)
                 for i in range(frame.start, frame.end):
-                    Py_DECREF(<object>arena[i])
+                    decref(arena[i])
                 arena.resize(frame.start)
                 stack.pop_back()
                 continue
@@ -103,7 +105,7 @@ cdef int post_order(object root, str children, list held, vector[PyObject*]& ord
     finally:
         # What an error (a cycle, an attribute, Ctrl-C) left.
         for i in range(arena.size()):
-            Py_DECREF(<object>arena[i])
+            decref(arena[i])
     return 0
 
 
