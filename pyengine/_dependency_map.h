@@ -142,7 +142,7 @@ struct pyengine_DependencyFrame {
     // here (or the graph task, for the root) keeps it alive.
     PyObject *node;
     // Owned: other threads run while the search yields, and may replace the
-    // node's edges.
+    // node's edges. NULL once the search took the last of them.
     PyObject *edges;
     Py_ssize_t next;  // the index of the next edge to follow
     size_t slot;      // node's slot index in the DependencyMap: a hint

@@ -948,7 +948,7 @@ cdef bint compute_dependencies(NodeBase graph_root, GraphTask graph_task) except
         while not stack.empty():
             frame = &stack.back()
             edges = frame.edges
-            size = tuple_size(edges)
+            size = tuple_size(edges) if edges != NULL else 0
             index = frame.next
             next_node = NULL
             while index < size:
@@ -970,17 +970,24 @@ cdef bint compute_dependencies(NodeBase graph_root, GraphTask graph_task) except
             if next_node != NULL:
                 # Search below next_node first; this frame resumes after it.
                 frame.next = index
+                if index == size:
+                    # Its last edge: let go of its edges now, while they are
+                    # in cache (a chain's frames all end so).
+                    frame.edges = NULL
+                    decref(edges)
                 gradient_free = push_dependency_frame(stack, <NodeBase>next_node, slot,
                                                       gradient_free)
             else:
                 let_others_run(&work_left)
                 graph_task.dependencies_.finish(frame.node, frame.slot)
-                decref(edges)
+                if edges != NULL:
+                    decref(edges)
                 stack.pop_back()
     finally:
         # The frames an error (a cycle, Ctrl-C) left.
         while not stack.empty():
-            decref(stack.back().edges)
+            if stack.back().edges != NULL:
+                decref(stack.back().edges)
             stack.pop_back()
         keep_dependency_frames(stack)
     return gradient_free
