@@ -7,6 +7,12 @@
 // lookup. Entries are never removed: a count that reached zero stays, and a
 // further arrival is reported as "not found", as PyTorch reports a node that
 // left its map. The table doubles when half full.
+//
+// Beside its count, each slot holds the node's state in the depth-first
+// search of compute_dependencies (not seen, on the search's path, finished):
+// a cycle is an edge to a node on the path. See Note [Cycles in the
+// backward graph] in pyengine/_pure/engine.py. The state takes two bits of
+// the count's word, so a slot stays 16 bytes.
 #pragma once
 
 #include <Python.h>
@@ -19,45 +25,74 @@ class pyengine_DependencyMap {
   public:
     pyengine_DependencyMap() : slots_(16), used_(0) {}
 
-    // One more edge into node. True when node was not in the map yet.
-    bool add(PyObject *node) {
-        bool inserted;
-        ++insert(node, &inserted).count;
-        return inserted;
-    }
-
     // One edge into node delivered: 1 when that was its last, 0 when more are
     // due, -1 when node has no dependencies outstanding.
     int remove(PyObject *node) {
         Slot &slot = find_slot(slots_, node);
-        if (slot.node == nullptr || slot.count == 0) {
+        if (slot.node == nullptr || slot.word < ONE_EDGE) {
             return -1;
         }
-        return --slot.count == 0 ? 1 : 0;
+        slot.word -= ONE_EDGE;
+        return slot.word < ONE_EDGE ? 1 : 0;
     }
 
-    // add(node), for a map that counts visits: returns the count before
-    // this one (0 when node was not in the map yet). One probe sequence.
-    Py_ssize_t add_counting(PyObject *node) {
-        bool inserted;
-        return insert(node, &inserted).count++;
+    // A node's state in a depth-first search.
+    enum State { NOT_SEEN = 0, ON_PATH = 1, FINISHED = 2 };
+
+    // The search starts at root: it is on the path, with no edge into it.
+    // Returns its slot's index (a hint for finish).
+    size_t enter(PyObject *root) {
+        Slot &slot = insert(root);
+        if (state_of(slot) == NOT_SEEN) {
+            slot.word |= ON_PATH;
+        }
+        return &slot - slots_.data();
+    }
+
+    // One more edge into node, found by the search: returns node's state
+    // before it, and puts a node not seen yet on the path. *index: its
+    // slot's index (a hint for finish). One probe sequence.
+    State add_edge(PyObject *node, size_t *index) {
+        Slot &slot = insert(node);
+        State before = state_of(slot);
+        slot.word += before == NOT_SEEN ? ONE_EDGE + ON_PATH : ONE_EDGE;
+        *index = &slot - slots_.data();
+        return before;
+    }
+
+    // The search below node (in the map, on the path) is done. index: where
+    // its slot was when it joined the path; probed again only when the
+    // table grew since.
+    void finish(PyObject *node, size_t index) {
+        Slot *slot = &slots_[index & (slots_.size() - 1)];
+        if (slot->node != node) {
+            slot = &find_slot(slots_, node);
+        }
+        slot->word = (slot->word & ~STATE_MASK) | FINISHED;
     }
 
   private:
+    // A slot's word holds the count above two bits of search state.
+    static constexpr uint64_t STATE_MASK = 3;
+    static constexpr uint64_t ONE_EDGE = 4;
+
     struct Slot {
         PyObject *node = nullptr;
-        Py_ssize_t count = 0;
+        uint64_t word = 0;
     };
+    static_assert(sizeof(Slot) == 16, "a slot is a pointer and a word");
 
-    // node's slot, made with a count of 0 when node was not in the map
-    // (*inserted says which).
-    Slot &insert(PyObject *node, bool *inserted) {
+    static State state_of(const Slot &slot) {
+        return static_cast<State>(slot.word & STATE_MASK);
+    }
+
+    // node's slot, made with a count of 0 when node was not in the map.
+    Slot &insert(PyObject *node) {
         if (2 * (used_ + 1) > slots_.size()) {
             grow();
         }
         Slot &slot = find_slot(slots_, node);
-        *inserted = slot.node == nullptr;
-        if (*inserted) {
+        if (slot.node == nullptr) {
             slot.node = node;
             ++used_;
         }
@@ -84,7 +119,8 @@ class pyengine_DependencyMap {
         return slots[i];
     }
 
-    void grow() {
+    // Out of line, so that insert, on every edge's path, inlines.
+    __attribute__((noinline)) void grow() {
         std::vector<Slot> larger(slots_.size() * 2);
         for (const Slot &slot : slots_) {
             if (slot.node != nullptr) {
@@ -97,3 +133,34 @@ class pyengine_DependencyMap {
     std::vector<Slot> slots_;  // a power of two in size
     size_t used_;
 };
+
+
+// A frame of compute_dependencies' search (pyengine/_engine.pyx): its place
+// in one node's next edges.
+struct pyengine_DependencyFrame {
+    // Borrowed, and only compared once the search yielded: the Edge that led
+    // here (or the graph task, for the root) keeps it alive.
+    PyObject *node;
+    // Owned: other threads run while the search yields, and may replace the
+    // node's edges. NULL once the search took the last of them.
+    PyObject *edges;
+    Py_ssize_t next;  // the index of the next edge to follow
+    size_t slot;      // node's slot index in the DependencyMap: a hint
+};
+
+// Each thread keeps the (empty) frame stack of its last search, up to
+// 2^17 frames of capacity (4 MiB), so that a deep graph's stack is neither
+// grown nor faulted in again at every backward. A search takes it and
+// gives it back when done; a search nested in it on the same thread (from
+// a signal handler) finds none and makes its own.
+inline std::vector<pyengine_DependencyFrame> &pyengine_spare_dependency_frames() {
+    static thread_local std::vector<pyengine_DependencyFrame> spare;
+    return spare;
+}
+
+inline void pyengine_keep_dependency_frames(std::vector<pyengine_DependencyFrame> &frames) {
+    frames.clear();
+    if (frames.capacity() <= (size_t{1} << 17)) {
+        pyengine_spare_dependency_frames().swap(frames);
+    }
+}

@@ -62,7 +62,9 @@ from libc.stdint cimport uint64_t
 
 from pyengine._graph_task cimport (ExecInfo, GraphTask, NodePtr, find_exec_info, new_graph_task,
                                    running_thread_state)
+from pyengine._graph_task cimport SEARCH_NOT_SEEN, SEARCH_ON_PATH, SearchState
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
 from pyengine._owner_graph cimport run_owner_graph
@@ -1028,35 +1030,110 @@ cdef bint _should_execute(dict exec_info, NodeBase node) except -1:
     return info is not None and info.should_execute()
 
 
+cdef extern from "_dependency_map.h":
+    ctypedef struct DependencyFrame "pyengine_DependencyFrame":
+        PyObject* node
+        PyObject* edges
+        Py_ssize_t next
+        size_t slot
+    vector[DependencyFrame]& spare_dependency_frames "pyengine_spare_dependency_frames"()
+    void keep_dependency_frames "pyengine_keep_dependency_frames"(vector[DependencyFrame]& frames)
+
+cdef extern from "Python.h":
+    # On the frames' borrowed pointers, without a reference per use.
+    Py_ssize_t tuple_size "PyTuple_GET_SIZE"(PyObject* tuple) nogil
+    PyObject* tuple_item "PyTuple_GET_ITEM"(PyObject* tuple, Py_ssize_t i) nogil
+    void decref "Py_DECREF"(PyObject* obj)
+
+
+cdef inline bint push_dependency_frame(vector[DependencyFrame]& stack, NodeBase node, size_t slot,
+                                       bint gradient_free) except -1:
+    """Start the search below ``node`` (reached for the first time, its map
+    slot at index ``slot``); returns whether the graph is still
+    gradient-free with ``node`` in it."""
+    if not node._initialized:
+        raise RuntimeError(not_initialized_message(node))
+    if gradient_free:
+        gradient_free = (isinstance(node, GradientFreeNodeBase) and node._stream is None
+                         and on_cpu(node._input_metadata))
+    cdef tuple edges = node._next_edges
+    cdef DependencyFrame frame
+    frame.node = <PyObject*>node
+    frame.edges = <PyObject*>edges
+    frame.next = 0
+    frame.slot = slot
+    stack.push_back(frame)
+    Py_INCREF(edges)
+    return gradient_free
+
+
 cdef bint compute_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
-    """Count, for each node reachable from ``graph_root``, the edges into it.
-    Iterative: graphs of millions of nodes, deep or wide, use no C stack.
-    Returns whether every one of those nodes is a gradient-free CPU node
-    (See Note [GradientFreeNode graphs])."""
-    cdef vector[PyObject*] stack
-    cdef NodeBase node
-    cdef tuple edges
+    """Count, for each node reachable from ``graph_root``, the edges into it,
+    in a depth-first search that refuses a cycle before any node runs (See
+    Note [Cycles in the backward graph] in ``pyengine/_pure/engine.py``) and
+    lets other threads run as it goes (See Note [Long passes let other
+    threads run]). Iterative: graphs of millions of nodes, deep or wide, use
+    no C stack. Returns whether every one of those nodes is a gradient-free
+    CPU node (See Note [GradientFreeNode graphs])."""
+    cdef vector[DependencyFrame] stack
+    cdef DependencyFrame* frame
+    cdef PyObject* edges
     cdef PyObject* edge
     cdef PyObject* next_node
-    cdef bint gradient_free = True
-    stack.push_back(<PyObject*>graph_root)
-    while not stack.empty():
-        # Borrowed: the graph keeps its nodes alive, and no Python code runs here.
-        node = <NodeBase>stack.back()
-        stack.pop_back()
-        if not node._initialized:
-            raise RuntimeError(not_initialized_message(node))
-        if gradient_free:
-            gradient_free = (isinstance(node, GradientFreeNodeBase) and node._stream is None
-                             and on_cpu(node._input_metadata))
-        edges = node._next_edges
-        for i in range(PyTuple_GET_SIZE(edges)):
-            edge = PyTuple_GET_ITEM(edges, i)
-            if edge == <PyObject*>None:
-                continue
-            next_node = <PyObject*>(<Edge>edge).node
-            if graph_task.dependencies_.add(next_node):
-                stack.push_back(next_node)
+    cdef Py_ssize_t index, size
+    cdef SearchState state
+    cdef size_t slot
+    cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
+    cdef bint gradient_free
+    stack.swap(spare_dependency_frames())
+    try:
+        slot = graph_task.dependencies_.enter(<PyObject*>graph_root)
+        gradient_free = push_dependency_frame(stack, graph_root, slot, True)
+        while not stack.empty():
+            frame = &stack.back()
+            edges = frame.edges
+            size = tuple_size(edges) if edges != NULL else 0
+            index = frame.next
+            next_node = NULL
+            while index < size:
+                let_others_run(&work_left)
+                edge = tuple_item(edges, index)
+                index += 1
+                if edge == <PyObject*>None:
+                    continue
+                next_node = <PyObject*>(<Edge>edge).node
+                state = graph_task.dependencies_.add_edge(next_node, &slot)
+                if state == SEARCH_NOT_SEEN:
+                    break
+                if state == SEARCH_ON_PATH:
+                    raise RuntimeError(
+                        f"the backward graph has a cycle: {_hooks.node_name(<object>next_node)} is "
+                        "reachable from itself through next_edges; backward needs a graph without "
+                        "cycles")
+                next_node = NULL
+            if next_node != NULL:
+                # Search below next_node first; this frame resumes after it.
+                frame.next = index
+                if index == size:
+                    # Its last edge: let go of its edges now, while they are
+                    # in cache (a chain's frames all end so).
+                    frame.edges = NULL
+                    decref(edges)
+                gradient_free = push_dependency_frame(stack, <NodeBase>next_node, slot,
+                                                      gradient_free)
+            else:
+                let_others_run(&work_left)
+                graph_task.dependencies_.finish(frame.node, frame.slot)
+                if edges != NULL:
+                    decref(edges)
+                stack.pop_back()
+    finally:
+        # The frames an error (a cycle, Ctrl-C) left.
+        while not stack.empty():
+            if stack.back().edges != NULL:
+                decref(stack.back().edges)
+            stack.pop_back()
+        keep_dependency_frames(stack)
     return gradient_free
 
 

@@ -16,11 +16,18 @@ ctypedef PyObject* NodePtr
 ctypedef PyObject* InputBufferPtr
 
 cdef extern from "_dependency_map.h" nogil:
+    # A node's state in compute_dependencies' depth-first search.
+    enum SearchState "pyengine_DependencyMap::State":
+        SEARCH_NOT_SEEN "pyengine_DependencyMap::NOT_SEEN"
+        SEARCH_ON_PATH "pyengine_DependencyMap::ON_PATH"
+        SEARCH_FINISHED "pyengine_DependencyMap::FINISHED"
+
     cppclass DependencyMap "pyengine_DependencyMap":
         DependencyMap()
-        bint add(PyObject* node)
         int remove(PyObject* node)
-        Py_ssize_t add_counting(PyObject* node)
+        size_t enter(PyObject* root)
+        SearchState add_edge(PyObject* node, size_t* index)
+        void finish(PyObject* node, size_t index)
 
 
 @cython.final

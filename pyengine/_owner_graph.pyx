@@ -7,142 +7,105 @@ into gradient-free nodes that both cores run where this loop does not apply
 (``Engine.execute_owner_graph`` decides).
 """
 
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
-from cpython.object cimport PyObject, PyObject_IsTrue
-from cpython.ref cimport Py_DECREF, Py_INCREF
-from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
 from libcpp.vector cimport vector
 
-from pyengine._graph_task cimport DependencyMap, GraphTask, running_thread_state
+from pyengine._graph_task cimport (SEARCH_FINISHED, SEARCH_ON_PATH, DependencyMap, GraphTask,
+                                   SearchState, running_thread_state)
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run
 from pyengine._state cimport ThreadState, thread_state
 
 from pyengine._pure.owner_graph import cycle_error
 
 cdef extern from "Python.h":
     object PyObject_CallMethodNoArgs(object obj, object name)
-    bint PyAnySet_CheckExact(object obj)
-
-cdef extern from *:
-    """
-    /* The next item of a set or frozenset, in its iteration order, without
-       an iterator object (which the cyclic GC would count: See Note [Owner
-       graphs]). CPython 3.13 took _PySet_NextEntry out of its public
-       headers; there, collections are copied into tuples instead. */
-    #if PY_VERSION_HEX < 0x030D0000
-    #define PYENGINE_SET_NEXT_ENTRY 1
-    static inline int pyengine_set_next(PyObject *set, Py_ssize_t *position, PyObject **key) {
-        Py_hash_t hash;
-        return _PySet_NextEntry(set, position, key, &hash);
-    }
-    #else
-    #define PYENGINE_SET_NEXT_ENTRY 0
-    static inline int pyengine_set_next(PyObject *set, Py_ssize_t *position, PyObject **key) {
-        (void)set; (void)position; (void)key;
-        return 0;
-    }
-    #endif
-    """
-    bint SET_NEXT_ENTRY "PYENGINE_SET_NEXT_ENTRY"
-    bint set_next "pyengine_set_next" (object collection, Py_ssize_t* position,
-                                       PyObject** key) noexcept
-
-
-# How a frame walks its owner's collection of children.
-cdef enum CollectionKind:
-    TUPLE_COLLECTION
-    LIST_COLLECTION
-    SET_COLLECTION
+    # On the arena's owned pointers, without a reference per use.
+    void decref "Py_DECREF"(PyObject* obj)
 
 
 cdef struct Frame:
     PyObject* owner  # borrowed: the held list owns it
-    PyObject* children  # owned: a tuple, a list, or a set or frozenset
-    CollectionKind kind
-    Py_ssize_t position
+    # The owner's children are children[next:end] of the search's arena
+    # (See post_order); the frame owns [start, end) there.
+    size_t start
+    size_t next
+    size_t end
+    size_t slot  # the owner's slot index in the search's map: a hint
 
 
-cdef inline Frame new_frame(object owner, object collection) except *:
-    """The search's frame for ``owner``, whose (non-empty) collection of
-    children is ``collection``: walked in place when it is a tuple, a list
-    or (before CPython 3.13) a set, else copied into a tuple by its own
-    iteration, as the twin's ``iter`` walks it."""
+cdef int push_frame(vector[Frame]& stack, vector[PyObject*]& arena, object owner, size_t slot,
+                    object collection) except -1:
+    """Start the search below ``owner``, whose collection of children is
+    ``collection`` (not empty): snapshot it, through its own iteration, at
+    the end of the arena, each child owned. See Note [Owner graphs]."""
     cdef Frame frame
-    cdef type collection_type = type(collection)
-    if collection_type is tuple:
-        frame.kind = TUPLE_COLLECTION
-    elif collection_type is list:
-        frame.kind = LIST_COLLECTION
-    elif SET_NEXT_ENTRY and PyAnySet_CheckExact(collection):
-        frame.kind = SET_COLLECTION
-    else:
-        collection = tuple(collection)
-        frame.kind = TUPLE_COLLECTION
-    Py_INCREF(collection)
     frame.owner = <PyObject*>owner
-    frame.children = <PyObject*>collection
-    frame.position = 0
-    return frame
-
-
-cdef inline PyObject* next_child(Frame* frame) noexcept:
-    """The frame's next child (borrowed from its collection), or NULL."""
-    cdef PyObject* child = NULL
-    if frame.kind == TUPLE_COLLECTION:
-        if frame.position < PyTuple_GET_SIZE(<object>frame.children):
-            child = PyTuple_GET_ITEM(<object>frame.children, frame.position)
-            frame.position += 1
-    elif frame.kind == LIST_COLLECTION:
-        # The size is read each time: an attribute lookup may run code.
-        if frame.position < PyList_GET_SIZE(<object>frame.children):
-            child = PyList_GET_ITEM(<object>frame.children, frame.position)
-            frame.position += 1
-    elif not set_next(<object>frame.children, &frame.position, &child):
-        child = NULL
-    return child
+    frame.slot = slot
+    frame.start = arena.size()
+    for child in collection:
+        # An error here leaves the children read so far in the arena, which
+        # owns them: post_order releases them all.
+        Py_INCREF(child)
+        arena.push_back(<PyObject*>child)
+    frame.next = frame.start
+    frame.end = arena.size()
+    stack.push_back(frame)
+    return 0
 
 
 cdef int post_order(object root, str children, list held, vector[PyObject*]& order) except -1:
     """Append to ``order`` the non-leaf owners under ``root`` in the
     depth-first post-order of Note [Owner graphs] (borrowed: ``held`` keeps
     every owner seen alive, so that no address is reused while the search
-    runs attribute lookups). Iterative: any depth."""
+    runs attribute lookups). Each owner's collection is read once, into a
+    snapshot the search owns: the frames' ranges of one arena, used as a
+    stack, so that no object is made per owner. Iterative: any depth; it
+    lets other threads run as it goes (See Note [Long passes let other
+    threads run])."""
     cdef object collection = getattr(root, children)
     if not collection:
         return 0
-    # Visits counted per owner: 1 while its search runs, 2 or more once it
-    # finished (a leaf finishes at once).
-    cdef DependencyMap seen
+    cdef DependencyMap seen  # only the search states; its counts go unused
     cdef vector[Frame] stack
+    cdef vector[PyObject*] arena
+    cdef Frame* frame
     cdef PyObject* child
-    cdef Py_ssize_t visits
+    cdef SearchState state
+    cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
+    cdef size_t i, slot
     held.append(root)
-    seen.add(<PyObject*>root)
-    stack.push_back(new_frame(root, collection))
+    slot = seen.enter(<PyObject*>root)
     try:
+        push_frame(stack, arena, root, slot, collection)
         while not stack.empty():
-            child = next_child(&stack.back())
-            if child == NULL:
-                order.push_back(stack.back().owner)
-                seen.add(stack.back().owner)
-                Py_DECREF(<object>stack.back().children)
+            let_others_run(&work_left)
+            frame = &stack.back()
+            if frame.next == frame.end:
+                order.push_back(frame.owner)
+                seen.finish(frame.owner, frame.slot)
+                for i in range(frame.start, frame.end):
+                    decref(arena[i])
+                arena.resize(frame.start)
                 stack.pop_back()
                 continue
-            visits = seen.add_counting(child)
-            if visits == 1:
+            child = arena[frame.next]
+            frame.next += 1
+            state = seen.add_edge(child, &slot)
+            if state == SEARCH_ON_PATH:
                 raise cycle_error(<object>child, children)
-            if visits >= 2:
+            if state == SEARCH_FINISHED:
                 continue
             held.append(<object>child)
             collection = getattr(<object>child, children)
             if not collection:
-                seen.add(child)  # a leaf
+                seen.finish(child, slot)  # a leaf
                 continue
-            stack.push_back(new_frame(<object>child, collection))
+            push_frame(stack, arena, <object>child, slot, collection)
     finally:
-        # The frames an error left.
-        while not stack.empty():
-            Py_DECREF(<object>stack.back().children)
-            stack.pop_back()
+        # What an error (a cycle, an attribute, Ctrl-C) left.
+        for i in range(arena.size()):
+            decref(arena[i])
     return 0
 
 

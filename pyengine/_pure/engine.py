@@ -394,23 +394,55 @@ class Engine:
                     worker.current_depth -= 1
                     worker.total_depth -= 1
 
+    # Note [Cycles in the backward graph]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A backward graph made by a forward pass has no cycle, but next_edges
+    # can be set by hand, and a cycle has no order to run in: its nodes
+    # would wait for each other. So compute_dependencies counts the edges
+    # into each node in a depth-first search that keeps each node's state
+    # (not seen, on the search's path, finished), and an edge to a node on
+    # the path closes a cycle through that node: the search raises before
+    # any node has run, naming it. The search reads each node's next_edges
+    # once, when it first reaches the node, and follows the edges in their
+    # order, so both cores name the same node. The compiled core keeps the
+    # state beside the count in the DependencyMap's slot.
+
     def compute_dependencies(self, graph_root, graph_task):
-        """Count, for each node reachable from ``graph_root``, the edges into it."""
+        """Count, for each node reachable from ``graph_root``, the edges into
+        it, in a depth-first search that refuses a cycle before any node
+        runs. See Note [Cycles in the backward graph]. Iterative: any depth."""
+        on_path, finished = 1, 2
         dependencies = graph_task.dependencies
-        seen = {id(graph_root)}
-        stack = [graph_root]
+        search_state = {id(graph_root): on_path}
+        if not getattr(graph_root, "_initialized", False):
+            raise RuntimeError(not_initialized_message(graph_root))
+        # Frames: [node, its next edges as first read, the index of the next edge].
+        stack = [[graph_root, graph_root._next_edges, 0]]
         while stack:
-            node = stack.pop()
-            if not getattr(node, "_initialized", False):
-                raise RuntimeError(not_initialized_message(node))
-            for edge in node._next_edges:
+            frame = stack[-1]
+            node, edges, start = frame
+            for index in range(start, len(edges)):
+                edge = edges[index]
                 if edge is None:
                     continue
-                key = id(edge.node)
+                next_node = edge.node
+                key = id(next_node)
                 dependencies[key] = dependencies.get(key, 0) + 1
-                if key not in seen:
-                    seen.add(key)
-                    stack.append(edge.node)
+                state = search_state.get(key)
+                if state is None:
+                    if not getattr(next_node, "_initialized", False):
+                        raise RuntimeError(not_initialized_message(next_node))
+                    search_state[key] = on_path
+                    frame[2] = index + 1
+                    stack.append([next_node, next_node._next_edges, 0])
+                    break  # search below next_node first; this frame resumes after it
+                if state == on_path:
+                    raise RuntimeError(
+                        f"the backward graph has a cycle: {node_name(next_node)} is reachable "
+                        "from itself through next_edges; backward needs a graph without cycles")
+            else:
+                search_state[id(node)] = finished
+                stack.pop()
 
     # -- the loop --
 

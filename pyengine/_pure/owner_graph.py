@@ -50,6 +50,18 @@ dependency counts and no ready queue. Two consequences:
   the translation instead: the enclosing graph task, the profiler's events
   and anomaly mode's notes need nodes.
 
+The search reads each owner's collection exactly once, through its own
+iteration, when it first reaches that owner (after the ``children`` lookup
+that told it the owner is no leaf), into a snapshot it owns (the twin:
+``tuple(collection)``; the compiled core: owned references in one C array
+used as a stack, so still no object per owner; an iterator made and freed
+at once leaves the GC's allocation count where it was). So a collection
+that changes while the search runs (a ``children`` property that edits
+other collections, another thread) changes nothing the search already
+read, and both cores visit the same owners in the same order. The compiled
+search lets other threads run, and honours Ctrl-C, as it goes (See Note
+[Long passes let other threads run] in ``pyengine/_interrupts.pxd``).
+
 The graph belongs to the framework: it is read at each backward and never
 released, so backward can run again. An owner graph with a cycle (an owner
 among its own descendants) is an error, as it is for a backward graph: no
@@ -86,7 +98,8 @@ class _Frame:
 
     def __init__(self, owner, collection):
         self.owner = owner
-        self.children = iter(collection)
+        # Read once, here: See Note [Owner graphs].
+        self.children = iter(tuple(collection))
         self.node_children = []  # its distinct non-leaf children so far
         self.node_child_ids = set()
 

@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""How long backward keeps other Python threads waiting for the GIL.
+
+    python benchmarks/gil_stalls.py [--chain 1000000] [--pruned 2000000] \\
+        [--owners 1000000] [--repeats 5] [--only chain,pruned,owners]
+
+A second thread counts in pure Python, noting the longest gap between two
+of its steps, while the main thread runs one backward:
+
+- ``chain``: ``Engine.execute`` on a chain of ``--chain`` Python nodes
+  (``pyengine.bench.graphs.chain``);
+- ``pruned``: ``Engine.execute`` with ``outputs=`` (``grad(inputs=)``) on a
+  chain of ``--pruned`` Python nodes: compute_dependencies, then the
+  pruning pass init_to_execute, then the nodes;
+- ``owners``: ``pyengine.execute_owner_graph`` on a chain of ``--owners``
+  micrograd-style owners (each passes its ``grad`` on to its child).
+
+Printed per workload, over ``--repeats`` runs: the median (min-max) of the
+counter's rate relative to its idle rate (measured first, the main thread
+asleep), of its longest stall in milliseconds, and of the backward's wall
+time. The goal (issue 15): a longest stall of at most 20 ms during any
+backward. A thread that waits for the GIL gets it after the switch
+interval (``sys.getswitchinterval()``, 5 ms by default) once the holder
+offers it, so about 5 ms is the floor with the default interval. The
+cyclic GC is off while a backward runs (a collection is the main thread's
+own stall, not the engine's), and graphs are built before the counter
+starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+import pyengine
+from pyengine.bench.graphs import build
+
+
+class CountingThread(threading.Thread):
+    """Counts in pure Python until stopped; notes the longest gap between
+    two steps."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.stopped = False
+        self.steps = 0
+        self.longest = 0.0
+        self.elapsed = 0.0
+        self.started_counting = threading.Event()
+
+    def run(self):
+        clock = time.perf_counter
+        start = last = clock()
+        longest = 0.0
+        steps = 0
+        self.started_counting.set()
+        while not self.stopped:
+            now = clock()
+            if now - last > longest:
+                longest = now - last
+            last = now
+            steps += 1
+        self.steps, self.longest, self.elapsed = steps, longest, clock() - start
+
+
+def counted(work):
+    """Run ``work()`` with a counting thread: ``(steps per second, longest
+    stall in seconds, work's wall time)``."""
+    counter = CountingThread()
+    counter.start()
+    counter.started_counting.wait()
+    begin = time.perf_counter()
+    try:
+        work()
+    finally:
+        wall = time.perf_counter() - begin
+        counter.stopped = True
+        counter.join()
+    return counter.steps / counter.elapsed, counter.longest, wall
+
+
+class Owner:
+    """A micrograd-style value: its children, and a method that passes its
+    gradient on to them (assigned, not added, so that every run gives 1)."""
+
+    __slots__ = ("children", "grad")
+
+    def __init__(self, children):
+        self.children = children
+        self.grad = 0.0
+
+    def backward(self):
+        for child in self.children:
+            child.grad = self.grad
+
+
+def chain_workload(n):
+    graph = build("chain", n)
+    graph.run_checked()
+
+    def run():
+        graph.reset()
+        graph.run()
+
+    return run, graph.check
+
+
+def pruned_workload(n):
+    graph = build("chain", n)
+    graph.run_checked()
+    leaf_edge = pyengine.gradient_edge(graph.leaf)
+    engine = pyengine.get_default_engine()
+    captured = []
+
+    def run():
+        captured[:] = engine.execute([graph.root_edge], [graph.grad], False, False, False,
+                                     outputs=[leaf_edge])
+
+    def check():
+        np.testing.assert_array_equal(captured[0], graph.expected)
+
+    return run, check
+
+
+def owners_workload(n):
+    leaf = Owner(())
+    top = leaf
+    for _ in range(n):
+        top = Owner((top,))
+
+    def run():
+        leaf.grad = 0.0
+        top.grad = 1.0
+        pyengine.execute_owner_graph(top, "children", "backward")
+
+    def check():
+        assert leaf.grad == 1.0, leaf.grad
+
+    return run, check
+
+
+WORKLOADS = {
+    "chain": ("backward, chain of {n:,} Python nodes", chain_workload),
+    "pruned": ("grad(inputs=), chain of {n:,} Python nodes", pruned_workload),
+    "owners": ("owner graph, chain of {n:,} owners", owners_workload),
+}
+
+
+def summary(values, scale=1.0, digits=1):
+    values = [v * scale for v in values]
+    return (f"{statistics.median(values):.{digits}f} "
+            f"({min(values):.{digits}f}-{max(values):.{digits}f})")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chain", type=int, default=1_000_000)
+    parser.add_argument("--pruned", type=int, default=2_000_000)
+    parser.add_argument("--owners", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", default=",".join(WORKLOADS))
+    args = parser.parse_args(argv)
+
+    print(f"pyengine {pyengine.IMPLEMENTATION} core, Python {sys.version.split()[0]}, "
+          f"switch interval {sys.getswitchinterval() * 1e3:g} ms")
+    idles = [counted(lambda: time.sleep(0.5)) for _ in range(3)]
+    idle = statistics.median(rate for rate, _, _ in idles)
+    print(f"counter, idle: {idle / 1e6:.2f}M steps/s, longest stall "
+          f"{summary([stall for _, stall, _ in idles], 1e3)} ms (the machine's own)")
+    print(f"{'workload':<44} {'rate vs idle %':>20} {'longest stall ms':>22} {'backward s':>20}")
+    for name in args.only.split(","):
+        title, make = WORKLOADS[name]
+        run, check = make(getattr(args, name))
+        rates, stalls, walls = [], [], []
+        for _ in range(args.repeats):
+            gc.collect()
+            gc.disable()
+            try:
+                rate, stall, wall = counted(run)
+            finally:
+                gc.enable()
+            check()
+            rates.append(rate / idle)
+            stalls.append(stall)
+            walls.append(wall)
+        print(f"{title.format(n=getattr(args, name)):<44} {summary(rates, 100):>20} "
+              f"{summary(stalls, 1e3):>22} {summary(walls, 1, 2):>20}", flush=True)
+        del run, check
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
