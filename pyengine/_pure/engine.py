@@ -404,10 +404,8 @@ class Engine:
 
                 input_buffer = not_ready.get(key)
                 if input_buffer is None:
-                    if exec_info:
-                        info = exec_info.get(key)
-                        if info is None or not info.should_execute():
-                            continue
+                    if not _should_execute(exec_info, key):
+                        continue
                     input_buffer = InputBuffer(len(next_node._input_metadata))
                     self._accumulate(input_buffer, edge.input_nr, output, grad_mode,
                                      producer_stream, next_node._stream)
@@ -532,6 +530,15 @@ class Engine:
         if graph_task is None:
             raise RuntimeError("Final callbacks can only be installed during backward pass.")
         graph_task.final_callbacks.append(callback)
+
+
+def _should_execute(exec_info, key):
+    """Whether the node ``key`` (its id) runs or captures: every node does
+    without exec_info."""
+    if not exec_info:
+        return True
+    info = exec_info.get(key)
+    return info is not None and info.should_execute()
 
 
 def _reset_worker_state_after_fork():
