@@ -54,27 +54,33 @@ cdef extern from "Python.h":
 
 
 # A node of init_to_execute's path, the tuple of its next edges (owned: other
-# threads may change the node's next_edges while the pass lets them run) and
-# the index of its next edge to visit.
+# threads may change the node's next_edges while the pass lets them run),
+# the index of its next edge to visit, and its entry's needed and whether
+# it captures, kept here so that marking it needs no lookup.
 cdef struct Frame:
     NodePtr node
     PyObject* edges
     Py_ssize_t next_edge
+    bint needed
+    bint captures
 
 
-cdef int push_frame(vector[Frame]& stack, NodePtr node) except -1:
+cdef int push_frame(vector[Frame]& stack, NodePtr node, const ExecInfoEntry* entry) except -1:
     """Put ``node`` (alive: an owned tuple on the stack, or the caller, holds
     it) on init_to_execute's path."""
     cdef tuple edges = (<NodeBase>node)._next_edges
     if edges is None:
         raise TypeError(f"{type(<object>node).__name__}.next_edges is None, not a tuple of edges")
-    stack.push_back(Frame(node, <PyObject*>edges, 0))
+    stack.push_back(Frame(node, <PyObject*>edges, 0, entry.needed, entry.captures >= 0))
     Py_INCREF(edges)
     return 0
 
 
-cdef inline void mark_needed(ExecInfoMap& exec_info, NodePtr node) noexcept nogil:
-    exec_info.make_entry(node).needed = True
+cdef inline void mark_needed(ExecInfoMap& exec_info, Frame* frame) noexcept nogil:
+    """Mark the node of ``frame``, the top of the path, needed."""
+    if not frame.needed:
+        frame.needed = True
+        exec_info.make_entry(frame.node).needed = True
 
 
 cdef GraphTask new_graph_task(bint keep_graph, bint grad_mode, int reentrant_depth,
@@ -224,20 +230,20 @@ cdef class GraphTask:
                 self.exec_captures.append([])
             (<list>self.exec_captures[captures]).append((edge.input_nr, output_idx))
         self.captured_vars = [None] * PyList_GET_SIZE(output_list)
-        self.exec_info_.make_entry(<PyObject*>root)
+        entry = &self.exec_info_.make_entry(<PyObject*>root)
         # Another call's traversal saw nodes this one has not.
         self.exec_info_.clear_seen()
 
         cdef vector[Frame] stack
         cdef Frame* frame
-        cdef NodePtr node
         cdef NodePtr child
         cdef ExecInfoEntry* child_entry
+        cdef bint child_executes
         cdef PyObject* next_edge
         cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
         # One allocation for graphs up to this deep.
         stack.reserve(32)
-        push_frame(stack, <NodePtr>root)
+        push_frame(stack, <NodePtr>root, entry)
         try:
             while not stack.empty():
                 frame = &stack.back()
@@ -250,21 +256,22 @@ cdef class GraphTask:
                         continue
                     child = <NodePtr>(<Edge?>next_edge).node
                     child_entry = &self.exec_info_.slot(child)
+                    child_executes = child_entry.needed or child_entry.captures >= 0
                     if child_entry.seen:                                   # (1)
-                        if child_entry.needed or child_entry.captures >= 0:
-                            mark_needed(self.exec_info_, frame.node)
+                        if child_executes:
+                            mark_needed(self.exec_info_, frame)
                         child = NULL
                         continue
                     child_entry.seen = True
                     break
                 if child != NULL:
-                    push_frame(stack, child)                               # (2)
+                    push_frame(stack, child, child_entry)                  # (2)
                 else:
-                    node = frame.node
+                    child_executes = frame.needed or frame.captures
                     Py_DECREF(<object>frame.edges)
                     stack.pop_back()                                       # (3)
-                    if not stack.empty() and self.exec_info_.should_execute(node):
-                        mark_needed(self.exec_info_, stack.back().node)
+                    if not stack.empty() and child_executes:
+                        mark_needed(self.exec_info_, &stack.back())
         finally:
             # What an error (KeyboardInterrupt at a yield) left on the path.
             for i in range(stack.size()):
