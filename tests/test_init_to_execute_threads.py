@@ -182,6 +182,13 @@ def interrupt_a_pass(root, leaf_edge):
 def test_sigint_during_the_pass_raises_keyboard_interrupt_and_grad_works_after(
         chain, short_switch_interval):
     root, leaf, leaf_edge = chain
+    # The tuples of next edges the pass walked: their references it owned
+    # while it ran are dropped when it is interrupted.
+    tuples, node = [], root
+    while node is not leaf_edge.node and len(tuples) < 100:
+        tuples.append(node._next_edges)
+        node = node._next_edges[0].node
+    references = [sys.getrefcount(edges) for edges in tuples]
     # A SIGINT that lands between two passes (rarely) is tried again.
     for _ in range(3):
         interrupt = interrupt_a_pass(root, leaf_edge)
@@ -190,6 +197,7 @@ def test_sigint_during_the_pass_raises_keyboard_interrupt_and_grad_works_after(
             break
     else:
         pytest.fail(f"KeyboardInterrupt came after the pass, not from it: {functions}")
+    assert [sys.getrefcount(edges) for edges in tuples] == references
     (captured,) = grad_through(root, leaf_edge)
     np.testing.assert_array_equal(captured, np.ones(3))
     assert leaf.grad is None
