@@ -33,7 +33,8 @@ struct pyengine_ExecInfo {
 
 class pyengine_ExecInfoMap {
   public:
-    pyengine_ExecInfoMap() : slots_(16), used_(0) {}
+    // No table until the first slot: most graph tasks never make one.
+    pyengine_ExecInfoMap() : used_(0) {}
 
     // No entry at all: every node runs.
     bool empty() const { return order_.empty(); }
@@ -46,12 +47,18 @@ class pyengine_ExecInfoMap {
     // node's entry, or nullptr when it has none. Valid until the next call
     // of slot() or make_entry().
     const pyengine_ExecInfo *find(PyObject *node) const {
+        if (slots_.empty()) {
+            return nullptr;
+        }
         const pyengine_ExecInfo &slot = slots_[find_index(slots_, node)];
         return slot.has_entry ? &slot : nullptr;
     }
 
     // ExecInfo.should_execute of node's entry (false without one).
     bool should_execute(PyObject *node) const {
+        if (slots_.empty()) {
+            return false;
+        }
         const pyengine_ExecInfo &slot = slots_[find_index(slots_, node)];
         return slot.has_entry && (slot.needed || slot.captures >= 0);
     }
@@ -103,7 +110,7 @@ class pyengine_ExecInfoMap {
     }
 
     void grow() {
-        std::vector<pyengine_ExecInfo> larger(slots_.size() * 2);
+        std::vector<pyengine_ExecInfo> larger(slots_.empty() ? 16 : slots_.size() * 2);
         for (const pyengine_ExecInfo &slot : slots_) {
             if (slot.node != nullptr) {
                 larger[find_index(larger, slot.node)] = slot;
@@ -112,7 +119,7 @@ class pyengine_ExecInfoMap {
         slots_.swap(larger);
     }
 
-    std::vector<pyengine_ExecInfo> slots_;  // a power of two in size
+    std::vector<pyengine_ExecInfo> slots_;  // empty, or a power of two in size
     size_t used_;
     std::vector<PyObject *> order_;
 };
