@@ -225,9 +225,12 @@ cdef class GraphTask:
                 continue
             captures = entry.captures
             if captures < 0:
-                # Set before any Python code runs: entry lives in the table.
-                captures = entry.captures = <int32_t>PyList_GET_SIZE(self.exec_captures)
                 self.exec_captures.append([])
+                captures = <int32_t>(PyList_GET_SIZE(self.exec_captures) - 1)
+                # Looked up again: the append may have run Python code (a
+                # collection), and the index is set only once its list is
+                # there, so that the engine may read it unchecked.
+                self.exec_info_.make_entry(<PyObject*>edge.node).captures = captures
             (<list>self.exec_captures[captures]).append((edge.input_nr, output_idx))
         self.captured_vars = [None] * PyList_GET_SIZE(output_list)
         entry = &self.exec_info_.make_entry(<PyObject*>root)
