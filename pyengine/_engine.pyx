@@ -60,7 +60,7 @@ from libcpp.mutex cimport mutex, unique_lock
 from libcpp.vector cimport vector
 from libc.stdint cimport uint64_t
 
-from pyengine._graph_task cimport (ExecInfo, GraphTask, NodePtr, find_exec_info, new_graph_task,
+from pyengine._graph_task cimport (ExecInfoEntry, ExecInfoMap, GraphTask, NodePtr, new_graph_task,
                                    running_thread_state)
 from pyengine._graph_task cimport SEARCH_NOT_SEEN, SEARCH_ON_PATH, SearchState
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
@@ -580,7 +580,7 @@ cdef class Engine:
                 previous = thread[0]
                 thread.current_graph_task = record.graph_task
                 thread.grad_enabled = local_graph_task.grad_mode
-                thread.checkpoint_valid = not local_graph_task.exec_info
+                thread.checkpoint_valid = local_graph_task.exec_info_.empty()
                 try:
                     if not local_graph_task.has_error_.load():
                         # One check per node when nobody profiles.
@@ -634,26 +634,31 @@ cdef class Engine:
                                list inputs) except -1:
         """Run one node on ``inputs`` (its InputBuffer's list of gradients) and
         pass its gradients on to the nodes they flow into."""
-        cdef dict exec_info = graph_task.exec_info
-        cdef ExecInfo info
-        if exec_info:
-            info = find_exec_info(exec_info, node)
-            if info is None:
+        cdef const ExecInfoEntry* info
+        cdef bint needed
+        cdef Py_ssize_t captures
+        if not graph_task.exec_info_.empty():
+            info = graph_task.exec_info_.find(<PyObject*>node)
+            if info == NULL:
                 return 0
-            if not info.needed:
+            # Copied out: the Python code below may call init_to_execute,
+            # which may move the entry.
+            needed = info.needed
+            captures = info.captures
+            if not needed:
                 # Tensor pre-hooks run exactly once: here, or in call_function.
                 _hooks.call_tensor_pre_hooks(node, inputs)
-            if info.captures:
+            if captures >= 0:
                 lock_releasing_gil(graph_task.mutex_)
                 try:
-                    for input_nr, output_idx in info.captures:
+                    for input_nr, output_idx in <list>graph_task.exec_captures[captures]:
                         if input_nr < len(inputs):
                             graph_task.captured_vars[output_idx] = inputs[input_nr]
                 finally:
                     graph_task.mutex_.unlock()
                 if node._stream is not None:
                     graph_task.add_leaf_stream(node._stream)
-            if not info.needed:
+            if not needed:
                 return 0
 
         cdef object producer_stream = node._stream
@@ -714,7 +719,7 @@ cdef class Engine:
                 buffered = graph_task.not_ready_.find(key)
                 streamed = producer_stream is not None or next_node._stream is not None
                 if buffered == graph_task.not_ready_.end():
-                    if exec_info and not _should_execute(exec_info, next_node):
+                    if not _should_execute(graph_task.exec_info_, key):
                         continue
                     if not streamed:
                         if is_ready:
@@ -1025,9 +1030,9 @@ cdef list single_gradient(Py_ssize_t num_inputs, Py_ssize_t input_nr, object gra
     return gradients
 
 
-cdef bint _should_execute(dict exec_info, NodeBase node) except -1:
-    cdef ExecInfo info = find_exec_info(exec_info, node)
-    return info is not None and info.should_execute()
+cdef inline bint _should_execute(const ExecInfoMap& exec_info, PyObject* node) noexcept nogil:
+    """Whether ``node`` runs or captures: every node does without exec_info."""
+    return exec_info.empty() or exec_info.should_execute(node)
 
 
 cdef extern from "_dependency_map.h":

@@ -1,9 +1,8 @@
 # GraphTask and ExecInfo; see _graph_task.pyx.
 
 cimport cython
-from cpython.dict cimport PyDict_GetItemWithError
-from cpython.long cimport PyLong_FromVoidPtr
 from cpython.object cimport PyObject
+from libc.stdint cimport int32_t
 from libcpp.atomic cimport atomic
 from libcpp.condition_variable cimport condition_variable
 from libcpp.mutex cimport mutex
@@ -29,12 +28,32 @@ cdef extern from "_dependency_map.h" nogil:
         SearchState add_edge(PyObject* node, size_t* index)
         void finish(PyObject* node, size_t index)
 
+cdef extern from "_exec_info_map.h" nogil:
+    cppclass ExecInfoEntry "pyengine_ExecInfo":
+        PyObject* node
+        # An index into GraphTask.exec_captures, or -1.
+        int32_t captures
+        bint needed
+        bint has_entry
+        bint seen
+    cppclass ExecInfoMap "pyengine_ExecInfoMap":
+        ExecInfoMap()
+        bint empty()
+        Py_ssize_t size()
+        PyObject* entry_node(Py_ssize_t i)
+        const ExecInfoEntry* find(PyObject* node)
+        bint should_execute(PyObject* node)
+        ExecInfoEntry& slot(PyObject* node)
+        ExecInfoEntry& make_entry(PyObject* node)
+        void clear_seen()
+
 
 @cython.final
 cdef class ExecInfo:
-    # Written only by init_to_execute, before any task runs; read-only after.
-    cdef public bint needed
-    # (input_nr, output_idx) pairs; never None, so the engine reads it in C.
+    # A copy of one node's exec_info entry, for tests and debugging (the
+    # engine reads GraphTask.exec_info_); immutable after construction.
+    cdef readonly bint needed
+    # (input_nr, output_idx) pairs.
     cdef readonly list captures
 
     cpdef bint should_execute(self) noexcept
@@ -52,9 +71,12 @@ cdef class GraphTask:
     cdef readonly dict caller_current_streams
     cdef public int owner
     cdef public object graph_root
-    # id(node) -> ExecInfo, written only by init_to_execute; empty when
-    # every node runs.
-    cdef public dict exec_info
+    # Guarded by the GIL: written only by init_to_execute, before any task
+    # runs. exec_info_ is empty when every node runs; an entry's captures
+    # index exec_captures, a list of lists of (input_nr, output_idx) pairs.
+    # See _exec_info_map.h.
+    cdef ExecInfoMap exec_info_
+    cdef list exec_captures
 
     # Guarded by mutex_. Keys are borrowed node pointers: the graph keeps its
     # nodes alive while the task runs. not_ready's values own their buffers.
@@ -85,6 +107,7 @@ cdef class GraphTask:
                           ReadyQueue cpu_ready_queue, bint exit_on_error,
                           bint multithreading) except -1
     cdef void clear_not_ready(self) noexcept
+    cdef ExecInfo exec_info_copy(self, NodePtr node)
 
     # What the engine calls once per backward, called in C. The ones that
     # return None to Python report errors as exceptions (a NULL return).
@@ -98,14 +121,6 @@ cdef class GraphTask:
 cdef GraphTask new_graph_task(bint keep_graph, bint grad_mode, int reentrant_depth,
                               ReadyQueue cpu_ready_queue, bint exit_on_error,
                               bint multithreading)
-
-
-cdef inline ExecInfo find_exec_info(dict exec_info, object node):
-    """``exec_info``'s entry for ``node``, or None."""
-    cdef PyObject* info = PyDict_GetItemWithError(exec_info, PyLong_FromVoidPtr(<void*>node))
-    if info == NULL:
-        return None
-    return <ExecInfo?>info
 
 
 cdef inline ThreadState running_thread_state(GraphTask graph_task) noexcept:

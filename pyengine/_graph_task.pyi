@@ -6,7 +6,8 @@ from typing import Any
 from pyengine._ready_queue import ReadyQueue
 
 class ExecInfo:
-    needed: bool
+    @property
+    def needed(self) -> bool: ...
     @property
     def captures(self) -> list[tuple[int, int]]: ...
     def __init__(self) -> None: ...
@@ -22,7 +23,9 @@ class GraphTask:
     caller_current_streams: dict[Any, Any]
     owner: int
     graph_root: Any
-    exec_info: dict[int, ExecInfo]
+    @property
+    def exec_info(self) -> dict[int, ExecInfo]: ...
+    def find_exec_info(self, node: Any) -> ExecInfo | None: ...
     captured_vars: list[Any]
     leaf_streams: list[Any]
     final_callbacks: list[Callable[[], Any]]

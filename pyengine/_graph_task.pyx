@@ -6,17 +6,16 @@ the specification of ``init_to_execute`` and of the fields.
 """
 
 cimport cython
-from cpython.dict cimport PyDict_GetItemWithError, PyDict_Next, PyDict_SetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
-from cpython.long cimport PyLong_AsVoidPtr, PyLong_FromVoidPtr
+from cpython.long cimport PyLong_FromVoidPtr
 from cpython.object cimport PyObject
-from cpython.ref cimport Py_XDECREF
-from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
+from libc.stdint cimport int32_t
 from libcpp.mutex cimport mutex, unique_lock
-from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
-from pyengine._graph_task cimport NodePtr
+from pyengine._graph_task cimport ExecInfoEntry, ExecInfoMap, NodePtr
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run
 from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
 from pyengine._node cimport Edge, NodeBase
 from pyengine._ready_queue cimport ReadyQueue
@@ -35,7 +34,8 @@ cdef dict _stream_runtimes = _streams._runtimes
 cdef class ExecInfo:
     """Whether a node runs under ``grad(inputs=)`` / ``backward(inputs=)``
     pruning, and which of its inputs to capture as results: see the twin's
-    docstring."""
+    docstring. Here, a copy of an entry of ``GraphTask.exec_info_``, made
+    for Python (``GraphTask.exec_info``, ``GraphTask.find_exec_info``)."""
 
     def __cinit__(self):
         self.captures = []
@@ -47,45 +47,40 @@ cdef class ExecInfo:
         return f"ExecInfo(needed={self.needed}, captures={self.captures})"
 
 
-cdef ExecInfo exec_info_entry(dict exec_info, object key):
-    """``exec_info[key]``, made empty first if absent."""
-    cdef PyObject* found = PyDict_GetItemWithError(exec_info, key)
-    if found != NULL:
-        return <ExecInfo?>found
-    return new_exec_info_entry(exec_info, key)
+cdef extern from "Python.h":
+    # PyTuple_GET_SIZE and PyTuple_GET_ITEM, for the tuples a Frame owns.
+    Py_ssize_t owned_tuple_size "PyTuple_GET_SIZE"(PyObject* tuple)
+    PyObject* owned_tuple_item "PyTuple_GET_ITEM"(PyObject* tuple, Py_ssize_t i)
 
 
-cdef ExecInfo new_exec_info_entry(dict exec_info, object key):
-    """A new, empty ``exec_info[key]``."""
-    cdef ExecInfo info = ExecInfo.__new__(ExecInfo)
-    PyDict_SetItem(exec_info, key, info)
-    return info
-
-
-# init_to_execute's state of a node, as bits: reached once already (the
-# twin's ``seen``), runs or captures (ExecInfo.should_execute), marked
-# needed by this traversal (its ExecInfo is written after it), and has an
-# ExecInfo already.
-cdef enum:
-    SEEN = 1
-    EXECUTES = 2
-    MARKED = 4
-    HAS_ENTRY = 8
-
-ctypedef unordered_map[NodePtr, int] NodeStates
-
-# A node of the traversal's path and the index of its next edge to visit.
+# A node of init_to_execute's path, the tuple of its next edges (owned: other
+# threads may change the node's next_edges while the pass lets them run),
+# the index of its next edge to visit, and its entry's needed and whether
+# it captures, kept here so that marking it needs no lookup.
 cdef struct Frame:
     NodePtr node
+    PyObject* edges
     Py_ssize_t next_edge
+    bint needed
+    bint captures
 
 
-cdef inline int mark_needed(NodeStates& states, vector[NodePtr]& marked, NodePtr node) except -1:
-    cdef int* state = &states[node]
-    if not state[0] & MARKED:
-        state[0] |= MARKED | EXECUTES
-        marked.push_back(node)
+cdef int push_frame(vector[Frame]& stack, NodePtr node, const ExecInfoEntry* entry) except -1:
+    """Put ``node`` (alive: an owned tuple on the stack, or the caller, holds
+    it) on init_to_execute's path."""
+    cdef tuple edges = (<NodeBase>node)._next_edges
+    if edges is None:
+        raise TypeError(f"{type(<object>node).__name__}.next_edges is None, not a tuple of edges")
+    stack.push_back(Frame(node, <PyObject*>edges, 0, entry.needed, entry.captures >= 0))
+    Py_INCREF(edges)
     return 0
+
+
+cdef inline void mark_needed(ExecInfoMap& exec_info, Frame* frame) noexcept nogil:
+    """Mark the node of ``frame``, the top of the path, needed."""
+    if not frame.needed:
+        frame.needed = True
+        exec_info.make_entry(frame.node).needed = True
 
 
 cdef GraphTask new_graph_task(bint keep_graph, bint grad_mode, int reentrant_depth,
@@ -118,7 +113,7 @@ cdef class GraphTask:
         self.multithreading = multithreading
         self.caller_current_streams = _streams.current_streams() if _stream_runtimes else {}
         self.owner = -2
-        self.exec_info = {}
+        self.exec_captures = []
         self.captured_vars = []
         self.leaf_streams = []
         self.final_callbacks = []
@@ -177,89 +172,113 @@ cdef class GraphTask:
 
     def can_checkpoint(self):
         """A reentrant checkpoint needs every node to run: no pruning."""
-        return not self.exec_info
+        return self.exec_info_.empty()
+
+    # -- exec_info, for Python --
+
+    @property
+    def exec_info(self):
+        """``{id(node): ExecInfo}`` in the order the entries were made, as the
+        twin's dict: a copy, for tests and debugging."""
+        cdef dict copy = {}
+        cdef NodePtr node
+        for i in range(self.exec_info_.size()):
+            node = self.exec_info_.entry_node(i)
+            copy[PyLong_FromVoidPtr(<void*>node)] = self.exec_info_copy(node)
+        return copy
+
+    def find_exec_info(self, node):
+        """A copy of ``node``'s entry of exec_info, or None."""
+        return self.exec_info_copy(<NodePtr>node)
+
+    cdef ExecInfo exec_info_copy(self, NodePtr node):
+        cdef const ExecInfoEntry* entry = self.exec_info_.find(node)
+        if entry == NULL:
+            return None
+        cdef ExecInfo info = ExecInfo.__new__(ExecInfo)
+        info.needed = entry.needed
+        if entry.captures >= 0:
+            info.captures = list(self.exec_captures[entry.captures])
+        return info
 
     # -- execution plan --
 
     cpdef init_to_execute(self, graph_root, outputs, bint accumulate_grad):
         """Mark the nodes on a path from ``graph_root`` to an edge of ``outputs``
-        (a sequence of Edges): the twin's algorithm, in C.
+        (a sequence of Edges) in ``exec_info_``: the twin's algorithm, in C.
 
-        The traversal keeps each node's state in a C++ map keyed by node
-        pointer and writes the ExecInfo of the nodes it marked needed after
-        it ends: it allocates no Python object, so no Python code (a
-        collection, a finalizer) can run and change the graph while it holds
-        borrowed pointers to nodes, which the graph keeps alive."""
+        The traversal allocates no Python object per node. It lets other
+        threads run as it goes (See Note [Long passes let other threads
+        run]), so each frame owns its tuple of next edges; node pointers
+        are only keys."""
         cdef list output_list = outputs if type(outputs) is list else list(outputs)
-        cdef dict exec_info = self.exec_info
+        cdef NodeBase root = <NodeBase?>graph_root
         cdef Py_ssize_t output_idx
         cdef Edge edge
-        cdef ExecInfo info
+        cdef ExecInfoEntry* entry
+        cdef int32_t captures
         for output_idx in range(PyList_GET_SIZE(output_list)):
             edge = <Edge?>PyList_GET_ITEM(output_list, output_idx)
-            info = exec_info_entry(exec_info, PyLong_FromVoidPtr(<void*>edge.node))
+            entry = &self.exec_info_.make_entry(<PyObject*>edge.node)
             if accumulate_grad:
-                info.needed = True
-            else:
-                info.captures.append((edge.input_nr, output_idx))
+                entry.needed = True
+                continue
+            captures = entry.captures
+            if captures < 0:
+                self.exec_captures.append([])
+                captures = <int32_t>(PyList_GET_SIZE(self.exec_captures) - 1)
+                # Looked up again: the append may have run Python code (a
+                # collection), and the index is set only once its list is
+                # there, so that the engine may read it unchecked.
+                self.exec_info_.make_entry(<PyObject*>edge.node).captures = captures
+            (<list>self.exec_captures[captures]).append((edge.input_nr, output_idx))
         self.captured_vars = [None] * PyList_GET_SIZE(output_list)
-        cdef NodeBase root = <NodeBase?>graph_root
-        exec_info_entry(exec_info, PyLong_FromVoidPtr(<void*>root))
-
-        cdef NodeStates states
-        cdef Py_ssize_t position = 0
-        cdef PyObject* key
-        cdef PyObject* value
-        while PyDict_Next(exec_info, &position, &key, &value):
-            states[<NodePtr>PyLong_AsVoidPtr(<object>key)] = (
-                HAS_ENTRY | EXECUTES if (<ExecInfo?>value).should_execute() else HAS_ENTRY)
+        entry = &self.exec_info_.make_entry(<PyObject*>root)
+        # Another call's traversal saw nodes this one has not.
+        self.exec_info_.clear_seen()
 
         cdef vector[Frame] stack
-        cdef vector[NodePtr] marked
         cdef Frame* frame
-        cdef NodePtr node
         cdef NodePtr child
-        cdef int* child_state
-        cdef tuple edges
+        cdef ExecInfoEntry* child_entry
+        cdef bint child_executes
         cdef PyObject* next_edge
-        # One allocation each for graphs of up to this many nodes.
+        cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
+        # One allocation for graphs up to this deep.
         stack.reserve(32)
-        marked.reserve(32)
-        stack.push_back(Frame(<NodePtr>root, 0))
-        while not stack.empty():
-            frame = &stack.back()
-            node = frame.node
-            edges = (<NodeBase>node)._next_edges
-            child = NULL
-            while frame.next_edge < PyTuple_GET_SIZE(edges):
-                next_edge = PyTuple_GET_ITEM(edges, frame.next_edge)
-                frame.next_edge += 1
-                if next_edge == <PyObject*>None:
-                    continue
-                child = <NodePtr>(<Edge>next_edge).node
-                child_state = &states[child]
-                if child_state[0] & SEEN:                                  # (1)
-                    if child_state[0] & EXECUTES:
-                        mark_needed(states, marked, node)
-                    child = NULL
-                    continue
-                child_state[0] |= SEEN
-                break
-            if child != NULL:
-                stack.push_back(Frame(child, 0))                           # (2)
-            else:
-                stack.pop_back()                                           # (3)
-                if not stack.empty() and states[node] & EXECUTES:
-                    mark_needed(states, marked, stack.back().node)
-
-        # In the order the twin makes them, so that exec_info iterates alike.
-        for node in marked:
-            key_object = PyLong_FromVoidPtr(<void*>node)
-            if states[node] & HAS_ENTRY:
-                info = <ExecInfo?>exec_info[key_object]
-            else:
-                info = new_exec_info_entry(exec_info, key_object)
-            info.needed = True
+        push_frame(stack, <NodePtr>root, entry)
+        try:
+            while not stack.empty():
+                frame = &stack.back()
+                child = NULL
+                while frame.next_edge < owned_tuple_size(frame.edges):
+                    let_others_run(&work_left)
+                    next_edge = owned_tuple_item(frame.edges, frame.next_edge)
+                    frame.next_edge += 1
+                    if next_edge == <PyObject*>None:
+                        continue
+                    child = <NodePtr>(<Edge?>next_edge).node
+                    child_entry = &self.exec_info_.slot(child)
+                    child_executes = child_entry.needed or child_entry.captures >= 0
+                    if child_entry.seen:                                   # (1)
+                        if child_executes:
+                            mark_needed(self.exec_info_, frame)
+                        child = NULL
+                        continue
+                    child_entry.seen = True
+                    break
+                if child != NULL:
+                    push_frame(stack, child, child_entry)                  # (2)
+                else:
+                    child_executes = frame.needed or frame.captures
+                    Py_DECREF(<object>frame.edges)
+                    stack.pop_back()                                       # (3)
+                    if not stack.empty() and child_executes:
+                        mark_needed(self.exec_info_, &stack.back())
+        finally:
+            # What an error (KeyboardInterrupt at a yield) left on the path.
+            for i in range(stack.size()):
+                Py_DECREF(<object>stack[i].edges)
 
     # -- completion --
 

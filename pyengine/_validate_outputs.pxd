@@ -2,6 +2,7 @@
 
 from cpython.object cimport PyObject
 from libc.string cimport memcmp
+from libcpp.vector cimport vector
 
 cimport numpy as cnp
 
@@ -9,17 +10,28 @@ from pyengine._node cimport InputMetadata
 
 
 cdef inline bint numpy_gradient_matches(InputMetadata metadata, object grad) noexcept:
-    """The fast path: a numpy array whose dtype, shape and device are the slot's."""
-    if metadata.numpy_dtype is None or type(grad) is not cnp.ndarray:
+    """The fast path of validate_outputs: a numpy array whose dtype, shape and
+    device are the slot's. Reads the array's fields, then compares them in
+    ``numpy_fields_match``."""
+    if type(grad) is not cnp.ndarray:
         return False
     cdef cnp.ndarray array = <cnp.ndarray>grad
-    if <PyObject*>cnp.PyArray_DESCR(array) != <PyObject*>metadata.numpy_dtype:
+    return numpy_fields_match(<PyObject*>metadata.numpy_dtype, metadata.dims,
+                              <PyObject*>cnp.PyArray_DESCR(array), cnp.PyArray_NDIM(array),
+                              cnp.PyArray_DIMS(array))
+
+
+cdef inline bint numpy_fields_match(PyObject* expected_dtype, const vector[cnp.npy_intp]& expected_dims,
+                                    PyObject* dtype, int ndim,
+                                    const cnp.npy_intp* dims) noexcept nogil:
+    """Whether an array's dtype (its descriptor), ndim and dims are a slot's
+    (``InputMetadata.numpy_dtype``, None unless the slot is a floating or
+    complex numpy dtype on the CPU, and ``InputMetadata.dims``)."""
+    if expected_dtype == <PyObject*>None or dtype != expected_dtype:
         return False
-    cdef size_t ndim = <size_t>cnp.PyArray_NDIM(array)
-    if ndim != metadata.dims.size():
+    if <size_t>ndim != expected_dims.size():
         return False
-    return ndim == 0 or memcmp(cnp.PyArray_DIMS(array), metadata.dims.data(),
-                               ndim * sizeof(cnp.npy_intp)) == 0
+    return ndim == 0 or memcmp(dims, expected_dims.data(), ndim * sizeof(cnp.npy_intp)) == 0
 
 
 cdef int validate_outputs_impl(tuple edges, list grads, object format_error) except -1

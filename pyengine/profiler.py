@@ -452,15 +452,16 @@ class profile:
                 self._spans.append(BackwardSpan(thread, *span))
             append_event = self._events.append
             make_event = NodeEvent._make
-            last_task, run, exec_info = _NOT_A_TASK, -1, None
+            last_task, run, pruned = _NOT_A_TASK, -1, False
             for node, start_ns, end_ns, task in zip(nodes, starts, ends, tasks):
                 if task is not last_task:
                     last_task = task
                     run = self._run_index(task)
-                    exec_info = task.exec_info if task is not None else None
+                    # can_checkpoint: the task runs every node (no exec_info).
+                    pruned = task is not None and not task.can_checkpoint()
                 executed = True
-                if exec_info:
-                    info = exec_info.get(id(node))
+                if pruned:
+                    info = task.find_exec_info(node)
                     executed = info is not None and bool(info.needed)
                 append_event(make_event((_node_name(node), node._sequence_nr, _node_device(node),
                                          thread, start_ns, end_ns, run, executed, id(node))))

@@ -317,3 +317,28 @@ def test_the_engines_graph_task_stashes_no_streams_without_a_runtime(monkeypatch
         monkeypatch.delitem(streams._runtimes, device_type)
     graph_task, _ = run_recording(keep_graph=False, create_graph=False, accumulate_grad=True)
     assert graph_task.caller_current_streams == {}
+
+
+def run_init_to_execute_twice(core, spec, first, second):
+    """``exec_info`` after two init_to_execute calls on one GraphTask, as
+    run_init_to_execute lists it."""
+    nodes = build(core, spec)
+    graph_task = core.GraphTask(False, False, 0, None)
+    for outputs, accumulate_grad in (first, second):
+        graph_task.init_to_execute(nodes[0], [core.Edge(nodes[k], input_nr) for k, input_nr in outputs],
+                                   accumulate_grad)
+    index = {id(node): k for k, node in enumerate(nodes)}
+    return [(index[key], bool(info.needed), list(info.captures))
+            for key, info in graph_task.exec_info.items()]
+
+
+def test_a_second_init_to_execute_walks_the_graph_again_as_the_twins_does():
+    # The second call's outputs lie below nodes the first call saw but did
+    # not mark: its traversal must reach them again (it starts with nothing
+    # seen), in both cores alike.
+    spec = [[(1, 0), (2, 0)], [(3, 0)], [(4, 0)], [], []]
+    first, second = ([(3, 0)], False), ([(4, 0)], True)
+    entries = run_init_to_execute_twice(load_core("compiled"), spec, first, second)
+    assert entries == run_init_to_execute_twice(load_core("pure"), spec, first, second)
+    assert sorted(entries) == [(0, True, []), (1, True, []), (2, True, []), (3, False, [(0, 0)]),
+                               (4, True, [])]

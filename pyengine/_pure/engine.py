@@ -583,10 +583,8 @@ class Engine:
 
                 input_buffer = not_ready.get(key)
                 if input_buffer is None:
-                    if exec_info:
-                        info = exec_info.get(key)
-                        if info is None or not info.should_execute():
-                            continue
+                    if not _should_execute(exec_info, key):
+                        continue
                     input_buffer = InputBuffer(len(next_node._input_metadata))
                     self._accumulate(input_buffer, edge.input_nr, output, grad_mode,
                                      producer_stream, next_node._stream)
@@ -777,6 +775,15 @@ def withdraw_pool_task(pool, graph_task):
             if queued is graph_task:
                 del pool.graph_tasks[i]
                 break
+
+
+def _should_execute(exec_info, key):
+    """Whether the node ``key`` (its id) runs or captures: every node does
+    without exec_info."""
+    if not exec_info:
+        return True
+    info = exec_info.get(key)
+    return info is not None and info.should_execute()
 
 
 def _reset_worker_state_after_fork():

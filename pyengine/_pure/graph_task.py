@@ -16,7 +16,10 @@ class ExecInfo:
     pruning, and which of its inputs to capture as results.
 
     ``captures`` holds ``(input_nr, output_idx)`` pairs. Written only by
-    ``init_to_execute``, before any task runs.
+    ``init_to_execute``, before any task runs. The compiled core keeps the
+    same fields per node in a C table keyed by node pointer
+    (``GraphTask.exec_info_``, ``pyengine/_exec_info_map.h``) and makes
+    ExecInfo objects only as copies for Python.
     """
 
     __slots__ = ("needed", "captures")
@@ -102,6 +105,10 @@ class GraphTask:
         """A reentrant checkpoint needs every node to run: no pruning."""
         return not self.exec_info
 
+    def find_exec_info(self, node):
+        """``node``'s entry of exec_info, or None."""
+        return self.exec_info.get(id(node))
+
     # -- execution plan ---------------------------------------------------
 
     def init_to_execute(self, graph_root, outputs, accumulate_grad):
@@ -127,7 +134,9 @@ class GraphTask:
             compute_is_needed(graph_root)
 
         where a frame, once its children are all visited, updates its
-        parent (3) instead of returning a value.
+        parent (3) instead of returning a value. The compiled core lets
+        other threads run and honours Ctrl-C as it goes (See Note [Long
+        passes let other threads run]); here the interpreter does.
         """
         exec_info = self.exec_info
         for output_idx, edge in enumerate(outputs):
