@@ -284,12 +284,12 @@ cdef inline bint is_numpy_array(object value) noexcept:
     return PyDict_GetItem(_backend_cache, cnp.ndarray) == <PyObject*>_numpy_backend
 
 
-cdef inline bint can_steal(object value) noexcept:
+cdef inline bint can_steal(object value, Py_ssize_t expected_references) noexcept:
     """Whether nothing outside the engine can see ``value``, so that it may
     become ``.grad`` without a copy. ``value`` is borrowed from the caller's
-    only reference (the twin counts three references where this counts one:
-    its local, its argument and getrefcount's)."""
-    if type(value) is not cnp.ndarray or Py_REFCNT(value) != 1:
+    reference; ``expected_references``: the engine's, the caller's included
+    (the twin counts two more: its argument and getrefcount's)."""
+    if type(value) is not cnp.ndarray or Py_REFCNT(value) > expected_references:
         return False
     cdef cnp.ndarray array = <cnp.ndarray>value
     return (cnp.PyArray_BASE(array) == NULL
@@ -368,7 +368,8 @@ cdef class AccumulateGradBase(NodeBase):
             try:
                 old_grad = variable.grad
                 if old_grad is None:
-                    if create_graph or not can_steal(new_grad):
+                    # See Note [Stealing with post hooks] in the twin.
+                    if create_graph or not can_steal(new_grad, 2 if self._post_hooks else 1):
                         new_grad = copy_value(new_grad)
                     variable.grad = new_grad
                 elif old_grad is leaf_state.owned_grad() and not create_graph:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 
 from . import _core
 from ._core import (
@@ -77,10 +78,16 @@ class RemovableHandle:
 
 
 def _remover(owner, attribute):
-    """A function that drops the entry with a given handle id from a hook list."""
+    """A function that drops the entry with a given handle id from a hook list.
+
+    It holds the node weakly, as PyTorch's handle holds its hook dict: a
+    handle does not keep a node alive (a leaf's AccumulateGrad that nothing
+    else holds goes, with its hooks, as in PyTorch)."""
+    owner_ref = weakref.ref(owner)
 
     def remove(handle_id):
-        hooks = getattr(owner, attribute)
+        owner = owner_ref()
+        hooks = getattr(owner, attribute, None)
         if hooks:
             # Rebind rather than edit: a backward may be iterating the old list.
             setattr(owner, attribute, [entry for entry in hooks if entry[0] != handle_id] or None)

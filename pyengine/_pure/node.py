@@ -412,7 +412,8 @@ class AccumulateGradBase(NodeBase):
             with leaf_state.lock:
                 old_grad = variable.grad
                 if old_grad is None:
-                    if create_graph or not _can_steal(new_grad):
+                    # See Note [Stealing with post hooks].
+                    if create_graph or not _can_steal(new_grad, 1 if self._post_hooks else 0):
                         new_grad = backend_of(new_grad).copy(new_grad)
                     variable.grad = new_grad
                 elif old_grad is leaf_state.owned_grad() and not create_graph:
@@ -463,11 +464,24 @@ def call_post_accumulate_grad_hooks(variable, hooks):
 _STEALABLE_REFCOUNT = 3
 
 
-def _can_steal(value) -> bool:
+# Note [Stealing with post hooks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# When the AccumulateGrad node has post hooks, the engine's call_function
+# keeps the node's inputs for them (their ``grad_outputs``), one more
+# reference to the incoming gradient. As PyTorch (``1 + !post_hooks().empty()``
+# expected references in accumulate_grad.cpp), that reference does not stop
+# the gradient from becoming ``.grad``: the post hooks then see ``.grad``
+# itself as their ``grad_outputs``, in PyTorch as here, including what a
+# backward nested in one of them adds into it in place.
+
+
+def _can_steal(value, extra_references=0) -> bool:
     """Whether nothing outside the engine can see ``value``, so that it may
-    become ``.grad`` without a copy."""
+    become ``.grad`` without a copy; ``extra_references``: the engine's own
+    other references (See Note [Stealing with post hooks])."""
     # Cheapest test first: a gradient someone else holds fails on the count.
-    if type(value) is not np.ndarray or sys.getrefcount(value) > _STEALABLE_REFCOUNT:
+    if (type(value) is not np.ndarray
+            or sys.getrefcount(value) > _STEALABLE_REFCOUNT + extra_references):
         return False
     flags = value.flags
     return value.base is None and flags.owndata and flags.writeable
