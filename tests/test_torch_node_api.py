@@ -44,7 +44,7 @@ import pytest
 from minitensor import T, leaf, split
 
 import pyengine
-from pyengine import Edge, gradient_edge
+from pyengine import gradient_edge
 
 SHAPE = (2,)
 
@@ -338,7 +338,8 @@ def test_a_post_accumulate_grad_hook_returning_another_type_is_a_type_error(torc
     with pytest.raises(TypeError, match="expected Variable, but hook returned 'int'"):
         torch.autograd.backward(torch_node(torch, [tx], 1, lambda g: g)[0],
                                 torch.ones(2, dtype=torch.float64))
-    with pytest.raises(TypeError, match="expected T, but post accumulate grad hook '<lambda>' returned 'int'"):
+    with pytest.raises(TypeError, match="expected T, but post accumulate grad hook '<lambda>' "
+                                        "returned 'int'"):
         pyengine.backward(pyengine_node([x], 1, lambda g: g)[0], np.ones(SHAPE))
 
 
