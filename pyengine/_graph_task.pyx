@@ -317,18 +317,22 @@ cdef class GraphTask:
 
     cpdef exec_post_processing(self):
         """Make the caller's streams wait on the leaf streams, then run final
-        callbacks; a callback may queue more, which run too."""
+        callbacks, under the graph task's grad mode, as the twin does; a
+        callback may queue more, which run too."""
         if self.leaf_streams:
             _twin.sync_leaf_streams(self)
         cdef ThreadState* thread = thread_state()
         cdef PyObject* previous = thread.current_graph_task
+        cdef bint previous_grad_mode = thread.grad_enabled
         thread.current_graph_task = <PyObject*>self
+        thread.grad_enabled = self.grad_mode
         try:
             i = 0
             while i < len(self.final_callbacks):
                 self.final_callbacks[i]()
                 i += 1
         finally:
+            thread.grad_enabled = previous_grad_mode
             thread.current_graph_task = previous
 
     cpdef wait(self):

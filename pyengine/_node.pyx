@@ -30,7 +30,8 @@ from pyengine.backends import backend_of
 from pyengine.device import CPU
 
 from pyengine._pure.node import (MAX_INPUT_NR, _cannot_delete, _creation_stream, _input_nr_error,
-                                 _leaf_state_error, node_name, not_initialized_message)
+                                 _leaf_state_error, call_post_accumulate_grad_hooks, node_name,
+                                 not_initialized_message)
 
 cnp.import_array()
 
@@ -71,9 +72,9 @@ cdef class InputMetadata:
         self.dtype = _normalize_dtype(dtype)
         self.device = device
         self.is_cpu = device == CPU
-        # Only a floating or complex slot may take the fast path: any gradient
-        # for another kind of slot is an error that the slow path reports.
-        if isinstance(self.dtype, np.dtype) and self.dtype.kind in "fc" and device == CPU:
+        # A numeric slot may take the fast path, which passes only a gradient
+        # of the slot's very dtype and shape; the slow path casts the others.
+        if isinstance(self.dtype, np.dtype) and self.dtype.kind in "biufc" and device == CPU:
             self.numpy_dtype = self.dtype
             for size in self.shape:
                 self.dims.push_back(size)
@@ -334,12 +335,12 @@ cdef inline bint is_numpy_array(object value) noexcept:
     return PyDict_GetItem(_backend_cache, cnp.ndarray) == <PyObject*>_numpy_backend
 
 
-cdef inline bint can_steal(object value) noexcept:
+cdef inline bint can_steal(object value, Py_ssize_t expected_references) noexcept:
     """Whether nothing outside the engine can see ``value``, so that it may
     become ``.grad`` without a copy. ``value`` is borrowed from the caller's
-    only reference (the twin counts three references where this counts one:
-    its local, its argument and getrefcount's)."""
-    if type(value) is not cnp.ndarray or Py_REFCNT(value) != 1:
+    reference; ``expected_references``: the engine's, the caller's included
+    (the twin counts two more: its argument and getrefcount's)."""
+    if type(value) is not cnp.ndarray or Py_REFCNT(value) > expected_references:
         return False
     cdef cnp.ndarray array = <cnp.ndarray>value
     return (cnp.PyArray_BASE(array) == NULL
@@ -430,31 +431,32 @@ cdef class AccumulateGradBase(NodeBase):
 
     def apply(self, list grads):
         new_grad = grads[0]
-        if new_grad is None:
-            return ()
-        grads[0] = None
         cdef object variable = self.variable
         cdef LeafState leaf_state = self.leaf_state
-        cdef bint create_graph = thread_state().grad_enabled
-        lock = leaf_state.lock
-        lock.acquire()
-        try:
-            old_grad = variable.grad
-            if old_grad is None:
-                if create_graph or not can_steal(new_grad):
-                    new_grad = copy_value(new_grad)
-                variable.grad = new_grad
-            elif old_grad is leaf_state.owned_grad() and not create_graph:
-                variable.grad = add_in_place(old_grad, new_grad)
-            else:
-                variable.grad = add_values(old_grad, new_grad)
-            leaf_state.set_owned_grad(None if create_graph else variable.grad)
-        finally:
-            lock.release()
+        cdef bint create_graph
+        if new_grad is not None:
+            grads[0] = None
+            create_graph = thread_state().grad_enabled
+            lock = leaf_state.lock
+            lock.acquire()
+            try:
+                old_grad = variable.grad
+                if old_grad is None:
+                    # See Note [Stealing with post hooks] in the twin.
+                    if create_graph or not can_steal(new_grad, 2 if self._post_hooks else 1):
+                        new_grad = copy_value(new_grad)
+                    variable.grad = new_grad
+                elif old_grad is leaf_state.owned_grad() and not create_graph:
+                    variable.grad = add_in_place(old_grad, new_grad)
+                else:
+                    variable.grad = add_values(old_grad, new_grad)
+                leaf_state.set_owned_grad(None if create_graph else variable.grad)
+            finally:
+                lock.release()
         hooks = leaf_state.post_accumulate_grad_hooks
         if hooks:
-            for _, hook in list(hooks):
-                hook(variable)
+            # See Note [Post-accumulate-grad hooks] in the twin.
+            call_post_accumulate_grad_hooks(variable, hooks)
         return ()
 
 

@@ -48,10 +48,22 @@ def grad_accumulator(tensor) -> AccumulateGrad:
     with state.lock:
         accumulator = state.accumulator() if state.accumulator is not None else None
         if accumulator is None:
+            _check_can_require_grad(tensor)
             accumulator = AccumulateGrad(tensor)
             # Weak: the accumulator holds the tensor, the graph holds the accumulator.
             state.accumulator = weakref.ref(accumulator)
     return accumulator
+
+
+def _check_can_require_grad(tensor):
+    """PyTorch refuses ``requires_grad`` on a tensor of another dtype than a
+    floating or complex one; pyengine cannot see that flag set, so it refuses
+    such a leaf where the engine first meets it, its accumulator."""
+    value = getattr(tensor, "data", None)
+    backend = backend_of(value)
+    if backend is not None and backend.dtype_kind(backend.dtype(value)) not in ("f", "c"):
+        raise RuntimeError("only Tensors of floating point and complex dtype can require gradients "
+                           f"(a leaf of dtype {backend.dtype(value)} requires grad)")
 
 
 def _try_get_grad_accumulator(tensor):
@@ -337,22 +349,20 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
                                            False, output_edges)
     results = list(results)
     for i, result in enumerate(results):
-        if result is not None:
-            continue
-        if not allow_unused:
+        if result is None and not allow_unused:
             raise RuntimeError("One of the differentiated Tensors appears to not have been used in "
                                "the graph. Set allow_unused=True if this is the desired behavior.")
-        if materialize_grads:
-            results[i] = _zeros_like_input(input_tuple[i])
+    if materialize_grads:
+        # As PyTorch: an unused GradientEdge input has no value to take zeros like.
+        if any(result is None and isinstance(tensor, Edge)
+               for result, tensor in zip(results, input_tuple)):
+            raise RuntimeError("materialize_grads cannot be used when the given input is a GradientEdge")
+        results = [_zeros_like_input(tensor) if result is None else result
+                   for result, tensor in zip(results, input_tuple)]
     return tuple(results)
 
 
 def _zeros_like_input(tensor):
-    if isinstance(tensor, Edge):
-        metadata = _output_metadata(tensor)
-        if metadata is None:
-            raise RuntimeError("materialize_grads needs input metadata for a GradientEdge input")
-        return np.zeros(metadata.shape, dtype=metadata.dtype)
     value = tensor.data
     backend = backend_of(value)
     return backend.zeros(backend.shape(value), backend.dtype(value), backend.device(value))

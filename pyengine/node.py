@@ -13,8 +13,9 @@ Hooks follow ``torch.autograd.graph.Node``:
 - ``register_hook(fn)``: ``fn(grad_inputs, grad_outputs) -> new grad_inputs
   or None``, after ``apply`` (``grad_inputs`` are what ``apply`` returned);
 - ``register_tensor_prehook(input_nr, fn)``: ``fn(grad) -> new grad or None``
-  for one input slot; this is what a tensor hook on a non-leaf becomes. It is
-  not called for a slot that received no gradient.
+  for one input slot; this is what a tensor hook on a non-leaf becomes. As in
+  PyTorch, it is called with None for a slot that received no gradient (it
+  may not replace that None), and the hooks of one slot run together.
 
 A hook may replace a gradient only by one of the same shape, dtype and
 device. Each registration returns a handle whose ``remove()`` undoes it.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 
 from . import _core
 from ._core import (
@@ -76,10 +78,16 @@ class RemovableHandle:
 
 
 def _remover(owner, attribute):
-    """A function that drops the entry with a given handle id from a hook list."""
+    """A function that drops the entry with a given handle id from a hook list.
+
+    It holds the node weakly, as PyTorch's handle holds its hook dict: a
+    handle does not keep a node alive (a leaf's AccumulateGrad that nothing
+    else holds goes, with its hooks, as in PyTorch)."""
+    owner_ref = weakref.ref(owner)
 
     def remove(handle_id):
-        hooks = getattr(owner, attribute)
+        owner = owner_ref()
+        hooks = getattr(owner, attribute, None)
         if hooks:
             # Rebind rather than edit: a backward may be iterating the old list.
             setattr(owner, attribute, [entry for entry in hooks if entry[0] != handle_id] or None)
@@ -143,8 +151,25 @@ class Node(NodeBase):
         return handle
 
     def register_tensor_prehook(self, input_nr: int, fn) -> RemovableHandle:
+        """Hooks of one slot run together, slots in the order in which each
+        first got a hook, as PyTorch's hook dict per tensor. See Note [Hooks
+        a running hook or node may change] in ``pyengine/_pure/hooks.py``."""
+        input_nr = int(input_nr)
         handle = RemovableHandle(_remover(self, "_tensor_pre_hooks"))
-        self._tensor_pre_hooks = (self._tensor_pre_hooks or []) + [(handle.id, int(input_nr), fn)]
+        # Each slot's rank: the order of first registration, which removing
+        # every hook of a slot does not change (nor does it drop a tensor's dict).
+        slots = self.__dict__.setdefault("_tensor_hook_slots", [])
+        if input_nr not in slots:
+            slots.append(input_nr)
+        rank = {slot: i for i, slot in enumerate(slots)}
+        hooks = list(self._tensor_pre_hooks or ())
+        position = len(hooks)
+        for i, entry in enumerate(hooks):
+            if rank.get(entry[1], -1) > rank[input_nr]:
+                position = i
+                break
+        hooks.insert(position, (handle.id, input_nr, fn))
+        self._tensor_pre_hooks = hooks
         return handle
 
     def set_retains_grad_hook(self, input_nr: int, fn) -> None:

@@ -676,14 +676,27 @@ def test_grad_with_one_root_not_reaching_the_input():
     assert z_node.calls == 0
 
 
-def test_materialize_grads_for_an_edge_input():
-    x = leaf([1.0, 2.0])
+def test_materialize_grads_refuses_an_unused_edge_input(torch):
+    # PyTorch refuses: a GradientEdge has no value to take zeros like.
+    from torch.autograd.graph import get_gradient_edge
+
+    tx, tz = torch.ones(2, requires_grad=True), torch.zeros(2, 2, requires_grad=True)
+    with pytest.raises(RuntimeError) as expected:
+        torch.autograd.grad((tx * 2.0).sum(), [tx, get_gradient_edge(tz * 1.0)],
+                            materialize_grads=True)
+    x, z = leaf([1.0, 2.0]), leaf(np.zeros((2, 2)), dtype=np.float32)
+    with pytest.raises(RuntimeError) as got:
+        pyengine.grad((x * 2.0).sum(), [x, gradient_edge(z * 1.0)], materialize_grads=True)
+    assert str(got.value) == str(expected.value)
+    # A used GradientEdge input, and an unused tensor input, are fine in both.
     h = x * 2.0
-    z = leaf(np.zeros((2, 2)), dtype=np.float32)
-    zh = z * 1.0
-    gx, gz = pyengine.grad((h * h).sum(), [x, gradient_edge(zh)], materialize_grads=True)
-    assert_close(gx, 8 * x.data)
-    assert gz.shape == (2, 2) and gz.dtype == np.float32 and not gz.any()
+    gh, gz = pyengine.grad((h * h).sum(), [gradient_edge(h), z], materialize_grads=True)
+    th = tx * 2.0
+    tgh, tgz = torch.autograd.grad((th * th).sum(), [get_gradient_edge(th), tz],
+                                   materialize_grads=True)
+    assert_close(gh, 2 * h.data)
+    assert_close(tgh.numpy(), 2 * th.detach().numpy())
+    assert gz.dtype == np.float32 and not gz.any() and not tgz.any()
 
 
 def test_root_grad_cast_on_a_leaf_root():

@@ -181,10 +181,25 @@ def test_root_gradient_is_cast_to_the_output_dtype():
     assert_close(x.grad, [2.0, 2.0])
 
 
-def test_integer_gradient_is_rejected():
-    x = leaf([1.0, 2.0, 3.0])
+def test_integer_gradient_for_a_complex_input_is_rejected(torch):
+    # As PyTorch: an integer gradient casts to a real dtype only.
+    class Int(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.ones(3, dtype=torch.int64)
+
+    tx = torch.ones(3, dtype=torch.complex128, requires_grad=True)
+    with pytest.raises(RuntimeError):
+        Int.apply(tx).abs().sum().backward()
+    assert tx.grad is None
+    x = leaf([1.0, 2.0, 3.0], dtype=np.complex128)
     node = Returns([x], lambda grads: [np.ones(3, dtype=np.int64)])
-    with pytest.raises(RuntimeError, match=re.escape("returned an invalid gradient at index 0")):
+    with pytest.raises(RuntimeError, match=re.escape("returned an invalid gradient at index 0 - "
+                                                     "expected dtype complex128 but got int64")):
         run(node)
     assert x.grad is None
 

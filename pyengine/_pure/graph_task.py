@@ -222,15 +222,22 @@ class GraphTask:
 
     def exec_post_processing(self):
         """Make the caller's streams wait on the leaf streams, then run final
-        callbacks; a callback may queue more, which run too."""
+        callbacks; a callback may queue more, which run too. Callbacks run
+        under the graph task's grad mode (off, or on under ``create_graph``),
+        as PyTorch's run under the graph task's thread-local state: whoever
+        completes the task (its caller, a device thread, a nested task's
+        node) may have another grad mode."""
         sync_leaf_streams(self)
         previous = state.set_current_graph_task(self)
+        previous_grad_mode = state.is_grad_enabled()
+        state.set_grad_enabled(self.grad_mode)
         try:
             i = 0
             while i < len(self.final_callbacks):
                 self.final_callbacks[i]()
                 i += 1
         finally:
+            state.set_grad_enabled(previous_grad_mode)
             state.set_current_graph_task(previous)
 
     def wait(self):

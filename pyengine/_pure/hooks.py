@@ -48,14 +48,50 @@ def _apply_hook_results(node, hook, values, results):
     return list(results)
 
 
+# Note [Hooks a running hook or node may change]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A hook or ``apply`` may register or remove hooks of the node that runs it
+# (``remove()`` rebinds a node's hook list, and sets it to None once it is
+# empty). PyTorch keeps one dict per kind of hook (one per tensor for tensor
+# hooks) and reads each when its turn comes, iterating a snapshot of it; so
+# does the engine here: a kind of hook is read when its turn comes, never
+# before, and its list is copied before its first hook runs. So a hook
+# removed before its kind's turn is not called; one removed by an earlier
+# hook of the same kind (the same slot, for tensor hooks) still is. The
+# tensor hooks of one slot run together, slots in the order in which each
+# first got a hook (PyTorch's hook dict per tensor): ``register_tensor_prehook``
+# keeps the list in that order.
+#
+# One difference is deliberate: post hooks run only if the node had some
+# when it started (``apply`` gets a copy of its inputs for them). PyTorch
+# also calls a post hook that ``apply`` registered on a node that had none,
+# with empty ``grad_outputs``; the compiled engine runs a node without hooks
+# without coming here, and reading the node's hooks again after every
+# ``apply`` is a cost on every node for that corner.
+
+
 def call_tensor_pre_hooks(node, grads):
-    """Tensor hooks, then the retains-grad hooks (always last), per input slot."""
-    if node._tensor_pre_hooks:
-        for _, input_nr, hook in list(node._tensor_pre_hooks):
-            if input_nr < len(grads) and grads[input_nr] is not None:
-                result = hook(grads[input_nr])
+    """Tensor hooks, slot by slot, then the retains-grad hooks (always last).
+    A tensor hook is called for a slot that received no gradient too, with
+    None (it may not replace it), as in PyTorch. See Note [Hooks a running
+    hook or node may change]."""
+    hooks = node._tensor_pre_hooks
+    if hooks:
+        slots = []
+        for _, input_nr, _ in hooks:
+            if input_nr not in slots:
+                slots.append(input_nr)
+        for input_nr in slots:
+            hooks = node._tensor_pre_hooks
+            if not hooks:
+                break
+            if input_nr >= len(grads):
+                continue
+            for hook in [entry[2] for entry in hooks if entry[1] == input_nr]:
+                grad = grads[input_nr]
+                result = hook(grad)
                 if result is not None:
-                    _check_hook_value(node, hook, input_nr, grads[input_nr], result)
+                    _check_hook_value(node, hook, input_nr, grad, result)
                     grads[input_nr] = result
     if node._retains_grad_hooks:
         for input_nr, hook in list(node._retains_grad_hooks.items()):
@@ -70,19 +106,21 @@ def call_function(graph_task, node, grads, next_edges=None):
     ``apply``, ``validate_outputs``, node post-hooks. ``next_edges``: the
     node's edges from before it ran, which the engine routes the gradients
     along (read here when not given). See Note [Next edges while a node
-    runs] in ``pyengine/_pure/engine.py``."""
+    runs] in ``pyengine/_pure/engine.py``. Hook lists are read when their
+    turn comes: See Note [Hooks a running hook or node may change]."""
     if next_edges is None:
         next_edges = node._next_edges
     if node._tensor_pre_hooks or node._retains_grad_hooks:
         grads = call_tensor_pre_hooks(node, grads)
-    if node._pre_hooks:
-        for _, hook in list(node._pre_hooks):
+    pre_hooks = node._pre_hooks
+    if pre_hooks:
+        for _, hook in list(pre_hooks):
             result = hook(tuple(grads))
             if result is not None:
                 grads = _apply_hook_results(node, hook, grads, result)
-    has_post_hooks = bool(node._post_hooks)
+    had_post_hooks = bool(node._post_hooks)
     # apply may edit the list it gets; post-hooks must see the inputs unchanged.
-    outputs = node.apply(list(grads) if has_post_hooks else grads)
+    outputs = node.apply(list(grads) if had_post_hooks else grads)
     if type(outputs) is not list:
         if not isinstance(outputs, (tuple, list)):
             raise TypeError(f"Function {node_name(node)}.apply must return a tuple or list of "
@@ -90,9 +128,10 @@ def call_function(graph_task, node, grads, next_edges=None):
         outputs = list(outputs)
     validate_outputs(next_edges, outputs,
                      lambda message: f"Function {node_name(node)} returned an {message}")
-    if has_post_hooks:
+    post_hooks = node._post_hooks if had_post_hooks else None
+    if post_hooks:
         grad_outputs = tuple(grads)
-        for _, hook in list(node._post_hooks):
+        for _, hook in list(post_hooks):
             result = hook(tuple(outputs), grad_outputs)
             if result is not None:
                 outputs = _apply_hook_results(node, hook, outputs, result)

@@ -531,7 +531,8 @@ class GradientFreeNodeBase(NodeBase):
 # - otherwise (the user assigned ``.grad``, or ``create_graph``): add out of
 #   place and store the sum.
 #
-# Then the leaf's post-accumulate-grad hooks run, ``fn(variable)``. ``.grad``
+# Then the leaf's post-accumulate-grad hooks run, ``fn(variable)`` (See Note
+# [Post-accumulate-grad hooks]). ``.grad``
 # changes in one step, so after a backward that failed, each leaf's gradient
 # is either as it was or holds that backward's full contribution (a leaf's
 # AccumulateGrad runs once per backward, after all of its gradient arrived).
@@ -622,28 +623,59 @@ class AccumulateGradBase(NodeBase):
 
     def apply(self, grads):
         new_grad = grads[0]
-        if new_grad is None:
-            return ()
-        grads[0] = None
         variable = self.variable
         leaf_state = self.leaf_state
-        create_graph = state.is_grad_enabled()
-        with leaf_state.lock:
-            old_grad = variable.grad
-            if old_grad is None:
-                if create_graph or not _can_steal(new_grad):
-                    new_grad = backend_of(new_grad).copy(new_grad)
-                variable.grad = new_grad
-            elif old_grad is leaf_state.owned_grad() and not create_graph:
-                variable.grad = backend_of(old_grad).add_(old_grad, new_grad)
-            else:
-                variable.grad = backend_of(old_grad).add(old_grad, new_grad)
-            leaf_state.set_owned_grad(None if create_graph else variable.grad)
+        if new_grad is not None:
+            grads[0] = None
+            create_graph = state.is_grad_enabled()
+            with leaf_state.lock:
+                old_grad = variable.grad
+                if old_grad is None:
+                    # See Note [Stealing with post hooks].
+                    if create_graph or not _can_steal(new_grad, 1 if self._post_hooks else 0):
+                        new_grad = backend_of(new_grad).copy(new_grad)
+                    variable.grad = new_grad
+                elif old_grad is leaf_state.owned_grad() and not create_graph:
+                    variable.grad = backend_of(old_grad).add_(old_grad, new_grad)
+                else:
+                    variable.grad = backend_of(old_grad).add(old_grad, new_grad)
+                leaf_state.set_owned_grad(None if create_graph else variable.grad)
         hooks = leaf_state.post_accumulate_grad_hooks
         if hooks:
-            for _, hook in list(hooks):
-                hook(variable)
+            call_post_accumulate_grad_hooks(variable, hooks)
         return ()
+
+
+# Note [Post-accumulate-grad hooks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# As in PyTorch 2.13, an AccumulateGrad that runs calls its leaf's
+# post-accumulate-grad hooks whether or not a gradient arrived (a node
+# returned None for the leaf): ``.grad`` is then as it was, maybe None. The
+# hooks are read when the accumulation is done and copied before the first
+# runs, so a hook that removes a later one does not stop it this time. A
+# hook must return None: as PyTorch's ``_call_hooks``, a hook that returns
+# anything else than None or its argument hands that value to the next
+# hook; a value of another type than the leaf's is a TypeError at once,
+# and once every hook ran, a returned value is a RuntimeError.
+
+
+def call_post_accumulate_grad_hooks(variable, hooks):
+    """Run ``hooks`` (a leaf's ``(handle_id, fn)`` list) on ``variable``.
+    See Note [Post-accumulate-grad hooks]. Shared by both cores."""
+    argument = variable
+    returned = False
+    for _, hook in list(hooks):
+        result = hook(argument)
+        if result is None or result is argument:
+            continue
+        if not isinstance(result, type(variable)):
+            raise TypeError(f"expected {type(variable).__name__}, but post accumulate grad hook "
+                            f"'{getattr(hook, '__name__', repr(hook))}' returned "
+                            f"'{type(result).__name__}'")
+        argument = result
+        returned = True
+    if returned:
+        raise RuntimeError("Tensor post accumulate grad hooks should return None.")
 
 
 # The references to an array that only AccumulateGradBase.apply holds, seen
@@ -651,11 +683,24 @@ class AccumulateGradBase(NodeBase):
 _STEALABLE_REFCOUNT = 3
 
 
-def _can_steal(value) -> bool:
+# Note [Stealing with post hooks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# When the AccumulateGrad node has post hooks, the engine's call_function
+# keeps the node's inputs for them (their ``grad_outputs``), one more
+# reference to the incoming gradient. As PyTorch (``1 + !post_hooks().empty()``
+# expected references in accumulate_grad.cpp), that reference does not stop
+# the gradient from becoming ``.grad``: the post hooks then see ``.grad``
+# itself as their ``grad_outputs``, in PyTorch as here, including what a
+# backward nested in one of them adds into it in place.
+
+
+def _can_steal(value, extra_references=0) -> bool:
     """Whether nothing outside the engine can see ``value``, so that it may
-    become ``.grad`` without a copy."""
+    become ``.grad`` without a copy; ``extra_references``: the engine's own
+    other references (See Note [Stealing with post hooks])."""
     # Cheapest test first: a gradient someone else holds fails on the count.
-    if type(value) is not np.ndarray or sys.getrefcount(value) > _STEALABLE_REFCOUNT:
+    if (type(value) is not np.ndarray
+            or sys.getrefcount(value) > _STEALABLE_REFCOUNT + extra_references):
         return False
     flags = value.flags
     return value.base is None and flags.owndata and flags.writeable

@@ -14,7 +14,8 @@ def validate_outputs(edges, grads, format_error):
     """Check and fix ``grads`` (a list, edited in place) against ``edges``.
 
     For each gradient that flows along an edge into a slot with metadata:
-    reduce a broadcast shape with ``sum_to``, cast to the slot's dtype,
+    reduce a broadcast shape with ``sum_to``, cast to the slot's dtype (as
+    PyTorch: any real gradient to a real slot, a floating one to any slot),
     move a 0-d value to the slot's device; any other mismatch raises with
     ``format_error(message)``, naming the index, expected and got.
     """
@@ -47,15 +48,15 @@ def validate_gradient(i, grad, metadata, format_error):
                 f"compatible with {metadata.shape}"))
         grad = backend.sum_to(grad, metadata.shape)
     dtype = backend.dtype(grad)
-    kind = backend.dtype_kind(dtype)
-    if kind not in ("f", "c"):
-        raise RuntimeError(format_error(
-            f"invalid gradient at index {i} - expected dtype {metadata.dtype} but got {dtype} "
-            "(gradients must be floating point or complex)"))
     if dtype != metadata.dtype:
-        if (kind == "c") != (backend.dtype_kind(metadata.dtype) == "c"):
+        # PyTorch's rule: a floating gradient casts to any slot; another one
+        # (integer, bool, complex) only to a slot that is complex as it is.
+        kind = backend.dtype_kind(dtype)
+        if kind != "f" and (kind == "c") != (backend.dtype_kind(metadata.dtype) == "c"):
             raise RuntimeError(format_error(
-                f"invalid gradient at index {i} - expected dtype {metadata.dtype} but got {dtype}"))
+                f"invalid gradient at index {i} - expected dtype {metadata.dtype} but got {dtype} "
+                f"(a {'complex' if kind == 'c' else 'real'} gradient casts only to a "
+                f"{'complex' if kind == 'c' else 'real'} dtype)"))
         grad = backend.cast(grad, metadata.dtype)
     device = backend.device(grad)
     if device != metadata.device:
