@@ -341,6 +341,10 @@ class Value:
         self.grad = 0.0
         self.kids = ()
 
+    def __hash__(self):
+        # The same set order in both child processes (not the id's).
+        return self.index
+
     def back(self):
         self.graph.back(self)
 
@@ -384,8 +388,13 @@ class OwnerGraph:
             members = [self.values[k % len(self.values)] for k in value_spec["kids"]]
             value.kids = self.collection(value_spec["kind"], members)
 
-    def apply_mutation(self, mutation):
+    def apply_mutation(self, mutation, at=None):
         target = self.values[mutation["value"] % len(self.values)]
+        if mutation.get("parent") and at is not None:
+            # A collection that holds ``at``: the one the walk may be iterating now.
+            target = next((value for value in self.values
+                           if isinstance(value.kids, (tuple, list, set, dict)) and at in value.kids),
+                          target)
         other = self.values[mutation["other"] % len(self.values)]
         kids = target.kids
         op = mutation["op"]
@@ -415,7 +424,7 @@ class OwnerGraph:
     def during_walk(self, value):
         mutation = self.spec.get("walk_mutation")
         if mutation and value.index == mutation["at"] % len(self.values):
-            self.apply_mutation(mutation)
+            self.apply_mutation(mutation, value)
 
     def back(self, value):
         for kid in self.kids_of(value):

@@ -182,27 +182,36 @@ def misuse(draw):
 @st.composite
 def owner_program(draw):
     """An owner graph: values whose ``children`` collections point at earlier
-    values (or anywhere, making cycles), of any kind, maybe changing."""
+    values. Clean (tuples and lists, exact gradients), odd (collections of
+    any kind pointing anywhere, cycles included, missing attributes), or
+    changing (sets, lists and dicts that a property read by the walk, or a
+    method run by it, changes: most often the collection the walk is
+    iterating)."""
     n = draw(st.integers(1, 6))
-    odd = draw(st.booleans())
+    mode = draw(st.sampled_from(["clean", "odd", "changing", "changing"]))
     values = []
     for i in range(n):
-        if odd:
+        if mode == "odd":
             kids = draw(st.lists(st.integers(0, n - 1), max_size=3))
-            kind = draw(st.sampled_from(["tuple", "list", "set", "dict", "none", "int", "str", "objects"]))
+            kind = draw(st.sampled_from(["tuple", "list", "set", "dict", "none", "int", "str",
+                                         "objects"]))
         else:
             kids = draw(st.lists(st.integers(0, i - 1), max_size=3)) if i else []
-            kind = draw(st.sampled_from(["tuple", "list"]))
+            kinds = ["tuple", "list"] if mode == "clean" else ["set", "set", "list", "dict", "tuple"]
+            kind = draw(st.sampled_from(kinds))
         values.append({"kids": kids, "kind": kind})
+    ops = (["add", "remove", "clear", "rebind", "raise"] if mode == "odd"
+           else ["add", "add", "remove", "clear", "rebind"])
     mutation = st.fixed_dictionaries({
         "at": st.integers(0, n - 1), "value": st.integers(0, n - 1), "other": st.integers(0, n - 1),
-        "op": st.sampled_from(["add", "remove", "clear", "rebind", "raise"])})
+        "op": st.sampled_from(ops), "parent": st.sampled_from([True, True, False])})
     program = {"kind": "owner", "values": values, "w": draw(st.sampled_from(WEIGHTS)),
                "children": "kids", "method": "back"}
-    if odd:
+    if mode == "odd":
         program["children"] = draw(st.sampled_from(["kids", "pkids", "kids", "missing"]))
         program["method"] = draw(st.sampled_from(["back", "back", "missing", "index"]))
-        if draw(st.booleans()):
+    if mode != "clean":
+        if mode == "changing" or draw(st.booleans()):
             program["children"] = "pkids"
             program["walk_mutation"] = draw(mutation)
         if draw(st.booleans()):

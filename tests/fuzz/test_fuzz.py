@@ -20,9 +20,9 @@ per core (``PYENGINE_PURE=0`` and ``1``), at once. The oracles:
 - after every program, a reference backward on a fresh graph gives its
   exact gradient, with global state restored and no thread left behind.
 
-Budget: ``PYENGINE_FUZZ_EXAMPLES`` batches (default 12, about 30 s on two
-cores), derandomized so that CI is reproducible; ``PYENGINE_FUZZ_SEED``
-picks another fixed sequence, ``PYENGINE_FUZZ_SHRINK=1`` lets hypothesis
+Budget: ``PYENGINE_FUZZ_EXAMPLES`` batches (default 20: 400 programs per
+core, about a minute on two cores), derandomized so that CI is
+reproducible; ``PYENGINE_FUZZ_SEED`` picks another fixed sequence, ``PYENGINE_FUZZ_SHRINK=1`` lets hypothesis
 shrink a failing batch (slow: each step starts two interpreters).
 
 Selection: the main runs (``pytest``, ``PYENGINE_PURE=1 pytest``) leave
@@ -50,7 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 INTERPRETER = os.path.join(HERE, "fuzz_interpreter.py")
 CORES = ("compiled", "pure")
 PROGRAM_TIMEOUT = 20.0
-EXAMPLES = int(os.environ.get("PYENGINE_FUZZ_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("PYENGINE_FUZZ_EXAMPLES", "20"))
 SHRINK = os.environ.get("PYENGINE_FUZZ_SHRINK", "") not in ("", "0")
 
 
@@ -96,9 +96,27 @@ def finish(process, programs):
 
 
 def run_batch(programs):
-    """Both cores on ``programs`` at once: ``{core: (results, code, stderr)}``."""
+    """Both cores on ``programs`` at once: ``{core: (results by index, crashes)}``,
+    a crash being ``(index, return code or None for a timeout, stderr)``.
+    After a crash, a new child runs the rest of the batch (at most 5 times)."""
     processes = {core: start(core, programs) for core in CORES}
-    return {core: finish(process, programs) for core, process in processes.items()}
+    outcome = {}
+    for core, process in processes.items():
+        results, code, stderr = finish(process, programs)
+        crashes, offset = [], 0
+        while True:
+            missing = [i for i in range(offset, len(programs)) if i not in results]
+            if not missing and code == 0:
+                break
+            index = missing[0] if missing else len(programs) - 1
+            crashes.append((index, code, stderr))
+            offset = index + 1
+            if offset >= len(programs) or len(crashes) > 5:
+                break
+            rest, code, stderr = finish(start(core, programs[offset:]), programs[offset:])
+            results.update({offset + i: result for i, result in rest.items()})
+        outcome[core] = (results, crashes)
+    return outcome
 
 
 def close(a, b):
@@ -130,10 +148,7 @@ def describe_crash(core, program, index, code, stderr):
 def problems_of(programs, outcome):
     problems = []
     for core in CORES:
-        results, code, stderr = outcome[core]
-        missing = [i for i in range(len(programs)) if i not in results]
-        if missing or code != 0:
-            index = missing[0] if missing else len(programs) - 1
+        for index, code, stderr in outcome[core][1]:
             problems.append(describe_crash(core, programs[index], index, code, stderr))
     for i, program in enumerate(programs):
         if any(i not in outcome[core][0] for core in CORES):
@@ -191,7 +206,5 @@ def test_the_oracles_can_fail():
     wrong = dict(program, nodes=[dict(program["nodes"][0], w=[[3.0]])])
     assert fuzz_programs.analytic(wrong)["grads"] == [[3.0, 3.0]]
     assert problems_of([wrong], outcome), "a wrong exact gradient went unnoticed"
-    broken = dict(outcome)
-    results, code, stderr = broken["pure"]
-    broken["pure"] = ({}, -11, stderr)
+    broken = dict(outcome, pure=({}, [(0, -11, "")]))
     assert any("exited with -11" in problem for problem in problems_of([program], broken))
