@@ -42,11 +42,15 @@ import sys
 import pytest
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
-import fuzz_programs
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The child processes run fuzz_interpreter.py as a script from this folder;
+# the parent imports the programs from here too.
+sys.path.insert(0, HERE)
+
+import fuzz_programs  # noqa: E402
 
 pytestmark = pytest.mark.fuzz
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 INTERPRETER = os.path.join(HERE, "fuzz_interpreter.py")
 CORES = ("compiled", "pure")
 PROGRAM_TIMEOUT = 20.0

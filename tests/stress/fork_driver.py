@@ -3,8 +3,8 @@
 ``python fork_driver.py --forks N --child-timeout S`` starts threads that run
 backward without pause (a shared retained graph across the fake devices'
 worker threads, fresh graphs with new leaves, ``grad()`` captures), then
-forks N times. Each child runs a backward on a fresh cross-device graph and
-on the shared graph, checks the exact gradients and exits. A child that does
+forks N times. Each child runs backward twice on a fresh cross-device graph
+and ``grad()`` on another, checks the exact gradients and exits. A child that does
 not exit within ``S`` seconds is a hang: ``faulthandler``, armed in the
 child before anything else runs there (the first ``after_in_child`` hook),
 writes the stacks of its threads to a file, which the driver prints. The
@@ -92,15 +92,14 @@ def backward(root, retain=False):
                                           retain, False, True)
 
 
-def child_work(shared_x, shared_root):
+def child_work():
+    # Fresh graphs only: a graph that a thread of the parent was running at
+    # the fork may have been left half-done (See Note [Locks after fork]).
     x, root = chain()
+    backward(root, retain=True)
     backward(root)
-    if not (host(x.grad) == 30.0).all():
+    if not (host(x.grad) == 60.0).all():
         return 3
-    before = host(shared_x.grad).copy()
-    backward(shared_root, retain=True)
-    if not (host(shared_x.grad) - before == 30.0).all():
-        return 4
     x = Leaf(np.ones(3))
     (grad,) = pyengine.grad([pyengine.Edge(Scale(pyengine.gradient_edge(x), CPU, 7.0, CPU), 0)],
                             [x], [np.ones(3)])
@@ -160,7 +159,7 @@ def main(argv=None):
         pid = os.fork()
         if pid == 0:
             try:
-                code = child_work(shared_x, shared_root)
+                code = child_work()
             except BaseException:
                 import traceback
                 traceback.print_exc()

@@ -3,7 +3,8 @@
 ``fork_driver.py`` forks 300 times while three threads run backward on the
 core under test (a shared retained graph across the fake devices' worker
 threads, fresh graphs with new leaves, ``grad()``); each child runs three
-backward calls with exact gradients (30 = 2 * 3 * 5, and 7) and exits. The
+backward calls on fresh graphs with exact gradients (2 * 30, 30 = 2 * 3 * 5
+across the CPU and two fake devices; and 7) and exits. The
 oracle: every child exits 0 within its timeout; a child that hangs dumps its
 stacks (faulthandler, armed before anything else runs in the child), and the
 test shows them. Before Note [Locks after fork] (``pyengine/node.py``), about
