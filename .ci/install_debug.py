@@ -52,13 +52,31 @@ print("debug build:", pyengine.__file__, "traces", ", ".join(traced))
 """
 
 
+def copy_sources(destination):
+    """The checkout's files but its build outputs: in a git checkout, the files
+    git tracks or would (not the ignored ones: build outputs, environments)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                                cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(ROOT, destination, ignore=shutil.ignore_patterns(
+            ".git", ".tox", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis", "*.so",
+            "*.cpp", "*.pyd"))
+        return
+    for name in listed.decode().split("\0"):
+        path = os.path.join(ROOT, name)
+        if not name or not os.path.isfile(path):
+            continue  # a file deleted in the work tree, or a submodule
+        target = os.path.join(destination, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(path, target)
+
+
 def main(argv):
     extras = f"[{argv[0]}]" if argv else ""
     with tempfile.TemporaryDirectory(prefix="pyengine-debug-") as scratch:
         source = os.path.join(scratch, "src")
-        shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-            ".git", ".tox", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis", "*.so",
-            "*.cpp", "*.pyd"))
+        copy_sources(source)
         env = dict(os.environ, PYENGINE_DEBUG="1")
         # pip builds a local project each time it installs it; the check
         # below fails if an optimized pyengine was left in place instead.
