@@ -20,6 +20,7 @@ streams and the log are guarded by one lock; launched work runs outside it.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -131,9 +132,16 @@ class FakeRuntime(streams.DeviceRuntime):
         with self.lock:
             return list(self._default_streams)
 
+    def _reset_after_fork(self):
+        # A device worker of the parent may have held the lock at the fork.
+        # See Note [Locks after fork] in pyengine/node.py.
+        self.lock = threading.Lock()
+
 
 RUNTIME = FakeRuntime()
 streams.register_device_runtime("fake", RUNTIME)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=RUNTIME._reset_after_fork)
 
 
 class set_delayed:

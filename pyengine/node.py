@@ -28,6 +28,7 @@ backward calls share a retained graph; a node that mutates its own state in
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import weakref
 
@@ -242,6 +243,8 @@ class AccumulateGrad(AccumulateGradBase, Node):
         return "AccumulateGrad"
 
 
+# Guards the first LeafState of each variable. Replaced in a forked child:
+# See Note [Locks after fork].
 _leaf_state_lock = threading.Lock()
 
 
@@ -254,3 +257,26 @@ def leaf_state(variable) -> LeafState:
             if state is None:
                 state = variable._pyengine_leaf = LeafState()
     return state
+
+
+# Note [Locks after fork]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A forked child has only the thread that called fork. A lock that another
+# thread of the parent held at that moment is held forever in the child, and
+# the child's first backward that takes it hangs (once in a few hundred forks
+# while other threads run backward: tests/stress/test_fork.py). Every
+# process-wide lock that a backward may take is therefore replaced by a new,
+# free one in the child, by an ``after_in_child`` hook next to it, as the
+# engine replaces its pool and device threads (``Engine._reset_after_fork``).
+# Per-object locks (a leaf's ``LeafState.lock``, a graph task's) are not: a
+# graph that another thread was running at the fork is that thread's, and the
+# child cannot know what it left half-done.
+
+
+def _reset_leaf_state_lock_after_fork():
+    global _leaf_state_lock
+    _leaf_state_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_leaf_state_lock_after_fork)

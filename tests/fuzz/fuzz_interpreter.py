@@ -1,0 +1,543 @@
+"""The fuzz's child process: runs a batch of programs on one pyengine core.
+
+``python fuzz_interpreter.py`` reads a JSON list of programs (see
+``fuzz_programs.py`` for their form) on stdin and prints one JSON line per
+program: ``{"i": index, "exc": exception type name or None, "stage": where
+it was raised, "grads": the leaves' gradients, "captured": what grad()
+returned, "owner": an owner graph's gradients, "check": "ok" or what the
+reference backward after the program found wrong}``. The reference backward
+runs a fresh small graph after every program: the engine must still give the
+right gradient, leave grad mode and anomaly mode as they were, and leave no
+thread behind.
+
+A program that runs longer than ``PYENGINE_FUZZ_PROGRAM_TIMEOUT`` seconds
+(default 20) is a hang: faulthandler prints every thread's stack on stderr
+and the process exits with status 1, so the parent sees a missing line.
+``PYENGINE_FUZZ_EXPECT`` (``compiled`` or ``pure``) names the core this
+process must have imported.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import json
+import os
+import sys
+import threading
+
+import numpy as np
+
+import pyengine
+
+SHAPE = (2,)
+
+
+class FuzzError(Exception):
+    """What a node or hook that is told to raise raises."""
+
+
+class Leaf:
+    """A tensor with the protocol ``backward`` and ``grad`` read."""
+
+    def __init__(self, data):
+        self.data = np.asarray(data, dtype=np.float64)
+        self.grad = None
+        self.grad_fn = None
+        self.output_nr = 0
+        self.requires_grad = True
+
+
+class FuzzNode(pyengine.Node):
+    """A node whose ``apply`` and ``release_variables`` do what its program says."""
+
+    def __init__(self, program, index, next_edges, input_metadata):
+        super().__init__(next_edges=next_edges, input_metadata=input_metadata)
+        self.program = program
+        self.index = index
+
+    def apply(self, grads):
+        return self.program.apply(self, grads)
+
+    def release_variables(self):
+        super().release_variables()
+        self.program.release(self)
+
+
+def _linear(weights, grads):
+    """``out[j] = sum_k weights[j][k] * grads[k]``, a missing gradient as 0."""
+    outs = []
+    for row in weights:
+        total = np.zeros(SHAPE)
+        for k, weight in enumerate(row):
+            if k < len(grads) and grads[k] is not None:
+                total = total + weight * np.asarray(grads[k], dtype=np.float64)
+        outs.append(total)
+    return outs
+
+
+def _generator(values):
+    yield from values
+
+
+def odd_return(action, values):
+    """``values`` (a list of arrays) changed as ``action`` says; None for an
+    action that is not about the returned value."""
+    if action == "none":
+        return None
+    if action == "nones":
+        return [None] * len(values)
+    if action == "more":
+        return list(values) + [np.ones(SHAPE)]
+    if action == "fewer":
+        return list(values)[:-1]
+    if action == "shape":
+        return [np.ones((3,)) for _ in values]
+    if action == "f32":
+        return [np.asarray(v, dtype=np.float32) for v in values]
+    if action == "i64":
+        return [np.ones(SHAPE, dtype=np.int64) for _ in values]
+    if action == "scalar":
+        return [1.0 for _ in values]
+    if action == "str":
+        return ["x" for _ in values]
+    if action == "bare_str":
+        return "xy"
+    if action == "int":
+        return 3
+    if action == "tuple":
+        return tuple(values)
+    if action == "generator":
+        return _generator(values)
+    if action == "nan":
+        return [np.full(SHAPE, np.nan) for _ in values]
+    return None
+
+
+class Program:
+    """One program's objects: leaves, nodes, hook handles."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.leaves = [Leaf(np.arange(1.0, 3.0) * (i + 1)) for i in range(spec["leaves"])]
+        self.nodes = []
+        self.handles = []
+        self.stage = "build"
+
+    # -- values a program names --
+
+    def target(self, spec):
+        kind = spec[0]
+        if kind == "node":
+            return self.nodes[spec[1] % len(self.nodes)] if self.nodes else object()
+        if kind == "leaf":
+            return pyengine.grad_accumulator(self.leaves[spec[1] % len(self.leaves)])
+        if kind == "none":
+            return None
+        return object()
+
+    def input_nr(self, spec):
+        kind = spec[0]
+        if kind == "int":
+            return spec[1]
+        if kind == "str":
+            return str(spec[1])
+        if kind == "float":
+            return float(spec[1])
+        if kind == "bool":
+            return bool(spec[1])
+        if kind == "np":
+            return np.int64(spec[1])
+        return None
+
+    def edge(self, spec):
+        if spec is None:
+            return None
+        if spec == "object":
+            return object()
+        return pyengine.Edge(self.target(spec["to"]), self.input_nr(spec["nr"]))
+
+    def odd_field_value(self, node, field, name):
+        edges = node._next_edges if isinstance(node, pyengine.Node) else ()
+        leaf_edge = pyengine.gradient_edge(self.leaves[0])
+        if field == "_next_edges":
+            return {"tuple_object": (object(),), "list": list(edges), "none": None,
+                    "tuple_str": ("x",), "tuple_none": (None,), "empty": (),
+                    "leaf": (leaf_edge,), "doubled": tuple(edges) * 2,
+                    "self": (pyengine.Edge(node, 0),)}.get(name, None)
+        return {"none": None, "tuple": tuple(node._input_metadata), "list_object": [object()],
+                "list_spec": [(SHAPE, np.float64)], "list_none": [None], "empty": [],
+                "wrong_shape": [pyengine.InputMetadata((3,), np.float64)],
+                "f32": [pyengine.InputMetadata(SHAPE, np.float32)]}.get(name, None)
+
+    # -- graph mutations (from hooks, apply, release_variables, or up front) --
+
+    def mutate(self, node, action):
+        """Change the graph as ``action`` says; True if it was a mutation."""
+        if not isinstance(node, pyengine.Node):
+            return False
+        if action == "shorten":
+            node.next_edges = tuple(node.next_edges)[:-1]
+        elif action == "extend":
+            node.next_edges = tuple(node.next_edges) + (pyengine.gradient_edge(self.leaves[0]),)
+        elif action == "cycle":
+            node.next_edges = (pyengine.Edge(self.nodes[-1], 0),) + tuple(node.next_edges)[1:]
+        elif action == "private_edges":
+            node._next_edges = (object(),)
+        elif action == "private_meta":
+            node._input_metadata = [object()]
+        elif action == "clear_meta":
+            node._input_metadata = []
+        elif action == "remove_hooks":
+            for handle in self.handles:
+                handle.remove()
+        elif action == "raise":
+            raise FuzzError(f"{action} in node {getattr(node, 'index', '?')}")
+        else:
+            return False
+        return True
+
+    # -- what nodes do --
+
+    def apply(self, node, grads):
+        spec = self.spec["nodes"][node.index]
+        action = spec["apply"]
+        if action == "raise":
+            raise FuzzError(f"apply of node {node.index}")
+        self.mutate(node, action)
+        values = _linear(spec["w"], list(grads))
+        odd = odd_return(action, values)
+        return values if odd is None and action not in ("none",) else odd
+
+    def release(self, node):
+        action = self.spec["nodes"][node.index].get("release")
+        if action:
+            self.mutate(node, action)
+
+    def hook(self, hook_spec, node, value, kind):
+        action = hook_spec["action"]
+        if action == "none":
+            return None
+        if hook_spec.get("node") is not None and self.nodes:
+            node = self.nodes[hook_spec["node"] % len(self.nodes)]
+        if self.mutate(node, action):
+            return None
+        if kind in ("tensor", "post_acc"):
+            if kind == "post_acc":
+                return {"scale": 1, "str": "x"}.get(action)  # a post-accumulate hook returns nothing
+            if action == "scale":
+                return value * 2.0
+            odd = odd_return(action, [value])
+            if isinstance(odd, list):
+                return odd[0] if odd else None
+            return odd
+        values = [None if v is None else np.asarray(v) for v in value]
+        if action == "scale":
+            return [None if v is None else v * 2.0 for v in values]
+        return odd_return(action, [v if v is not None else np.zeros(SHAPE) for v in values])
+
+    # -- building and running --
+
+    def build(self):
+        for index, node_spec in enumerate(self.spec["nodes"]):
+            edges = [self.edge(edge) for edge in node_spec["edges"]]
+            metadata = [(SHAPE, np.float64) if has else None for has in node_spec["meta"]]
+            self.nodes.append(FuzzNode(self, index, edges, metadata))
+        self.stage = "hooks"
+        for hook_spec in self.spec.get("hooks", ()):
+            self.add_hook(hook_spec)
+        self.stage = "mutations"
+        for mutation in self.spec.get("mutations", ()):
+            node = self.nodes[mutation["node"] % len(self.nodes)]
+            if mutation["op"] == "set_next_edges":
+                node.next_edges = tuple(self.edge(edge) for edge in mutation["edges"])
+            elif mutation["op"] == "private":
+                setattr(node, mutation["field"],
+                        self.odd_field_value(node, mutation["field"], mutation["value"]))
+
+    def add_hook(self, hook_spec):
+        kind = hook_spec["kind"]
+        node = self.nodes[hook_spec["target"] % len(self.nodes)]
+        leaf = self.leaves[hook_spec["target"] % len(self.leaves)]
+        if kind == "pre":
+            handle = node.register_prehook(lambda grads: self.hook(hook_spec, node, grads, "pre"))
+        elif kind == "post":
+            handle = node.register_hook(
+                lambda grad_inputs, grad_outputs: self.hook(hook_spec, node, grad_inputs, "post"))
+        elif kind == "tensor_pre":
+            handle = node.register_tensor_prehook(
+                hook_spec.get("slot", 0), lambda grad: self.hook(hook_spec, node, grad, "tensor"))
+        elif kind == "leaf_tensor":
+            handle = pyengine.register_tensor_hook(
+                leaf, lambda grad: self.hook(hook_spec, node, grad, "tensor"))
+        elif kind == "post_acc":
+            handle = pyengine.register_post_accumulate_grad_hook(
+                leaf, lambda tensor: self.hook(hook_spec, node, tensor, "post_acc"))
+        else:
+            return
+        self.handles.append(handle)
+
+    def root_grad(self, spec):
+        kind = spec[0]
+        if kind == "ok":
+            return np.asarray(spec[1], dtype=np.float64)
+        if kind == "shape":
+            return np.ones((3,))
+        if kind == "f32":
+            return np.ones(SHAPE, dtype=np.float32)
+        if kind == "i64":
+            return np.ones(SHAPE, dtype=np.int64)
+        if kind == "str":
+            return "x"
+        if kind == "scalar":
+            return 1.0
+        return None
+
+    def roots(self, call):
+        return [self.edge(root) for root in call["roots"]]
+
+    def run(self):
+        self.build()
+        call = self.spec["call"]
+        api = call["api"]
+        captured = None
+        for repeat in range(call.get("repeat", 1)):
+            self.stage = f"call{repeat}"
+            retain = call.get("retain", False) or repeat + 1 < call.get("repeat", 1)
+            roots = self.roots(call)
+            grads = [self.root_grad(spec) for spec in call["grads"]]
+            if api == "backward":
+                pyengine.backward(roots, grads, retain_graph=retain)
+            elif api == "grad":
+                inputs = [self.leaves[i % len(self.leaves)] for i in call["inputs"]]
+                captured = pyengine.grad(roots, inputs, grads, retain_graph=retain,
+                                         allow_unused=True)
+            else:
+                outputs = call.get("outputs")
+                if isinstance(outputs, list):
+                    outputs = [self.edge(edge) for edge in outputs]
+                elif outputs == "str":
+                    outputs = "ab"
+                elif outputs == "int":
+                    outputs = 5
+                engine = pyengine.get_default_engine()
+                if call.get("roots_kind") == "empty":
+                    roots = []
+                elif call.get("roots_kind") == "generator":
+                    roots = _generator(roots)
+                captured = engine.execute(roots, grads, retain, False, call.get("accumulate", True),
+                                          outputs)
+        return captured
+
+
+# -- owner graphs --
+
+class Value:
+    """A value of a framework's own graph (micrograd's Value, roughly)."""
+
+    def __init__(self, graph, index):
+        self.graph = graph
+        self.index = index
+        self.grad = 0.0
+        self.kids = ()
+
+    def __hash__(self):
+        # The same set order in both child processes (not the id's).
+        return self.index
+
+    def back(self):
+        self.graph.back(self)
+
+    @property
+    def pkids(self):
+        # Read by the walk: runs the program's mutation first.
+        self.graph.during_walk(self)
+        return self.kids
+
+    def __repr__(self):
+        return f"V{self.index}"
+
+
+class OwnerGraph:
+    def __init__(self, spec):
+        self.spec = spec
+        self.values = [Value(self, i) for i in range(len(spec["values"]))]
+        self.mutated = False
+
+    def collection(self, kind, members):
+        if kind == "tuple":
+            return tuple(members)
+        if kind == "list":
+            return list(members)
+        if kind == "set":
+            return set(members)
+        if kind == "dict":
+            return dict.fromkeys(members)
+        if kind == "none":
+            return None
+        if kind == "int":
+            return 3
+        if kind == "str":
+            return "ab"
+        if kind == "objects":
+            return (object(),) + tuple(members)
+        return tuple(members)
+
+    def build(self):
+        for value, value_spec in zip(self.values, self.spec["values"]):
+            members = [self.values[k % len(self.values)] for k in value_spec["kids"]]
+            value.kids = self.collection(value_spec["kind"], members)
+
+    def apply_mutation(self, mutation, at=None):
+        target = self.values[mutation["value"] % len(self.values)]
+        if mutation.get("parent") and at is not None:
+            # A collection that holds ``at``: the one the walk may be iterating now.
+            target = next((value for value in self.values
+                           if isinstance(value.kids, (tuple, list, set, dict)) and at in value.kids),
+                          target)
+        other = self.values[mutation["other"] % len(self.values)]
+        kids = target.kids
+        op = mutation["op"]
+        if op == "add":
+            if isinstance(kids, set):
+                kids.add(Value(self, len(self.values)))
+            elif isinstance(kids, list):
+                kids.append(other)
+            elif isinstance(kids, dict):
+                kids[Value(self, len(self.values))] = None
+        elif op == "remove":
+            if isinstance(kids, (set, list, dict)) and kids:
+                if isinstance(kids, set):
+                    kids.pop()
+                elif isinstance(kids, dict):
+                    kids.pop(next(iter(kids)))
+                else:
+                    kids.pop()
+        elif op == "clear":
+            if isinstance(kids, (set, list, dict)):
+                kids.clear()
+        elif op == "rebind":
+            target.kids = (other,)
+        elif op == "raise":
+            raise FuzzError("owner graph mutation")
+
+    def during_walk(self, value):
+        mutation = self.spec.get("walk_mutation")
+        if mutation and value.index == mutation["at"] % len(self.values):
+            self.apply_mutation(mutation, value)
+
+    def back(self, value):
+        for kid in self.kids_of(value):
+            if isinstance(kid, Value):
+                kid.grad += self.spec["w"] * value.grad
+        mutation = self.spec.get("back_mutation")
+        if mutation and value.index == mutation["at"] % len(self.values):
+            self.apply_mutation(mutation)
+
+    def kids_of(self, value):
+        kids = value.kids
+        return list(kids) if isinstance(kids, (tuple, list, set, dict)) else []
+
+    def run(self):
+        self.build()
+        root = self.values[-1]
+        root.grad = 1.0
+        pyengine.execute_owner_graph(root, self.spec["children"], self.spec["method"])
+        return [value.grad for value in self.values]
+
+
+# -- the reference backward, and the loop --
+
+def _encode(value):
+    if value is None:
+        return None
+    if isinstance(value, np.ndarray):
+        if value.dtype == np.float64:
+            return [float(v) for v in value.ravel()]
+        return {"type": f"ndarray[{value.dtype}]", "value": [float(v) for v in value.ravel()]}
+    if isinstance(value, float):
+        return {"type": "float", "value": value}
+    return {"type": type(value).__name__}
+
+
+class _Scale(pyengine.Node):
+    def apply(self, grads):
+        return [grads[0] * 3.0]
+
+
+def reference_check(baseline_threads):
+    """The engine still works: a fresh graph's exact gradient, global state
+    as it was, no thread left behind."""
+    problems = []
+    if not pyengine.is_grad_enabled():
+        problems.append("grad mode left off")
+        pyengine.set_grad_enabled(True)
+    if pyengine.is_anomaly_enabled():
+        problems.append("anomaly mode left on")
+        pyengine.set_detect_anomaly(False)
+    try:
+        x = Leaf([1.0, 2.0])
+        node = _Scale([pyengine.gradient_edge(x)], [(SHAPE, np.float64)])
+        pyengine.backward([pyengine.Edge(node, 0)], [np.ones(SHAPE)])
+        if not (isinstance(x.grad, np.ndarray) and (x.grad == 3.0).all()):
+            problems.append(f"reference backward gave {x.grad!r}")
+        (captured,) = pyengine.grad([pyengine.Edge(node, 0)], [x], [np.ones(SHAPE)],
+                                    retain_graph=True)
+        if not (captured == 3.0).all():
+            problems.append(f"reference grad gave {captured!r}")
+    except BaseException as error:  # reported, never lost
+        problems.append(f"reference backward raised {type(error).__name__}: {error}")
+    threads = threading.active_count()
+    if threads > baseline_threads:
+        problems.append(f"{threads - baseline_threads} thread(s) left running")
+    return "ok" if not problems else "; ".join(problems)
+
+
+def run_one(index, spec, baseline_threads):
+    result = {"i": index, "exc": None, "stage": None, "grads": None, "captured": None,
+              "owner": None}
+    if spec.get("kind") == "owner":
+        graph = OwnerGraph(spec)
+        try:
+            result["owner"] = graph.run()
+        except Exception as error:
+            result["exc"], result["stage"] = type(error).__name__, "owner"
+            result["message"] = str(error)[:200]
+    else:
+        program = Program(spec)
+        try:
+            captured = program.run()
+            if captured is not None:
+                result["captured"] = [_encode(value) for value in captured]
+        except Exception as error:
+            result["exc"], result["stage"] = type(error).__name__, program.stage
+            result["message"] = str(error)[:200]
+        result["grads"] = [_encode(leaf.grad) for leaf in program.leaves]
+        for handle in program.handles:
+            handle.remove()
+        del program
+    gc.collect()
+    result["check"] = reference_check(baseline_threads)
+    return result
+
+
+def main():
+    expected = os.environ.get("PYENGINE_FUZZ_EXPECT")
+    if expected and pyengine.IMPLEMENTATION != expected:
+        print(f"expected the {expected} core, imported the {pyengine.IMPLEMENTATION} one",
+              file=sys.stderr)
+        return 2
+    faulthandler.enable()  # a crash prints the stack of the program that made it
+    timeout = float(os.environ.get("PYENGINE_FUZZ_PROGRAM_TIMEOUT", "20"))
+    programs = json.load(sys.stdin)
+    baseline_threads = threading.active_count()
+    for index, spec in enumerate(programs):
+        faulthandler.dump_traceback_later(timeout, exit=True)
+        result = run_one(index, spec, baseline_threads)
+        faulthandler.cancel_dump_traceback_later()
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
