@@ -15,7 +15,7 @@ from setuptools import Extension, setup
 
 DEBUG = os.environ.get("PYENGINE_DEBUG", "") not in ("", "0")
 
-COMPILED_MODULES = ["_state", "_node", "_ready_queue", "_input_buffer", "_graph_task",
+COMPILED_MODULES = ["_state", "_interrupts", "_node", "_ready_queue", "_input_buffer", "_graph_task",
                     "_validate_outputs", "_owner_graph", "_engine"]
 
 directives = {

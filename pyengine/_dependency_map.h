@@ -21,9 +21,20 @@
 #include <cstdint>
 #include <vector>
 
+#include "_table_growth.h"
+
 class pyengine_DependencyMap {
   public:
-    pyengine_DependencyMap() : slots_(16), used_(0) {}
+    pyengine_DependencyMap() : slots_(16), used_(0), moved_(0) {}
+
+    // Whether the next new entry doubles the table: a pass that must not
+    // hold the GIL that long calls grow_step until it returns true, letting
+    // other threads run between the calls (pyengine/_table_growth.h).
+    bool full() const { return 2 * (used_ + 1) > slots_.size(); }
+
+    bool grow_step() {
+        return pyengine_grow_step(slots_, larger_, moved_, place);
+    }
 
     // One edge into node delivered: 1 when that was its last, 0 when more are
     // due, -1 when node has no dependencies outstanding.
@@ -88,7 +99,7 @@ class pyengine_DependencyMap {
 
     // node's slot, made with a count of 0 when node was not in the map.
     Slot &insert(PyObject *node) {
-        if (2 * (used_ + 1) > slots_.size()) {
+        if (full()) {
             grow();
         }
         Slot &slot = find_slot(slots_, node);
@@ -121,17 +132,19 @@ class pyengine_DependencyMap {
 
     // Out of line, so that insert, on every edge's path, inlines.
     __attribute__((noinline)) void grow() {
-        std::vector<Slot> larger(slots_.size() * 2);
-        for (const Slot &slot : slots_) {
-            if (slot.node != nullptr) {
-                find_slot(larger, slot.node) = slot;
-            }
+        while (!grow_step()) {
         }
-        slots_.swap(larger);
+    }
+
+    static void place(std::vector<Slot> &slots, const Slot &slot) {
+        find_slot(slots, slot.node) = slot;
     }
 
     std::vector<Slot> slots_;  // a power of two in size
     size_t used_;
+    // A doubling in progress: See pyengine_grow_step.
+    std::vector<Slot> larger_;
+    size_t moved_;
 };
 
 

@@ -64,7 +64,7 @@ from pyengine._graph_task cimport (ExecInfoEntry, ExecInfoMap, GraphTask, NodePt
                                    running_thread_state)
 from pyengine._graph_task cimport SEARCH_NOT_SEEN, SEARCH_ON_PATH, SearchState
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
-from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
 from pyengine._owner_graph cimport run_owner_graph
@@ -1107,6 +1107,10 @@ cdef bint compute_dependencies(NodeBase graph_root, GraphTask graph_task) except
                 if edge == <PyObject*>None:
                     continue
                 next_node = <PyObject*>(<Edge>edge).node
+                if graph_task.dependencies_.full():
+                    # See pyengine/_table_growth.h.
+                    while not graph_task.dependencies_.grow_step():
+                        yield_to_other_threads()
                 state = graph_task.dependencies_.add_edge(next_node, &slot)
                 if state == SEARCH_NOT_SEEN:
                     break

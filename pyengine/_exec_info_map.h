@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "_table_growth.h"
+
 struct pyengine_ExecInfo {
     PyObject *node = nullptr;
     // An index into the graph task's list of capture lists, or -1.
@@ -34,7 +36,18 @@ struct pyengine_ExecInfo {
 class pyengine_ExecInfoMap {
   public:
     // No table until the first slot: most graph tasks never make one.
-    pyengine_ExecInfoMap() : used_(0) {}
+    pyengine_ExecInfoMap() : used_(0), moved_(0) {}
+
+    // Whether the next new slot doubles the table: as DependencyMap's.
+    bool full() const { return 2 * (used_ + 1) > slots_.size(); }
+
+    bool grow_step() {
+        if (slots_.empty()) {
+            slots_.resize(16);
+            return true;
+        }
+        return pyengine_grow_step(slots_, larger_, moved_, place);
+    }
 
     // No entry at all: every node runs.
     bool empty() const { return order_.empty(); }
@@ -66,8 +79,9 @@ class pyengine_ExecInfoMap {
     // node's slot, made empty (no entry, not seen) if absent. Valid until
     // the next call of slot() or make_entry().
     pyengine_ExecInfo &slot(PyObject *node) {
-        if (2 * (used_ + 1) > slots_.size()) {
-            grow();
+        if (full()) {
+            while (!grow_step()) {
+            }
         }
         pyengine_ExecInfo &slot = slots_[find_index(slots_, node)];
         if (slot.node == nullptr) {
@@ -109,17 +123,14 @@ class pyengine_ExecInfoMap {
         return i;
     }
 
-    void grow() {
-        std::vector<pyengine_ExecInfo> larger(slots_.empty() ? 16 : slots_.size() * 2);
-        for (const pyengine_ExecInfo &slot : slots_) {
-            if (slot.node != nullptr) {
-                larger[find_index(larger, slot.node)] = slot;
-            }
-        }
-        slots_.swap(larger);
+    static void place(std::vector<pyengine_ExecInfo> &slots, const pyengine_ExecInfo &slot) {
+        slots[find_index(slots, slot.node)] = slot;
     }
 
     std::vector<pyengine_ExecInfo> slots_;  // empty, or a power of two in size
     size_t used_;
+    // A doubling in progress: See pyengine_grow_step.
+    std::vector<pyengine_ExecInfo> larger_;
+    size_t moved_;
     std::vector<PyObject *> order_;
 };

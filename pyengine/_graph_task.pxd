@@ -23,6 +23,8 @@ cdef extern from "_dependency_map.h" nogil:
 
     cppclass DependencyMap "pyengine_DependencyMap":
         DependencyMap()
+        bint full()
+        bint grow_step()
         int remove(PyObject* node)
         size_t enter(PyObject* root)
         SearchState add_edge(PyObject* node, size_t* index)
@@ -38,6 +40,8 @@ cdef extern from "_exec_info_map.h" nogil:
         bint seen
     cppclass ExecInfoMap "pyengine_ExecInfoMap":
         ExecInfoMap()
+        bint full()
+        bint grow_step()
         bint empty()
         Py_ssize_t size()
         PyObject* entry_node(Py_ssize_t i)

@@ -12,10 +12,11 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from libc.stdint cimport int32_t
 from libcpp.mutex cimport mutex, unique_lock
+from libcpp.deque cimport deque
 from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport ExecInfoEntry, ExecInfoMap, NodePtr
-from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
 from pyengine._node cimport Edge, NodeBase
 from pyengine._ready_queue cimport ReadyQueue
@@ -65,7 +66,7 @@ cdef struct Frame:
     bint captures
 
 
-cdef int push_frame(vector[Frame]& stack, NodePtr node, const ExecInfoEntry* entry) except -1:
+cdef int push_frame(deque[Frame]& stack, NodePtr node, const ExecInfoEntry* entry) except -1:
     """Put ``node`` (alive: an owned tuple on the stack, or the caller, holds
     it) on init_to_execute's path."""
     cdef tuple edges = (<NodeBase>node)._next_edges
@@ -237,15 +238,16 @@ cdef class GraphTask:
         # Another call's traversal saw nodes this one has not.
         self.exec_info_.clear_seen()
 
-        cdef vector[Frame] stack
+        # A deque: a vector a million frames deep would copy them all, holding
+        # the GIL, each time it grew (See pyengine/_table_growth.h for the same
+        # reason at the exec_info table); and a deque keeps &stack.back() valid.
+        cdef deque[Frame] stack
         cdef Frame* frame
         cdef NodePtr child
         cdef ExecInfoEntry* child_entry
         cdef bint child_executes
         cdef PyObject* next_edge
         cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
-        # One allocation for graphs up to this deep.
-        stack.reserve(32)
         push_frame(stack, <NodePtr>root, entry)
         try:
             while not stack.empty():
@@ -258,6 +260,10 @@ cdef class GraphTask:
                     if next_edge == <PyObject*>None:
                         continue
                     child = <NodePtr>(<Edge?>next_edge).node
+                    if self.exec_info_.full():
+                        # See pyengine/_table_growth.h.
+                        while not self.exec_info_.grow_step():
+                            yield_to_other_threads()
                     child_entry = &self.exec_info_.slot(child)
                     child_executes = child_entry.needed or child_entry.captures >= 0
                     if child_entry.seen:                                   # (1)

@@ -8,13 +8,21 @@
 # with the GIL held and no bytecode boundary at which the interpreter
 # would hand the GIL to another thread or run a signal handler. So every
 # such pass counts its work and, every WORK_BETWEEN_YIELDS units (a node
-# visited, an edge followed), calls let_others_run: it releases the GIL for
-# a moment, which hands it over to any thread that asked for it (CPython
-# switches on request once a thread has waited its switch interval), and
-# then runs pending signal handlers, raising what they raise
-# (KeyboardInterrupt) out of the pass.
+# visited, an edge followed), calls let_others_run, which calls a Python
+# function that does nothing (``pyengine._bytecode_boundary``). Entering it
+# is a bytecode boundary: there the interpreter hands the GIL to a thread
+# that has asked for it (a thread asks once it has waited its switch
+# interval, 5 ms by default) and runs pending signal handlers, raising what
+# they raise (KeyboardInterrupt) out of the pass. So another thread waits
+# at most about a switch interval plus the work between two calls.
 #
-# While the GIL is released, other threads run Python code and may change
+# Releasing the GIL for a moment (``with nogil: pass``) looks like the same
+# thing and is not: the waiting thread wakes up, finds the GIL taken back
+# already, and starts its switch interval again, so it rarely gets the GIL,
+# while the pass pays for the wake-ups. benchmarks/RESULTS.md has both
+# measured (gil_stalls.py).
+#
+# While another thread holds the GIL, it runs Python code and may change
 # the graph: a pass must own a reference to everything it reads after a
 # yield (the tuples of next edges on its stack, the collections of an owner
 # graph), never borrow one. Pointers it only compares (the keys of a
@@ -23,7 +31,8 @@
 # The pure twin needs no such call: the interpreter switches threads and
 # runs signal handlers between bytecodes of its passes by itself.
 
-from cpython.exc cimport PyErr_CheckSignals
+
+cdef int yield_to_other_threads() except -1
 
 # About a millisecond of work in the fastest pass.
 cdef enum:
@@ -38,7 +47,4 @@ cdef inline int let_others_run(Py_ssize_t* work_left) except -1:
     if work_left[0] > 0:
         return 0
     work_left[0] = WORK_BETWEEN_YIELDS
-    with nogil:
-        pass
-    PyErr_CheckSignals()
-    return 0
+    return yield_to_other_threads()

@@ -13,7 +13,7 @@ from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport (SEARCH_FINISHED, SEARCH_ON_PATH, DependencyMap, GraphTask,
                                    SearchState, running_thread_state)
-from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._state cimport ThreadState, thread_state
 
 from pyengine._pure.owner_graph import cycle_error
@@ -91,6 +91,10 @@ cdef int post_order(object root, str children, list held, vector[PyObject*]& ord
                 continue
             child = arena[frame.next]
             frame.next += 1
+            if seen.full():
+                # See pyengine/_table_growth.h.
+                while not seen.grow_step():
+                    yield_to_other_threads()
             state = seen.add_edge(child, &slot)
             if state == SEARCH_ON_PATH:
                 raise cycle_error(<object>child, children)
