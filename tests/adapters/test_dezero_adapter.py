@@ -747,6 +747,29 @@ def test_post_accumulate_grad_hook_and_node_hooks():
             pyengine_dezero.register_post_accumulate_grad_hook(y, lambda v: None)
 
 
+def test_post_accumulate_grad_hooks_run_as_pytorchs():
+    """As torch 2.13 (issue 16, items 6 and 7; torch is not in this
+    environment, its message is quoted): a hook that returns a value is an
+    error once the hooks ran, and a leaf that gets no gradient still runs its
+    hooks, its .grad untouched."""
+    calls = []
+    with pyengine_dezero.installed():
+        x = Variable(np.array([1.0, 2.0]))
+        pyengine_dezero.register_post_accumulate_grad_hook(x, lambda v: calls.append("x") or v * 2.0)
+        with pytest.raises(RuntimeError, match=r"^Tensor post accumulate grad hooks should return None\.$"):
+            F.sum(x * x).backward()
+        np.testing.assert_array_equal(x.grad.data, [2.0, 4.0])
+
+        z = Variable(np.array([1.0, 2.0]))
+        pyengine_dezero.register_post_accumulate_grad_hook(z, lambda v: calls.append(v.grad))
+        # No gradient reaches z's AccumulateGrad: backward from its edge with None.
+        edge = pyengine_dezero.grad_fn(F.sum(z * 3.0)).next_edges[0]
+        accumulate = edge.node.next_edges[0]
+        pyengine.get_default_engine().execute([accumulate], [None], False, False, True, None)
+    assert calls == ["x", None]
+    assert z.grad is None
+
+
 def test_anomaly_mode_names_the_forward_call():
     class Fails(Function):
         def forward(self, x):

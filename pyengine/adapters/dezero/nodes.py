@@ -23,6 +23,7 @@ import weakref
 from dezero.core import Config
 
 from ... import _core
+from ..._pure.node import call_post_accumulate_grad_hooks
 from ...node import RELEASED_ERROR, AccumulateGrad, Edge, LeafState, Node
 from .variable_backend import _add
 
@@ -343,7 +344,8 @@ class DeZeroAccumulateGrad(AccumulateGrad):
     """The sink of a leaf Variable, with DeZero's accumulation: ``x.grad =
     gx`` when ``x.grad`` is None (the very object, no copy, as DeZero), else
     ``x.grad = x.grad + gx`` (a new Variable, recorded under
-    ``create_graph``); never in place. Then the post-accumulate-grad hooks.
+    ``create_graph``); never in place. Then the post-accumulate-grad hooks,
+    which run as AccumulateGrad's do.
     Tensor hooks on the leaf run before it (``register_hook``)."""
 
     def __init__(self, variable):
@@ -358,18 +360,18 @@ class DeZeroAccumulateGrad(AccumulateGrad):
 
     def apply(self, grads):
         new_grad = grads[0]
-        if new_grad is None:
-            return ()
-        grads[0] = None
         variable = self.variable
         state = self.leaf_state
-        with state.lock:
-            old_grad = variable.grad
-            variable.grad = new_grad if old_grad is None else _add(old_grad, new_grad)
+        if new_grad is not None:
+            grads[0] = None
+            with state.lock:
+                old_grad = variable.grad
+                variable.grad = new_grad if old_grad is None else _add(old_grad, new_grad)
+        # Also for a leaf that got no gradient, and a hook must return None,
+        # as AccumulateGrad's: See Note [Post-accumulate-grad hooks].
         hooks = state.post_accumulate_grad_hooks
         if hooks:
-            for _, hook in list(hooks):
-                hook(variable)
+            call_post_accumulate_grad_hooks(variable, hooks)
         return ()
 
 
