@@ -2,6 +2,7 @@
 
 - ``torch``: the torch module, or the test is skipped where torch is missing
   (torch is an oracle only: the same graph built in PyTorch).
+- ``engine_with_depth``: swaps in an Engine with a given max_recursion_depth.
 - ``Counter`` / ``make_logger``: nodes that count their calls or log their
   names, to check which nodes ran and in what order.
 - an autouse fixture that checks, after every test, that the global state
@@ -55,6 +56,21 @@ def no_anomaly_warning():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
         yield
+
+
+@pytest.fixture
+def engine_with_depth():
+    """Swap in an Engine with a given max_recursion_depth; restore the default."""
+    previous = []
+
+    def make(depth):
+        engine = pyengine.Engine(max_recursion_depth=depth)
+        previous.append(pyengine.set_default_engine(engine))
+        return engine
+
+    yield make
+    for engine in reversed(previous):
+        pyengine.set_default_engine(engine)
 
 
 @pytest.fixture(autouse=True)

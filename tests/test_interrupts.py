@@ -185,20 +185,6 @@ def test_ctrl_c_then_the_same_graph_again_gives_the_right_gradient(how):
 
 # -- waiting for a reentrant pool thread -----------------------------------------------
 
-@pytest.fixture
-def engine_with_depth():
-    previous = []
-
-    def make(depth):
-        engine = pyengine.Engine(max_recursion_depth=depth)
-        previous.append(pyengine.set_default_engine(engine))
-        return engine
-
-    yield make
-    for engine in reversed(previous):
-        pyengine.set_default_engine(engine)
-
-
 class Reenter(pyengine.Node):
     """A node whose apply runs a reentrant backward from ``inner`` (a CPU
     Scale node) and passes its gradient on."""

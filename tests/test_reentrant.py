@@ -55,21 +55,6 @@ class Boom(Exception):
     pass
 
 
-@pytest.fixture
-def engine_with_depth():
-    """Swap in an Engine with a given max_recursion_depth; restore the default."""
-    previous = []
-
-    def make(depth):
-        engine = pyengine.Engine(max_recursion_depth=depth)
-        previous.append(pyengine.set_default_engine(engine))
-        return engine
-
-    yield make
-    for engine in reversed(previous):
-        pyengine.set_default_engine(engine)
-
-
 # -- results -------------------------------------------------------------------------------
 
 def test_reentrant_grad_and_backward_results_are_exact():
