@@ -41,6 +41,16 @@ class pyengine_ExecInfoMap {
     // Whether the next new slot doubles the table: as DependencyMap's.
     bool full() const { return 2 * (used_ + 1) > slots_.size(); }
 
+    // Give the table's memory back (the map is empty after): as
+    // DependencyMap's.
+    void release() {
+        std::vector<pyengine_ExecInfo>().swap(slots_);
+        std::vector<pyengine_ExecInfo>().swap(larger_);
+        std::vector<PyObject *>().swap(order_);
+        used_ = 0;
+        moved_ = 0;
+    }
+
     bool grow_step() {
         if (slots_.empty()) {
             slots_.resize(16);

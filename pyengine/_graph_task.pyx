@@ -125,6 +125,11 @@ cdef class GraphTask:
 
     def __dealloc__(self):
         self.clear_not_ready()
+        # Tables of millions of slots take milliseconds to unmap: without the
+        # GIL (See Note [Long passes let other threads run]).
+        with nogil:
+            self.dependencies_.release()
+            self.exec_info_.release()
 
     cdef void clear_not_ready(self) noexcept:
         for entry in self.not_ready_:
