@@ -2,6 +2,7 @@
 
 - ``torch``: the torch module, or the test is skipped where torch is missing
   (torch is an oracle only: the same graph built in PyTorch).
+- ``signals_not_swallowed``: no gc callback may swallow a test's KeyboardInterrupt.
 - ``engine_with_depth``: swaps in an Engine with a given max_recursion_depth.
 - ``Counter`` / ``make_logger``: nodes that count their calls or log their
   names, to check which nodes ran and in what order.
@@ -12,6 +13,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import sys
 import warnings
@@ -56,6 +59,20 @@ def no_anomaly_warning():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
         yield
+
+
+@contextlib.contextmanager
+def signals_not_swallowed():
+    """No cyclic GC while a test waits for a KeyboardInterrupt: a signal
+    handler may run inside a gc callback (hypothesis installs one), and
+    CPython discards what a gc callback raises."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ Oracles:
 
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 import threading
@@ -176,6 +177,8 @@ def interrupt_after(delay):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGALRM, handler)
+    # Re-enabled by stop_interrupts: See signals_not_swallowed in conftest.
+    gc.disable()
     signal.setitimer(signal.ITIMER_REAL, delay)
     return previous
 
@@ -183,6 +186,7 @@ def interrupt_after(delay):
 def stop_interrupts(previous):
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, previous)
+    gc.enable()
 
 
 def assert_engine_works():

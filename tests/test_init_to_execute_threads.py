@@ -27,6 +27,7 @@ import traceback
 
 import numpy as np
 import pytest
+from conftest import signals_not_swallowed
 
 import pyengine
 from pyengine._core import graph_task_module
@@ -166,10 +167,11 @@ def interrupt_a_pass(root, leaf_edge):
     sender.start()
     deadline = time.monotonic() + 10
     try:
-        while time.monotonic() < deadline:
-            graph_task = graph_task_module.GraphTask(False, False, 0, None)
-            started.set()
-            graph_task.init_to_execute(root, [leaf_edge], False)
+        with signals_not_swallowed():
+            while time.monotonic() < deadline:
+                graph_task = graph_task_module.GraphTask(False, False, 0, None)
+                started.set()
+                graph_task.init_to_execute(root, [leaf_edge], False)
     except KeyboardInterrupt as interrupt:
         return interrupt
     finally:

@@ -27,6 +27,7 @@ import weakref
 
 import numpy as np
 import pytest
+from conftest import signals_not_swallowed
 
 import pyengine
 from pyengine import fake_device as fd
@@ -75,7 +76,7 @@ def expect_interrupt(how, call, label):
     """Run ``call`` and return the latency of the KeyboardInterrupt it must raise."""
     label = f"{label} ({how})"
     interrupter = Interrupter(how).start()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt), signals_not_swallowed():
         call()
     latency = interrupter.latency(time.monotonic())
     print(f"{label}: KeyboardInterrupt {latency * 1000:.1f} ms after SIGINT", file=sys.stderr)
