@@ -170,20 +170,3 @@ struct pyengine_DependencyFrame {
     Py_ssize_t next;  // the index of the next edge to follow
     size_t slot;      // node's slot index in the DependencyMap: a hint
 };
-
-// Each thread keeps the (empty) frame stack of its last search, up to
-// 2^17 frames of capacity (4 MiB), so that a deep graph's stack is neither
-// grown nor faulted in again at every backward. A search takes it and
-// gives it back when done; a search nested in it on the same thread (from
-// a signal handler) finds none and makes its own.
-inline std::vector<pyengine_DependencyFrame> &pyengine_spare_dependency_frames() {
-    static thread_local std::vector<pyengine_DependencyFrame> spare;
-    return spare;
-}
-
-inline void pyengine_keep_dependency_frames(std::vector<pyengine_DependencyFrame> &frames) {
-    frames.clear();
-    if (frames.capacity() <= (size_t{1} << 17)) {
-        pyengine_spare_dependency_frames().swap(frames);
-    }
-}

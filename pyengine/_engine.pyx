@@ -1041,8 +1041,6 @@ cdef extern from "_dependency_map.h":
         PyObject* edges
         Py_ssize_t next
         size_t slot
-    vector[DependencyFrame]& spare_dependency_frames "pyengine_spare_dependency_frames"()
-    void keep_dependency_frames "pyengine_keep_dependency_frames"(vector[DependencyFrame]& frames)
 
 cdef extern from "Python.h":
     # On the frames' borrowed pointers, without a reference per use.
@@ -1051,7 +1049,7 @@ cdef extern from "Python.h":
     void decref "Py_DECREF"(PyObject* obj)
 
 
-cdef inline bint push_dependency_frame(vector[DependencyFrame]& stack, NodeBase node, size_t slot,
+cdef inline bint push_dependency_frame(deque[DependencyFrame]& stack, NodeBase node, size_t slot,
                                        bint gradient_free) except -1:
     """Start the search below ``node`` (reached for the first time, its map
     slot at index ``slot``); returns whether the graph is still
@@ -1080,7 +1078,9 @@ cdef bint compute_dependencies(NodeBase graph_root, GraphTask graph_task) except
     threads run]). Iterative: graphs of millions of nodes, deep or wide, use
     no C stack. Returns whether every one of those nodes is a gradient-free
     CPU node (See Note [GradientFreeNode graphs])."""
-    cdef vector[DependencyFrame] stack
+    # A deque, not a vector: a vector millions of frames deep copies them all,
+    # holding the GIL for tens of milliseconds, each time it grows.
+    cdef deque[DependencyFrame] stack
     cdef DependencyFrame* frame
     cdef PyObject* edges
     cdef PyObject* edge
@@ -1090,7 +1090,6 @@ cdef bint compute_dependencies(NodeBase graph_root, GraphTask graph_task) except
     cdef size_t slot
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     cdef bint gradient_free
-    stack.swap(spare_dependency_frames())
     try:
         slot = graph_task.dependencies_.enter(<PyObject*>graph_root)
         gradient_free = push_dependency_frame(stack, graph_root, slot, True)
@@ -1142,7 +1141,6 @@ cdef bint compute_dependencies(NodeBase graph_root, GraphTask graph_task) except
             if stack.back().edges != NULL:
                 decref(stack.back().edges)
             stack.pop_back()
-        keep_dependency_frames(stack)
     return gradient_free
 
 

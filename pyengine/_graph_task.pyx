@@ -281,6 +281,8 @@ cdef class GraphTask:
                 if child != NULL:
                     push_frame(stack, child, child_entry)                  # (2)
                 else:
+                    # The way up counts as work too: a chain's whole second half.
+                    let_others_run(&work_left)
                     child_executes = frame.needed or frame.captures
                     Py_DECREF(<object>frame.edges)
                     stack.pop_back()                                       # (3)
