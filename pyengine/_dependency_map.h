@@ -33,7 +33,11 @@ class pyengine_DependencyMap {
     bool full() const { return 2 * (used_ + 1) > slots_.size(); }
 
     bool grow_step() {
-        return pyengine_grow_step(slots_, larger_, moved_, place);
+        // A lambda, not a function pointer: it inlines into the loop.
+        return pyengine_grow_step(slots_, larger_, moved_,
+                                  [](std::vector<Slot> &slots, const Slot &slot) {
+                                      find_slot(slots, slot.node) = slot;
+                                  });
     }
 
     // Give the table's memory back (the map is empty after). Touches no
@@ -144,10 +148,6 @@ class pyengine_DependencyMap {
     __attribute__((noinline)) void grow() {
         while (!grow_step()) {
         }
-    }
-
-    static void place(std::vector<Slot> &slots, const Slot &slot) {
-        find_slot(slots, slot.node) = slot;
     }
 
     std::vector<Slot> slots_;  // a power of two in size

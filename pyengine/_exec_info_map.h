@@ -56,7 +56,12 @@ class pyengine_ExecInfoMap {
             slots_.resize(16);
             return true;
         }
-        return pyengine_grow_step(slots_, larger_, moved_, place);
+        // A lambda, not a function pointer: it inlines into the loop.
+        return pyengine_grow_step(slots_, larger_, moved_,
+                                  [](std::vector<pyengine_ExecInfo> &slots,
+                                     const pyengine_ExecInfo &slot) {
+                                      slots[find_index(slots, slot.node)] = slot;
+                                  });
     }
 
     // No entry at all: every node runs.
@@ -133,9 +138,6 @@ class pyengine_ExecInfoMap {
         return i;
     }
 
-    static void place(std::vector<pyengine_ExecInfo> &slots, const pyengine_ExecInfo &slot) {
-        slots[find_index(slots, slot.node)] = slot;
-    }
 
     std::vector<pyengine_ExecInfo> slots_;  // empty, or a power of two in size
     size_t used_;
