@@ -40,7 +40,14 @@ class pyengine_DependencyMap {
                                   });
     }
 
-    // Give the table's memory back (the map is empty after). Touches no
+    // Forget every entry: the map as new.
+    void reset() {
+        release();
+        slots_.resize(16);
+    }
+
+    // Give the table's memory back: the map may then only be reset or
+    // destroyed. Touches no
     // Python object: at millions of nodes, unmapping the table takes
     // milliseconds, which GraphTask spends without the GIL.
     void release() {

@@ -1072,12 +1072,78 @@ cdef inline bint push_dependency_frame(deque[DependencyFrame]& stack, NodeBase n
 
 cdef bint compute_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
     """Count, for each node reachable from ``graph_root``, the edges into it,
-    in a depth-first search that refuses a cycle before any node runs (See
-    Note [Cycles in the backward graph] in ``pyengine/_pure/engine.py``) and
-    lets other threads run as it goes (See Note [Long passes let other
-    threads run]). Iterative: graphs of millions of nodes, deep or wide, use
-    no C stack. Returns whether every one of those nodes is a gradient-free
-    CPU node (See Note [GradientFreeNode graphs])."""
+    and refuse a cycle before any node runs: the plain count, and the
+    depth-first search only where the count cannot rule a cycle out (See
+    Note [Cycles in the backward graph] in ``pyengine/_pure/engine.py``).
+    Both let other threads run as they go (See Note [Long passes let other
+    threads run]). Returns whether every one of those nodes is a
+    gradient-free CPU node (See Note [GradientFreeNode graphs])."""
+    cdef bint gradient_free
+    if count_dependencies(graph_root, graph_task, &gradient_free):
+        return gradient_free
+    graph_task.dependencies_.reset()
+    return search_dependencies(graph_root, graph_task)
+
+
+cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task,
+                             bint* gradient_free) except -1:
+    """Count the edges into each node reachable from ``graph_root`` and set
+    ``gradient_free``, while every edge leads to a node made earlier (a
+    lower sequence_nr) or to a node without next edges: then no cycle is
+    possible. Returns False, the count unfinished, at the first edge that
+    breaks that rule. Iterative, in any order: each node once, from a
+    stack that owns its nodes."""
+    cdef vector[PyObject*] stack
+    cdef NodeBase node
+    cdef NodeBase next_node
+    cdef tuple edges
+    cdef PyObject* edge
+    cdef size_t slot
+    cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
+    gradient_free[0] = True
+    graph_task.dependencies_.enter(<PyObject*>graph_root)
+    Py_INCREF(graph_root)
+    stack.push_back(<PyObject*>graph_root)
+    try:
+        while not stack.empty():
+            node = <NodeBase>stack.back()
+            stack.pop_back()
+            decref(<PyObject*>node)  # the stack's reference; node holds one
+            if not node._initialized:
+                raise RuntimeError(not_initialized_message(node))
+            if gradient_free[0]:
+                gradient_free[0] = (isinstance(node, GradientFreeNodeBase) and node._stream is None
+                                    and on_cpu(node._input_metadata))
+            edges = node._next_edges
+            for i in range(PyTuple_GET_SIZE(edges)):
+                let_others_run(&work_left)
+                edge = PyTuple_GET_ITEM(edges, i)
+                if edge == <PyObject*>None:
+                    continue
+                next_node = (<Edge>edge).node
+                if (next_node._sequence_nr >= node._sequence_nr
+                        and PyTuple_GET_SIZE(next_node._next_edges) != 0):
+                    return False
+                if graph_task.dependencies_.full():
+                    # See pyengine/_table_growth.h.
+                    while not graph_task.dependencies_.grow_step():
+                        yield_to_other_threads()
+                if graph_task.dependencies_.add_edge(<PyObject*>next_node, &slot) == SEARCH_NOT_SEEN:
+                    Py_INCREF(next_node)
+                    stack.push_back(<PyObject*>next_node)
+    finally:
+        # What an early return or an error (Ctrl-C) left.
+        while not stack.empty():
+            decref(stack.back())
+            stack.pop_back()
+    return True
+
+
+cdef bint search_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
+    """compute_dependencies' count in a depth-first search that refuses a
+    cycle, for a graph ``count_dependencies`` could not vouch for.
+    Iterative: graphs of millions of nodes, deep or wide, use no C stack.
+    Returns whether the graph is gradient-free."""
     # A deque, not a vector: a vector millions of frames deep copies them all,
     # holding the GIL for tens of milliseconds, each time it grows.
     cdef deque[DependencyFrame] stack

@@ -26,6 +26,7 @@ cdef extern from "_dependency_map.h" nogil:
         bint full()
         bint grow_step()
         void release()
+        void reset()
         int remove(PyObject* node)
         size_t enter(PyObject* root)
         SearchState add_edge(PyObject* node, size_t* index)

@@ -134,6 +134,24 @@ def test_a_cycle_under_grad_with_inputs():
 # -- a long compute_dependencies: Ctrl-C, and other threads ---------------------------------------
 
 
+def test_edges_to_later_nodes_without_a_cycle():
+    """Edges that lead to nodes made later (set by hand, as nodes made on
+    another thread would have) rule out the plain count's shortcut: the
+    depth-first search counts instead, and the gradients are the graph's.
+    x <- c <- b <- a, where c and b are made after a."""
+    x = leaf([1.0, 2.0])
+    a = named("a", x, [])
+    b = named("b", x, [])
+    c = named("c", x)  # into x
+    b.next_edges = [Edge(c, 0), pyengine.gradient_edge(x)]
+    a.next_edges = [Edge(b, 0), Edge(c, 0)]
+    assert b.sequence_nr > a.sequence_nr and c.sequence_nr > a.sequence_nr
+    engine().execute([Edge(a, 0)], [np.array([1.0, 1.0])], False, False, True, None)
+    # a passes 1 to b and to c; b passes 1 to c and to x; c gets 2, passes 2 to x.
+    np.testing.assert_array_equal(x.grad, [3.0, 3.0])
+    assert (a.calls, b.calls, c.calls) == (1, 1, 1)
+
+
 class Refuse(Node):
     """A root whose apply raises: backward ends as soon as the pass is done."""
 
