@@ -455,7 +455,7 @@ cdef class AccumulateGradBase(NodeBase):
                 lock.release()
         hooks = leaf_state.post_accumulate_grad_hooks
         if hooks:
-            # See Note [Post-accumulate-grad hooks] in the twin.
+            # See Note [Post accumulate grad hooks] in the twin.
             call_post_accumulate_grad_hooks(variable, hooks)
         return ()
 

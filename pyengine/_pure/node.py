@@ -532,7 +532,7 @@ class GradientFreeNodeBase(NodeBase):
 #   place and store the sum.
 #
 # Then the leaf's post-accumulate-grad hooks run, ``fn(variable)`` (See Note
-# [Post-accumulate-grad hooks]). ``.grad``
+# [Post accumulate grad hooks]). ``.grad``
 # changes in one step, so after a backward that failed, each leaf's gradient
 # is either as it was or holds that backward's full contribution (a leaf's
 # AccumulateGrad runs once per backward, after all of its gradient arrived).
@@ -646,7 +646,7 @@ class AccumulateGradBase(NodeBase):
         return ()
 
 
-# Note [Post-accumulate-grad hooks]
+# Note [Post accumulate grad hooks]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # As in PyTorch 2.13, an AccumulateGrad that runs calls its leaf's
 # post-accumulate-grad hooks whether or not a gradient arrived (a node
@@ -661,7 +661,7 @@ class AccumulateGradBase(NodeBase):
 
 def call_post_accumulate_grad_hooks(variable, hooks):
     """Run ``hooks`` (a leaf's ``(handle_id, fn)`` list) on ``variable``.
-    See Note [Post-accumulate-grad hooks]. Shared by both cores."""
+    See Note [Post accumulate grad hooks]. Shared by both cores."""
     argument = variable
     returned = False
     for _, hook in list(hooks):

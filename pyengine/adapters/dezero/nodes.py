@@ -368,7 +368,7 @@ class DeZeroAccumulateGrad(AccumulateGrad):
                 old_grad = variable.grad
                 variable.grad = new_grad if old_grad is None else _add(old_grad, new_grad)
         # Also for a leaf that got no gradient, and a hook must return None,
-        # as AccumulateGrad's: See Note [Post-accumulate-grad hooks].
+        # as AccumulateGrad's: See Note [Post accumulate grad hooks].
         hooks = state.post_accumulate_grad_hooks
         if hooks:
             call_post_accumulate_grad_hooks(variable, hooks)
