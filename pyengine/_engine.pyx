@@ -580,7 +580,10 @@ cdef class Engine:
                 previous = thread[0]
                 thread.current_graph_task = record.graph_task
                 thread.grad_enabled = local_graph_task.grad_mode
-                thread.checkpoint_valid = local_graph_task.exec_info_.empty()
+                # ANDed with the enclosing task's: See Note [Checkpoint valid
+                # in nested backward] in pyengine/_pure/state.py.
+                thread.checkpoint_valid = (local_graph_task.exec_info_.empty()
+                                           and previous.checkpoint_valid)
                 try:
                     if not local_graph_task.has_error_.load():
                         # One check per node when nobody profiles.
@@ -721,20 +724,17 @@ cdef class Engine:
                 if buffered == graph_task.not_ready_.end():
                     if not _should_execute(graph_task.exec_info_, key):
                         continue
-                    if not streamed:
-                        if is_ready:
-                            # Its only gradient: what InputBuffer's first add
-                            # would hold, without the InputBuffer.
-                            gradients = single_gradient(
-                                PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
-                                gradient)
-                            push_task(self.route(graph_task, next_node, gradients), graph_task,
-                                      next_node, gradients)
-                            continue
-                        if gradient is None:
-                            # An InputBuffer of Nones: no InputBuffer at all
-                            # gives the node the same inputs when it is ready.
-                            continue
+                    if not streamed and is_ready:
+                        # Its only gradient: what InputBuffer's first add
+                        # would hold, without the InputBuffer.
+                        gradients = single_gradient(
+                            PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
+                            gradient)
+                        push_task(self.route(graph_task, next_node, gradients), graph_task,
+                                  next_node, gradients)
+                        continue
+                    # A buffer even for a None gradient, as the twin's: See
+                    # Note [Gradients left in not ready] in pyengine/_pure/graph_task.py.
                     input_buffer = new_input_buffer(PyTuple_GET_SIZE(next_node._input_metadata))
                     if not is_ready:
                         Py_INCREF(input_buffer)

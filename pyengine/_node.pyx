@@ -327,9 +327,13 @@ cdef dict _backend_cache = _backends._backend_cache
 cdef object _numpy_backend = _backends.NUMPY
 
 
-cdef inline bint is_numpy_array(object value) noexcept:
+cdef bint is_numpy_array(object value) noexcept:
     """Whether ``value`` is an exact numpy array that the built-in numpy
-    backend handles (no backend registered over it)."""
+    backend handles (no backend registered over it): the twin's, reading
+    backend_of's cache without filling it. An empty entry (register_backend
+    just cleared the cache) answers False, and the slow path that follows
+    calls backend_of, which fills it. See Note [Replacing the numpy backend]
+    in pyengine/backends.py."""
     if type(value) is not cnp.ndarray:
         return False
     return PyDict_GetItem(_backend_cache, cnp.ndarray) == <PyObject*>_numpy_backend

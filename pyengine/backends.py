@@ -12,6 +12,19 @@ numpy is built in (and the compiled core has a fast path for it that never
 comes here on the common path). Another array type or a framework's tensor
 type plugs in with :func:`register_backend`; lookups walk the type's MRO, so
 registering a base class covers its subclasses.
+
+Note [Replacing the numpy backend]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``register_backend(np.ndarray, backend)`` replaces the built-in numpy
+backend, and from then on every numpy gradient goes through ``backend``, in
+both cores: the InputBuffer's sums, validate_outputs' checks, AccumulateGrad's
+copies and sums. The numpy fast paths (the compiled core's, and the twin's
+counterpart of each) are taken only for a value that ``is_numpy_array``
+(pyengine/_pure/node.py, pyengine/_node.pyx): an exact ndarray while the
+backend registered for ``np.ndarray`` is the built-in ``NUMPY``. The compiled
+core asks backend_of's cache (one dictionary lookup), which
+``register_backend`` clears. Routing (``node_device``) still takes a numpy
+array to be on the CPU whatever backend handles it, in both cores.
 """
 
 from __future__ import annotations
