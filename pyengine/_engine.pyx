@@ -405,17 +405,16 @@ cdef class Engine:
             graph_root = GraphRoot(root_edges, root_grads)
             input_buffer = new_input_buffer(0)
         graph_task.graph_root = graph_root
-        cdef bint gradient_free = compute_dependencies(graph_root, graph_task)
+        compute_dependencies(graph_root, graph_task)
         if output_edges:
             graph_task.init_to_execute(graph_root, output_edges, accumulate_grad)
 
-        if (gradient_free and not output_edges and worker.worker_device == NO_DEVICE
-                and self.route(graph_task, graph_root, input_buffer.buffer)
-                is graph_task.cpu_ready_queue):
-            # See Note [GradientFreeNode graphs].
-            self.run_gradient_free(worker, graph_task, graph_root, input_buffer.buffer)
-        else:
-            self.execute_with_graph_task(worker, graph_task, graph_root, input_buffer.buffer)
+        # Gradient-free graphs too: run_gradient_free's queue breaks ties
+        # between nodes made on different threads in insertion order, where
+        # the ReadyQueue (and the twin) follow Note [Ties in the ready queue],
+        # so it ran such graphs in another order (tests/test_cross_core.py,
+        # seeds 1753 and 3331). Issue 17 removes that loop.
+        self.execute_with_graph_task(worker, graph_task, graph_root, input_buffer.buffer)
         try:
             graph_task.wait()
         except BaseException as error:
