@@ -16,7 +16,8 @@ import weakref
 import numpy as np
 
 from .. import streams
-from ..backends import NUMPY, backend_of
+from .. import backends
+from ..backends import backend_of
 from ..device import CPU
 from . import state
 
@@ -699,7 +700,7 @@ def is_numpy_array(value) -> bool:
     backend handles (no backend registered over it): only then may a numpy
     fast path skip the backend. See Note [Replacing the numpy backend] in
     pyengine/backends.py."""
-    return type(value) is np.ndarray and backend_of(value) is NUMPY
+    return type(value) is np.ndarray and backends.numpy_backend_is_builtin
 
 
 def _can_steal(value, extra_references=0) -> bool:
