@@ -405,17 +405,16 @@ cdef class Engine:
             graph_root = GraphRoot(root_edges, root_grads)
             input_buffer = new_input_buffer(0)
         graph_task.graph_root = graph_root
-        cdef bint gradient_free = compute_dependencies(graph_root, graph_task)
+        compute_dependencies(graph_root, graph_task)
         if output_edges:
             graph_task.init_to_execute(graph_root, output_edges, accumulate_grad)
 
-        if (gradient_free and not output_edges and worker.worker_device == NO_DEVICE
-                and self.route(graph_task, graph_root, input_buffer.buffer)
-                is graph_task.cpu_ready_queue):
-            # See Note [GradientFreeNode graphs].
-            self.run_gradient_free(worker, graph_task, graph_root, input_buffer.buffer)
-        else:
-            self.execute_with_graph_task(worker, graph_task, graph_root, input_buffer.buffer)
+        # Gradient-free graphs too: run_gradient_free's queue breaks ties
+        # between nodes made on different threads in insertion order, where
+        # the ReadyQueue (and the twin) follow Note [Ties in the ready queue],
+        # so it ran such graphs in another order (tests/test_cross_core.py,
+        # seeds 1753 and 3331). Issue 17 removes that loop.
+        self.execute_with_graph_task(worker, graph_task, graph_root, input_buffer.buffer)
         try:
             graph_task.wait()
         except BaseException as error:
@@ -580,7 +579,10 @@ cdef class Engine:
                 previous = thread[0]
                 thread.current_graph_task = record.graph_task
                 thread.grad_enabled = local_graph_task.grad_mode
-                thread.checkpoint_valid = local_graph_task.exec_info_.empty()
+                # ANDed with the enclosing task's: See Note [Checkpoint valid
+                # in nested backward] in pyengine/_pure/state.py.
+                thread.checkpoint_valid = (local_graph_task.exec_info_.empty()
+                                           and previous.checkpoint_valid)
                 try:
                     if not local_graph_task.has_error_.load():
                         # One check per node when nobody profiles.
@@ -721,20 +723,17 @@ cdef class Engine:
                 if buffered == graph_task.not_ready_.end():
                     if not _should_execute(graph_task.exec_info_, key):
                         continue
-                    if not streamed:
-                        if is_ready:
-                            # Its only gradient: what InputBuffer's first add
-                            # would hold, without the InputBuffer.
-                            gradients = single_gradient(
-                                PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
-                                gradient)
-                            push_task(self.route(graph_task, next_node, gradients), graph_task,
-                                      next_node, gradients)
-                            continue
-                        if gradient is None:
-                            # An InputBuffer of Nones: no InputBuffer at all
-                            # gives the node the same inputs when it is ready.
-                            continue
+                    if not streamed and is_ready:
+                        # Its only gradient: what InputBuffer's first add
+                        # would hold, without the InputBuffer.
+                        gradients = single_gradient(
+                            PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
+                            gradient)
+                        push_task(self.route(graph_task, next_node, gradients), graph_task,
+                                  next_node, gradients)
+                        continue
+                    # A buffer even for a None gradient, as the twin's: See
+                    # Note [Gradients left in not ready] in pyengine/_pure/graph_task.py.
                     input_buffer = new_input_buffer(PyTuple_GET_SIZE(next_node._input_metadata))
                     if not is_ready:
                         Py_INCREF(input_buffer)

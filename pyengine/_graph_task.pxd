@@ -138,5 +138,7 @@ cdef inline ThreadState running_thread_state(GraphTask graph_task) noexcept:
     cdef ThreadState running = thread_state()[0]
     running.current_graph_task = <PyObject*>graph_task
     running.grad_enabled = graph_task.grad_mode
-    running.checkpoint_valid = True
+    # checkpoint_valid stays as it is: can_checkpoint() is True without
+    # exec_info, and ANDed with the enclosing task's value it is that value
+    # (See Note [Checkpoint valid in nested backward] in pyengine/_pure/state.py).
     return running

@@ -74,3 +74,4 @@ cdef class Edge:
 
 
 cdef bint on_cpu(tuple input_metadata) noexcept
+cdef bint is_numpy_array(object value) noexcept

@@ -11,7 +11,6 @@ fields' guards (all guarded by the GIL).
 
 cimport cython
 cimport numpy as cnp
-from cpython.dict cimport PyDict_GetItem
 from cpython.number cimport PyNumber_Add, PyNumber_Index, PyNumber_InPlaceAdd
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_REFCNT
@@ -321,18 +320,26 @@ cdef class GradientFreeNodeBase(NodeBase):
         return type(self), (self.owner, self.method, self._next_edges)
 
 
-# backend_of's cache, type -> backend or None; register_backend clears it in
-# place, so this reference stays the live cache.
-cdef dict _backend_cache = _backends._backend_cache
-cdef object _numpy_backend = _backends.NUMPY
+# A C copy of backends.numpy_backend_is_builtin, refreshed by register_backend
+# (through _registration_listeners); written and read under the GIL.
+cdef bint _numpy_backend_is_builtin = True
 
 
-cdef inline bint is_numpy_array(object value) noexcept:
+def _refresh_numpy_backend_is_builtin():
+    global _numpy_backend_is_builtin
+    _numpy_backend_is_builtin = _backends.numpy_backend_is_builtin
+
+
+_backends._registration_listeners.append(_refresh_numpy_backend_is_builtin)
+_refresh_numpy_backend_is_builtin()
+
+
+cdef bint is_numpy_array(object value) noexcept:
     """Whether ``value`` is an exact numpy array that the built-in numpy
-    backend handles (no backend registered over it)."""
-    if type(value) is not cnp.ndarray:
-        return False
-    return PyDict_GetItem(_backend_cache, cnp.ndarray) == <PyObject*>_numpy_backend
+    backend handles (no backend registered over it): the twin's, reading
+    the flag's C copy. See Note [Replacing the numpy backend] in
+    pyengine/backends.py."""
+    return type(value) is cnp.ndarray and _numpy_backend_is_builtin
 
 
 cdef inline bint can_steal(object value, Py_ssize_t expected_references) noexcept:

@@ -510,8 +510,10 @@ class Engine:
                 previous_graph_task = state.set_current_graph_task(local_graph_task)
                 previous_grad_mode = state.is_grad_enabled()
                 state.set_grad_enabled(local_graph_task.grad_mode)
+                # ANDed with the enclosing task's: See Note [Checkpoint valid
+                # in nested backward] in pyengine/_pure/state.py.
                 previous_checkpoint_valid = state.swap_checkpoint_valid(
-                    local_graph_task.can_checkpoint())
+                    local_graph_task.can_checkpoint() and state.is_checkpoint_valid())
                 try:
                     if not local_graph_task.has_error:
                         profiler = state.profiler()

@@ -16,6 +16,7 @@ import weakref
 import numpy as np
 
 from .. import streams
+from .. import backends
 from ..backends import backend_of
 from ..device import CPU
 from . import state
@@ -692,6 +693,14 @@ _STEALABLE_REFCOUNT = 3
 # the gradient from becoming ``.grad``: the post hooks then see ``.grad``
 # itself as their ``grad_outputs``, in PyTorch as here, including what a
 # backward nested in one of them adds into it in place.
+
+
+def is_numpy_array(value) -> bool:
+    """Whether ``value`` is an exact numpy array that the built-in numpy
+    backend handles (no backend registered over it): only then may a numpy
+    fast path skip the backend. See Note [Replacing the numpy backend] in
+    pyengine/backends.py."""
+    return type(value) is np.ndarray and backends.numpy_backend_is_builtin
 
 
 def _can_steal(value, extra_references=0) -> bool:
