@@ -197,15 +197,10 @@ class GradientFreeNode(GradientFreeNodeBase, Node):
     ``GradientFreeNode(owner, method, next_edges=(), input_metadata=())``:
     ``method`` is a name, looked up on ``owner`` each time the node runs.
     ``apply(grads)`` makes that call and returns one None per next edge;
-    hooks see those Nones. The engine may make the call without ``apply``,
-    so a subclass cannot override ``apply``.
+    hooks see those Nones. The engine runs it as any node, through
+    ``apply``: a subclass may override ``apply`` (and whatever gradients
+    that returns go along its edges, as a plain Node's do).
     """
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "apply" in cls.__dict__:
-            raise TypeError(f"{cls.__name__}: a GradientFreeNode runs owner.<method>(); "
-                            "the engine does not call an apply override")
 
 
 def translate_owner_graph(root, children, method):

@@ -451,23 +451,20 @@ class NodeBase:
 # engine's only job is the order: a node runs once every node that feeds it
 # has run. A GradientFreeNodeBase says so. Running it calls
 # ``owner.<method>()`` (the result is ignored), and no gradient flows along
-# any of its edges: exactly what its ``apply`` does, returning one None per
+# any of its edges: its ``apply`` makes that call and returns one None per
 # edge. The method is named, not passed: the node is made before the
 # framework knows what will run (micrograd assigns ``_backward`` after
-# making the Value), so it is looked up when the node runs; and the engine
-# makes that call from C, with no Python frame of its own and no argument
-# tuple.
+# making the Value), so it is looked up when the node runs.
 #
-# A backward whose nodes are all gradient-free, the compiled engine runs in
-# a loop of its own that makes the call itself: no ``apply``, no list of
-# Nones, no validation, no ReadyQueue, no InputBuffers (See Note
-# [GradientFreeNode graphs] in ``pyengine/_engine.pyx``). In a graph that mixes
-# in other nodes, and in the twin, the engine calls ``apply``, and its Nones
-# take the general path, where a None reaching a node that must wait for
-# more gradients makes no InputBuffer (an InputBuffer of Nones and none at
-# all give the node the same inputs once it is ready). The results are the
-# same either way. A node with hooks runs them around ``apply`` as any
-# node does, so they see the Nones.
+# The engine runs such a node as any other, in both cores: from the ready
+# queue, in its order, through ``apply`` (a subclass's override of
+# ``apply`` runs), with its hooks around it, which see the Nones. Its
+# Nones take the general path, so a graph of gradient-free nodes runs in
+# the same order as the same graph of plain Nodes whose ``apply`` returns
+# Nones, wherever its nodes were made: nodes made on several threads share
+# sequence numbers (the counter is per thread), and only the ready queue's
+# order (See Note [Ties in the ready queue] in
+# ``pyengine/_pure/ready_queue.py``) settles which of them runs first.
 
 
 class GradientFreeNodeBase(NodeBase):
