@@ -25,7 +25,7 @@ cimport cython
 cimport numpy as cnp
 from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
-from cpython.object cimport PyObject, Py_TYPE
+from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
@@ -149,65 +149,13 @@ cdef inline bint has_hooks(NodeBase node) noexcept:
                 or node._post_hooks)
 
 
-# What NodeBase.release_variables is, looked up on a node's type, when no
-# subclass overrides it.
-cdef object _base_release_variables = NodeBase.__dict__["release_variables"]
-cdef str _release_variables_name = "release_variables"
-
-cdef extern from *:
-    """
-    /* Whether a node type overrides release_variables, per type: a few
-       entries, direct-mapped by the type's address. An entry holds while the
-       type's version tag is valid and unchanged: CPython gives a type a new
-       tag whenever it or a base class changes an attribute, and never reuses
-       a tag. Read and written under the GIL. */
-    struct pyengine_OverrideCacheEntry {
-        PyTypeObject *type;
-        unsigned int version_tag;
-        int overridden;
-    };
-    static struct pyengine_OverrideCacheEntry pyengine_release_override_cache[8];
-
-    static inline struct pyengine_OverrideCacheEntry *
-    pyengine_release_override_entry(PyTypeObject *type) {
-        return &pyengine_release_override_cache[((uintptr_t)type >> 6) & 7];
-    }
-    static inline int pyengine_version_tag_valid(PyTypeObject *type) {
-        return PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG);
-    }
-    """
-    ctypedef struct PyTypeObject "PyTypeObject":
-        unsigned int tp_version_tag
-    ctypedef struct OverrideCacheEntry "struct pyengine_OverrideCacheEntry":
-        PyTypeObject* type
-        unsigned int version_tag
-        bint overridden
-    OverrideCacheEntry* release_override_entry "pyengine_release_override_entry" (
-        PyTypeObject* type) noexcept
-    bint version_tag_valid "pyengine_version_tag_valid" (PyTypeObject* type) noexcept
-
-
 cdef inline int release_variables(NodeBase node) except -1:
-    """``type(node).release_variables(node)``, then mark the node released.
-    The method is looked up on the class, as the twin does; a small cache
-    remembers which classes override it, since Cython's own dispatch of a
-    cpdef method looks the name up on the node each time (its cache holds
-    one type, and a graph mixes several), which costs about as much as
-    running a small node."""
-    cdef PyTypeObject* node_type = <PyTypeObject*>Py_TYPE(node)
-    cdef OverrideCacheEntry* entry = release_override_entry(node_type)
-    cdef object release
-    if not (entry.type == node_type and version_tag_valid(node_type)
-            and entry.version_tag == node_type.tp_version_tag):
-        release = getattr(type(node), _release_variables_name)
-        # The lookup gave the type a valid version tag, unless it could not.
-        entry.type = node_type
-        entry.version_tag = node_type.tp_version_tag
-        entry.overridden = release is not _base_release_variables
-        if not version_tag_valid(node_type):
-            entry.type = NULL
-    if entry.overridden:
-        getattr(type(node), _release_variables_name)(node)
+    """``type(node).release_variables(node)`` where the node's class
+    overrode it when the node was made, else what NodeBase's does, with no
+    lookup; then mark the node released. See Note [Overriding release
+    variables] in ``pyengine/_pure/node.py``."""
+    if node._overrides_release_variables:
+        type(node).release_variables(node)
     else:
         node._saved_values = None  # NodeBase.release_variables
     node._released = True

@@ -255,7 +255,8 @@ def _check_input_metadata(input_metadata):
 #   AccumulateGrad's ``leaf_state`` must be a LeafState (never None: a
 #   fresh one until the subclass sets its own), as the compiled ``apply``
 #   reads it in C;
-# - read only: ``_sequence_nr``, ``_initialized``, a GradientFreeNode's
+# - read only: ``_sequence_nr``, ``_initialized``,
+#   ``_overrides_release_variables``, a GradientFreeNode's
 #   ``owner`` and ``method``, a LeafState's ``lock``, every field of an Edge
 #   and of an InputMetadata (AttributeError when written). An Edge checks
 #   its node and input_nr in ``__new__`` (no Edge without a node exists),
@@ -323,6 +324,9 @@ class NodeBase:
       _retains_grad_hooks: None or a dict ``input_nr -> fn``.
       _saved_values: what ``save_for_backward`` stored; cleared on release.
       _released: set by the engine once ``release_variables`` ran.
+      _overrides_release_variables: whether the node's class overrides
+        ``release_variables``, when the node was made; immutable after
+        construction (See Note [Overriding release variables]).
       _stream: the stream current at creation on a device, else None.
       _metadata: None or a dict, created on first access.
       _initialized: set by ``__init__``; the engine refuses a node without it.
@@ -334,11 +338,13 @@ class NodeBase:
     __slots__ = (
         "_next_edges_", "_input_metadata_", "_sequence_nr_", "_pre_hooks_", "_post_hooks_",
         "_tensor_pre_hooks_", "_retains_grad_hooks_", "_saved_values", "_released_",
-        "_stream", "_metadata_", "_initialized_", "__weakref__", "__dict__",
+        "_overrides_release_variables_", "_stream", "_metadata_", "_initialized_", "__weakref__", "__dict__",
     )
 
     _sequence_nr = _read_only_field("_sequence_nr", "_sequence_nr_")
     _initialized = _read_only_field("_initialized", "_initialized_")
+    _overrides_release_variables = _read_only_field("_overrides_release_variables",
+                                                    "_overrides_release_variables_")
     _pre_hooks = _checked_field("_pre_hooks", "_pre_hooks_", _not_list, "list")
     _post_hooks = _checked_field("_post_hooks", "_post_hooks_", _not_list, "list")
     _tensor_pre_hooks = _checked_field("_tensor_pre_hooks", "_tensor_pre_hooks_", _not_list, "list")
@@ -353,6 +359,9 @@ class NodeBase:
         set_field(self, "_input_metadata_", tuple(as_input_metadata(spec) for spec in input_metadata))
         set_field(self, "_sequence_nr_", _sequence_counter.next_value)
         _sequence_counter.next_value += 1
+        # See Note [Overriding release variables].
+        set_field(self, "_overrides_release_variables_",
+                  type(self).release_variables is not NodeBase.release_variables)
         set_field(self, "_pre_hooks_", None)
         set_field(self, "_post_hooks_", None)
         set_field(self, "_tensor_pre_hooks_", None)
@@ -439,9 +448,37 @@ class NodeBase:
 
     def release_variables(self):
         """Drop what the node saved for backward. Override it in a subclass to
-        free more: the engine calls the method of the node's class (as C++
-        calls a virtual method), not a function set on the node itself."""
+        free more: the engine calls the method of the node's class, as C++
+        calls a virtual method, where the class overrode it when the node was
+        made. See Note [Overriding release variables]."""
         self._saved_values = None
+
+
+# Note [Overriding release variables]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# After a node ran, unless the graph is retained, the engine's
+# ``release_variables(node)`` lets the node drop what it saved. A class may
+# override ``NodeBase.release_variables`` to free more; most do not, and
+# for them the engine only clears ``_saved_values``, without looking a
+# method up on the node's class for every node it runs (a lookup per node
+# that ``benchmarks/RESULTS.md`` counts). So a node records, when it is
+# made, whether its class overrides the method (its read-only
+# ``_overrides_release_variables``: the class, or a base class below
+# NodeBase, defines it), as a C++ object gets its virtual table from its
+# constructor. Then:
+#
+# - a node whose class overrode the method when the node was made gets
+#   ``type(node).release_variables(node)``, looked up on the class at each
+#   release: replacing the override on the class later takes effect for
+#   those nodes at once, and removing it leaves them NodeBase's;
+# - a node whose class did not override it gets NodeBase's, even if the
+#   class is given a ``release_variables`` after the node was made (nodes
+#   made afterwards get the new method);
+# - a function set on the node itself is never an override, as in C++;
+#   assigning a node's ``__class__`` does not change its flag.
+#
+# Both cores compute the flag in ``NodeBase.__init__`` and read it in their
+# ``release_variables``.
 
 
 # Note [GradientFreeNode]
