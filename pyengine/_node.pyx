@@ -309,6 +309,10 @@ cdef class NodeBase:
 cdef object _base_release_variables = NodeBase.__dict__["release_variables"]
 
 
+cdef extern from "Python.h":
+    object PyObject_CallMethodNoArgs(object obj, object name)
+
+
 cdef class GradientFreeNodeBase(NodeBase):
     """A node that passes no gradients: running it calls ``owner.<method>()``.
     See Note [GradientFreeNode] in the twin, ``pyengine/_pure/node.py``,
@@ -322,8 +326,9 @@ cdef class GradientFreeNodeBase(NodeBase):
         self.method = method
 
     def apply(self, grads):
-        getattr(self.owner, self.method)()
-        return [None] * len(self._next_edges)
+        # getattr(owner, method)(), without the bound method in between.
+        PyObject_CallMethodNoArgs(self.owner, self.method)
+        return [None] * PyTuple_GET_SIZE(self._next_edges)
 
     def __reduce__(self):
         # See Note [Copying a GradientFreeNode] in the twin.

@@ -107,6 +107,15 @@ class Node(NodeBase):
     for; the node then gets as many slots as the highest one used (an Edge
     into an undeclared slot is refused from slot 65,536 on: See Note [Edge
     input_nr] in ``pyengine/_pure/node.py``).
+
+    Override ``release_variables()`` to free more than the values
+    ``save_for_backward`` kept; the engine calls it after the node ran
+    unless the graph is retained. Whether a node's class overrides it is
+    read when the node is made, as a C++ object's virtual methods are fixed
+    by its constructor: a ``release_variables`` assigned to the class
+    afterwards is called only for nodes made afterwards, while replacing a
+    method the class already had takes effect at once. See Note
+    [Overriding release variables] in ``pyengine/_pure/node.py``.
     """
 
     def name(self) -> str:

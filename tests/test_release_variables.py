@@ -206,3 +206,23 @@ def test_the_flag_is_read_only():
         with pytest.raises(AttributeError):
             node._overrides_release_variables = value
     assert not node._overrides_release_variables
+
+
+def test_a_gradient_free_node_class_may_override_release_variables():
+    from pyengine import GradientFreeNode
+
+    log = []
+
+    class Owner:
+        def run(self):
+            log.append("run")
+
+    class Freeing(GradientFreeNode):
+        def release_variables(self):
+            log.append("release")
+            super().release_variables()
+
+    bottom = Freeing(Owner(), "run")
+    top = Freeing(Owner(), "run", [Edge(bottom, 0)])
+    release(bottom, top)
+    assert log == ["run", "release", "run", "release"]

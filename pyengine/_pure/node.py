@@ -460,12 +460,12 @@ class NodeBase:
 # ``release_variables(node)`` lets the node drop what it saved. A class may
 # override ``NodeBase.release_variables`` to free more; most do not, and
 # for them the engine only clears ``_saved_values``, without looking a
-# method up on the node's class for every node it runs (a lookup per node
-# that ``benchmarks/RESULTS.md`` counts). So a node records, when it is
-# made, whether its class overrides the method (its read-only
-# ``_overrides_release_variables``: the class, or a base class below
-# NodeBase, defines it), as a C++ object gets its virtual table from its
-# constructor. Then:
+# method up on the node's class when it releases the node. So a node
+# records, when it is made, whether its class overrides the method (its
+# read-only ``_overrides_release_variables``: the class, or a base class
+# below NodeBase, defines it), as a C++ object gets its virtual table from
+# its constructor: the lookup moves out of the backward pass, into the
+# node's construction (``benchmarks/RESULTS.md`` counts both). Then:
 #
 # - a node whose class overrode the method when the node was made gets
 #   ``type(node).release_variables(node)``, looked up on the class at each
@@ -477,8 +477,9 @@ class NodeBase:
 # - a function set on the node itself is never an override, as in C++;
 #   assigning a node's ``__class__`` does not change its flag.
 #
-# Both cores compute the flag in ``NodeBase.__init__`` and read it in their
-# ``release_variables``.
+# Both cores compute the flag when a node is initialized (``NodeBase.__init__``;
+# the compiled core's ``_initialize``, which GradientFreeNodeBase's
+# ``__init__`` calls too) and read it in their ``release_variables``.
 
 
 # Note [GradientFreeNode]
