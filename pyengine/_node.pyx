@@ -213,6 +213,9 @@ cdef class NodeBase:
             self._input_metadata = tuple([as_input_metadata(spec) for spec in input_metadata])
         self._sequence_nr = pyengine_next_sequence_nr
         pyengine_next_sequence_nr += 1
+        # See Note [Overriding release variables] in the twin.
+        self._overrides_release_variables = (
+            getattr(type(self), "release_variables") is not _base_release_variables)
         if not on_cpu(self._input_metadata):
             self._stream = _creation_stream(self._input_metadata)
         self._initialized = True
@@ -294,9 +297,19 @@ cdef class NodeBase:
 
     cpdef release_variables(self):
         """Drop what the node saved for backward. Override it in a subclass to
-        free more: the engine calls the method of the node's class (as C++
-        calls a virtual method), not a function set on the node itself."""
+        free more: the engine calls the method of the node's class, as C++
+        calls a virtual method, where the class overrode it when the node was
+        made. See Note [Overriding release variables] in the twin."""
         self._saved_values = None
+
+
+# What NodeBase.release_variables is, looked up on a class that does not
+# override it.
+cdef object _base_release_variables = NodeBase.__dict__["release_variables"]
+
+
+cdef extern from "Python.h":
+    object PyObject_CallMethodNoArgs(object obj, object name)
 
 
 cdef class GradientFreeNodeBase(NodeBase):
@@ -312,8 +325,9 @@ cdef class GradientFreeNodeBase(NodeBase):
         self.method = method
 
     def apply(self, grads):
-        getattr(self.owner, self.method)()
-        return [None] * len(self._next_edges)
+        # getattr(owner, method)(), without the bound method in between.
+        PyObject_CallMethodNoArgs(self.owner, self.method)
+        return [None] * PyTuple_GET_SIZE(self._next_edges)
 
     def __reduce__(self):
         # See Note [Copying a GradientFreeNode] in the twin.
