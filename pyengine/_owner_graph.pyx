@@ -8,6 +8,7 @@ the profiler's ``OwnerRun`` record and ``grad(inputs=)``'s pruning
 (``mark_needed``) are the twin's: slow paths written once.
 """
 
+cimport numpy as cnp
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from libcpp.vector cimport vector
@@ -16,21 +17,28 @@ from pyengine._graph_task cimport (SEARCH_FINISHED, SEARCH_ON_PATH, DependencyMa
                                    SearchState, new_graph_task, running_thread_state)
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
+from pyengine._node cimport InputMetadata
+from pyengine._validate_outputs cimport numpy_gradient_matches
 from pyengine._state cimport ThreadState, anomaly_check_nan, anomaly_enabled, profiler, thread_state
 
 from time import perf_counter_ns as _perf_counter_ns
 
 from pyengine._pure.owner_graph import (RETURNS, WRITES, OwnerRun, accumulate_grad, add_owner_note,
-                                        check_hook_result, check_input_nr, check_nan, check_reader,
-                                        count_slots, cycle_error, format_owner_error,
+                                        check_hook_result, check_nan, check_reader,
+                                        cycle_error, format_owner_error,
                                         format_root_error, mark_needed, owner_name)
+from pyengine._pure.owner_graph import check_input_nr as check_input_nr_slow
+from pyengine._pure.owner_graph import count_slots as count_slots_slow
 from pyengine._pure.owner_graph import split_item as split_item_slow
 from pyengine._pure.validate_outputs import validate_gradient
 
 __all__ = ["OwnerGraph", "search", "run_owner_graph"]
 
+cnp.import_array()
+
 cdef extern from "Python.h":
     object PyObject_CallMethodNoArgs(object obj, object name)
+    object PyObject_CallMethodOneArg(object obj, object name, object arg)
     object PyObject_CallOneArg(object callable, object arg)
     bint PyTuple_CheckExact(object obj)
     bint PyLong_Check(object obj)
@@ -125,6 +133,25 @@ cdef inline int split_item(object item, object holder, PyObject** parent,
     return 1
 
 
+cdef inline bint is_builtin_collection(object collection) noexcept:
+    return (type(collection) is set or type(collection) is tuple or type(collection) is list
+            or type(collection) is frozenset)
+
+
+cdef int count_slots(OwnerGraph graph, object owner) except -1:
+    """``num_inputs(owner)``, checked; 1 without ``num_inputs``."""
+    if graph.num_inputs is None:
+        return 1
+    return count_slots_slow(graph, owner)
+
+
+cdef int check_input_nr(object owner, Py_ssize_t input_nr, dict slots, object where) except -1:
+    cdef Py_ssize_t count = slots[id(owner)]
+    if not 0 <= input_nr < count:
+        check_input_nr_slow(owner, input_nr, slots, where)  # raises, with the twin's message
+    return 0
+
+
 cdef struct Frame:
     PyObject* owner  # borrowed: the held list owns it
     # The owner's items are arena[start:end]; the next to read is arena[next].
@@ -140,7 +167,7 @@ cdef int read_parents(object parents, object owner, vector[PyObject*]& arena) ex
     read so far in the arena, which owns them: search releases them all."""
     cdef object collection = (getattr(owner, <str>parents) if type(parents) is str
                               else PyObject_CallOneArg(parents, owner))
-    if collection is None:
+    if collection is None or (is_builtin_collection(collection) and len(collection) == 0):
         return 0
     for item in collection:
         Py_INCREF(item)
@@ -205,8 +232,7 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
                 reach_owner(graph, <object>parent, slot, seen, stack, arena, order, is_leaf,
                             items_of, slots, held, keep_items)
             if graph.returns:
-                check_input_nr(<object>parent, input_nr, slots,
-                               f"a parent item of a {owner_name(holder)}")
+                check_input_nr(<object>parent, input_nr, slots, holder)
     finally:
         # What an error (a cycle, an attribute, Ctrl-C) left.
         for i in range(arena.size()):
@@ -251,7 +277,8 @@ cdef object call_backward(OwnerGraph graph, object owner, list grads):
         else:
             PyObject_CallOneArg(backward, owner)
         return None
-    outputs = getattr(owner, backward)(grads) if type(backward) is str else backward(owner, grads)
+    outputs = (PyObject_CallMethodOneArg(owner, backward, grads) if type(backward) is str
+               else backward(owner, grads))
     return outputs
 
 
@@ -319,10 +346,21 @@ cdef int check_outputs(OwnerGraph graph, object owner, list outputs, tuple items
                     graph.metadata(<object>parent))
             if input_nr < len(all_metadata):
                 metadata = all_metadata[input_nr]
+        if gradient_matches(metadata, grad):
+            continue
         if format_error is None:
             format_error = format_owner_error(owner)
         outputs[i] = validate_gradient(i, grad, metadata, format_error)
     return 0
+
+
+cdef inline bint gradient_matches(object metadata, object grad) noexcept:
+    """A numpy gradient that validate_gradient would return as it is: any
+    numpy array where there is no metadata, else one whose dtype, shape and
+    device are the slot's."""
+    if metadata is None:
+        return type(grad) is cnp.ndarray
+    return type(metadata) is InputMetadata and numpy_gradient_matches(<InputMetadata>metadata, grad)
 
 
 cdef int route_gradients(object owner, list outputs, tuple items, dict buffers,

@@ -110,10 +110,13 @@ run] in ``pyengine/_interrupts.pxd``).
 
 import time
 
+import numpy as np
+
 from ..backends import backend_of
 from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer
+from .node import InputMetadata
 from .validate_outputs import validate_gradient
 
 __all__ = ["OwnerGraph", "OwnerRun", "WRITES", "RETURNS", "check_reader", "cycle_error",
@@ -221,9 +224,13 @@ def read_parents(parents, owner):
     """The snapshot of ``owner``'s parent items, read once through their own
     iteration."""
     collection = getattr(owner, parents) if type(parents) is str else parents(owner)
-    if collection is None:
+    if collection is None or (is_builtin_collection(collection) and len(collection) == 0):
         return ()
     return tuple(collection)
+
+
+def is_builtin_collection(collection):
+    return type(collection) in (set, tuple, list, frozenset)
 
 
 def split_item(item, holder):
@@ -254,8 +261,12 @@ def count_slots(graph, owner):
 
 
 def check_input_nr(owner, input_nr, slots, where):
+    """That ``input_nr`` is a slot of ``owner``; ``where`` names the item in
+    the error (a str, or the owner whose parent item it is)."""
     count = slots[id(owner)]
     if not 0 <= input_nr < count:
+        if not isinstance(where, str):
+            where = f"a parent item of a {owner_name(where)}"
         raise IndexError(f"{where} names slot {input_nr} of a {owner_name(owner)}, which has "
                          f"{count} slot{'s' if count != 1 else ''}")
 
@@ -299,7 +310,7 @@ def search(graph, root, order, is_leaf, items_of, slots, held, keep_items):
         elif parent_state == _ON_PATH:
             raise cycle_error(parent, parents)
         if returns:
-            check_input_nr(parent, pair[1], slots, f"a parent item of a {owner_name(frame[0])}")
+            check_input_nr(parent, pair[1], slots, frame[0])
 
 
 def reach_owner(graph, owner, seen, stack, order, is_leaf, items_of, slots, held, keep_items):
@@ -435,9 +446,21 @@ def check_outputs(graph, owner, outputs, items, slots, metadata_of):
                 all_metadata = metadata_of[id(pair[0])] = tuple(graph.metadata(pair[0]))
             if pair[1] < len(all_metadata):
                 metadata = all_metadata[pair[1]]
+        if gradient_matches(metadata, grad):
+            continue
         if format_error is None:
             format_error = format_owner_error(owner)
         outputs[i] = validate_gradient(i, grad, metadata, format_error)
+
+
+def gradient_matches(metadata, grad):
+    """A numpy gradient that validate_gradient would return as it is: any
+    numpy array where there is no metadata, else one whose dtype, shape and
+    device are the slot's."""
+    if metadata is None:
+        return type(grad) is np.ndarray
+    return (type(metadata) is InputMetadata and type(grad) is np.ndarray and metadata.is_cpu
+            and grad.dtype == metadata.dtype and grad.shape == metadata.shape)
 
 
 def check_nan(owner, outputs):
