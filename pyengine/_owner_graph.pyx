@@ -389,8 +389,9 @@ cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, 
     """Run one owner (``accumulate``: a leaf's gradient) as a node of
     ``graph_task`` runs: its thread state, its profiler event, its anomaly
     note."""
-    cdef PyObject* callback = profiler()
-    cdef object start = _perf_counter_ns() if callback != NULL else 0
+    # Held: an owner's method may unset the profiler.
+    cdef object callback = <object>profiler() if profiler() != NULL else None
+    cdef object start = _perf_counter_ns() if callback is not None else 0
     cdef ThreadState* thread = thread_state()
     cdef ThreadState previous = thread[0]
     cdef ThreadState running = running_thread_state(graph_task)
@@ -406,9 +407,10 @@ cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, 
             add_owner_note(error, owner)
         raise
     finally:
+        if callback is not None:
+            # In the running state, as the engine reports a node.
+            callback(OwnerRun(owner, sequence_nr), start, _perf_counter_ns())
         thread[0] = previous
-        if callback != NULL:
-            (<object>callback)(OwnerRun(owner, sequence_nr), start, _perf_counter_ns())
     return 0
 
 

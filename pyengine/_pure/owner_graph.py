@@ -510,11 +510,12 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
             add_owner_note(error, owner)
         raise
     finally:
+        if profiler is not None:
+            # In the running state, as the engine reports a node.
+            profiler(OwnerRun(owner, sequence_nr), start, time.perf_counter_ns())
         state.swap_checkpoint_valid(previous_checkpoint_valid)
         state.set_grad_enabled(previous_grad_mode)
         state.set_current_graph_task(previous_graph_task)
-        if profiler is not None:
-            profiler(OwnerRun(owner, sequence_nr), start, time.perf_counter_ns())
 
 
 def plain_writes(graph):
