@@ -100,7 +100,12 @@ otherwise.
 
 What differs from torch.autograd: the graph belongs to the framework, so
 it is read at each backward and never released (backward can run again);
-a leaf's gradient is what ``accumulate`` does with it; a nested
+a leaf's gradient is what ``accumulate`` does with it; there is no
+``create_graph`` (backward runs with grad mode off: a framework that
+differentiates twice records its own second graph) and no stream rule (the
+gradients are summed on the caller's current stream); an owner at which no
+gradient arrived does not run (torch runs such a node with undefined
+gradients); a nested
 ``backward`` inside an owner's method is reentrant only when the owner
 graph itself runs inside another backward (otherwise it is a backward of
 its own on this thread). The walk lets other threads run, and the compiled
