@@ -3,9 +3,11 @@ depth-first post-order of Note [Owner graphs], run in reverse), without a
 Python object per owner in writes mode.
 
 Twin: ``pyengine/_pure/owner_graph.py``: the same functions under the same
-names, in the same order. The error messages, the default ``accumulate``,
-the profiler's ``OwnerRun`` record and ``grad(inputs=)``'s pruning
-(``mark_needed``) are the twin's: slow paths written once.
+names, in the same order. The error messages (``split_item``,
+``count_slots`` and ``check_input_nr`` raise through the twin's), the
+default ``accumulate``, the profiler's ``OwnerRun`` record and
+``grad(inputs=)``'s pruning (``mark_needed``) are the twin's: slow paths
+written once (See Note [Slow paths are shared]).
 """
 
 cimport numpy as cnp
@@ -33,7 +35,7 @@ from pyengine._pure.owner_graph import split_item as split_item_slow
 from pyengine._node import as_input_metadata
 from pyengine._pure.validate_outputs import validate_gradient
 
-__all__ = ["OwnerGraph", "search", "run_owner_graph"]
+__all__ = ["OwnerGraph", "run_owner_graph"]
 
 cnp.import_array()
 
