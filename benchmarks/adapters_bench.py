@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """DeZero and micrograd: their own engine against pyengine, in one table.
 
-    python benchmarks/adapters_bench.py [--repeats 5] [--markdown] [--only dezero|micrograd]
-                                        [--clock wall|cpu]
+    python benchmarks/adapters_bench.py [--repeats 5] [--markdown]
+                                        [--only dezero|micrograd|owners] [--clock wall|cpu]
 
 Needs ``dezero`` and ``micrograd`` installed (the ``adapters`` tox
 environment has them) and pyengine installed with its compiled core. On a
@@ -49,6 +49,12 @@ Graphs (float64 arrays of shape (3,) for DeZero, as in ``graphs.py``):
   recursion limit raised to 100,000).
 - micrograd MLP: ``MLP(2, [16, 16, 1])`` on 20 points, squared loss
   (about 6,000 Values), backward and a full SGD step.
+- owner graph, returns mode, chain 10k: plain Python owners (one parent,
+  a ``backward(grads)`` method returning ``[0.5 * grads[0]]`` on float64
+  arrays of shape (3,)), 10,000 deep over one leaf. *native* is the loop
+  such a framework writes for itself (an iterative depth-first sort, then
+  the methods in reverse, gradients summed in a dict); *pyengine* is
+  ``pyengine.OwnerGraph("parents", "backward", mode="returns")``.
 """
 
 from __future__ import annotations
@@ -486,6 +492,74 @@ def micrograd_benchmarks():
     ], components
 
 
+# -- an owner graph in returns mode ------------------------------------------------------------
+
+class Link:
+    """An owner of a plain Python framework whose backward returns its
+    parents' gradients."""
+
+    __slots__ = ("parents", "grad")
+
+    def __init__(self, parents):
+        self.parents = parents
+        self.grad = None
+
+    def backward(self, grads):
+        return [0.5 * grads[0]]
+
+
+def own_backward(root, grad):
+    """The loop a framework writes for itself: a depth-first sort, then the
+    methods in reverse, gradients summed in a dict; leaves get ``.grad``."""
+    order, seen, stack = [], {id(root)}, [(root, iter(root.parents))]
+    while stack:
+        owner, parents = stack[-1]
+        for parent in parents:
+            if id(parent) not in seen:
+                seen.add(id(parent))
+                stack.append((parent, iter(parent.parents)))
+                break
+        else:
+            stack.pop()
+            order.append(owner)
+    grads = {id(root): grad}
+    for owner in reversed(order):
+        gradient = grads.pop(id(owner))
+        if not owner.parents:
+            owner.grad = gradient if owner.grad is None else owner.grad + gradient
+            continue
+        for parent, parent_grad in zip(owner.parents, owner.backward([gradient])):
+            old = grads.get(id(parent))
+            grads[id(parent)] = parent_grad if old is None else old + parent_grad
+
+
+def owner_graph_benchmarks():
+    import pyengine
+
+    leaf = Link(())
+    root = leaf
+    for _ in range(CHAIN):
+        root = Link((root,))
+    graph = pyengine.OwnerGraph("parents", "backward", mode="returns")
+    seed = np.ones(3)
+    grads = []
+    for run in (own_backward, graph.backward):
+        leaf.grad = None
+        run(root, seed)
+        grads.append(leaf.grad)
+    np.testing.assert_array_equal(grads[0], grads[1])
+
+    def sample_of(run):
+        def sample():
+            leaf.grad = None
+            gc.collect()
+            return timed(lambda: run(root, seed))
+        return sample
+
+    return [Benchmark("owner graph returns mode chain 10k, backward", sample_of(own_backward),
+                      sample_of(graph.backward))], []
+
+
 # -- training steps, each sample in a fresh process ------------------------------------------
 
 WARMUP_STEPS, TIMED_STEPS = 2, 5
@@ -605,7 +679,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("--only", choices=["dezero", "micrograd"])
+    parser.add_argument("--only", choices=["dezero", "micrograd", "owners"])
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall: time.perf_counter (default); cpu: time.process_time")
     parser.add_argument("--worker", choices=["dezero", "micrograd"], help=argparse.SUPPRESS)
@@ -627,7 +701,8 @@ def main():
     start_load = load_average()
     t0 = time.perf_counter()
     benchmarks, components = [], []
-    for framework, make in (("dezero", dezero_benchmarks), ("micrograd", micrograd_benchmarks)):
+    for framework, make in (("dezero", dezero_benchmarks), ("micrograd", micrograd_benchmarks),
+                            ("owners", owner_graph_benchmarks)):
         if args.only in (None, framework):
             rows, parts = make()
             benchmarks += rows
@@ -637,7 +712,14 @@ def main():
     for _ in range(args.repeats):
         for benchmark in benchmarks + components:
             benchmark.run_once()
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    def version(name):
+        try:
+            return installed_version(name)
+        except PackageNotFoundError:
+            return "not installed"
 
     print(f"pyengine adapters_bench.py, started {started}; wall time {time.perf_counter() - t0:.0f} s; "
           f"python {platform.python_version()}; numpy {np.__version__}; dezero {version('dezero')}; "

@@ -24,6 +24,7 @@ from .backends import ArrayBackend, backend_of, register_backend
 from .device import CPU, Device
 from .engine import (
     Engine,
+    OwnerGraph,
     execute_owner_graph,
     get_default_engine,
     is_multithreading_enabled,
@@ -82,6 +83,7 @@ __all__ = [
     "backward",
     "detect_anomaly",
     "enable_grad",
+    "OwnerGraph",
     "execute_owner_graph",
     "get_default_engine",
     "grad",

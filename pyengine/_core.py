@@ -8,7 +8,7 @@ twin is used with a warning. Everything else imports the core from here.
 import os
 import warnings
 
-from ._pure import owner_graph as owner_graph_module
+from ._pure import owner_graph as translation_module
 
 IMPLEMENTATION = "pure"
 
@@ -18,6 +18,7 @@ if os.environ.get("PYENGINE_PURE", "") in ("", "0"):
         from . import _graph_task as graph_task_module
         from . import _input_buffer as input_buffer_module
         from . import _node as node_module
+        from . import _owner_graph as owner_graph_module
         from . import _ready_queue as ready_queue_module
         from . import _state as state_module
         from . import _validate_outputs as validate_outputs_module
@@ -36,6 +37,7 @@ if IMPLEMENTATION == "pure":
     from ._pure import graph_task as graph_task_module
     from ._pure import input_buffer as input_buffer_module
     from ._pure import node as node_module
+    from ._pure import owner_graph as owner_graph_module
     from ._pure import ready_queue as ready_queue_module
     from ._pure import state as state_module
     from ._pure import validate_outputs as validate_outputs_module
@@ -55,10 +57,11 @@ InputBuffer = input_buffer_module.InputBuffer
 GraphTask = graph_task_module.GraphTask
 
 Engine = engine_module.Engine
-# Both cores run owner graphs by this one translation where they make nodes
-# for them: See Note [Owner graphs] in pyengine/_pure/owner_graph.py.
-owner_graph_edge = owner_graph_module.owner_graph_edge
-execute_translated = owner_graph_module.execute_translated
+# Each core runs owner graphs with its own walk (See Note [Owner graphs] in
+# pyengine/_pure/owner_graph.py); both translate one into nodes, only to
+# look at it, with the twin's translation.
+OwnerGraph = owner_graph_module.OwnerGraph
+owner_graph_edge = translation_module.owner_graph_edge
 
 GraphRoot = engine_module.GraphRoot
 validate_outputs = validate_outputs_module.validate_outputs

@@ -40,7 +40,6 @@ from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
-from pyengine._owner_graph cimport run_owner_graph
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
 from pyengine._validate_outputs cimport numpy_gradient_matches, validate_outputs_impl
 from pyengine._state cimport (ThreadState, anomaly_check_nan, anomaly_enabled, profiler,
@@ -57,7 +56,6 @@ from pyengine._pure import hooks as _hooks
 from pyengine._pure.engine import (SHUTDOWN_ERROR, _DeviceThreads, pool_full_message,
                                    total_depth_message)
 from pyengine._pure.node import node_device, not_initialized_message
-from pyengine._pure.owner_graph import check_owner_graph_arguments, execute_translated
 from pyengine._validate_outputs import NodeErrorFormat, plain_error_format
 
 cnp.import_array()
@@ -324,37 +322,6 @@ cdef class Engine:
             graph_task.exception_ = None
             raise error
         return graph_task.captured_vars
-
-    def execute_owner_graph(self, root, children, method):
-        """Run backward over the owner graph under ``root``: call
-        ``owner.<method>()`` for it and every owner below it through the
-        ``children`` collections that has children itself, each once every
-        owner above it ran, in the order of a framework's depth-first
-        topological sort. See Note [Owner graphs] in
-        ``pyengine/_pure/owner_graph.py``."""
-        check_owner_graph_arguments(children, method)
-        cdef WorkerState worker = get_worker_state()
-        if worker.worker_device != NO_DEVICE or profiler() != NULL or anomaly_enabled():
-            # Nodes to report, or a graph task to nest in: the translation.
-            execute_translated(self, root, children, method, GradientFreeNodeBase, Edge)
-            return
-        if worker.local_ready_queue is None:
-            worker.local_ready_queue = ReadyQueue()
-        cdef GraphTask graph_task = new_graph_task(False, False, 0, worker.local_ready_queue, False,
-                                                   thread_state().multithreading_enabled)
-        # A backward started by an owner's method is reentrant.
-        worker.worker_device = CPU_DEVICE
-        graph_task.owner = CPU_DEVICE
-        try:
-            run_owner_graph(root, children, method, graph_task)
-        finally:
-            worker.worker_device = NO_DEVICE
-        graph_task.mark_as_completed_and_run_post_processing()
-        if graph_task.exception_ is not None:
-            # A final callback's error. Take it off the task, as execute does.
-            error = graph_task.exception_
-            graph_task.exception_ = None
-            raise error
 
     cdef int execute_with_graph_task(self, WorkerState worker, GraphTask graph_task,
                                      NodeBase graph_root, list inputs) except -1:

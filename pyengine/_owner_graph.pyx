@@ -1,111 +1,248 @@
-"""Owner graphs, compiled: the depth-first post-order of Note [Owner graphs]
-(``pyengine/_pure/owner_graph.py``), and the loop that calls the owners'
-methods in its reverse, without a node object per owner.
+"""Owner graphs, compiled: the ``OwnerGraph`` protocol and its walk (the
+depth-first post-order of Note [Owner graphs], run in reverse), without a
+Python object per owner in writes mode.
 
-Twin: ``pyengine/_pure/owner_graph.py``, which also holds the translation
-into gradient-free nodes that both cores run where this loop does not apply
-(``Engine.execute_owner_graph`` decides).
+Twin: ``pyengine/_pure/owner_graph.py``: the same functions under the same
+names, in the same order. The error messages (``split_item``,
+``count_slots`` and ``check_input_nr`` raise through the twin's), the
+default ``accumulate``, the profiler's ``OwnerRun`` record and
+``grad(inputs=)``'s pruning (``mark_needed``) are the twin's: slow paths
+written once (See Note [Slow paths are shared]).
 """
 
+cimport numpy as cnp
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport (SEARCH_FINISHED, SEARCH_ON_PATH, DependencyMap, GraphTask,
-                                   SearchState, running_thread_state)
+                                   SearchState, new_graph_task, running_thread_state)
+from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
-from pyengine._state cimport ThreadState, thread_state
+from pyengine._node cimport InputMetadata
+from pyengine._validate_outputs cimport numpy_gradient_matches
+from pyengine._state cimport ThreadState, anomaly_check_nan, anomaly_enabled, profiler, thread_state
 
-from pyengine._pure.owner_graph import cycle_error
+from time import perf_counter_ns as _perf_counter_ns
+
+from pyengine._pure.owner_graph import (RETURNS, WRITES, OwnerRun, accumulate_grad, add_owner_note,
+                                        check_hook_result, check_nan, check_reader,
+                                        cycle_error, format_owner_error,
+                                        format_root_error, mark_needed, owner_name)
+from pyengine._pure.owner_graph import check_input_nr as check_input_nr_slow
+from pyengine._pure.owner_graph import count_slots as count_slots_slow
+from pyengine._pure.owner_graph import split_item as split_item_slow
+from pyengine._node import as_input_metadata
+from pyengine._pure.validate_outputs import validate_gradient
+
+__all__ = ["OwnerGraph", "run_owner_graph"]
+
+cnp.import_array()
 
 cdef extern from "Python.h":
     object PyObject_CallMethodNoArgs(object obj, object name)
+    object PyObject_CallMethodOneArg(object obj, object name, object arg)
+    object PyObject_CallOneArg(object callable, object arg)
+    bint PyTuple_CheckExact(object obj)
+    bint PyLong_Check(object obj)
+    bint PyBool_Check(object obj)
     # On the arena's owned pointers, without a reference per use.
     void decref "Py_DECREF"(PyObject* obj)
 
 
+def _check_optional(what, value):
+    if value is not None and not callable(value):
+        raise TypeError(f"{what} must be a callable or None, got {type(value).__name__}")
+    return value
+
+
+cdef class OwnerGraph:
+    """How to read a framework's own graph, and backward on it. See Note
+    [Owner graphs] in ``pyengine/_pure/owner_graph.py`` for every argument;
+    made once per framework.
+
+    ``OwnerGraph("_prev", "_backward").backward(value)`` runs micrograd's
+    graph; ``OwnerGraph(parents, vjp, mode="returns").backward(y, grad)``
+    one whose backward returns its parents' gradients."""
+
+    cdef readonly object parents
+    cdef readonly object backward_
+    cdef readonly str mode
+    cdef readonly bint returns
+    cdef readonly object num_inputs
+    cdef readonly object metadata
+    cdef readonly object accumulate
+    cdef readonly object visit
+    cdef readonly object needs_no_gradient
+    cdef readonly object pre_hook
+    cdef readonly object post_hook
+
+    def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
+                 accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
+                 post_hook=None):
+        self.parents = check_reader("parents", parents)
+        self.backward_ = check_reader("backward", backward)
+        if mode != WRITES and mode != RETURNS:
+            raise ValueError(f"mode must be {WRITES!r} or {RETURNS!r}, got {mode!r}")
+        self.mode = mode
+        self.returns = mode == RETURNS
+        if not self.returns:
+            for what, value in (("num_inputs", num_inputs), ("metadata", metadata),
+                                ("accumulate", accumulate)):
+                if value is not None:
+                    raise TypeError(f"{what} is for mode={RETURNS!r}: in mode={WRITES!r} "
+                                    "the owners write their parents' gradients themselves")
+        self.num_inputs = _check_optional("num_inputs", num_inputs)
+        self.metadata = _check_optional("metadata", metadata)
+        self.accumulate = _check_optional("accumulate", accumulate)
+        self.visit = _check_optional("visit", visit)
+        self.needs_no_gradient = _check_optional("needs_no_gradient", needs_no_gradient)
+        self.pre_hook = _check_optional("pre_hook", pre_hook)
+        self.post_hook = _check_optional("post_hook", post_hook)
+
+    def backward(self, root, grad=None):
+        """Run backward from ``root`` (an owner, or a pair ``(owner,
+        input_nr)``): ``grad`` is its gradient (returns mode; writes mode
+        takes none)."""
+        run_owner_graph(self, root, grad, None, False)
+
+    def grad(self, root, grad, inputs, allow_unused=False):
+        """The gradients flowing into ``inputs`` (owners or pairs), in order;
+        nothing is accumulated. Returns mode only."""
+        return run_owner_graph(self, root, grad, list(inputs), allow_unused)
+
+    def __repr__(self):
+        return f"OwnerGraph({self.parents!r}, {self.backward_!r}, mode={self.mode!r})"
+
+
+cdef inline int split_item(object item, object holder, PyObject** parent,
+                           Py_ssize_t* input_nr) except -1:
+    """Set ``parent`` and ``input_nr`` from a parent item of ``holder``;
+    return 0 where no gradient flows (None, or a pair whose owner is None),
+    else 1. Makes no object."""
+    if item is None:
+        return 0
+    if PyTuple_CheckExact(item):
+        if (len(<tuple>item) != 2 or not PyLong_Check((<tuple>item)[1])
+                or PyBool_Check((<tuple>item)[1])):
+            split_item_slow(item, holder)  # raises, with the twin's message
+        if (<tuple>item)[0] is None:
+            return 0
+        parent[0] = <PyObject*>(<tuple>item)[0]
+        input_nr[0] = (<tuple>item)[1]
+        return 1
+    parent[0] = <PyObject*>item
+    input_nr[0] = 0
+    return 1
+
+
+cdef inline bint is_builtin_collection(object collection) noexcept:
+    return (type(collection) is set or type(collection) is tuple or type(collection) is list
+            or type(collection) is frozenset)
+
+
+cdef int count_slots(OwnerGraph graph, object owner) except -1:
+    """``num_inputs(owner)``, checked; 1 without ``num_inputs``."""
+    if graph.num_inputs is None:
+        return 1
+    return count_slots_slow(graph, owner)
+
+
+cdef int check_input_nr(object owner, Py_ssize_t input_nr, dict slots, object where) except -1:
+    cdef Py_ssize_t count = slots[id(owner)]
+    if not 0 <= input_nr < count:
+        check_input_nr_slow(owner, input_nr, slots, where)  # raises, with the twin's message
+    return 0
+
+
+cdef tuple read_metadata(OwnerGraph graph, object owner):
+    """``metadata(owner)`` as the Node API reads ``input_metadata``: each
+    entry an InputMetadata, None, a ``(shape, dtype[, device])`` tuple or a
+    value to read them from."""
+    return tuple([as_input_metadata(spec) for spec in graph.metadata(owner)])
+
+
 cdef struct Frame:
     PyObject* owner  # borrowed: the held list owns it
-    # The owner's children are children[next:end] of the search's arena
-    # (See post_order); the frame owns [start, end) there.
+    # The owner's items are arena[start:end]; the next to read is arena[next].
     size_t start
     size_t next
     size_t end
     size_t slot  # the owner's slot index in the search's map: a hint
 
 
-cdef int push_frame(vector[Frame]& stack, vector[PyObject*]& arena, object owner, size_t slot,
-                    object collection) except -1:
-    """Start the search below ``owner``, whose collection of children is
-    ``collection`` (not empty): snapshot it, through its own iteration, at
-    the end of the arena, each child owned. See Note [Owner graphs]."""
-    cdef Frame frame
-    frame.owner = <PyObject*>owner
-    frame.slot = slot
-    frame.start = arena.size()
-    for child in collection:
-        # An error here leaves the children read so far in the arena, which
-        # owns them: post_order releases them all.
-        Py_INCREF(child)
-        arena.push_back(<PyObject*>child)
-    frame.next = frame.start
-    frame.end = arena.size()
-    stack.push_back(frame)
+cdef int read_parents(object parents, object owner, vector[PyObject*]& arena) except -1:
+    """Append the snapshot of ``owner``'s parent items to the arena, each
+    owned, read once through their own iteration. An error leaves the items
+    read so far in the arena, which owns them: search releases them all."""
+    cdef object collection = (getattr(owner, <str>parents) if type(parents) is str
+                              else PyObject_CallOneArg(parents, owner))
+    if collection is None or (is_builtin_collection(collection) and len(collection) == 0):
+        return 0
+    for item in collection:
+        Py_INCREF(item)
+        arena.push_back(<PyObject*>item)
     return 0
 
 
-cdef int post_order(object root, str children, list held, vector[PyObject*]& order) except -1:
-    """Append to ``order`` the non-leaf owners under ``root`` in the
-    depth-first post-order of Note [Owner graphs] (borrowed: ``held`` keeps
-    every owner seen alive, so that no address is reused while the search
-    runs attribute lookups). Each owner's collection is read once, into a
-    snapshot the search owns: the frames' ranges of one arena, used as a
-    stack, so that no object is made per owner. Iterative: any depth; it
-    lets other threads run as it goes (See Note [Long passes let other
-    threads run])."""
-    cdef object collection = getattr(root, children)
-    if not collection:
-        return 0
+cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[char]& is_leaf,
+                list items_of, dict slots, list held, bint keep_items) except -1:
+    """Append to ``order`` the owners under ``root`` in the depth-first
+    post-order of Note [Owner graphs] (borrowed: ``held`` keeps every owner
+    seen alive, so that no address is reused), with ``is_leaf`` beside it,
+    each owner's items (a tuple) to ``items_of`` with ``keep_items``, and (in
+    returns mode) its slot count to ``slots`` (by id). The snapshots are the
+    frames' ranges of one arena, used as a stack, so that no object is made
+    per owner without ``keep_items``. Iterative: any depth; it lets other
+    threads run as it goes (See Note [Long passes let other threads run])."""
+    cdef object parents = graph.parents
+    cdef object needs_no_gradient = graph.needs_no_gradient
     cdef DependencyMap seen  # only the search states; its counts go unused
     cdef vector[Frame] stack
     cdef vector[PyObject*] arena
     cdef Frame* frame
-    cdef PyObject* child
-    cdef SearchState state
+    cdef PyObject* parent
+    cdef Py_ssize_t input_nr
+    cdef SearchState parent_state
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     cdef size_t i, slot
-    held.append(root)
-    slot = seen.enter(<PyObject*>root)
     try:
-        push_frame(stack, arena, root, slot, collection)
+        slot = seen.enter(<PyObject*>root)
+        reach_owner(graph, root, slot, seen, stack, arena, order, is_leaf, items_of, slots, held,
+                    keep_items)
         while not stack.empty():
             let_others_run(&work_left)
             frame = &stack.back()
             if frame.next == frame.end:
-                order.push_back(frame.owner)
                 seen.finish(frame.owner, frame.slot)
+                order.push_back(frame.owner)
+                is_leaf.push_back(0)
+                if keep_items:
+                    items_of.append(tuple([<object>arena[i] for i in range(frame.start, frame.end)]))
                 for i in range(frame.start, frame.end):
                     decref(arena[i])
                 arena.resize(frame.start)
                 stack.pop_back()
                 continue
-            child = arena[frame.next]
+            item = <object>arena[frame.next]
             frame.next += 1
+            if not split_item(item, <object>frame.owner, &parent, &input_nr):
+                continue
+            if needs_no_gradient is not None and needs_no_gradient(<object>parent):
+                continue
             if seen.full():
                 # See pyengine/_table_growth.h.
                 while not seen.grow_step():
                     yield_to_other_threads()
-            state = seen.add_edge(child, &slot)
-            if state == SEARCH_ON_PATH:
-                raise cycle_error(<object>child, children)
-            if state == SEARCH_FINISHED:
-                continue
-            held.append(<object>child)
-            collection = getattr(<object>child, children)
-            if not collection:
-                seen.finish(child, slot)  # a leaf
-                continue
-            push_frame(stack, arena, <object>child, slot, collection)
+            parent_state = seen.add_edge(parent, &slot)
+            if parent_state == SEARCH_ON_PATH:
+                raise cycle_error(<object>parent, parents)
+            holder = <object>frame.owner  # reach_owner may move the frames
+            if parent_state != SEARCH_FINISHED:
+                reach_owner(graph, <object>parent, slot, seen, stack, arena, order, is_leaf,
+                            items_of, slots, held, keep_items)
+            if graph.returns:
+                check_input_nr(<object>parent, input_nr, slots, holder)
     finally:
         # What an error (a cycle, an attribute, Ctrl-C) left.
         for i in range(arena.size()):
@@ -113,24 +250,311 @@ cdef int post_order(object root, str children, list held, vector[PyObject*]& ord
     return 0
 
 
-cdef int run_owner_graph(object root, str children, str method,
-                         GraphTask graph_task) except -1:
-    """Call ``owner.<method>()`` for each non-leaf owner under ``root``, in
-    the reverse of the post-order, as a node of ``graph_task`` runs: the
-    order and state the translated graph would run in. See Note [Owner
-    graphs]. The first error stops it and propagates."""
-    cdef list held = []
-    cdef vector[PyObject*] order
-    post_order(root, children, held, order)
+cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, DependencyMap& seen,
+                     vector[Frame]& stack, vector[PyObject*]& arena, vector[PyObject*]& order,
+                     vector[char]& is_leaf, list items_of, dict slots, list held,
+                     bint keep_items) except -1:
+    """Read an owner the search reaches first: a leaf finishes at once,
+    another one starts a frame."""
+    held.append(owner)
+    if graph.returns:
+        slots[id(owner)] = count_slots(graph, owner)
+    cdef Frame frame
+    frame.start = arena.size()
+    read_parents(graph.parents, owner, arena)
+    if arena.size() == frame.start:
+        seen.finish(<PyObject*>owner, slot)
+        order.push_back(<PyObject*>owner)
+        is_leaf.push_back(1)
+        if keep_items:
+            items_of.append(())
+        return 0
+    frame.owner = <PyObject*>owner
+    frame.slot = slot
+    frame.next = frame.start
+    frame.end = arena.size()
+    stack.push_back(frame)
+    return 0
+
+
+cdef object call_backward(OwnerGraph graph, object owner, list grads):
+    """The owner's backward (See Note [Owner graphs]); in returns mode its
+    gradients, checked in number."""
+    cdef object backward = graph.backward_
+    if not graph.returns:
+        if type(backward) is str:
+            PyObject_CallMethodNoArgs(owner, backward)
+        else:
+            PyObject_CallOneArg(backward, owner)
+        return None
+    outputs = (PyObject_CallMethodOneArg(owner, backward, grads) if type(backward) is str
+               else backward(owner, grads))
+    return outputs
+
+
+cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, tuple items, dict buffers,
+                        dict slots, dict metadata_of) except -1:
+    """Run one owner's hooks and backward; in returns mode check its
+    gradients and sum them into its parents' InputBuffers."""
+    cdef bint returns = graph.returns
+    if graph.pre_hook is not None:
+        result = graph.pre_hook(owner, grads if returns else [])
+        if result is not None:
+            if not returns:
+                raise TypeError(f"pre_hook of a {owner_name(owner)} returned "
+                                f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
+            grads = check_hook_result(owner, "pre_hook", result, len(grads))
+    outputs = call_backward(graph, owner, grads)
+    if not returns:
+        if graph.post_hook is not None:
+            result = graph.post_hook(owner, [], [])
+            if result is not None:
+                raise TypeError(f"post_hook of a {owner_name(owner)} returned "
+                                f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
+        return 0
+    if not isinstance(outputs, (list, tuple)):
+        raise TypeError(f"the backward of a {owner_name(owner)} returned "
+                        f"{type(outputs).__name__}; expected a list or tuple of {len(items)} "
+                        "gradients, one per parent item")
+    if len(outputs) != len(items):
+        raise RuntimeError(f"the backward of a {owner_name(owner)} returned {len(outputs)} "
+                           f"gradients; expected {len(items)}, one per parent item")
+    cdef list checked = list(outputs)
+    check_outputs(graph, owner, checked, items, slots, metadata_of)
+    if graph.post_hook is not None:
+        result = graph.post_hook(owner, checked, grads)
+        if result is not None:
+            checked = check_hook_result(owner, "post_hook", result, len(items))
+            check_outputs(graph, owner, checked, items, slots, metadata_of)
+    if anomaly_enabled() and anomaly_check_nan():
+        check_nan(owner, checked)
+    route_gradients(owner, checked, items, buffers, slots)
+    return 0
+
+
+cdef int check_outputs(OwnerGraph graph, object owner, list outputs, tuple items, dict slots,
+                       dict metadata_of) except -1:
+    """validate_outputs for an owner: a gradient for a parent that gets none
+    is dropped; the others are values, checked against the parent's
+    metadata where the framework gives it."""
+    cdef PyObject* parent
+    cdef Py_ssize_t input_nr
+    cdef Py_ssize_t i
+    format_error = None
+    for i in range(len(outputs)):
+        grad = outputs[i]
+        if grad is None:
+            continue
+        if not split_item(items[i], owner, &parent, &input_nr) or id(<object>parent) not in slots:
+            outputs[i] = None
+            continue
+        metadata = None
+        if graph.metadata is not None:
+            all_metadata = metadata_of.get(id(<object>parent))
+            if all_metadata is None:
+                all_metadata = metadata_of[id(<object>parent)] = read_metadata(graph,
+                                                                               <object>parent)
+            if input_nr < len(all_metadata):
+                metadata = all_metadata[input_nr]
+        if gradient_matches(metadata, grad):
+            continue
+        if format_error is None:
+            format_error = format_owner_error(owner)
+        outputs[i] = validate_gradient(i, grad, metadata, format_error)
+    return 0
+
+
+cdef inline bint gradient_matches(object metadata, object grad) noexcept:
+    """A numpy gradient that validate_gradient would return as it is: any
+    numpy array where there is no metadata, else one whose dtype, shape and
+    device are the slot's."""
+    if metadata is None:
+        return type(grad) is cnp.ndarray
+    return type(metadata) is InputMetadata and numpy_gradient_matches(<InputMetadata>metadata, grad)
+
+
+cdef int route_gradients(object owner, list outputs, tuple items, dict buffers,
+                         dict slots) except -1:
+    """Sum each gradient into its parent's InputBuffer, made on the first."""
+    cdef PyObject* parent
+    cdef Py_ssize_t input_nr
+    cdef Py_ssize_t i
+    cdef InputBuffer buffer
+    for i in range(len(outputs)):
+        grad = outputs[i]
+        if grad is None:
+            continue
+        split_item(items[i], owner, &parent, &input_nr)
+        key = id(<object>parent)
+        buffer = buffers.get(key)
+        if buffer is None:
+            buffer = buffers[key] = new_input_buffer(slots[key])
+        buffer.add(input_nr, grad, False)
+    return 0
+
+
+cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, object owner,
+                 Py_ssize_t sequence_nr, list grads, tuple items, dict buffers, dict slots,
+                 dict metadata_of, object accumulate) except -1:
+    """Run one owner (``accumulate``: a leaf's gradient) as a node of
+    ``graph_task`` runs: its thread state, its profiler event, its anomaly
+    note."""
+    # Held: an owner's method may unset the profiler.
+    cdef object callback = <object>profiler() if profiler() != NULL else None
+    cdef object start = _perf_counter_ns() if callback is not None else 0
     cdef ThreadState* thread = thread_state()
     cdef ThreadState previous = thread[0]
     cdef ThreadState running = running_thread_state(graph_task)
-    cdef Py_ssize_t i = <Py_ssize_t>order.size() - 1
-    while i >= 0:
-        thread[0] = running
-        try:
-            PyObject_CallMethodNoArgs(<object>order[i], method)
-        finally:
-            thread[0] = previous
-        i -= 1
+    running.checkpoint_valid = checkpoint_valid
+    thread[0] = running
+    try:
+        if accumulate is not None:
+            accumulate(owner, grads[0] if len(grads) == 1 else grads)
+        else:
+            evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of)
+    except BaseException as error:
+        if anomaly_enabled():
+            add_owner_note(error, owner)
+        raise
+    finally:
+        if callback is not None:
+            # In the running state, as the engine reports a node.
+            callback(OwnerRun(owner, sequence_nr), start, _perf_counter_ns())
+        thread[0] = previous
     return 0
+
+
+cdef inline bint plain_writes(OwnerGraph graph) noexcept:
+    """Writes mode with nothing to run around a method: the loop calls the
+    methods directly (the same calls run_one makes, less what is off)."""
+    return (not graph.returns and graph.pre_hook is None and graph.post_hook is None
+            and profiler() == NULL and not anomaly_enabled())
+
+
+def split_root(graph, root, what):
+    pair = split_item_slow(root, None) if type(root) is tuple else (None if root is None
+                                                                    else (root, 0))
+    if pair is None:
+        raise TypeError(f"{what} must be an owner or a pair (owner, input_nr), got None")
+    return pair
+
+
+cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
+    """Backward over the owner graph under ``root``: See Note [Owner graphs].
+    Returns the captured gradients with ``inputs``, else None."""
+    cdef bint returns = graph.returns
+    if not returns and (grad is not None or inputs is not None):
+        raise TypeError(f"mode={WRITES!r} takes no gradient and no inputs: the owners write "
+                        "their parents' gradients themselves")
+    if returns and grad is None:
+        raise TypeError(f"mode={RETURNS!r} needs the root's gradient")
+    root_owner, root_nr = split_root(graph, root, "root")
+    if graph.needs_no_gradient is not None and graph.needs_no_gradient(root_owner):
+        raise RuntimeError(f"the root (a {owner_name(root_owner)}) needs no gradient: "
+                           "needs_no_gradient says so")
+    wanted = None
+    if inputs is not None:
+        if not inputs:
+            raise RuntimeError("grad needs at least one input")
+        inputs = [split_root(graph, item, f"inputs[{i}]") for i, item in enumerate(inputs)]
+        wanted = {id(owner) for owner, _ in inputs}
+
+    cdef vector[PyObject*] order
+    cdef vector[char] is_leaf
+    cdef list items_of = []
+    cdef dict slots = {}
+    cdef list held = []
+    search(graph, root_owner, order, is_leaf, items_of, slots, held, returns)
+    cdef Py_ssize_t i, k
+    if returns:
+        check_input_nr(root_owner, root_nr, slots, "the root")
+        for i, (owner, input_nr) in enumerate(inputs or ()):
+            if id(owner) in slots:
+                check_input_nr(owner, input_nr, slots, f"inputs[{i}]")
+    if graph.visit is not None:
+        for i in range(<Py_ssize_t>order.size()):
+            graph.visit(<object>order[i])
+
+    cdef ThreadState* thread = thread_state()
+    cdef int depth = (0 if thread.current_graph_task == NULL
+                      else (<GraphTask>thread.current_graph_task).reentrant_depth + 1)
+    cdef GraphTask graph_task = new_graph_task(False, False, depth, None, False,
+                                               thread.multithreading_enabled)
+    # grad(inputs=) prunes, so a reentrant checkpoint is not valid in it.
+    cdef bint checkpoint_valid = inputs is None
+    cdef dict buffers = {}
+    cdef dict metadata_of = {}
+    cdef list captured = [None] * len(inputs) if inputs is not None else None
+    needed = None
+    if inputs is not None:
+        order_list = []
+        is_leaf_list = []
+        for i in range(<Py_ssize_t>order.size()):
+            order_list.append(<object>order[i])
+            is_leaf_list.append(<bint>is_leaf[i])
+        needed = mark_needed(order_list, is_leaf_list, items_of, wanted)
+    cdef InputBuffer buffer
+    if returns:
+        metadata = None
+        if graph.metadata is not None:
+            all_metadata = metadata_of[id(root_owner)] = read_metadata(graph, root_owner)
+            if root_nr < len(all_metadata):
+                metadata = all_metadata[root_nr]
+        grad = validate_gradient(0, grad, metadata, format_root_error)
+        buffer = buffers[id(root_owner)] = new_input_buffer(slots[id(root_owner)])
+        buffer.add(root_nr, grad, False)
+    accumulate = graph.accumulate if graph.accumulate is not None else accumulate_grad
+    cdef ThreadState previous, running
+    cdef object backward = graph.backward_
+    i = <Py_ssize_t>order.size() - 1
+    if plain_writes(graph) and type(backward) is str:
+        # run_one without what is off: no object per owner. See Note [Owner graphs].
+        previous = thread[0]
+        running = running_thread_state(graph_task)
+        while i >= 0:
+            if not is_leaf[i]:
+                thread[0] = running
+                try:
+                    PyObject_CallMethodNoArgs(<object>order[i], backward)
+                finally:
+                    thread[0] = previous
+            i -= 1
+    while i >= 0:
+        owner = <object>order[i]
+        if not returns:
+            if not is_leaf[i]:
+                run_one(graph, graph_task, True, owner, i, None, None, None, None, None, None)
+            i -= 1
+            continue
+        buffer = buffers.pop(id(owner), None)
+        if buffer is None:
+            i -= 1
+            continue
+        grads = buffer.buffer
+        if wanted is not None and id(owner) in wanted:
+            for k, (input_owner, input_nr) in enumerate(inputs):
+                if input_owner is owner and input_nr < len(grads):
+                    captured[k] = grads[input_nr]
+        if is_leaf[i]:
+            if inputs is None:
+                run_one(graph, graph_task, True, owner, i, grads, None, None, None, None,
+                        accumulate)
+        elif needed is None or id(owner) in needed:
+            run_one(graph, graph_task, checkpoint_valid, owner, i, grads, items_of[i], buffers,
+                    slots, metadata_of, None)
+        i -= 1
+    graph_task.mark_as_completed_and_run_post_processing()
+    if graph_task.exception_ is not None:
+        # A final callback's error; taken off the task, as execute does.
+        error = graph_task.exception_
+        graph_task.exception_ = None
+        raise error
+    if captured is None:
+        return None
+    if not allow_unused:
+        for k in range(len(captured)):
+            if captured[k] is None:
+                raise RuntimeError(f"inputs[{k}] (a {owner_name(inputs[k][0])}) was not reached "
+                                   "by any gradient. Set allow_unused=True if this is the "
+                                   "desired behavior.")
+    return captured

@@ -1,20 +1,20 @@
 """The default engine, and swapping another one in.
 
-``backward``, ``grad``, ``queue_callback`` and ``execute_owner_graph`` run
-on the engine returned by :func:`get_default_engine`. Any object with PyTorch's
+``backward``, ``grad`` and ``queue_callback`` run on the engine returned
+by :func:`get_default_engine`. Any object with PyTorch's
 ``execute(roots, grads, keep_graph, create_graph, accumulate_grad, outputs)``
 and ``queue_callback(callback)`` can replace it. Also here: whether device
-nodes run on the devices' worker threads (``set_multithreading_enabled``).
+nodes run on the devices' worker threads (``set_multithreading_enabled``),
+and ``execute_owner_graph``, the short form of an ``OwnerGraph`` in writes
+mode (an owner graph runs on the core's own walk, not through ``execute``).
 """
 
 from __future__ import annotations
 
-from ._core import Edge as _Edge
-from ._core import Engine, execute_translated, is_multithreading_enabled, register_engine
-from ._core import GradientFreeNodeBase as _GradientFreeNodeBase
+from ._core import Engine, OwnerGraph, is_multithreading_enabled, register_engine
 from ._core import set_multithreading_enabled as _set_multithreading_enabled
 
-__all__ = ["Engine", "get_default_engine", "set_default_engine", "queue_callback",
+__all__ = ["Engine", "OwnerGraph", "get_default_engine", "set_default_engine", "queue_callback",
            "execute_owner_graph", "set_multithreading_enabled", "is_multithreading_enabled"]
 
 _default_engine = Engine()
@@ -43,25 +43,27 @@ def queue_callback(callback):
     return _default_engine.queue_callback(callback)
 
 
+# The writes-mode OwnerGraphs execute_owner_graph made, by (children, method):
+# a framework calls it with the same two names at every backward.
+_writes_graphs = {}
+
+
 def execute_owner_graph(root, children, method):
     """Run backward over a framework's own graph of values, read now: call
     ``owner.<method>()`` for ``root`` and for every value below it through
-    the ``children`` collections (attribute names) that has children
-    itself, each once every value made from it has run, in the order of a
-    depth-first topological sort (micrograd's own). For frameworks whose
-    backward closures add into their inputs' ``.grad`` in place (micrograd):
-    no node is made at forward. See Note [Owner graphs] in
-    ``pyengine/_pure/owner_graph.py``.
-
-    An engine swapped in with ``set_default_engine`` that has no
-    ``execute_owner_graph`` runs the graph's translation into nodes with its
-    ``execute``."""
-    engine = _default_engine
-    run = getattr(engine, "execute_owner_graph", None)
-    if run is not None:
-        run(root, children, method)
-    else:
-        execute_translated(engine, root, children, method, _GradientFreeNodeBase, _Edge)
+    the ``children`` collections that has children itself, each once every
+    value made from it has run, in the order of a depth-first topological
+    sort (micrograd's own). For frameworks whose backward closures add into
+    their inputs' ``.grad`` in place (micrograd): no node is made at forward
+    or at backward. ``OwnerGraph(children, method).backward(root)``; See
+    Note [Owner graphs] in ``pyengine/_pure/owner_graph.py``."""
+    try:
+        graph = _writes_graphs[children, method]
+    except (KeyError, TypeError):  # TypeError: a callable that is no key
+        graph = OwnerGraph(children, method)
+        if len(_writes_graphs) < 64 and isinstance(children, str) and isinstance(method, str):
+            _writes_graphs[children, method] = graph
+    graph.backward(root)
 
 
 class set_multithreading_enabled:

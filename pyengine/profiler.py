@@ -196,7 +196,7 @@ _proxy_depth = threading.local()
 
 class _TimedEngine:
     """Forwards everything to ``engine``; times each ``execute`` for the
-    active profiles (their BackwardSpans), an owner graph's too."""
+    active profiles (their BackwardSpans)."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -222,12 +222,6 @@ class _TimedEngine:
 
     def queue_callback(self, callback):
         return self.engine.queue_callback(callback)
-
-    def execute_owner_graph(self, root, children, method):
-        # The translation, through execute above: a span, and nodes to
-        # report. See Note [Owner graphs] in pyengine/_pure/owner_graph.py.
-        _core.execute_translated(self, root, children, method, _core.GradientFreeNodeBase,
-                                 _core.Edge)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)

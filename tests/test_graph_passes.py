@@ -394,7 +394,7 @@ OWNER_LEAVES = 1_000_000 if COMPILED else 100_000
 def test_ctrl_c_during_the_owner_graph_search():
     log = []
     root = Owner("root", [Bare() for _ in range(OWNER_LEAVES)], log)
-    function = "post_order" if COMPILED else "owner_graph_post_order"
+    function = "search"
     error = None
     for _ in range(5):
         previous = interrupt_after(0.005)

@@ -5,9 +5,9 @@ Oracles:
 
 - the order: a recursive depth-first topological sort, written here the way
   micrograd writes its own (``build_topo``), on random graphs whose
-  children are sets, tuples, lists or other iterables; the compiled engine's
-  loop, its translation (reentrant, profiled, anomaly mode) and the twin
-  must all call the methods in its reverse order;
+  children are sets, tuples, lists or other iterables; the walk (plain,
+  reentrant, profiled, in anomaly mode) and its translation run by the
+  engine must all call the methods in its reverse order;
 - the gradients: a tiny scalar framework in the style of micrograd whose
   closures add into their children's ``.grad``, against analytic
   derivatives.
@@ -119,9 +119,10 @@ def test_methods_run_in_micrograds_order(seed, kind):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_translation_paths_keep_the_order(seed, no_anomaly_warning):
-    """Where the compiled engine translates (with a profiler, in anomaly
-    mode, inside another backward), the order is the same."""
+def test_profiled_anomaly_and_reentrant_runs_keep_the_order(seed, no_anomaly_warning):
+    """With a profiler, in anomaly mode and inside another backward the walk
+    runs in the same order; the profiler gets one event per owner run, whose
+    sequence_nr is its place in the post-order."""
     root, log = random_owner_graph(seed, "set")
     expected = reference_order(root)
     with pyengine.profile() as prof:
@@ -130,7 +131,9 @@ def test_the_translation_paths_keep_the_order(seed, no_anomaly_warning):
     assert [event.sequence_nr for event in prof.events] == sorted(
         (event.sequence_nr for event in prof.events), reverse=True)
     assert len(prof.events) == len(expected)
-    assert len(prof.backward_spans) == 1
+    assert {event.name for event in prof.events} == {"Owner"}
+    assert len({event.run for event in prof.events}) == 1 and prof.events[0].run >= 0
+    assert prof.backward_spans == []  # no call of the engine's execute
     log.clear()
     with pyengine.detect_anomaly():
         run_owner_graph(root)
@@ -146,9 +149,9 @@ def test_the_translation_paths_keep_the_order(seed, no_anomaly_warning):
     assert log == expected
 
 
-def test_an_engine_without_owner_graphs_runs_the_translation():
-    """An engine swapped in that has only PyTorch's execute and
-    queue_callback gets the translated graph."""
+def test_an_owner_graph_does_not_go_through_the_default_engine():
+    """An owner graph runs on the core's walk: an engine swapped in is not
+    called, and the order stays micrograd's."""
     root, log = random_owner_graph(0, "set")
     default = pyengine.get_default_engine()
     calls = []
@@ -166,7 +169,7 @@ def test_an_engine_without_owner_graphs_runs_the_translation():
         run_owner_graph(root)
     finally:
         pyengine.set_default_engine(previous)
-    assert calls == [[pyengine._core.GradientFreeNodeBase]]
+    assert calls == []
     assert log == reference_order(root)
 
 
@@ -359,8 +362,9 @@ def test_an_error_in_a_method_stops_the_backward():
 
 
 @pytest.mark.parametrize("children, method, error, match", [
-    (1, "backward", TypeError, "children must be a str .* got int"),
-    ("children", None, TypeError, "method must be a str .* got NoneType"),
+    (1, "backward", TypeError, r"parents must be a str \(an attribute or method name\) or a "
+                               "callable, got int"),
+    ("children", None, TypeError, "backward must be a str .* or a callable, got NoneType"),
     ("missing", "backward", AttributeError, "missing"),
 ])
 def test_bad_arguments(children, method, error, match):

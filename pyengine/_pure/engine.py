@@ -123,7 +123,6 @@ from .graph_task import GraphTask
 from .hooks import add_anomaly_note, call_function, call_tensor_pre_hooks, check_nan, node_name
 from .input_buffer import InputBuffer
 from .node import Edge, GradientFreeNodeBase, NodeBase, node_device, not_initialized_message
-from .owner_graph import execute_translated
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
 from .validate_outputs import validate_outputs
 
@@ -362,15 +361,6 @@ class Engine:
             error, graph_task.exception = graph_task.exception, None
             raise error
         return graph_task.captured_vars
-
-    def execute_owner_graph(self, root, children, method):
-        """Run backward over the owner graph under ``root``: call
-        ``owner.<method>()`` for it and every owner below it through the
-        ``children`` collections that has children itself, each once every
-        owner above it ran, in the order of a framework's depth-first
-        topological sort. See Note [Owner graphs] in
-        ``pyengine/_pure/owner_graph.py``: here, the translation runs."""
-        execute_translated(self, root, children, method, GradientFreeNodeBase, Edge)
 
     def execute_with_graph_task(self, graph_task, graph_root, input_buffer):
         """Queue the root task and drive the graph task: inline on this thread,

@@ -1,170 +1,680 @@
 """Owner graphs: a framework's own graph of values, read when backward runs.
 
-Shared by both cores: the compiled engine runs the same specification
-faster (See Note [Owner graphs]), and falls back to this translation where
-its fast path does not apply.
+This module owns the owner-graph protocol (``OwnerGraph``) and the walk that
+runs it. Twin of ``pyengine/_owner_graph.pyx``: the same search, the same
+loop, the same names, in the same order (See Note [Owner graphs]). It also
+holds the translation into gradient-free nodes (``owner_graph_edge``),
+which both cores use only to look at a graph (``translate_owner_graph``,
+``graph_to_dot``); no backward runs through it.
 
 Note [Owner graphs]
 ~~~~~~~~~~~~~~~~~~~
 Some frameworks keep no backward graph apart from their values: each value
-(an *owner*) holds a collection of the values it was made from (micrograd's
-``_prev``) and a method that adds its ``.grad``'s contribution into theirs
-in place (micrograd's ``_backward``). Such a graph is an *owner graph*:
-``children`` names the collection, ``method`` the method. Its meaning is a
-graph of gradient-free nodes (See Note [GradientFreeNode] in
-``pyengine/_pure/node.py``), built by ``owner_graph_edge``:
+(an *owner*) records what it was made from, and knows how to compute its
+parents' gradients. micrograd's ``_prev``/``_backward``; DeZero's and
+Chainer's ``creator``/``inputs``/``backward``; autograd's ``parents``/
+``vjp``. Such a graph is an *owner graph*, and an ``OwnerGraph`` says how
+to read one: made once per framework (an adapter), it runs backward on any
+owner of it, with no pyengine Node made at forward or at backward.
 
-- every owner reachable from the root through the collections whose own
-  collection is not empty gets a node calling ``owner.<method>()``; an owner
-  with an empty collection is a leaf, and nothing runs for it (only the
-  methods of the owners above it write its ``.grad``);
-- a node's next edges go to the nodes of its owner's distinct non-leaf
-  children, in the collection's iteration order;
-- the nodes are made children first, in the post-order of a depth-first
-  search from the root that visits each collection in its iteration order,
-  so their sequence numbers increase along that post-order and the root's
-  is the highest.
+- ``parents`` (an attribute name, or a callable ``owner -> iterable``): the
+  owner's *parent items*. Each item is an owner, a pair ``(owner,
+  input_nr)`` (an exact ``tuple`` of two, for owners with more than one
+  gradient slot), or None (no gradient flows there). An owner whose items
+  are none at all (an empty collection, or None) is a *leaf*.
+- ``backward`` (a method name, or a callable taking the owner first), in
+  one of two modes:
 
-Running that graph, the ready queue always pops the node latest in the
-post-order among the ready ones; and the node latest in the post-order
-among those not run yet is always ready, because each of its consumers
-finished the search after it (a consumer reaches its child before it
-finishes), so comes later in the post-order and has run. So the nodes run
-in exactly the reverse post-order, and running them in that order needs no
-dependency counts and no ready queue. Two consequences:
+  - ``"writes"`` (micrograd): ``owner.<backward>()`` / ``backward(owner)``
+    writes its parents' gradients itself (``.grad +=``); its result is
+    ignored. Leaves do not run.
+  - ``"returns"`` (DeZero, Chainer, autograd): called with the owner's
+    gradients (a list, one per slot, summed in the core's InputBuffer;
+    None where none arrived), it returns one gradient per parent item, in
+    order. Each is checked (a value of a registered backend; against
+    ``metadata(parent)[input_nr]`` by validate_outputs' rules when the
+    framework gives ``metadata``), then summed into the parent's slot.
+    ``num_inputs(owner)`` (default 1) is an owner's number of slots. A leaf
+    gets its summed gradient by ``accumulate(leaf, gradient)``, default:
+    ``leaf.grad`` set to it, or summed into a ``.grad`` that is not None,
+    out of place (the first gradient is stored as it is and never written
+    into). An owner at which no gradient arrived (all its slots None) does
+    not run and passes None on: its backward need not handle that case.
 
-- A depth-first post-order that visits the collections in their iteration
-  order is what micrograd's own ``backward`` computes (its recursive
-  ``build_topo``), so the closures run in micrograd's order and every
-  ``.grad`` is bitwise micrograd's.
-- The compiled engine needs no node objects to run an owner graph: it
-  computes the post-order (a search with a C stack, so any depth works) and
-  calls the methods in reverse, with the thread state a graph task's node
-  sees (grad mode off, the graph task current, so ``queue_callback``
-  works). No object is made per owner, which matters more than the
-  search's speed: micrograd's values are reference cycles, so the cyclic
-  GC frees each graph, and every tracked object made per value, whether at
-  forward or at backward, makes the GC's collections both more frequent
-  and longer (``benchmarks/RESULTS.md`` has the figures). Inside another
-  backward (reentrant), with a profiler, or with anomaly mode on, it runs
-  the translation instead: the enclosing graph task, the profiler's events
-  and anomaly mode's notes need nodes.
+The search. From the root, a depth-first search reads each owner's items
+once, in their iteration order, into a snapshot of its own when it first
+reaches the owner (so a collection edited while the search runs changes
+nothing read already, and both cores read the same owners in the same
+order), skips None items and the owners ``needs_no_gradient`` (optional)
+says need no gradient (asked per item read: they are neither searched nor
+given gradients), and appends each owner to the *post-order* when its
+search finishes (a leaf: when first reached). Owners are told apart by
+identity, whatever their ``==``. A cycle (an owner among its own
+descendants) is an error: no order runs it. ``visit(owner)`` (optional) is
+then called once per owner reached, leaves included, in the post-order,
+before any backward runs: a framework prepares its values there (zeroes a
+gradient, clears a flag).
 
-The search reads each owner's collection exactly once, through its own
-iteration, when it first reaches that owner (after the ``children`` lookup
-that told it the owner is no leaf), into a snapshot it owns (the twin:
-``tuple(collection)``; the compiled core: owned references in one C array
-used as a stack, so still no object per owner; an iterator made and freed
-at once leaves the GC's allocation count where it was). So a collection
-that changes while the search runs (a ``children`` property that edits
-other collections, another thread) changes nothing the search already
-read, and both cores visit the same owners in the same order. The compiled
-search lets other threads run, and honours Ctrl-C, as it goes (See Note
-[Long passes let other threads run] in ``pyengine/_interrupts.pxd``).
+The order. The owners run in the reverse of the post-order. That is the
+order the ready queue runs the translated graph in, a node per owner (an
+AccumulateGrad-like node per leaf in returns mode) made in the post-order,
+so that sequence numbers increase along it: the ready queue pops the ready
+node latest in the post-order, and the node latest in the post-order among
+those not run yet is always ready, because each of its consumers finished
+the search after it (a consumer reaches its parent before it finishes), so
+comes later in the post-order and has run. So running the reverse
+post-order needs no dependency counts and no ready queue, and:
 
-The graph belongs to the framework: it is read at each backward and never
-released, so backward can run again. An owner graph with a cycle (an owner
-among its own descendants) is an error, as it is for a backward graph: no
-order runs it.
+- it is micrograd's own order (its recursive ``build_topo`` is this
+  depth-first post-order), so every ``.grad`` is bitwise micrograd's;
+- the compiled core needs no object per owner in writes mode. That matters
+  more than the search's speed: micrograd's values are reference cycles, so
+  the cyclic GC frees each graph, and every tracked object made per value
+  makes the GC's collections both more frequent and longer
+  (``benchmarks/RESULTS.md`` has the figures). Its search keeps each
+  owner's snapshot in one C array used as a stack. In returns mode it keeps
+  a tuple per owner (the items, to route the gradients), a slot count and
+  an InputBuffer per owner a gradient reaches.
+
+Each owner runs as a node of a graph task runs: grad mode off, the graph
+task current (so ``queue_callback`` works; its callbacks run when the walk
+ends), a reentrant checkpoint valid unless ``inputs=`` prunes. Inside
+another backward (a node's ``apply`` runs an owner graph: reentrant) the
+graph task is one level deeper. Around each owner's backward (leaves'
+``accumulate`` excluded), ``pre_hook(owner, grads)`` may return new
+gradients, and ``post_hook(owner, grad_inputs, grads)`` new returned
+gradients, as a Node's pre-hooks and hooks do (Chainer's function hooks
+are protocol-wide too); in writes mode they get empty lists and must
+return None. In anomaly mode an error names the owner in a note, and the
+returned gradients are checked for NaN where ``check_nan`` is on. With a
+profiler, each owner run (an accumulated leaf included) is one event,
+named after the owner's type, whose ``sequence_nr`` is its index in the
+post-order. An owner-graph run is no call of the engine's ``execute``, so
+it has no BackwardSpan.
+
+``grad(root, grad, inputs)`` computes the gradients flowing into
+``inputs`` (owners, or pairs for one slot) instead: nothing is accumulated,
+and only owners with a path to an input run, as ``torch.autograd.grad``.
+An input no gradient reached is None with ``allow_unused=True``, an error
+otherwise.
+
+What differs from torch.autograd: the graph belongs to the framework, so
+it is read at each backward and never released (backward can run again);
+a leaf's gradient is what ``accumulate`` does with it; there is no
+``create_graph`` (backward runs with grad mode off: a framework that
+differentiates twice records its own second graph) and no stream rule (the
+gradients are summed on the caller's current stream); an owner at which no
+gradient arrived does not run (torch runs such a node with undefined
+gradients); a nested
+``backward`` inside an owner's method is reentrant only when the owner
+graph itself runs inside another backward (otherwise it is a backward of
+its own on this thread). The walk lets other threads run, and the compiled
+one honours Ctrl-C, as it goes (See Note [Long passes let other threads
+run] in ``pyengine/_interrupts.pxd``).
 """
 
-__all__ = ["check_owner_graph_arguments", "cycle_error", "execute_translated",
-           "owner_graph_edge", "owner_graph_post_order"]
+import time
+
+import numpy as np
+
+from ..backends import backend_of
+from . import state
+from .graph_task import GraphTask
+from .input_buffer import InputBuffer
+from .node import MAX_INPUT_NR, InputMetadata, as_input_metadata
+from .validate_outputs import validate_gradient
+
+__all__ = ["OwnerGraph", "OwnerRun", "WRITES", "RETURNS", "check_reader", "cycle_error",
+           "owner_graph_edge", "owner_name", "search", "run_owner_graph"]
+# The compiled twin imports the slow paths below it does not rewrite (the
+# errors' messages, accumulate_grad, mark_needed, OwnerRun).
+
+WRITES = "writes"
+RETURNS = "returns"
+
+# What the search knows of an owner it has seen (absent: not seen).
+_ON_PATH = 0  # its search is not finished
+_FINISHED = 1
 
 
-def check_owner_graph_arguments(children, method):
-    if not isinstance(children, str):
-        raise TypeError(f"children must be a str (an attribute name), got {type(children).__name__}")
-    if not isinstance(method, str):
-        raise TypeError(f"method must be a str (a method name), got {type(method).__name__}")
+def owner_name(owner):
+    return type(owner).__name__
 
 
-def cycle_error(owner, children):
+def check_reader(what, reader):
+    """``reader`` if it is an attribute name or a callable; else TypeError."""
+    if isinstance(reader, str) or callable(reader):
+        return reader
+    raise TypeError(f"{what} must be a str (an attribute or method name) or a callable, "
+                    f"got {type(reader).__name__}")
+
+
+def _check_optional(what, value):
+    if value is not None and not callable(value):
+        raise TypeError(f"{what} must be a callable or None, got {type(value).__name__}")
+    return value
+
+
+def cycle_error(owner, parents):
+    through = repr(parents) if isinstance(parents, str) else "its parents"
     return RuntimeError(
-        f"the owner graph has a cycle: a {type(owner).__name__} is among its own "
-        f"descendants through {children!r}")
+        f"the owner graph has a cycle: a {owner_name(owner)} is among its own "
+        f"descendants through {through}")
 
 
-# What owner_graph_post_order knows of an owner it has seen.
-_ON_STACK = 0  # its search is not finished
-_NODE = 1  # finished, and it has children: it has a node
-_LEAF = 2  # no children: no node
+class OwnerRun:
+    """What the profiler sees of one owner run: See Note [Owner graphs]."""
 
+    __slots__ = ("owner", "_sequence_nr")
+    _input_metadata = ()
 
-class _Frame:
-    """The search's place in one owner's collection of children."""
-
-    __slots__ = ("owner", "children", "node_children", "node_child_ids")
-
-    def __init__(self, owner, collection):
+    def __init__(self, owner, sequence_nr):
         self.owner = owner
-        # Read once, here: See Note [Owner graphs].
-        self.children = iter(tuple(collection))
-        self.node_children = []  # its distinct non-leaf children so far
-        self.node_child_ids = set()
+        self._sequence_nr = sequence_nr
 
-    def add_node_child(self, child):
-        if id(child) not in self.node_child_ids:
-            self.node_child_ids.add(id(child))
-            self.node_children.append(child)
+    def name(self):
+        return owner_name(self.owner)
 
 
-def owner_graph_post_order(root, children):
-    """The non-leaf owners under ``root`` (its own ``children`` collection
-    included), each with the list of its distinct non-leaf children: pairs
-    in the depth-first post-order of Note [Owner graphs]. Empty when
-    ``root`` is a leaf. Iterative, so any depth works. Owners are told
-    apart by identity, whatever their ``==``."""
-    collection = getattr(root, children)
-    if not collection:
-        return []
-    seen = {id(root): _ON_STACK}
-    held = [root]  # keeps every owner seen alive, so that its id stays its own
-    order = []
-    stack = [_Frame(root, collection)]
+class OwnerGraph:
+    """How to read a framework's own graph, and backward on it. See Note
+    [Owner graphs] for every argument; made once per framework.
+
+    ``OwnerGraph("_prev", "_backward").backward(value)`` runs micrograd's
+    graph; ``OwnerGraph(parents, vjp, mode="returns").backward(y, grad)``
+    one whose backward returns its parents' gradients."""
+
+    __slots__ = ("parents", "backward_", "mode", "returns", "num_inputs", "metadata",
+                 "accumulate", "visit", "needs_no_gradient", "pre_hook", "post_hook")
+
+    def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
+                 accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
+                 post_hook=None):
+        self.parents = check_reader("parents", parents)
+        self.backward_ = check_reader("backward", backward)
+        if mode != WRITES and mode != RETURNS:
+            raise ValueError(f"mode must be {WRITES!r} or {RETURNS!r}, got {mode!r}")
+        self.mode = mode
+        self.returns = mode == RETURNS
+        if not self.returns:
+            for what, value in (("num_inputs", num_inputs), ("metadata", metadata),
+                                ("accumulate", accumulate)):
+                if value is not None:
+                    raise TypeError(f"{what} is for mode={RETURNS!r}: in mode={WRITES!r} "
+                                    "the owners write their parents' gradients themselves")
+        self.num_inputs = _check_optional("num_inputs", num_inputs)
+        self.metadata = _check_optional("metadata", metadata)
+        self.accumulate = _check_optional("accumulate", accumulate)
+        self.visit = _check_optional("visit", visit)
+        self.needs_no_gradient = _check_optional("needs_no_gradient", needs_no_gradient)
+        self.pre_hook = _check_optional("pre_hook", pre_hook)
+        self.post_hook = _check_optional("post_hook", post_hook)
+
+    def backward(self, root, grad=None):
+        """Run backward from ``root`` (an owner, or a pair ``(owner,
+        input_nr)``): ``grad`` is its gradient (returns mode; writes mode
+        takes none)."""
+        run_owner_graph(self, root, grad, None, False)
+
+    def grad(self, root, grad, inputs, allow_unused=False):
+        """The gradients flowing into ``inputs`` (owners or pairs), in order;
+        nothing is accumulated. Returns mode only."""
+        return run_owner_graph(self, root, grad, list(inputs), allow_unused)
+
+    def __repr__(self):
+        return f"OwnerGraph({self.parents!r}, {self.backward_!r}, mode={self.mode!r})"
+
+
+def read_parents(parents, owner):
+    """The snapshot of ``owner``'s parent items, read once through their own
+    iteration."""
+    collection = getattr(owner, parents) if type(parents) is str else parents(owner)
+    if collection is None or (is_builtin_collection(collection) and len(collection) == 0):
+        return ()
+    return tuple(collection)
+
+
+def is_builtin_collection(collection):
+    return type(collection) in (set, tuple, list, frozenset)
+
+
+def split_item(item, holder):
+    """``(parent, input_nr)`` of a parent item of ``holder``, or None where
+    no gradient flows (None, or a pair whose owner is None)."""
+    if item is None:
+        return None
+    if type(item) is tuple:
+        if len(item) != 2 or not isinstance(item[1], int) or isinstance(item[1], bool):
+            raise TypeError(f"a parent item of a {owner_name(holder)} is a tuple of "
+                            f"{len(item)}: expected an owner, None, or a pair (owner, input_nr) "
+                            "with an int input_nr")
+        if item[0] is None:
+            return None
+        return item
+    return (item, 0)
+
+
+def count_slots(graph, owner):
+    """``num_inputs(owner)``, checked; 1 without ``num_inputs``."""
+    if graph.num_inputs is None:
+        return 1
+    count = graph.num_inputs(owner)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise TypeError(f"num_inputs({owner_name(owner)}) must be an int of at least 1, "
+                        f"got {count!r}")
+    if count > MAX_INPUT_NR:
+        # See Note [Edge input_nr]: no list of a billion slots mid-backward.
+        raise ValueError(f"num_inputs({owner_name(owner)}) is {count}; at most {MAX_INPUT_NR} "
+                         "slots are allowed")
+    return count
+
+
+def read_metadata(graph, owner):
+    """``metadata(owner)`` as the Node API reads ``input_metadata``: each
+    entry an InputMetadata, None, a ``(shape, dtype[, device])`` tuple or a
+    value to read them from."""
+    return tuple([as_input_metadata(spec) for spec in graph.metadata(owner)])
+
+
+def check_input_nr(owner, input_nr, slots, where):
+    """That ``input_nr`` is a slot of ``owner``; ``where`` names the item in
+    the error (a str, or the owner whose parent item it is)."""
+    count = slots[id(owner)]
+    if not 0 <= input_nr < count:
+        if not isinstance(where, str):
+            where = f"a parent item of a {owner_name(where)}"
+        raise IndexError(f"{where} names slot {input_nr} of a {owner_name(owner)}, which has "
+                         f"{count} slot{'s' if count != 1 else ''}")
+
+
+def search(graph, root, order, is_leaf, items_of, slots, held, keep_items):
+    """Append to ``order`` the owners under ``root`` in the depth-first
+    post-order of Note [Owner graphs], with ``is_leaf`` beside it, each
+    owner's items to ``items_of`` with ``keep_items``, and (in returns mode)
+    its slot count to ``slots`` (by id). ``held`` keeps every owner seen alive, so that its id
+    stays its own. Iterative: any depth."""
+    parents = graph.parents
+    needs_no_gradient = graph.needs_no_gradient
+    returns = graph.returns
+    seen = {}
+    stack = []  # frames: [owner, items, index of the next item]
+    reach_owner(graph, root, seen, stack, order, is_leaf, items_of, slots, held, keep_items)
     while stack:
         frame = stack[-1]
-        for child in frame.children:
-            child_state = seen.get(id(child))
-            if child_state is None:
-                held.append(child)
-                grandchildren = getattr(child, children)
-                if not grandchildren:
-                    seen[id(child)] = _LEAF
-                    continue
-                seen[id(child)] = _ON_STACK
-                frame.add_node_child(child)
-                stack.append(_Frame(child, grandchildren))
-                break  # search the child first; this frame resumes after it
-            if child_state == _ON_STACK:
-                raise cycle_error(child, children)
-            if child_state == _NODE:
-                frame.add_node_child(child)
-        else:
+        items = frame[1]
+        if frame[2] == len(items):
             stack.pop()
-            seen[id(frame.owner)] = _NODE
-            order.append((frame.owner, frame.node_children))
-    return order
+            owner = frame[0]
+            seen[id(owner)] = _FINISHED
+            order.append(owner)
+            is_leaf.append(False)
+            if keep_items:
+                items_of.append(items)
+            continue
+        item = items[frame[2]]
+        frame[2] += 1
+        pair = split_item(item, frame[0])
+        if pair is None:
+            continue
+        parent = pair[0]
+        if needs_no_gradient is not None and needs_no_gradient(parent):
+            continue
+        parent_state = seen.get(id(parent))
+        if parent_state is None:
+            reach_owner(graph, parent, seen, stack, order, is_leaf, items_of, slots, held,
+                        keep_items)
+        elif parent_state == _ON_PATH:
+            raise cycle_error(parent, parents)
+        if returns:
+            check_input_nr(parent, pair[1], slots, frame[0])
+
+
+def reach_owner(graph, owner, seen, stack, order, is_leaf, items_of, slots, held, keep_items):
+    """Read an owner the search reaches first: a leaf finishes at once,
+    another one starts a frame."""
+    held.append(owner)
+    if graph.returns:
+        slots[id(owner)] = count_slots(graph, owner)
+    items = read_parents(graph.parents, owner)
+    if not items:
+        seen[id(owner)] = _FINISHED
+        order.append(owner)
+        is_leaf.append(True)
+        if keep_items:
+            items_of.append(items)
+        return
+    seen[id(owner)] = _ON_PATH
+    stack.append([owner, items, 0])
+
+
+def mark_needed(order, is_leaf, items_of, wanted):
+    """The owners (by id) with a path to an owner in ``wanted`` (by id): in
+    the post-order every parent comes before its owner."""
+    needed = set()
+    for i in range(len(order)):
+        if is_leaf[i]:
+            continue
+        for item in items_of[i]:
+            pair = split_item(item, order[i])
+            if pair is not None and (id(pair[0]) in wanted or id(pair[0]) in needed):
+                needed.add(id(order[i]))
+                break
+    return needed
+
+
+def accumulate_grad(leaf, gradient):
+    """The default ``accumulate``: See Note [Owner graphs]."""
+    old = getattr(leaf, "grad", None)
+    if old is None:
+        leaf.grad = gradient
+    else:
+        backend = backend_of(old)
+        leaf.grad = old + gradient if backend is None else backend.add(old, gradient)
+
+
+def format_root_error(message):
+    return f"the root's gradient: {message}"
+
+
+def format_owner_error(owner):
+    name = owner_name(owner)
+    return lambda message: f"the backward of a {name}: {message}"
+
+
+def check_hook_result(owner, what, result, count):
+    """A hook's replacement gradients as a list of ``count``."""
+    if not isinstance(result, (list, tuple)) or len(result) != count:
+        got = f"{len(result)} values" if isinstance(result, (list, tuple)) else type(result).__name__
+        raise RuntimeError(f"{what} of a {owner_name(owner)} returned {got}; expected None or "
+                           f"a list of {count} gradients")
+    return list(result)
+
+
+def call_backward(graph, owner, grads):
+    """The owner's backward (See Note [Owner graphs]); in returns mode its
+    gradients, checked in number."""
+    backward = graph.backward_
+    if not graph.returns:
+        if type(backward) is str:
+            getattr(owner, backward)()
+        else:
+            backward(owner)
+        return None
+    outputs = getattr(owner, backward)(grads) if type(backward) is str else backward(owner, grads)
+    return outputs
+
+
+def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of):
+    """Run one owner's hooks and backward; in returns mode check its
+    gradients and sum them into its parents' InputBuffers."""
+    returns = graph.returns
+    if graph.pre_hook is not None:
+        result = graph.pre_hook(owner, grads if returns else [])
+        if result is not None:
+            if not returns:
+                raise TypeError(f"pre_hook of a {owner_name(owner)} returned "
+                                f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
+            grads = check_hook_result(owner, "pre_hook", result, len(grads))
+    outputs = call_backward(graph, owner, grads)
+    if not returns:
+        if graph.post_hook is not None:
+            result = graph.post_hook(owner, [], [])
+            if result is not None:
+                raise TypeError(f"post_hook of a {owner_name(owner)} returned "
+                                f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
+        return
+    if not isinstance(outputs, (list, tuple)):
+        raise TypeError(f"the backward of a {owner_name(owner)} returned "
+                        f"{type(outputs).__name__}; expected a list or tuple of {len(items)} "
+                        "gradients, one per parent item")
+    if len(outputs) != len(items):
+        raise RuntimeError(f"the backward of a {owner_name(owner)} returned {len(outputs)} "
+                           f"gradients; expected {len(items)}, one per parent item")
+    outputs = list(outputs)
+    check_outputs(graph, owner, outputs, items, slots, metadata_of)
+    if graph.post_hook is not None:
+        result = graph.post_hook(owner, outputs, grads)
+        if result is not None:
+            outputs = check_hook_result(owner, "post_hook", result, len(items))
+            check_outputs(graph, owner, outputs, items, slots, metadata_of)
+    if state.is_anomaly_enabled() and state.is_anomaly_check_nan_enabled():
+        check_nan(owner, outputs)
+    route_gradients(owner, outputs, items, buffers, slots)
+
+
+def check_outputs(graph, owner, outputs, items, slots, metadata_of):
+    """validate_outputs for an owner: a gradient for a parent that gets none
+    is dropped; the others are values, checked against the parent's
+    metadata where the framework gives it."""
+    format_error = None
+    for i in range(len(outputs)):
+        grad = outputs[i]
+        if grad is None:
+            continue
+        pair = split_item(items[i], owner)
+        if pair is None or id(pair[0]) not in slots:
+            outputs[i] = None
+            continue
+        metadata = None
+        if graph.metadata is not None:
+            all_metadata = metadata_of.get(id(pair[0]))
+            if all_metadata is None:
+                all_metadata = metadata_of[id(pair[0])] = read_metadata(graph, pair[0])
+            if pair[1] < len(all_metadata):
+                metadata = all_metadata[pair[1]]
+        if gradient_matches(metadata, grad):
+            continue
+        if format_error is None:
+            format_error = format_owner_error(owner)
+        outputs[i] = validate_gradient(i, grad, metadata, format_error)
+
+
+def gradient_matches(metadata, grad):
+    """A numpy gradient that validate_gradient would return as it is: any
+    numpy array where there is no metadata, else one whose dtype, shape and
+    device are the slot's."""
+    if metadata is None:
+        return type(grad) is np.ndarray
+    return (type(metadata) is InputMetadata and type(grad) is np.ndarray and metadata.is_cpu
+            and grad.dtype == metadata.dtype and grad.shape == metadata.shape)
+
+
+def check_nan(owner, outputs):
+    """Anomaly mode's NaN check on the gradients an owner returned."""
+    for i in range(len(outputs)):
+        output = outputs[i]
+        if output is not None and backend_of(output).has_nan(output):
+            raise RuntimeError(f"the backward of a {owner_name(owner)} returned nan values in "
+                               f"its {i}th output.")
+
+
+def route_gradients(owner, outputs, items, buffers, slots):
+    """Sum each gradient into its parent's InputBuffer, made on the first."""
+    for i in range(len(outputs)):
+        grad = outputs[i]
+        if grad is None:
+            continue
+        parent, input_nr = split_item(items[i], owner)
+        buffer = buffers.get(id(parent))
+        if buffer is None:
+            buffer = buffers[id(parent)] = InputBuffer(slots[id(parent)])
+        buffer.add(input_nr, grad, False)
+
+
+def add_owner_note(error, owner):
+    error.add_note(f"Error detected in the backward of a {owner_name(owner)} (an owner graph).")
+
+
+def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, items, buffers, slots,
+            metadata_of, accumulate):
+    """Run one owner (``accumulate``: a leaf's gradient) as a node of
+    ``graph_task`` runs: its thread state, its profiler event, its anomaly
+    note."""
+    profiler = state.profiler()
+    start = time.perf_counter_ns() if profiler is not None else 0
+    previous_graph_task = state.set_current_graph_task(graph_task)
+    previous_grad_mode = state.is_grad_enabled()
+    state.set_grad_enabled(False)
+    previous_checkpoint_valid = state.swap_checkpoint_valid(checkpoint_valid)
+    try:
+        if accumulate is not None:
+            accumulate(owner, grads[0] if len(grads) == 1 else grads)
+        else:
+            evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of)
+    except BaseException as error:
+        if state.is_anomaly_enabled():
+            add_owner_note(error, owner)
+        raise
+    finally:
+        if profiler is not None:
+            # In the running state, as the engine reports a node.
+            profiler(OwnerRun(owner, sequence_nr), start, time.perf_counter_ns())
+        state.swap_checkpoint_valid(previous_checkpoint_valid)
+        state.set_grad_enabled(previous_grad_mode)
+        state.set_current_graph_task(previous_graph_task)
+
+
+def plain_writes(graph):
+    """Writes mode with nothing to run around a method: the loop calls the
+    methods directly (the same calls run_one makes, less what is off)."""
+    return (not graph.returns and graph.pre_hook is None and graph.post_hook is None
+            and state.profiler() is None and not state.is_anomaly_enabled())
+
+
+def split_root(graph, root, what):
+    pair = split_item(root, None) if type(root) is tuple else (None if root is None else (root, 0))
+    if pair is None:
+        raise TypeError(f"{what} must be an owner or a pair (owner, input_nr), got None")
+    return pair
+
+
+def run_owner_graph(graph, root, grad, inputs, allow_unused):
+    """Backward over the owner graph under ``root``: See Note [Owner graphs].
+    Returns the captured gradients with ``inputs``, else None."""
+    returns = graph.returns
+    if not returns and (grad is not None or inputs is not None):
+        raise TypeError(f"mode={WRITES!r} takes no gradient and no inputs: the owners write "
+                        "their parents' gradients themselves")
+    if returns and grad is None:
+        raise TypeError(f"mode={RETURNS!r} needs the root's gradient")
+    root_owner, root_nr = split_root(graph, root, "root")
+    if graph.needs_no_gradient is not None and graph.needs_no_gradient(root_owner):
+        raise RuntimeError(f"the root (a {owner_name(root_owner)}) needs no gradient: "
+                           "needs_no_gradient says so")
+    wanted = None
+    if inputs is not None:
+        if not inputs:
+            raise RuntimeError("grad needs at least one input")
+        inputs = [split_root(graph, item, f"inputs[{i}]") for i, item in enumerate(inputs)]
+        wanted = {id(owner) for owner, _ in inputs}
+
+    order, is_leaf, items_of, slots, held = [], [], [], {}, []
+    search(graph, root_owner, order, is_leaf, items_of, slots, held, returns)
+    if returns:
+        check_input_nr(root_owner, root_nr, slots, "the root")
+        for i, (owner, input_nr) in enumerate(inputs or ()):
+            if id(owner) in slots:
+                check_input_nr(owner, input_nr, slots, f"inputs[{i}]")
+    if graph.visit is not None:
+        for owner in order:
+            graph.visit(owner)
+
+    current = state.get_current_graph_task()
+    graph_task = GraphTask(False, False, 0 if current is None else current.reentrant_depth + 1,
+                           None, multithreading=state.is_multithreading_enabled())
+    # grad(inputs=) prunes, so a reentrant checkpoint is not valid in it.
+    checkpoint_valid = inputs is None
+    buffers, metadata_of = {}, {}
+    captured = [None] * len(inputs) if inputs is not None else None
+    needed = mark_needed(order, is_leaf, items_of, wanted) if inputs is not None else None
+    if returns:
+        metadata = None
+        if graph.metadata is not None:
+            all_metadata = metadata_of[id(root_owner)] = read_metadata(graph, root_owner)
+            if root_nr < len(all_metadata):
+                metadata = all_metadata[root_nr]
+        grad = validate_gradient(0, grad, metadata, format_root_error)
+        buffers[id(root_owner)] = InputBuffer(slots[id(root_owner)])
+        buffers[id(root_owner)].add(root_nr, grad, False)
+    accumulate = graph.accumulate if graph.accumulate is not None else accumulate_grad
+    backward = graph.backward_
+    i = len(order) - 1
+    if plain_writes(graph) and type(backward) is str:
+        # run_one without what is off: See Note [Owner graphs].
+        while i >= 0:
+            if not is_leaf[i]:
+                previous_graph_task = state.set_current_graph_task(graph_task)
+                previous_grad_mode = state.is_grad_enabled()
+                state.set_grad_enabled(False)
+                previous_checkpoint_valid = state.swap_checkpoint_valid(True)
+                try:
+                    getattr(order[i], backward)()
+                finally:
+                    state.swap_checkpoint_valid(previous_checkpoint_valid)
+                    state.set_grad_enabled(previous_grad_mode)
+                    state.set_current_graph_task(previous_graph_task)
+            i -= 1
+    while i >= 0:
+        owner = order[i]
+        if not returns:
+            if not is_leaf[i]:
+                run_one(graph, graph_task, True, owner, i, None, None, None, None, None, None)
+            i -= 1
+            continue
+        buffer = buffers.pop(id(owner), None)
+        if buffer is None:
+            i -= 1
+            continue
+        grads = buffer.buffer
+        if wanted is not None and id(owner) in wanted:
+            for k, (input_owner, input_nr) in enumerate(inputs):
+                if input_owner is owner and input_nr < len(grads):
+                    captured[k] = grads[input_nr]
+        if is_leaf[i]:
+            if inputs is None:
+                run_one(graph, graph_task, True, owner, i, grads, None, None, None, None,
+                        accumulate)
+        elif needed is None or id(owner) in needed:
+            run_one(graph, graph_task, checkpoint_valid, owner, i, grads, items_of[i], buffers,
+                    slots, metadata_of, None)
+        i -= 1
+    graph_task.mark_as_completed_and_run_post_processing()
+    if graph_task.exception is not None:
+        # A final callback's error; taken off the task, as execute does.
+        error, graph_task.exception = graph_task.exception, None
+        raise error
+    if captured is None:
+        return None
+    if not allow_unused:
+        for k in range(len(captured)):
+            if captured[k] is None:
+                raise RuntimeError(f"inputs[{k}] (a {owner_name(inputs[k][0])}) was not reached "
+                                   "by any gradient. Set allow_unused=True if this is the "
+                                   "desired behavior.")
+    return captured
 
 
 def owner_graph_edge(root, children, method, node_type, edge_type):
     """The Edge into the node of ``root`` in the graph of gradient-free nodes
-    that the owner graph under it means (See Note [Owner graphs]), or None
-    when ``root`` is a leaf. ``node_type`` is a gradient-free node class
-    taking ``(owner, method, next_edges)``, ``edge_type`` the core's Edge."""
-    check_owner_graph_arguments(children, method)
+    that the owner graph under it means in writes mode (See Note [Owner
+    graphs]): a node per non-leaf owner, made in the post-order, whose next
+    edges go to its distinct non-leaf parents in item order; None when
+    ``root`` is a leaf. For looking at a graph: ``node_type`` is a
+    gradient-free node class taking ``(owner, method, next_edges)``,
+    ``edge_type`` the core's Edge."""
+    graph = OwnerGraph(children, method)
+    order, is_leaf, items_of, held = [], [], [], []
+    search(graph, root, order, is_leaf, items_of, {}, held, True)
     edge_of = {}  # id(owner) -> the Edge into its node
     edge = None
-    for owner, owner_children in owner_graph_post_order(root, children):
-        next_edges = tuple(edge_of[id(child)] for child in owner_children)
-        edge = edge_of[id(owner)] = edge_type(node_type(owner, method, next_edges), 0)
-    return edge
-
-
-def execute_translated(engine, root, children, method, node_type, edge_type):
-    """Run the owner graph under ``root`` by its translation (See
-    ``owner_graph_edge``) with ``engine.execute``: no gradient enters, and
-    the nodes are made for this one backward."""
-    edge = owner_graph_edge(root, children, method, node_type, edge_type)
-    if edge is not None:
-        engine.execute([edge], [None], False, False, True)
+    for i in range(len(order)):
+        if is_leaf[i]:
+            continue
+        next_edges, distinct = [], set()
+        for item in items_of[i]:
+            pair = split_item(item, order[i])
+            if pair is not None and id(pair[0]) in edge_of and id(pair[0]) not in distinct:
+                distinct.add(id(pair[0]))
+                next_edges.append(edge_of[id(pair[0])])
+        edge = edge_of[id(order[i])] = edge_type(node_type(order[i], method, tuple(next_edges)), 0)
+    return edge if order and not is_leaf[-1] else None

@@ -11,10 +11,10 @@ micrograd's gradients are not values passed from node to node: each Value's
 ``_backward`` closure adds into its children's ``.grad`` in place, reading
 its own ``.grad``, and a Value's children are its ``_prev``. That is an
 owner graph (See Note [Owner graphs] in ``pyengine/_pure/owner_graph.py``),
-and the patched ``backward`` sets the root's ``.grad`` to 1 and runs it on
-the default engine with ``execute_owner_graph(value, "_prev",
-"_backward")``: every non-leaf Value's ``_backward`` runs once every Value
-made from it has run, that is, once its ``.grad`` is complete. The
+and the patched ``backward`` sets the root's ``.grad`` to 1 and runs it
+with one ``pyengine.OwnerGraph("_prev", "_backward")`` in writes mode:
+every non-leaf Value's ``_backward`` runs once every Value made from it has
+run, that is, once its ``.grad`` is complete. The
 traversal is pyengine's iterative one, so a graph of any depth works where
 micrograd's recursive ``build_topo`` raises RecursionError (about a
 thousand levels deep by default).
@@ -61,6 +61,7 @@ Value = _micrograd_engine.Value
 # The names of micrograd's owner graph: See Note [Owner graphs].
 _CHILDREN = "_prev"
 _METHOD = "_backward"
+_GRAPH = pyengine.OwnerGraph(_CHILDREN, _METHOD)
 
 
 def _check_value(value):
@@ -89,7 +90,7 @@ def _value_backward(self):
     ``pyengine.adapters.micrograd``): the same ``.grad`` values, and no
     recursion."""
     self.grad = 1
-    pyengine.execute_owner_graph(self, _CHILDREN, _METHOD)
+    _GRAPH.backward(self)
 
 
 _PATCHES = Patches("pyengine.adapters.micrograd", ((Value, "backward", _value_backward),),

@@ -1,0 +1,34 @@
+"""Owner graphs (compiled; twin: pyengine/_pure/owner_graph.py)."""
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+Reader = str | Callable[..., Any]
+
+class OwnerGraph:
+    parents: Reader
+    backward_: Reader
+    mode: str
+    returns: bool
+    num_inputs: Callable[[Any], int] | None
+    metadata: Callable[[Any], Any] | None
+    accumulate: Callable[[Any, Any], Any] | None
+    visit: Callable[[Any], Any] | None
+    needs_no_gradient: Callable[[Any], bool] | None
+    pre_hook: Callable[[Any, list[Any]], Any] | None
+    post_hook: Callable[[Any, list[Any], list[Any]], Any] | None
+    def __init__(self, parents: Reader, backward: Reader, *, mode: str = ...,
+                 num_inputs: Callable[[Any], int] | None = ...,
+                 metadata: Callable[[Any], Any] | None = ...,
+                 accumulate: Callable[[Any, Any], Any] | None = ...,
+                 visit: Callable[[Any], Any] | None = ...,
+                 needs_no_gradient: Callable[[Any], bool] | None = ...,
+                 pre_hook: Callable[[Any, list[Any]], Any] | None = ...,
+                 post_hook: Callable[[Any, list[Any], list[Any]], Any] | None = ...) -> None: ...
+    def backward(self, root: Any, grad: Any = ...) -> None: ...
+    def grad(self, root: Any, grad: Any, inputs: Iterable[Any],
+             allow_unused: bool = ...) -> list[Any]: ...
+
+def split_root(graph: OwnerGraph, root: Any, what: str) -> tuple[Any, int]: ...
+def run_owner_graph(graph: OwnerGraph, root: Any, grad: Any, inputs: list[Any] | None,
+                    allow_unused: bool) -> list[Any] | None: ...
