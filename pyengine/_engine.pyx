@@ -7,7 +7,8 @@ everything here is C: records move through the ReadyQueue, dependencies
 are a C++ map keyed by node pointer, a numpy gradient of the right shape,
 dtype and device is checked in C, and a node without hooks is called
 directly. Hooks, broadcast reductions, casts, other value types and anomaly
-mode go through the twin's functions (See Note [Slow paths are shared]).
+mode go through the functions of ``pyengine/_shared`` that the twin calls
+too (See Note [Slow paths are shared]).
 
 Note [Accumulating under the graph task lock]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -80,12 +81,11 @@ from time import perf_counter_ns as _perf_counter_ns
 
 from pyengine import backends as _backends
 from pyengine import streams as _streams
-from pyengine._pure import hooks as _hooks
-from pyengine._pure.engine import (SHUTDOWN_ERROR, _DeviceThreads, pool_full_message,
-                                   total_depth_message)
-from pyengine._pure.node import node_device, not_initialized_message
+from pyengine._shared import hooks as _hooks
+from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
+from pyengine._shared.messages import not_initialized_message, pool_full_message, total_depth_message
 from pyengine._pure.owner_graph import check_owner_graph_arguments, execute_translated
-from pyengine._validate_outputs import NodeErrorFormat, plain_error_format
+from pyengine._validate_outputs import NodeErrorFormat, plain_error_format, validate_outputs
 
 cnp.import_array()
 
@@ -265,7 +265,7 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple 
     while a node runs] in ``pyengine/_pure/engine.py``), here. With hooks:
     the twin's ``call_function``, which runs them in PyTorch's order."""
     if has_hooks(node):
-        return _hooks.call_function(graph_task, node, inputs, next_edges)
+        return _hooks.call_function(graph_task, node, inputs, next_edges, validate_outputs)
     outputs = node.apply(inputs)
     if type(outputs) is not list:
         if not isinstance(outputs, (tuple, list)):
@@ -949,7 +949,7 @@ cdef int run_gradient_free_node(GraphTask graph_task, NodeBase node, GradientFre
         if inputs is None:
             inputs = [None] * PyTuple_GET_SIZE(node._input_metadata)
         # Its hooks run as in call_function; its gradients are all None.
-        _hooks.call_function(graph_task, node, inputs, next_edges)
+        _hooks.call_function(graph_task, node, inputs, next_edges, validate_outputs)
     else:
         call_owner_method(<GradientFreeNodeBase>node)
     if not graph_task.keep_graph:

@@ -23,7 +23,7 @@ from pyengine._ready_queue cimport ReadyQueue
 from pyengine._state cimport ThreadState, thread_state
 
 from pyengine import streams as _streams
-from pyengine._pure import graph_task as _twin
+from pyengine._shared import node_streams as _node_streams
 
 # The stream runtimes by device type. The same dict as streams._runtimes,
 # which registering a runtime fills in place: while it is empty,
@@ -333,7 +333,7 @@ cdef class GraphTask:
         callbacks, under the graph task's grad mode, as the twin does; a
         callback may queue more, which run too."""
         if self.leaf_streams:
-            _twin.sync_leaf_streams(self)
+            _node_streams.sync_leaf_streams(self)
         cdef ThreadState* thread = thread_state()
         cdef PyObject* previous = thread.current_graph_task
         cdef bint previous_grad_mode = thread.grad_enabled

@@ -3,7 +3,7 @@
 A numpy gradient whose dtype, shape and device are its slot's passes in C
 (``numpy_gradient_matches``, inlined where it is cimported); everything else
 (broadcast reductions, casts, moves, other value types, errors in PyTorch's
-words) goes through the twin's ``validate_gradient``. See Note [Slow paths
+words) goes through the shared ``validate_gradient``. See Note [Slow paths
 are shared]. Twin: ``pyengine/_pure/validate_outputs.py``.
 """
 
@@ -14,8 +14,8 @@ cimport numpy as cnp
 
 from pyengine._node cimport Edge, InputMetadata
 
-from pyengine._pure import hooks as _hooks
-from pyengine._pure.validate_outputs import validate_gradient
+from pyengine._shared.gradient_checks import validate_gradient
+from pyengine._shared.messages import node_name
 
 cnp.import_array()
 
@@ -27,7 +27,7 @@ class NodeErrorFormat:
         self.node = node
 
     def __call__(self, message):
-        return f"Function {_hooks.node_name(self.node)} returned an {message}"
+        return f"Function {node_name(self.node)} returned an {message}"
 
 
 def plain_error_format(message):

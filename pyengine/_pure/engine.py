@@ -114,15 +114,18 @@ import atexit
 import os
 import threading
 import time
-import weakref
 
 from .. import streams
 from ..device import CPU
 from . import state
 from .graph_task import GraphTask
-from .hooks import add_anomaly_note, call_function, call_tensor_pre_hooks, check_nan, node_name
+from .._shared import hooks
+from .._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
+from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
+from .._shared.messages import (node_name, not_initialized_message, pool_full_message,
+                                total_depth_message)
 from .input_buffer import InputBuffer
-from .node import Edge, GradientFreeNodeBase, NodeBase, node_device, not_initialized_message
+from .node import Edge, GradientFreeNodeBase, NodeBase
 from .owner_graph import execute_translated
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
 from .validate_outputs import validate_outputs
@@ -138,21 +141,6 @@ CPU_DEVICE = -1
 MAX_RECURSION_DEPTH = 60
 MAX_TOTAL_DEPTH = 4096
 MAX_POOL_THREADS = 256
-
-
-def total_depth_message(depth, limit):
-    return (f"reentrant backward nested {depth} levels deep, past the engine's "
-            f"max_total_depth of {limit} (a hook or node that calls backward on its own graph "
-            f"recurses without end?); to allow deeper nesting, set "
-            f"pyengine.get_default_engine().max_total_depth or pass "
-            f"Engine(max_total_depth=...)")
-
-
-def pool_full_message(depth, limit):
-    return (f"reentrant backward nested {depth} levels deep needs a pool thread, but all "
-            f"{limit} threads of the engine's reentrant pool are busy; set "
-            f"pyengine.get_default_engine().max_pool_threads or pass "
-            f"Engine(max_pool_threads=...) to allow more")
 
 
 class _WorkerState(threading.local):
@@ -194,6 +182,15 @@ class GraphRoot(NodeBase):
         return "GraphRoot"
 
 
+def call_function(graph_task, node, inputs, next_edges):
+    """Hooks, ``apply`` and ``validate_outputs`` against ``next_edges``, the
+    node's edges from before it ran (See Note [Next edges while a node
+    runs]): the shared ``call_function``, with this core's
+    ``validate_outputs``. The compiled core runs a node without hooks
+    itself, with the same result."""
+    return hooks.call_function(graph_task, node, inputs, next_edges, validate_outputs)
+
+
 # -- the reentrant thread pool -------------------------------------------------
 
 class _ThreadPoolShared:
@@ -210,66 +207,6 @@ class _ThreadPoolShared:
         self.num_threads = 0
         self.threads = []
         self.stopping = False
-
-
-# -- device threads -----------------------------------------------------------
-
-class _DeviceThreads:
-    """One ReadyQueue and one worker thread per non-CPU device, started the
-    first time a graph task sends that device a task. A device's worker
-    state calls it by its index in ``devices`` (its ``worker_device``).
-
-    Guarded by ``lock``: ``ids``, ``devices``, ``queues``, ``threads``,
-    ``stopping``. ``graph_tasks`` (a WeakSet of graph tasks that sent work to
-    a device, so that ``stop`` can fail them rather than leave their callers
-    waiting forever) is guarded by ``lock`` too.
-    """
-
-    def __init__(self, ready_queue_type):
-        self.lock = threading.Lock()
-        self.ids = {}
-        self.devices = []
-        self.queues = []
-        self.threads = []
-        self.stopping = False
-        self.graph_tasks = weakref.WeakSet()
-        self._ready_queue_type = ready_queue_type
-
-    def queue_for(self, device, graph_task, worker_main):
-        """The queue of ``device``, for a task of ``graph_task``; on first use,
-        starts the device's worker thread, which runs
-        ``worker_main(device_id, queue)``."""
-        with self.lock:
-            if self.stopping:
-                raise RuntimeError(f"cannot run a task on {device}: the engine's device "
-                                   "threads have stopped (interpreter shutdown)")
-            self.graph_tasks.add(graph_task)
-            device_id = self.ids.get(device)
-            if device_id is None:
-                device_id = self.ids[device] = len(self.devices)
-                queue = self._ready_queue_type()
-                thread = threading.Thread(target=worker_main, args=(device_id, queue),
-                                          name=f"pyengine-{device}", daemon=True)
-                self.devices.append(device)
-                self.queues.append(queue)
-                self.threads.append(thread)
-                thread.start()
-            return self.queues[device_id]
-
-    def queue_by_index(self, device_id):
-        with self.lock:
-            return self.queues[device_id]
-
-    def stop(self):
-        """Refuse new device work; return the graph tasks that may still wait
-        on device work, and the workers' queues and threads."""
-        with self.lock:
-            self.stopping = True
-            return list(self.graph_tasks), list(self.queues), list(self.threads)
-
-
-SHUTDOWN_ERROR = ("pyengine's device threads stopped (interpreter shutdown) while this "
-                  "backward was running")
 
 
 # -- the engine -------------------------------------------------------------

@@ -7,6 +7,7 @@ its caller has read its result; NodeTasks point back to it.
 import threading
 
 from .. import streams
+from .._shared import node_streams
 from . import state
 from .ready_queue import is_main_thread, wait_honouring_signals
 
@@ -227,7 +228,7 @@ class GraphTask:
         as PyTorch's run under the graph task's thread-local state: whoever
         completes the task (its caller, a device thread, a nested task's
         node) may have another grad mode."""
-        sync_leaf_streams(self)
+        node_streams.sync_leaf_streams(self)
         previous = state.set_current_graph_task(self)
         previous_grad_mode = state.is_grad_enabled()
         state.set_grad_enabled(self.grad_mode)
@@ -251,12 +252,3 @@ class GraphTask:
         with self._completion:
             while not self.future_completed:
                 wait_honouring_signals(self._completion, on_main_thread)
-
-
-def sync_leaf_streams(graph_task):
-    """Make each stream the caller had current wait on the leaf streams of its
-    device. See Note [Streaming backwards]."""
-    for leaf_stream in graph_task.leaf_streams:
-        caller_stream = graph_task.caller_current_streams.get(leaf_stream.device)
-        if caller_stream is not None:
-            streams.sync_streams(caller_stream, leaf_stream)
