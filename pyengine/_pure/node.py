@@ -587,7 +587,7 @@ class AccumulateGradBase(NodeBase):
                 old_grad = variable.grad
                 if old_grad is None:
                     # See Note [Stealing with post hooks].
-                    if create_graph or not _can_steal(new_grad, 1 if self._post_hooks else 0):
+                    if create_graph or not can_steal(new_grad, 1 if self._post_hooks else 0):
                         new_grad = backend_of(new_grad).copy(new_grad)
                     variable.grad = new_grad
                 elif old_grad is leaf_state.owned_grad() and not create_graph:
@@ -602,7 +602,7 @@ class AccumulateGradBase(NodeBase):
 
 
 # The references to an array that only AccumulateGradBase.apply holds, seen
-# from _can_steal: apply's local, _can_steal's argument, getrefcount's argument.
+# from can_steal: apply's local, can_steal's argument, getrefcount's argument.
 _STEALABLE_REFCOUNT = 3
 
 
@@ -617,7 +617,7 @@ _STEALABLE_REFCOUNT = 3
 # backward nested in one of them adds into it in place.
 
 
-def _can_steal(value, extra_references=0) -> bool:
+def can_steal(value, extra_references=0) -> bool:
     """Whether nothing outside the engine can see ``value``, so that it may
     become ``.grad`` without a copy; ``extra_references``: the engine's own
     other references (See Note [Stealing with post hooks])."""
