@@ -70,7 +70,7 @@ from pyengine._locks cimport is_main_thread, lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
 from pyengine._owner_graph cimport run_owner_graph
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
-from pyengine._validate_outputs cimport numpy_gradient_matches, validate_outputs_impl
+from pyengine._validate_outputs cimport validate_outputs_impl
 from pyengine._state cimport (ThreadState, anomaly_check_nan, anomaly_enabled, profiler,
                               thread_state)
 
@@ -85,7 +85,7 @@ from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from pyengine._shared.messages import not_initialized_message, pool_full_message, total_depth_message
 from pyengine._pure.owner_graph import check_owner_graph_arguments, execute_translated
-from pyengine._validate_outputs import NodeErrorFormat, plain_error_format, validate_outputs
+from pyengine._validate_outputs import plain_error_format, validate_outputs
 
 cnp.import_array()
 
@@ -165,18 +165,6 @@ cdef class GraphRoot(NodeBase):
 
 
 # -- call_function ------------------------------------------------------------------
-
-# backend_of's cache, type -> backend or None; register_backend clears it in
-# place, so this reference stays the live cache.
-cdef dict _backend_cache = _backends._backend_cache
-
-
-cdef inline bint known_value_type(object value_type) noexcept:
-    if value_type is cnp.ndarray:
-        return True
-    cdef PyObject* backend = PyDict_GetItem(_backend_cache, value_type)
-    return backend != NULL and backend != <PyObject*>None
-
 
 cdef extern from "Python.h":
     object PyObject_CallMethodNoArgs(object obj, object name)
@@ -263,7 +251,7 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple 
     """A node without hooks: ``apply`` and ``validate_outputs`` against
     ``next_edges``, the node's edges from before it ran (See Note [Next edges
     while a node runs] in ``pyengine/_pure/engine.py``), here. With hooks:
-    the twin's ``call_function``, which runs them in PyTorch's order."""
+    the shared ``call_function``, which runs them in PyTorch's order."""
     if has_hooks(node):
         return _hooks.call_function(graph_task, node, inputs, next_edges, validate_outputs)
     outputs = node.apply(inputs)
@@ -273,31 +261,7 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple 
                             f"of gradients, got {type(outputs).__name__}")
         outputs = list(outputs)
     cdef list checked = <list>outputs
-    cdef tuple slots
-    if PyList_GET_SIZE(checked) != PyTuple_GET_SIZE(next_edges):
-        validate_outputs_impl(next_edges, checked, NodeErrorFormat(node))
-    for i in range(PyList_GET_SIZE(checked)):
-        edge_object = <object>PyTuple_GET_ITEM(next_edges, i)
-        grad = <object>PyList_GET_ITEM(checked, i)
-        if edge_object is None or grad is None:
-            continue
-        # Tuples of checked types: See Note [Fields Python code can write] in
-        # pyengine/_pure/node.py.
-        slots = (<Edge>edge_object).node._input_metadata
-        input_nr = (<Edge>edge_object).input_nr
-        metadata = None
-        if input_nr < PyTuple_GET_SIZE(slots):
-            metadata = <object>PyTuple_GET_ITEM(slots, input_nr)
-        if metadata is None:
-            # A slot without metadata only asks for a value some backend
-            # handles: a type backend_of has already resolved will do.
-            if known_value_type(type(grad)):
-                continue
-        elif numpy_gradient_matches(<InputMetadata>metadata, grad):
-            continue
-        # A gradient the fast path cannot vouch for: check them all, slowly.
-        validate_outputs_impl(next_edges, checked, NodeErrorFormat(node))
-        break
+    validate_outputs_impl(next_edges, checked, None, node)
     return checked
 
 
@@ -378,7 +342,7 @@ cdef class Engine:
             for i, output in enumerate(output_edges):
                 if not isinstance(output, Edge):
                     raise TypeError(f"outputs[{i}] must be an Edge, got {type(output).__name__}")
-        validate_outputs_impl(root_edges, root_grads, plain_error_format)
+        validate_outputs_impl(root_edges, root_grads, plain_error_format, None)
 
         cdef WorkerState worker = get_worker_state()
         if worker.local_ready_queue is None:
