@@ -1,7 +1,9 @@
 """The errors both cores raise, in the same words, and the limits they name.
 
 Shared by the compiled core and the twin (See Note [Slow paths are
-shared]): a test that matches an error's words passes on both.
+shared]): a test that matches an error's words passes on both. The limit
+on an Edge's ``input_nr`` lives here with its message: See Note [Edge
+input_nr].
 """
 
 
@@ -39,7 +41,8 @@ def _cannot_delete(name):
 # MAX_INPUT_NR (65,536 slots, half a MiB of list), so a huge ``input_nr``
 # is an error when the Edge is made (ValueError), never gigabytes of list
 # or a MemoryError in the middle of a backward. A slot the node declared
-# may be any of them. The check is made once, here: an Edge is immutable,
+# may be any of them. The check is made once, when the Edge is made
+# (``_check_input_nr`` in both cores' node modules): an Edge is immutable,
 # and a node's slots only grow (``add_input_metadata``).
 MAX_INPUT_NR = 1 << 16
 
