@@ -2,8 +2,8 @@
 
 Shared by the compiled core and the twin (See Note [Slow paths are
 shared]): a test that matches an error's words passes on both. The limit
-on an Edge's ``input_nr`` lives here with its message: See Note [Edge
-input_nr].
+on an Edge's ``input_nr`` lives here with its message:
+See Note [Edge input_nr].
 """
 
 
