@@ -7,7 +7,8 @@ everything here is C: records move through the ReadyQueue, dependencies
 are a C++ map keyed by node pointer, a numpy gradient of the right shape,
 dtype and device is checked in C, and a node without hooks is called
 directly. Hooks, broadcast reductions, casts, other value types and anomaly
-mode go through the twin's functions (See Note [Slow paths are shared]).
+mode go through the functions of ``pyengine/_shared`` that the twin calls
+too (See Note [Slow paths are shared]).
 
 Note [Accumulating under the graph task lock]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -23,7 +24,6 @@ deadlocks.
 
 cimport cython
 cimport numpy as cnp
-from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
@@ -41,7 +41,7 @@ from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
-from pyengine._validate_outputs cimport numpy_gradient_matches, validate_outputs_impl
+from pyengine._validate_outputs cimport validate_outputs_impl
 from pyengine._state cimport (ThreadState, anomaly_check_nan, anomaly_enabled, profiler,
                               thread_state)
 
@@ -52,11 +52,10 @@ from time import perf_counter_ns as _perf_counter_ns
 
 from pyengine import backends as _backends
 from pyengine import streams as _streams
-from pyengine._pure import hooks as _hooks
-from pyengine._pure.engine import (SHUTDOWN_ERROR, _DeviceThreads, pool_full_message,
-                                   total_depth_message)
-from pyengine._pure.node import node_device, not_initialized_message
-from pyengine._validate_outputs import NodeErrorFormat, plain_error_format
+from pyengine._shared import hooks as _hooks
+from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
+from pyengine._shared.messages import not_initialized_message, pool_full_message, total_depth_message
+from pyengine._validate_outputs import plain_error_format, validate_outputs
 
 cnp.import_array()
 
@@ -130,16 +129,6 @@ cdef class GraphRoot(NodeBase):
 
 # -- call_function ------------------------------------------------------------------
 
-# backend_of's cache, type -> backend or None; register_backend clears it in
-# place, so this reference stays the live cache.
-cdef dict _backend_cache = _backends._backend_cache
-
-
-cdef inline bint known_value_type(object value_type) noexcept:
-    if value_type is cnp.ndarray:
-        return True
-    cdef PyObject* backend = PyDict_GetItem(_backend_cache, value_type)
-    return backend != NULL and backend != <PyObject*>None
 
 
 cdef inline bint has_hooks(NodeBase node) noexcept:
@@ -164,9 +153,9 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple 
     """A node without hooks: ``apply`` and ``validate_outputs`` against
     ``next_edges``, the node's edges from before it ran (See Note [Next edges
     while a node runs] in ``pyengine/_pure/engine.py``), here. With hooks:
-    the twin's ``call_function``, which runs them in PyTorch's order."""
+    the shared ``call_function``, which runs them in PyTorch's order."""
     if has_hooks(node):
-        return _hooks.call_function(graph_task, node, inputs, next_edges)
+        return _hooks.call_function(graph_task, node, inputs, next_edges, validate_outputs)
     outputs = node.apply(inputs)
     if type(outputs) is not list:
         if not isinstance(outputs, (tuple, list)):
@@ -174,31 +163,7 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple 
                             f"of gradients, got {type(outputs).__name__}")
         outputs = list(outputs)
     cdef list checked = <list>outputs
-    cdef tuple slots
-    if PyList_GET_SIZE(checked) != PyTuple_GET_SIZE(next_edges):
-        validate_outputs_impl(next_edges, checked, NodeErrorFormat(node))
-    for i in range(PyList_GET_SIZE(checked)):
-        edge_object = <object>PyTuple_GET_ITEM(next_edges, i)
-        grad = <object>PyList_GET_ITEM(checked, i)
-        if edge_object is None or grad is None:
-            continue
-        # Tuples of checked types: See Note [Fields Python code can write] in
-        # pyengine/_pure/node.py.
-        slots = (<Edge>edge_object).node._input_metadata
-        input_nr = (<Edge>edge_object).input_nr
-        metadata = None
-        if input_nr < PyTuple_GET_SIZE(slots):
-            metadata = <object>PyTuple_GET_ITEM(slots, input_nr)
-        if metadata is None:
-            # A slot without metadata only asks for a value some backend
-            # handles: a type backend_of has already resolved will do.
-            if known_value_type(type(grad)):
-                continue
-        elif numpy_gradient_matches(<InputMetadata>metadata, grad):
-            continue
-        # A gradient the fast path cannot vouch for: check them all, slowly.
-        validate_outputs_impl(next_edges, checked, NodeErrorFormat(node))
-        break
+    validate_outputs_impl(next_edges, checked, None, node)
     return checked
 
 
@@ -279,7 +244,7 @@ cdef class Engine:
             for i, output in enumerate(output_edges):
                 if not isinstance(output, Edge):
                     raise TypeError(f"outputs[{i}] must be an Edge, got {type(output).__name__}")
-        validate_outputs_impl(root_edges, root_grads, plain_error_format)
+        validate_outputs_impl(root_edges, root_grads, plain_error_format, None)
 
         cdef WorkerState worker = get_worker_state()
         if worker.local_ready_queue is None:

@@ -23,7 +23,7 @@ from pyengine._ready_queue cimport ReadyQueue
 from pyengine._state cimport ThreadState, thread_state
 
 from pyengine import streams as _streams
-from pyengine._pure import graph_task as _twin
+from pyengine._shared import node_streams as _node_streams
 
 # The stream runtimes by device type. The same dict as streams._runtimes,
 # which registering a runtime fills in place: while it is empty,
@@ -347,7 +347,7 @@ cdef class GraphTask:
         left in not ready] in the twin."""
         check_not_ready_empty(self)
         if self.leaf_streams:
-            _twin.sync_leaf_streams(self)
+            _node_streams.sync_leaf_streams(self)
         cdef ThreadState* thread = thread_state()
         cdef PyObject* previous = thread.current_graph_task
         cdef bint previous_grad_mode = thread.grad_enabled

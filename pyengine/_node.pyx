@@ -28,9 +28,10 @@ from pyengine import backends as _backends
 from pyengine.backends import backend_of
 from pyengine.device import CPU
 
-from pyengine._pure.node import (MAX_INPUT_NR, _cannot_delete, _creation_stream, _input_nr_error,
-                                 _leaf_state_error, call_post_accumulate_grad_hooks, node_name,
-                                 not_initialized_message)
+from pyengine._shared.hooks import call_post_accumulate_grad_hooks
+from pyengine._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
+                                       node_name, not_initialized_message)
+from pyengine._shared.node_streams import _creation_stream
 
 cnp.import_array()
 
@@ -117,8 +118,8 @@ cdef class Edge:
     """Which input slot (``input_nr``) of which ``node`` a gradient flows into.
 
     Immutable after construction; equal when both node (by identity) and
-    slot are. See Note [Edge input_nr] in the twin for the values
-    ``input_nr`` may take.
+    slot are. See Note [Edge input_nr] in ``pyengine/_shared/messages.py``
+    for the values ``input_nr`` may take.
     """
 
     def __cinit__(self, node, input_nr=0):
@@ -476,7 +477,7 @@ cdef class AccumulateGradBase(NodeBase):
                 lock.release()
         hooks = leaf_state.post_accumulate_grad_hooks
         if hooks:
-            # See Note [Post accumulate grad hooks] in the twin.
+            # See Note [Post accumulate grad hooks] in pyengine/_shared/hooks.py.
             call_post_accumulate_grad_hooks(variable, hooks)
         return ()
 

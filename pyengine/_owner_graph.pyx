@@ -33,7 +33,7 @@ from pyengine._pure.owner_graph import check_input_nr as check_input_nr_slow
 from pyengine._pure.owner_graph import count_slots as count_slots_slow
 from pyengine._pure.owner_graph import split_item as split_item_slow
 from pyengine._node import as_input_metadata
-from pyengine._pure.validate_outputs import validate_gradient
+from pyengine._shared.gradient_checks import validate_gradient
 
 __all__ = ["OwnerGraph", "run_owner_graph"]
 

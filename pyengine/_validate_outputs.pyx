@@ -1,21 +1,26 @@
 """validate_outputs: check and fix the gradients a node returns.
 
-A numpy gradient whose dtype, shape and device are its slot's passes in C
-(``numpy_gradient_matches``, inlined where it is cimported); everything else
+The engine's ``call_function`` runs ``validate_outputs_impl`` for every
+node. A numpy gradient whose dtype, shape and device are its slot's passes
+in C (``numpy_gradient_matches``, inlined where it is cimported), as does
+any value a backend handles for a slot without metadata; everything else
 (broadcast reductions, casts, moves, other value types, errors in PyTorch's
-words) goes through the twin's ``validate_gradient``. See Note [Slow paths
+words) goes through the shared ``validate_gradient``. See Note [Slow paths
 are shared]. Twin: ``pyengine/_pure/validate_outputs.py``.
 """
 
+from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
 cimport numpy as cnp
 
 from pyengine._node cimport Edge, InputMetadata
 
-from pyengine._pure import hooks as _hooks
-from pyengine._pure.validate_outputs import validate_gradient
+from pyengine import backends as _backends
+from pyengine._shared.gradient_checks import validate_gradient
+from pyengine._shared.messages import node_name
 
 cnp.import_array()
 
@@ -27,36 +32,61 @@ class NodeErrorFormat:
         self.node = node
 
     def __call__(self, message):
-        return f"Function {_hooks.node_name(self.node)} returned an {message}"
+        return f"Function {node_name(self.node)} returned an {message}"
 
 
 def plain_error_format(message):
     return message
 
 
-cdef int validate_outputs_impl(tuple edges, list grads, object format_error) except -1:
-    """See the twin's ``validate_outputs``; ``grads`` is edited in place."""
+# backend_of's cache, type -> backend or None; register_backend clears it in
+# place, so this reference stays the live cache.
+cdef dict _backend_cache = _backends._backend_cache
+
+
+cdef inline bint known_value_type(object value_type) noexcept:
+    if value_type is cnp.ndarray:
+        return True
+    cdef PyObject* backend = PyDict_GetItem(_backend_cache, value_type)
+    return backend != NULL and backend != <PyObject*>None
+
+
+cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
+                               object node) except -1:
+    """See the twin's ``validate_outputs``; ``grads`` is edited in place.
+    ``format_error`` None: the gradients ``node`` returned, worded as
+    PyTorch words them (``NodeErrorFormat(node)``, made only for a gradient
+    that needs the slow path: the engine calls this for every node)."""
     cdef Py_ssize_t num_edges = PyTuple_GET_SIZE(edges)
-    cdef Edge edge
     cdef tuple slots
     if PyList_GET_SIZE(grads) != num_edges:
-        raise RuntimeError(format_error(
+        raise RuntimeError(error_format(format_error, node)(
             f"invalid number of gradients - expected {num_edges}, but got {len(grads)}"))
     for i in range(num_edges):
         edge_object = <object>PyTuple_GET_ITEM(edges, i)
         grad = <object>PyList_GET_ITEM(grads, i)
         if edge_object is None or grad is None:
             continue
-        edge = <Edge>edge_object
         # Tuples of checked types: See Note [Fields Python code can write] in
         # pyengine/_pure/node.py.
-        slots = edge.node._input_metadata
-        metadata = (<object>PyTuple_GET_ITEM(slots, edge.input_nr)
-                    if edge.input_nr < PyTuple_GET_SIZE(slots) else None)
-        if metadata is not None and numpy_gradient_matches(<InputMetadata>metadata, grad):
+        slots = (<Edge>edge_object).node._input_metadata
+        input_nr = (<Edge>edge_object).input_nr
+        metadata = None
+        if input_nr < PyTuple_GET_SIZE(slots):
+            metadata = <object>PyTuple_GET_ITEM(slots, input_nr)
+        if metadata is None:
+            # A slot without metadata only asks for a value some backend
+            # handles: a type backend_of has already resolved will do.
+            if known_value_type(type(grad)):
+                continue
+        elif numpy_gradient_matches(<InputMetadata>metadata, grad):
             continue
-        grads[i] = validate_gradient(i, grad, metadata, format_error)
+        grads[i] = validate_gradient(i, grad, metadata, error_format(format_error, node))
     return 0
+
+
+cdef object error_format(object format_error, object node):
+    return NodeErrorFormat(node) if format_error is None else format_error
 
 
 def validate_outputs(edges, list grads, format_error):
@@ -66,4 +96,4 @@ def validate_outputs(edges, list grads, format_error):
     for i, edge in enumerate(edges):
         if edge is not None and not isinstance(edge, Edge):
             raise TypeError(f"edges[{i}] must be an Edge or None, got {type(edge).__name__}")
-    validate_outputs_impl(edges, grads, format_error)
+    validate_outputs_impl(edges, grads, format_error, None)

@@ -163,7 +163,7 @@ class Node(NodeBase):
     def register_tensor_prehook(self, input_nr: int, fn) -> RemovableHandle:
         """Hooks of one slot run together, slots in the order in which each
         first got a hook, as PyTorch's hook dict per tensor. See Note [Hooks
-        a running hook or node may change] in ``pyengine/_pure/hooks.py``."""
+        a running hook or node may change] in ``pyengine/_shared/hooks.py``."""
         input_nr = int(input_nr)
         handle = RemovableHandle(_remover(self, "_tensor_pre_hooks"))
         # Each slot's rank: the order of first registration, which removing

@@ -211,9 +211,9 @@ def test_caller_stream_waits_on_the_leaf_stream_before_backward_returns():
 
 
 def test_without_the_leaf_stream_sync_the_caller_reads_garbage(monkeypatch):
-    from pyengine._pure import graph_task as twin_graph_task
+    from pyengine._shared import node_streams
 
-    monkeypatch.setattr(twin_graph_task, "sync_leaf_streams", lambda graph_task: None)
+    monkeypatch.setattr(node_streams, "sync_leaf_streams", lambda graph_task: None)
     x = Leaf(on(np.ones(3), F0))
     c = fd.FakeStream(F0, "c")
     with streams.stream_guard(c):

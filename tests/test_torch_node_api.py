@@ -24,7 +24,7 @@ Left out of the programs, deliberately:
 - a hook or node that *registers* a hook while backward runs: a post hook
   that ``apply`` registers on a node that had none when it started is not
   called (PyTorch calls it); See Note [Hooks a running hook or node may
-  change] in ``pyengine/_pure/hooks.py``.
+  change] in ``pyengine/_shared/hooks.py``.
 - threads: the order of events across threads is not deterministic in
   either engine.
 - a node that passes on a gradient that someone else holds (the root

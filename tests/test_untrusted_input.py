@@ -87,7 +87,7 @@ def run_isolated(code: str) -> list[str]:
     return proc.stdout.splitlines()
 
 
-# -- Edge input_nr: See Note [Edge input_nr] in pyengine/_pure/node.py ----------------
+# -- Edge input_nr: See Note [Edge input_nr] in pyengine/_shared/messages.py --
 
 def test_negative_input_nr_is_an_error_before_any_backward():
     # The compiled core crashed (SIGSEGV) on either; the twin wrapped -1

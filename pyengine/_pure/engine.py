@@ -1,9 +1,9 @@
 """The engine: runs a backward graph task to completion.
 
-Twin of ``pyengine/_engine.pyx``: ``GraphRoot``,
-``call_function``, and ``Engine`` with ``execute``, ``compute_dependencies``,
-``thread_main``, ``evaluate_function``, reentrant backward and its thread
-pool. Read it beside PyTorch's ``torch/csrc/autograd/engine.cpp``.
+Twin of ``pyengine/_engine.pyx``: ``GraphRoot``, ``call_function``,
+``compute_dependencies``, and ``Engine`` with ``execute``, ``thread_main``,
+``evaluate_function``, reentrant backward and its thread pool. Read it
+beside PyTorch's ``torch/csrc/autograd/engine.cpp``.
 
 Note [CPU work runs on the caller]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -114,15 +114,18 @@ import atexit
 import os
 import threading
 import time
-import weakref
 
 from .. import streams
 from ..device import CPU
 from . import state
 from .graph_task import GraphTask
-from .hooks import add_anomaly_note, call_function, call_tensor_pre_hooks, check_nan, node_name
+from .._shared import hooks
+from .._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
+from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
+from .._shared.messages import (node_name, not_initialized_message, pool_full_message,
+                                total_depth_message)
 from .input_buffer import InputBuffer
-from .node import Edge, GradientFreeNodeBase, NodeBase, node_device, not_initialized_message
+from .node import Edge, GradientFreeNodeBase, NodeBase
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
 from .validate_outputs import validate_outputs
 
@@ -139,22 +142,7 @@ MAX_TOTAL_DEPTH = 4096
 MAX_POOL_THREADS = 256
 
 
-def total_depth_message(depth, limit):
-    return (f"reentrant backward nested {depth} levels deep, past the engine's "
-            f"max_total_depth of {limit} (a hook or node that calls backward on its own graph "
-            f"recurses without end?); to allow deeper nesting, set "
-            f"pyengine.get_default_engine().max_total_depth or pass "
-            f"Engine(max_total_depth=...)")
-
-
-def pool_full_message(depth, limit):
-    return (f"reentrant backward nested {depth} levels deep needs a pool thread, but all "
-            f"{limit} threads of the engine's reentrant pool are busy; set "
-            f"pyengine.get_default_engine().max_pool_threads or pass "
-            f"Engine(max_pool_threads=...) to allow more")
-
-
-class _WorkerState(threading.local):
+class WorkerState(threading.local):
     """The engine's per-thread state; each attribute is per thread."""
 
     worker_device = NO_DEVICE
@@ -169,7 +157,7 @@ class _WorkerState(threading.local):
         self.on_main_thread = is_main_thread()
 
 
-_worker_state = _WorkerState()
+_worker_state = WorkerState()
 
 
 # -- GraphRoot --------------------------------------------------------------
@@ -205,6 +193,15 @@ def release_variables(node):
     node._released = True
 
 
+def call_function(graph_task, node, inputs, next_edges):
+    """Hooks, ``apply`` and ``validate_outputs`` against ``next_edges``, the
+    node's edges from before it ran (See Note [Next edges while a node
+    runs]): the shared ``call_function``, with this core's
+    ``validate_outputs``. The compiled core runs a node without hooks
+    itself, with the same result."""
+    return hooks.call_function(graph_task, node, inputs, next_edges, validate_outputs)
+
+
 # -- the reentrant thread pool -------------------------------------------------
 
 class _ThreadPoolShared:
@@ -221,66 +218,6 @@ class _ThreadPoolShared:
         self.num_threads = 0
         self.threads = []
         self.stopping = False
-
-
-# -- device threads -----------------------------------------------------------
-
-class _DeviceThreads:
-    """One ReadyQueue and one worker thread per non-CPU device, started the
-    first time a graph task sends that device a task. A device's worker
-    state calls it by its index in ``devices`` (its ``worker_device``).
-
-    Guarded by ``lock``: ``ids``, ``devices``, ``queues``, ``threads``,
-    ``stopping``. ``graph_tasks`` (a WeakSet of graph tasks that sent work to
-    a device, so that ``stop`` can fail them rather than leave their callers
-    waiting forever) is guarded by ``lock`` too.
-    """
-
-    def __init__(self, ready_queue_type):
-        self.lock = threading.Lock()
-        self.ids = {}
-        self.devices = []
-        self.queues = []
-        self.threads = []
-        self.stopping = False
-        self.graph_tasks = weakref.WeakSet()
-        self._ready_queue_type = ready_queue_type
-
-    def queue_for(self, device, graph_task, worker_main):
-        """The queue of ``device``, for a task of ``graph_task``; on first use,
-        starts the device's worker thread, which runs
-        ``worker_main(device_id, queue)``."""
-        with self.lock:
-            if self.stopping:
-                raise RuntimeError(f"cannot run a task on {device}: the engine's device "
-                                   "threads have stopped (interpreter shutdown)")
-            self.graph_tasks.add(graph_task)
-            device_id = self.ids.get(device)
-            if device_id is None:
-                device_id = self.ids[device] = len(self.devices)
-                queue = self._ready_queue_type()
-                thread = threading.Thread(target=worker_main, args=(device_id, queue),
-                                          name=f"pyengine-{device}", daemon=True)
-                self.devices.append(device)
-                self.queues.append(queue)
-                self.threads.append(thread)
-                thread.start()
-            return self.queues[device_id]
-
-    def queue_by_index(self, device_id):
-        with self.lock:
-            return self.queues[device_id]
-
-    def stop(self):
-        """Refuse new device work; return the graph tasks that may still wait
-        on device work, and the workers' queues and threads."""
-        with self.lock:
-            self.stopping = True
-            return list(self.graph_tasks), list(self.queues), list(self.threads)
-
-
-SHUTDOWN_ERROR = ("pyengine's device threads stopped (interpreter shutdown) while this "
-                  "backward was running")
 
 
 # -- the engine -------------------------------------------------------------
@@ -340,13 +277,13 @@ class Engine:
         if len(roots) == 1:
             graph_root = roots[0].node
             input_buffer = InputBuffer(len(graph_root._input_metadata))
-            self._accumulate(input_buffer, roots[0].input_nr, grads[0], create_graph,
-                             streams.value_stream(grads[0]), graph_root._stream)
+            accumulate_on_streams(input_buffer, roots[0].input_nr, grads[0], create_graph,
+                                  streams.value_stream(grads[0]), graph_root._stream)
         else:
             graph_root = GraphRoot(roots, grads)
             input_buffer = InputBuffer(0)
         graph_task.graph_root = graph_root
-        self.compute_dependencies(graph_root, graph_task)
+        compute_dependencies(graph_root, graph_task)
         if outputs:
             graph_task.init_to_execute(graph_root, outputs, accumulate_grad)
 
@@ -395,102 +332,6 @@ class Engine:
                 finally:
                     worker.current_depth -= 1
                     worker.total_depth -= 1
-
-    # Note [Cycles in the backward graph]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # A backward graph made by a forward pass has no cycle, but next_edges
-    # can be set by hand, and a cycle has no order to run in: its nodes
-    # would wait for each other. So compute_dependencies counts the edges
-    # into each node in a depth-first search that keeps each node's state
-    # (not seen, on the search's path, finished), and an edge to a node on
-    # the path closes a cycle through that node: the search raises before
-    # any node has run, naming it. The search reads each node's next_edges
-    # once, when it first reaches the node, and follows the edges in their
-    # order, so both cores name the same node. The compiled core keeps the
-    # state beside the count in the DependencyMap's slot.
-    #
-    # That search costs more per node than a plain count (a frame per node,
-    # read again on the way up), and most graphs cannot have a cycle: a
-    # forward pass makes each node after the nodes its edges lead to, so
-    # its edges lead to lower sequence numbers (or to an AccumulateGrad,
-    # which has none of its own). A cycle needs an edge to a node made no
-    # earlier that has next edges itself, since sequence numbers cannot
-    # fall all the way around it. So compute_dependencies first counts
-    # plainly (count_dependencies) and checks that rule on every edge; only
-    # at the first edge that breaks it (nodes made on several threads, whose
-    # sequence numbers are per thread, or edges set by hand) does it start
-    # again with the depth-first search (search_dependencies).
-
-    def compute_dependencies(self, graph_root, graph_task):
-        """Count, for each node reachable from ``graph_root``, the edges into
-        it, and refuse a cycle before any node runs: the plain count, and the
-        depth-first search only where the count cannot rule a cycle out. See
-        Note [Cycles in the backward graph]."""
-        if not self.count_dependencies(graph_root, graph_task):
-            graph_task.dependencies.clear()
-            self.search_dependencies(graph_root, graph_task)
-
-    def count_dependencies(self, graph_root, graph_task):
-        """Count the edges into each node reachable from ``graph_root`` while
-        every edge leads to a node made earlier (a lower sequence_nr) or to a
-        node without next edges. Returns False, the count unfinished, at the
-        first edge that breaks that rule. Iterative, each node once."""
-        dependencies = graph_task.dependencies
-        seen = {id(graph_root)}
-        stack = [graph_root]
-        while stack:
-            node = stack.pop()
-            if not getattr(node, "_initialized", False):
-                raise RuntimeError(not_initialized_message(node))
-            for edge in node._next_edges:
-                if edge is None:
-                    continue
-                next_node = edge.node
-                if next_node._sequence_nr >= node._sequence_nr and next_node._next_edges:
-                    return False
-                key = id(next_node)
-                dependencies[key] = dependencies.get(key, 0) + 1
-                if key not in seen:
-                    seen.add(key)
-                    stack.append(next_node)
-        return True
-
-    def search_dependencies(self, graph_root, graph_task):
-        """compute_dependencies' count in a depth-first search that refuses a
-        cycle, for a graph count_dependencies could not vouch for.
-        Iterative: any depth."""
-        on_path, finished = 1, 2
-        dependencies = graph_task.dependencies
-        search_state = {id(graph_root): on_path}
-        if not getattr(graph_root, "_initialized", False):
-            raise RuntimeError(not_initialized_message(graph_root))
-        # Frames: [node, its next edges as first read, the index of the next edge].
-        stack = [[graph_root, graph_root._next_edges, 0]]
-        while stack:
-            frame = stack[-1]
-            node, edges, start = frame
-            for index in range(start, len(edges)):
-                edge = edges[index]
-                if edge is None:
-                    continue
-                next_node = edge.node
-                key = id(next_node)
-                dependencies[key] = dependencies.get(key, 0) + 1
-                state = search_state.get(key)
-                if state is None:
-                    if not getattr(next_node, "_initialized", False):
-                        raise RuntimeError(not_initialized_message(next_node))
-                    search_state[key] = on_path
-                    frame[2] = index + 1
-                    stack.append([next_node, next_node._next_edges, 0])
-                    break  # search below next_node first; this frame resumes after it
-                if state == on_path:
-                    raise RuntimeError(
-                        f"the backward graph has a cycle: {node_name(next_node)} is reachable "
-                        "from itself through next_edges; backward needs a graph without cycles")
-            else:
-                search_state[id(node)] = finished
-                stack.pop()
 
     # -- the loop --
 
@@ -632,35 +473,27 @@ class Engine:
                     if not _should_execute(exec_info, key):
                         continue
                     input_buffer = InputBuffer(len(next_node._input_metadata))
-                    self._accumulate(input_buffer, edge.input_nr, output, grad_mode,
-                                     producer_stream, next_node._stream)
+                    accumulate_on_streams(input_buffer, edge.input_nr, output, grad_mode,
+                                          producer_stream, next_node._stream)
                     if is_ready:
-                        self._push_ready(graph_task, next_node, input_buffer.buffer)
+                        push_task(self.route(graph_task, next_node, input_buffer.buffer), graph_task,
+                                  next_node, input_buffer.buffer)
                     else:
                         not_ready[key] = input_buffer
                 else:
-                    self._accumulate(input_buffer, edge.input_nr, output, grad_mode,
-                                     producer_stream, next_node._stream)
+                    accumulate_on_streams(input_buffer, edge.input_nr, output, grad_mode,
+                                          producer_stream, next_node._stream)
                     if is_ready:
                         del not_ready[key]
-                        self._push_ready(graph_task, next_node, input_buffer.buffer)
-
-    @staticmethod
-    def _accumulate(input_buffer, input_nr, gradient, grad_mode, producer_stream, consumer_stream):
-        """Add a gradient into a consumer's buffer on the consumer's stream, once
-        that stream waited for the producer's. See Note [Streaming backwards]."""
-        if producer_stream is None and consumer_stream is None:
-            input_buffer.add(input_nr, gradient, grad_mode)
-            return
-        streams.sync_streams(consumer_stream, producer_stream)
-        with streams.stream_guard(consumer_stream):
-            input_buffer.add(input_nr, gradient, grad_mode)
-
-    def _push_ready(self, graph_task, node, gradients):
-        self.ready_queue(graph_task, node_device(node, gradients)).push(
-            NodeTask(graph_task, node, gradients))
+                        push_task(self.route(graph_task, next_node, input_buffer.buffer), graph_task,
+                                  next_node, input_buffer.buffer)
 
     # -- devices --
+
+    def route(self, graph_task, node, gradients):
+        """The queue ``node``'s task goes to: its device's worker, or, on the
+        CPU or with multithreading disabled, the graph task's CPU queue."""
+        return self.ready_queue(graph_task, node_device(node, gradients))
 
     def ready_queue(self, graph_task, device):
         """The queue a task of ``graph_task`` for ``device`` goes to: the
@@ -804,6 +637,10 @@ class Engine:
         graph_task.final_callbacks.append(callback)
 
 
+def push_task(queue, graph_task, node, inputs):
+    queue.push(NodeTask(graph_task, node, inputs))
+
+
 def cancel_graph_task(graph_task, error):
     """End ``graph_task`` with ``error``, which its caller raises itself: See
     Note [Cancelling a graph task]."""
@@ -832,9 +669,120 @@ def _should_execute(exec_info, key):
     return info is not None and info.should_execute()
 
 
+def accumulate_on_streams(input_buffer, input_nr, gradient, grad_mode, producer_stream, consumer_stream):
+    """Add a gradient into a consumer's buffer on the consumer's stream, once
+    that stream waited for the producer's. See Note [Streaming backwards]."""
+    if producer_stream is None and consumer_stream is None:
+        input_buffer.add(input_nr, gradient, grad_mode)
+        return
+    streams.sync_streams(consumer_stream, producer_stream)
+    with streams.stream_guard(consumer_stream):
+        input_buffer.add(input_nr, gradient, grad_mode)
+
+
+# Note [Cycles in the backward graph]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A backward graph made by a forward pass has no cycle, but next_edges
+# can be set by hand, and a cycle has no order to run in: its nodes
+# would wait for each other. So compute_dependencies counts the edges
+# into each node in a depth-first search that keeps each node's state
+# (not seen, on the search's path, finished), and an edge to a node on
+# the path closes a cycle through that node: the search raises before
+# any node has run, naming it. The search reads each node's next_edges
+# once, when it first reaches the node, and follows the edges in their
+# order, so both cores name the same node. The compiled core keeps the
+# state beside the count in the DependencyMap's slot.
+#
+# That search costs more per node than a plain count (a frame per node,
+# read again on the way up), and most graphs cannot have a cycle: a
+# forward pass makes each node after the nodes its edges lead to, so
+# its edges lead to lower sequence numbers (or to an AccumulateGrad,
+# which has none of its own). A cycle needs an edge to a node made no
+# earlier that has next edges itself, since sequence numbers cannot
+# fall all the way around it. So compute_dependencies first counts
+# plainly (count_dependencies) and checks that rule on every edge; only
+# at the first edge that breaks it (nodes made on several threads, whose
+# sequence numbers are per thread, or edges set by hand) does it start
+# again with the depth-first search (search_dependencies).
+
+
+def compute_dependencies(graph_root, graph_task):
+    """Count, for each node reachable from ``graph_root``, the edges into
+    it, and refuse a cycle before any node runs: the plain count, and the
+    depth-first search only where the count cannot rule a cycle out. See
+    Note [Cycles in the backward graph]."""
+    if not count_dependencies(graph_root, graph_task):
+        graph_task.dependencies.clear()
+        search_dependencies(graph_root, graph_task)
+
+
+def count_dependencies(graph_root, graph_task):
+    """Count the edges into each node reachable from ``graph_root`` while
+    every edge leads to a node made earlier (a lower sequence_nr) or to a
+    node without next edges. Returns False, the count unfinished, at the
+    first edge that breaks that rule. Iterative, each node once."""
+    dependencies = graph_task.dependencies
+    seen = {id(graph_root)}
+    stack = [graph_root]
+    while stack:
+        node = stack.pop()
+        if not getattr(node, "_initialized", False):
+            raise RuntimeError(not_initialized_message(node))
+        for edge in node._next_edges:
+            if edge is None:
+                continue
+            next_node = edge.node
+            if next_node._sequence_nr >= node._sequence_nr and next_node._next_edges:
+                return False
+            key = id(next_node)
+            dependencies[key] = dependencies.get(key, 0) + 1
+            if key not in seen:
+                seen.add(key)
+                stack.append(next_node)
+    return True
+
+
+def search_dependencies(graph_root, graph_task):
+    """compute_dependencies' count in a depth-first search that refuses a
+    cycle, for a graph count_dependencies could not vouch for.
+    Iterative: any depth."""
+    on_path, finished = 1, 2
+    dependencies = graph_task.dependencies
+    search_state = {id(graph_root): on_path}
+    if not getattr(graph_root, "_initialized", False):
+        raise RuntimeError(not_initialized_message(graph_root))
+    # Frames: [node, its next edges as first read, the index of the next edge].
+    stack = [[graph_root, graph_root._next_edges, 0]]
+    while stack:
+        frame = stack[-1]
+        node, edges, start = frame
+        for index in range(start, len(edges)):
+            edge = edges[index]
+            if edge is None:
+                continue
+            next_node = edge.node
+            key = id(next_node)
+            dependencies[key] = dependencies.get(key, 0) + 1
+            state = search_state.get(key)
+            if state is None:
+                if not getattr(next_node, "_initialized", False):
+                    raise RuntimeError(not_initialized_message(next_node))
+                search_state[key] = on_path
+                frame[2] = index + 1
+                stack.append([next_node, next_node._next_edges, 0])
+                break  # search below next_node first; this frame resumes after it
+            if state == on_path:
+                raise RuntimeError(
+                    f"the backward graph has a cycle: {node_name(next_node)} is reachable "
+                    "from itself through next_edges; backward needs a graph without cycles")
+        else:
+            search_state[id(node)] = finished
+            stack.pop()
+
+
 def _reset_worker_state_after_fork():
     global _worker_state
-    _worker_state = _WorkerState()
+    _worker_state = WorkerState()
 
 
 def _register_engine(engine):

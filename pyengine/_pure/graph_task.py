@@ -7,6 +7,7 @@ its caller has read its result; NodeTasks point back to it.
 import threading
 
 from .. import streams
+from .._shared import node_streams
 from . import state
 from .ready_queue import is_main_thread, wait_honouring_signals
 
@@ -230,7 +231,7 @@ class GraphTask:
         gradients but never ran fails the task: See Note [Gradients left in
         not ready]."""
         check_not_ready_empty(self)
-        sync_leaf_streams(self)
+        node_streams.sync_leaf_streams(self)
         previous = state.set_current_graph_task(self)
         previous_grad_mode = state.is_grad_enabled()
         state.set_grad_enabled(self.grad_mode)
@@ -285,12 +286,3 @@ def check_not_ready_empty(graph_task):
         count = len(graph_task.not_ready)
     if count:
         raise RuntimeError(not_ready_message(count))
-
-
-def sync_leaf_streams(graph_task):
-    """Make each stream the caller had current wait on the leaf streams of its
-    device. See Note [Streaming backwards]."""
-    for leaf_stream in graph_task.leaf_streams:
-        caller_stream = graph_task.caller_current_streams.get(leaf_stream.device)
-        if caller_stream is not None:
-            streams.sync_streams(caller_stream, leaf_stream)

@@ -15,8 +15,12 @@ import weakref
 
 import numpy as np
 
-from .. import streams
 from .. import backends
+from .. import streams
+from .._shared.hooks import call_post_accumulate_grad_hooks
+from .._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
+                                node_name, not_initialized_message)
+from .._shared.node_streams import _creation_stream
 from ..backends import backend_of
 from ..device import CPU
 from . import state
@@ -47,10 +51,6 @@ def _normalize_dtype(dtype):
 def _not_writable(self, name, value=None):
     # What writing a compiled class's readonly field raises.
     raise AttributeError(f"attribute '{name}' of '{type(self).__name__}' objects is not writable")
-
-
-def _cannot_delete(name):
-    raise AttributeError(f"cannot delete {name}: set it to () instead")
 
 
 class InputMetadata:
@@ -106,35 +106,6 @@ def as_input_metadata(spec):
     return InputMetadata.from_value(spec)
 
 
-# Note [Edge input_nr]
-# ~~~~~~~~~~~~~~~~~~~~
-# ``Edge(node, input_nr)``: ``input_nr`` is an int (anything with
-# ``__index__``, as PyTorch's int arguments: a numpy integer will do, a
-# float or a str will not: TypeError) and at least 0 (ValueError naming
-# the node and the value; PyTorch's input_nr is unsigned, and a negative
-# index would count from the end, or before the start, of the node's
-# slots). It may name a slot beyond the ones the node declared with
-# ``input_metadata``: the node's InputBuffer then grows to fit, one list
-# entry per slot up to ``input_nr``, and that slot's gradients are not
-# checked. That growth is bounded: an undeclared slot must be below
-# MAX_INPUT_NR (65,536 slots, half a MiB of list), so a huge ``input_nr``
-# is an error when the Edge is made (ValueError), never gigabytes of list
-# or a MemoryError in the middle of a backward. A slot the node declared
-# may be any of them. The check is made once, here: an Edge is immutable,
-# and a node's slots only grow (``add_input_metadata``).
-MAX_INPUT_NR = 1 << 16
-
-
-def _input_nr_error(node, input_nr):
-    if not isinstance(input_nr, int):
-        return f"Edge input_nr must be an int, got {type(input_nr).__name__} (for {node_name(node)})"
-    if input_nr < 0:
-        return f"Edge input_nr must be >= 0, got {input_nr} for {node_name(node)}"
-    return (f"Edge input_nr {input_nr} is beyond {node_name(node)}'s {len(node._input_metadata)} "
-            f"input slots and above {MAX_INPUT_NR}, the limit for undeclared slots; declare "
-            f"the slot with input_metadata first")
-
-
 def _check_input_nr(node, input_nr):
     """``input_nr`` as an index of one of ``node``'s input slots: See Note
     [Edge input_nr]."""
@@ -151,7 +122,8 @@ class Edge:
     """Which input slot (``input_nr``) of which ``node`` a gradient flows into.
 
     Immutable after construction; equal when both node (by identity) and
-    slot are. See Note [Edge input_nr] for the values ``input_nr`` may take.
+    slot are. See Note [Edge input_nr] in ``pyengine/_shared/messages.py``
+    for the values ``input_nr`` may take.
     """
 
     __slots__ = ("node", "input_nr")
@@ -189,22 +161,6 @@ class Edge:
     def __reduce__(self):
         # copy, deepcopy and pickle: See Note [Copying a GradientFreeNode].
         return Edge, (self.node, self.input_nr)
-
-
-def node_name(node):
-    """``node.name()`` (a :class:`pyengine.Node`'s), or the type's name for
-    a node without one (a core node type used as it is)."""
-    name = getattr(node, "name", None)
-    return name() if callable(name) else type(node).__name__
-
-
-def not_initialized_message(node):
-    return (f"{type(node).__name__} was not initialized: its __init__ must call "
-            "super().__init__(next_edges, input_metadata)")
-
-
-def _leaf_state_error(leaf_state):
-    return f"leaf_state must be a LeafState, got {type(leaf_state).__name__}"
 
 
 def _check_next_edges(next_edges):
@@ -668,7 +624,7 @@ class AccumulateGradBase(NodeBase):
                 old_grad = variable.grad
                 if old_grad is None:
                     # See Note [Stealing with post hooks].
-                    if create_graph or not _can_steal(new_grad, 1 if self._post_hooks else 0):
+                    if create_graph or not can_steal(new_grad, 1 if self._post_hooks else 0):
                         new_grad = backend_of(new_grad).copy(new_grad)
                     variable.grad = new_grad
                 elif old_grad is leaf_state.owned_grad() and not create_graph:
@@ -682,40 +638,8 @@ class AccumulateGradBase(NodeBase):
         return ()
 
 
-# Note [Post accumulate grad hooks]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# As in PyTorch 2.13, an AccumulateGrad that runs calls its leaf's
-# post-accumulate-grad hooks whether or not a gradient arrived (a node
-# returned None for the leaf): ``.grad`` is then as it was, maybe None. The
-# hooks are read when the accumulation is done and copied before the first
-# runs, so a hook that removes a later one does not stop it this time. A
-# hook must return None: as PyTorch's ``_call_hooks``, a hook that returns
-# anything else than None or its argument hands that value to the next
-# hook; a value of another type than the leaf's is a TypeError at once,
-# and once every hook ran, a returned value is a RuntimeError.
-
-
-def call_post_accumulate_grad_hooks(variable, hooks):
-    """Run ``hooks`` (a leaf's ``(handle_id, fn)`` list) on ``variable``.
-    See Note [Post accumulate grad hooks]. Shared by both cores."""
-    argument = variable
-    returned = False
-    for _, hook in list(hooks):
-        result = hook(argument)
-        if result is None or result is argument:
-            continue
-        if not isinstance(result, type(variable)):
-            raise TypeError(f"expected {type(variable).__name__}, but post accumulate grad hook "
-                            f"'{getattr(hook, '__name__', repr(hook))}' returned "
-                            f"'{type(result).__name__}'")
-        argument = result
-        returned = True
-    if returned:
-        raise RuntimeError("Tensor post accumulate grad hooks should return None.")
-
-
 # The references to an array that only AccumulateGradBase.apply holds, seen
-# from _can_steal: apply's local, _can_steal's argument, getrefcount's argument.
+# from can_steal: apply's local, can_steal's argument, getrefcount's argument.
 _STEALABLE_REFCOUNT = 3
 
 
@@ -738,7 +662,7 @@ def is_numpy_array(value) -> bool:
     return type(value) is np.ndarray and backends.numpy_backend_is_builtin
 
 
-def _can_steal(value, extra_references=0) -> bool:
+def can_steal(value, extra_references=0) -> bool:
     """Whether nothing outside the engine can see ``value``, so that it may
     become ``.grad`` without a copy; ``extra_references``: the engine's own
     other references (See Note [Stealing with post hooks])."""
@@ -748,32 +672,6 @@ def _can_steal(value, extra_references=0) -> bool:
         return False
     flags = value.flags
     return value.base is None and flags.owndata and flags.writeable
-
-
-def _creation_stream(input_metadata):
-    """The current stream of the node's device, the first non-CPU device among
-    its input slots; None on the CPU. See Note [Streaming backwards]."""
-    for metadata in input_metadata:
-        if metadata is not None and metadata.device != CPU:
-            runtime = streams.runtime_for(metadata.device)
-            return runtime.current_stream(metadata.device) if runtime is not None else None
-    return None
-
-
-def node_device(node, gradients):
-    """Where ``node`` runs: the first non-CPU device among its input slots,
-    else among the gradients it received, else the CPU."""
-    for metadata in node._input_metadata:
-        if metadata is not None and metadata.device != CPU:
-            return metadata.device
-    for gradient in gradients:
-        if gradient is not None and type(gradient) is not np.ndarray:
-            backend = backend_of(gradient)
-            if backend is not None:
-                device = backend.device(gradient)
-                if device != CPU:
-                    return device
-    return CPU
 
 
 def _record_forward_traceback(node):

@@ -117,12 +117,13 @@ import time
 
 import numpy as np
 
+from .._shared.gradient_checks import validate_gradient
+from .._shared.messages import MAX_INPUT_NR
 from ..backends import backend_of
 from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer
-from .node import MAX_INPUT_NR, InputMetadata, as_input_metadata
-from .validate_outputs import validate_gradient
+from .node import InputMetadata, as_input_metadata
 
 __all__ = ["OwnerGraph", "OwnerRun", "WRITES", "RETURNS", "check_reader", "cycle_error",
            "owner_graph_edge", "owner_name", "search", "run_owner_graph"]

@@ -127,9 +127,10 @@ def compare_node_task_time(task1, task2):
 # The heap algorithms of libstdc++ (bits/stl_heap.h), with PyTorch's
 # comparator: See Note [Ties in the ready queue]. The compiled core has the
 # same functions in _node_task.h, where push_heap and pop_heap leave the
-# append and the removal to their caller, as the std:: ones do.
+# append and the removal to their caller, as the std:: ones do, and
+# heap_push and heap_pop, as here, do both.
 
-def _push_heap_hole(heap, hole, top, task):
+def push_heap_hole(heap, hole, top, task):
     """libstdc++'s ``__push_heap``: move the hole up towards ``top`` while its
     parent runs after ``task``; ``task`` fills it."""
     parent = (hole - 1) // 2
@@ -140,7 +141,7 @@ def _push_heap_hole(heap, hole, top, task):
     heap[hole] = task
 
 
-def _adjust_heap(heap, hole, length, task):
+def adjust_heap(heap, hole, length, task):
     """libstdc++'s ``__adjust_heap`` over ``heap[:length]``: walk the hole down
     to a leaf, always to the child that runs first, then push ``task`` in
     from there, no higher than where the hole started."""
@@ -157,32 +158,32 @@ def _adjust_heap(heap, hole, length, task):
         second_child = 2 * (second_child + 1)
         heap[hole] = heap[second_child - 1]
         hole = second_child - 1
-    _push_heap_hole(heap, hole, top, task)
+    push_heap_hole(heap, hole, top, task)
 
 
-def _push_heap(heap, task):
+def heap_push(heap, task):
     """``heap.append(task)`` and ``std::push_heap``."""
     heap.append(task)
-    _push_heap_hole(heap, len(heap) - 1, 0, task)
+    push_heap_hole(heap, len(heap) - 1, 0, task)
 
 
-def _pop_heap(heap):
+def heap_pop(heap):
     """``std::pop_heap`` and ``heap.pop()``: remove and return the front."""
     last = heap.pop()
     if not heap:
         return last
     front = heap[0]
-    _adjust_heap(heap, 0, len(heap), last)
+    adjust_heap(heap, 0, len(heap), last)
     return front
 
 
-def _make_heap(heap):
+def make_heap(heap):
     """``std::make_heap`` (libstdc++'s ``__make_heap``)."""
     length = len(heap)
     if length < 2:
         return
     for parent in range((length - 2) // 2, -1, -1):
-        _adjust_heap(heap, parent, length, heap[parent])
+        adjust_heap(heap, parent, length, heap[parent])
 
 
 class ReadyQueue:
@@ -201,7 +202,7 @@ class ReadyQueue:
         with self._not_empty:
             if increment_outstanding_tasks and task.node is not None:
                 task.graph_task.increment_outstanding_tasks()
-            _push_heap(self._heap, task)
+            heap_push(self._heap, task)
             self._not_empty.notify()
 
     def push_shutdown(self):
@@ -217,14 +218,14 @@ class ReadyQueue:
         with self._not_empty:
             while not self._heap:
                 wait_honouring_signals(self._not_empty, on_main_thread)
-            return _pop_heap(self._heap)
+            return heap_pop(self._heap)
 
     def discard_graph_task(self, graph_task):
         """Drop every queued task of ``graph_task`` (after it failed); return how many."""
         with self._not_empty:
             kept = [task for task in self._heap if task.graph_task is not graph_task]
             dropped = len(self._heap) - len(kept)
-            _make_heap(kept)
+            make_heap(kept)
             self._heap = kept
         return dropped
 

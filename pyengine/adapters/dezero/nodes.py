@@ -23,7 +23,7 @@ import weakref
 from dezero.core import Config
 
 from ... import _core
-from ..._pure.node import call_post_accumulate_grad_hooks
+from ..._shared.hooks import call_post_accumulate_grad_hooks
 from ...node import RELEASED_ERROR, AccumulateGrad, Edge, LeafState, Node
 from .variable_backend import _add
 

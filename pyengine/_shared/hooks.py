@@ -1,13 +1,14 @@
-"""Hooks around ``apply``, in PyTorch's order, and the anomaly-mode checks.
+"""Hooks: around ``apply`` in PyTorch's order, and after a leaf's
+accumulation (post-accumulate-grad hooks); and anomaly mode's checks.
 
-Twin code shared by both cores: the compiled engine runs a node without
-hooks itself and comes here only for a node that has some. See Note [Slow
-paths are shared].
+Shared by the compiled core and the twin (See Note [Slow paths are
+shared]): the compiled engine runs a node without hooks itself and comes
+here only for a node that has some; the twin comes here for every node.
+Each core passes its own ``validate_outputs`` to ``call_function``.
 """
 
 from ..backends import backend_of
-from .node import node_name
-from .validate_outputs import validate_outputs
+from .messages import node_name
 
 
 def _hook_name(hook):
@@ -100,16 +101,14 @@ def call_tensor_pre_hooks(node, grads):
     return grads
 
 
-def call_function(graph_task, node, grads, next_edges=None):
+def call_function(graph_task, node, grads, next_edges, validate_outputs):
     """Hooks and ``apply`` on ``grads`` (the node's InputBuffer's list), in
     PyTorch's order: tensor pre-hooks, retains-grad hooks, node pre-hooks,
-    ``apply``, ``validate_outputs``, node post-hooks. ``next_edges``: the
-    node's edges from before it ran, which the engine routes the gradients
-    along (read here when not given). See Note [Next edges while a node
-    runs] in ``pyengine/_pure/engine.py``. Hook lists are read when their
-    turn comes: See Note [Hooks a running hook or node may change]."""
-    if next_edges is None:
-        next_edges = node._next_edges
+    ``apply``, ``validate_outputs`` (the calling core's), node post-hooks.
+    ``next_edges``: the node's edges from before it ran, which the engine
+    routes the gradients along. See Note [Next edges while a node runs] in
+    ``pyengine/_pure/engine.py``. Hook lists are read when their turn
+    comes: See Note [Hooks a running hook or node may change]."""
     if node._tensor_pre_hooks or node._retains_grad_hooks:
         grads = call_tensor_pre_hooks(node, grads)
     pre_hooks = node._pre_hooks
@@ -156,3 +155,35 @@ def add_anomaly_note(error, node):
         note += (" No forward pass information available. Enable detect anomaly during "
                  "forward pass for more information.")
     error.add_note(note)
+
+
+# Note [Post accumulate grad hooks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# As in PyTorch 2.13, an AccumulateGrad that runs calls its leaf's
+# post-accumulate-grad hooks whether or not a gradient arrived (a node
+# returned None for the leaf): ``.grad`` is then as it was, maybe None. The
+# hooks are read when the accumulation is done and copied before the first
+# runs, so a hook that removes a later one does not stop it this time. A
+# hook must return None: as PyTorch's ``_call_hooks``, a hook that returns
+# anything else than None or its argument hands that value to the next
+# hook; a value of another type than the leaf's is a TypeError at once,
+# and once every hook ran, a returned value is a RuntimeError.
+
+
+def call_post_accumulate_grad_hooks(variable, hooks):
+    """Run ``hooks`` (a leaf's ``(handle_id, fn)`` list) on ``variable``.
+    See Note [Post accumulate grad hooks]."""
+    argument = variable
+    returned = False
+    for _, hook in list(hooks):
+        result = hook(argument)
+        if result is None or result is argument:
+            continue
+        if not isinstance(result, type(variable)):
+            raise TypeError(f"expected {type(variable).__name__}, but post accumulate grad hook "
+                            f"'{getattr(hook, '__name__', repr(hook))}' returned "
+                            f"'{type(result).__name__}'")
+        argument = result
+        returned = True
+    if returned:
+        raise RuntimeError("Tensor post accumulate grad hooks should return None.")

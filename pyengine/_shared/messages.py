@@ -1,0 +1,72 @@
+"""The errors both cores raise, in the same words, and the limits they name.
+
+Shared by the compiled core and the twin (See Note [Slow paths are
+shared]): a test that matches an error's words passes on both. The limit
+on an Edge's ``input_nr`` lives here with its message:
+See Note [Edge input_nr].
+"""
+
+
+def node_name(node):
+    """``node.name()`` (a :class:`pyengine.Node`'s), or the type's name for
+    a node without one (a core node type used as it is)."""
+    name = getattr(node, "name", None)
+    return name() if callable(name) else type(node).__name__
+
+
+def not_initialized_message(node):
+    return (f"{type(node).__name__} was not initialized: its __init__ must call "
+            "super().__init__(next_edges, input_metadata)")
+
+
+def _leaf_state_error(leaf_state):
+    return f"leaf_state must be a LeafState, got {type(leaf_state).__name__}"
+
+
+def _cannot_delete(name):
+    raise AttributeError(f"cannot delete {name}: set it to () instead")
+
+
+# Note [Edge input_nr]
+# ~~~~~~~~~~~~~~~~~~~~
+# ``Edge(node, input_nr)``: ``input_nr`` is an int (anything with
+# ``__index__``, as PyTorch's int arguments: a numpy integer will do, a
+# float or a str will not: TypeError) and at least 0 (ValueError naming
+# the node and the value; PyTorch's input_nr is unsigned, and a negative
+# index would count from the end, or before the start, of the node's
+# slots). It may name a slot beyond the ones the node declared with
+# ``input_metadata``: the node's InputBuffer then grows to fit, one list
+# entry per slot up to ``input_nr``, and that slot's gradients are not
+# checked. That growth is bounded: an undeclared slot must be below
+# MAX_INPUT_NR (65,536 slots, half a MiB of list), so a huge ``input_nr``
+# is an error when the Edge is made (ValueError), never gigabytes of list
+# or a MemoryError in the middle of a backward. A slot the node declared
+# may be any of them. The check is made once, when the Edge is made
+# (``_check_input_nr`` in both cores' node modules): an Edge is immutable,
+# and a node's slots only grow (``add_input_metadata``).
+MAX_INPUT_NR = 1 << 16
+
+
+def _input_nr_error(node, input_nr):
+    if not isinstance(input_nr, int):
+        return f"Edge input_nr must be an int, got {type(input_nr).__name__} (for {node_name(node)})"
+    if input_nr < 0:
+        return f"Edge input_nr must be >= 0, got {input_nr} for {node_name(node)}"
+    return (f"Edge input_nr {input_nr} is beyond {node_name(node)}'s {len(node._input_metadata)} "
+            f"input slots and above {MAX_INPUT_NR}, the limit for undeclared slots; declare "
+            f"the slot with input_metadata first")
+
+
+def total_depth_message(depth, limit):
+    return (f"reentrant backward nested {depth} levels deep, past the engine's "
+            f"max_total_depth of {limit} (a hook or node that calls backward on its own graph "
+            f"recurses without end?); to allow deeper nesting, set "
+            f"pyengine.get_default_engine().max_total_depth or pass "
+            f"Engine(max_total_depth=...)")
+
+
+def pool_full_message(depth, limit):
+    return (f"reentrant backward nested {depth} levels deep needs a pool thread, but all "
+            f"{limit} threads of the engine's reentrant pool are busy; set "
+            f"pyengine.get_default_engine().max_pool_threads or pass "
+            f"Engine(max_pool_threads=...) to allow more")
