@@ -24,6 +24,7 @@ from pyengine._state cimport ThreadState, thread_state
 
 from pyengine import streams as _streams
 from pyengine._shared import node_streams as _node_streams
+from pyengine._shared.messages import not_ready_message
 
 # The stream runtimes by device type. The same dict as streams._runtimes,
 # which registering a runtime fills in place: while it is empty,
@@ -91,7 +92,7 @@ cdef int check_not_ready_empty(GraphTask graph_task) except -1:
     cdef size_t count = graph_task.not_ready_.size()
     graph_task.mutex_.unlock()
     if count:
-        raise RuntimeError(_twin.not_ready_message(count))
+        raise RuntimeError(not_ready_message(count))
     return 0
 
 

@@ -8,6 +8,7 @@ import threading
 
 from .. import streams
 from .._shared import node_streams
+from .._shared.messages import not_ready_message
 from . import state
 from .ready_queue import is_main_thread, wait_honouring_signals
 
@@ -271,12 +272,6 @@ class GraphTask:
 # that no gradient reached at all has no buffer and is not an error, as in
 # PyTorch. The compiled core puts a buffer in ``not_ready`` for exactly the
 # nodes the twin does (for a None gradient too), so that both fail alike.
-
-
-def not_ready_message(count):
-    return (f"could not compute gradients for some functions: {count} "
-            f"{'node' if count == 1 else 'nodes'} got some of their gradients but not all, "
-            "so never ran (did a hook or node change next_edges during backward?)")
 
 
 def check_not_ready_empty(graph_task):

@@ -70,3 +70,10 @@ def pool_full_message(depth, limit):
             f"{limit} threads of the engine's reentrant pool are busy; set "
             f"pyengine.get_default_engine().max_pool_threads or pass "
             f"Engine(max_pool_threads=...) to allow more")
+
+
+def not_ready_message(count):
+    """See Note [Gradients left in not ready] in pyengine/_pure/graph_task.py."""
+    return (f"could not compute gradients for some functions: {count} "
+            f"{'node' if count == 1 else 'nodes'} got some of their gradients but not all, "
+            "so never ran (did a hook or node change next_edges during backward?)")
