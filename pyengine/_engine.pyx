@@ -175,10 +175,12 @@ cdef class _ThreadPoolShared:
     threads that run them. ``graph_tasks`` (owned references), ``num_idle``,
     ``num_threads`` (started or starting, not yet ended: at most the
     engine's ``max_pool_threads``) and ``stopping`` are guarded by
-    ``mutex_``; ``work`` is signalled under it. ``threads`` (the started
-    ones, for ``stop`` to join) is guarded by the GIL."""
+    ``mutex_``; ``work`` is signalled under it, and ``released`` when a
+    thread goes back to idle after a task. ``threads`` (the started ones,
+    for ``stop`` to join) is guarded by the GIL."""
     cdef mutex mutex_
     cdef condition_variable work
+    cdef condition_variable released
     cdef deque[PyObject*] graph_tasks
     cdef size_t num_idle
     cdef Py_ssize_t num_threads
@@ -583,6 +585,7 @@ cdef class Engine:
         it completes. See Note [Reentrant backward] and Note [Bounds on
         reentrant backward]."""
         cdef _ThreadPoolShared pool = self._pool
+        cdef unique_lock[mutex] lock
         lock_releasing_gil(pool.mutex_)
         # PyTorch's rule: a new thread unless an idle one is left over for it.
         cdef bint start_thread = pool.num_idle <= pool.graph_tasks.size()
@@ -608,6 +611,12 @@ cdef class Engine:
             withdraw_pool_task(pool, graph_task)
             cancel_graph_task(graph_task, error)
             raise
+        # See Note [A pool thread is back before its caller] in the twin.
+        with nogil:
+            lock = unique_lock[mutex](pool.mutex_)
+            while graph_task.on_pool_thread:
+                pool.released.wait(lock)
+            lock.unlock()
         return 0
 
     cdef int start_pool_thread(self, GraphTask graph_task) except -1:
@@ -640,14 +649,22 @@ cdef class Engine:
         cdef PyObject* next_graph_task = NULL
         cdef GraphTask graph_task
         cdef unique_lock[mutex] lock
+        # Whether this thread is counted in num_idle: from its start, and
+        # again from the moment it finishes a task (See Note [A pool thread
+        # is back before its caller] in the twin).
+        cdef bint counted_idle = False
         try:
+            lock_releasing_gil(pool.mutex_)
+            pool.num_idle += 1
+            counted_idle = True
+            pool.mutex_.unlock()
             while True:
                 with nogil:
                     lock = unique_lock[mutex](pool.mutex_)
-                    pool.num_idle += 1
                     while pool.graph_tasks.empty() and not pool.stopping:
                         pool.work.wait(lock)
                     pool.num_idle -= 1
+                    counted_idle = False
                     if pool.stopping:
                         next_graph_task = NULL
                     else:
@@ -658,19 +675,30 @@ cdef class Engine:
                     return
                 graph_task = <GraphTask>next_graph_task
                 Py_DECREF(graph_task)  # the pool's reference; graph_task holds one
+                graph_task.on_pool_thread = True
                 worker.worker_device = graph_task.owner
                 worker.local_ready_queue = graph_task.cpu_ready_queue
                 worker.total_depth = graph_task.reentrant_depth
                 worker.current_depth = 0
-                self.thread_main(worker, graph_task)
-                worker.local_ready_queue = None
-                worker.worker_device = NO_DEVICE
+                try:
+                    self.thread_main(worker, graph_task)
+                finally:
+                    worker.local_ready_queue = None
+                    worker.worker_device = NO_DEVICE
+                    lock_releasing_gil(pool.mutex_)
+                    graph_task.on_pool_thread = False
+                    pool.num_idle += 1
+                    counted_idle = True
+                    pool.mutex_.unlock()
+                    pool.released.notify_all()
                 graph_task = None
         finally:
             # However it ends, it leaves no dead thread in the pool.
             pool.threads.remove(threading.current_thread())
             lock_releasing_gil(pool.mutex_)
             pool.num_threads -= 1
+            if counted_idle:
+                pool.num_idle -= 1
             pool.mutex_.unlock()
 
     def stop(self, timeout=1.0):

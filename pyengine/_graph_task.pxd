@@ -78,6 +78,10 @@ cdef class GraphTask:
     cdef readonly dict caller_current_streams
     cdef public int owner
     cdef public object graph_root
+    # Whether a reentrant pool thread runs this task and has not gone back
+    # to idle yet. Guarded by the engine's pool mutex once the task is
+    # handed to the pool. See Note [A pool thread is back before its caller].
+    cdef bint on_pool_thread
     # Guarded by the GIL: written only by init_to_execute, before any task
     # runs. exec_info_ is empty when every node runs; an entry's captures
     # index exec_captures, a list of lists of (input_nr, output_idx) pairs.

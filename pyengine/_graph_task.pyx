@@ -126,6 +126,7 @@ cdef class GraphTask:
         self.multithreading = multithreading
         self.caller_current_streams = _streams.current_streams() if _stream_runtimes else {}
         self.owner = -2
+        self.on_pool_thread = False
         self.exec_captures = []
         self.captured_vars = []
         self.leaf_streams = []

@@ -38,11 +38,7 @@ cnp.import_array()
 # AccumulateGrad sorts before every other node: See Note [AccumulateGrad first].
 ACCUMULATE_GRAD_SEQUENCE_NR = UINT64_MAX
 
-cdef extern from *:
-    """
-    /* Per thread, as PyTorch's at::sequence_number. */
-    static thread_local uint64_t pyengine_next_sequence_nr = 0;
-    """
+cdef extern from "_sequence_nr.h":
     uint64_t pyengine_next_sequence_nr
 
 

@@ -3,19 +3,7 @@
 
 from cpython.object cimport PyObject
 
-cdef extern from *:
-    """
-    /* The engine's per-thread state, one struct per thread (see _state.pyx). */
-    struct pyengine_ThreadState {
-        int grad_enabled;
-        /* False while a node of a pruning graph task (grad, inputs=) runs. */
-        int checkpoint_valid;
-        /* Borrowed: the graph task whose node runs on this thread, or NULL. */
-        PyObject *current_graph_task;
-        /* Whether device work goes to device threads (else all on the caller). */
-        int multithreading_enabled;
-    };
-    """
+cdef extern from "_thread_state.h":
     ctypedef struct ThreadState "pyengine_ThreadState":
         bint grad_enabled
         bint checkpoint_valid

@@ -10,15 +10,7 @@ Anomaly mode is global, as in PyTorch. Twin: ``pyengine/_pure/state.py``.
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_XDECREF, Py_XINCREF
 
-cdef extern from *:
-    """
-    static thread_local pyengine_ThreadState pyengine_thread_state = {1, 1, NULL, 1};
-    /* Global; written under the GIL, read per node. */
-    static int pyengine_anomaly_enabled = 0;
-    static int pyengine_anomaly_check_nan = 1;
-    /* Owned; NULL when no profiler listens. Written under the GIL. */
-    static PyObject *pyengine_profiler = NULL;
-    """
+cdef extern from "_state_variables.h":
     ThreadState pyengine_thread_state
     int pyengine_anomaly_enabled
     int pyengine_anomaly_check_nan

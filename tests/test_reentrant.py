@@ -428,6 +428,40 @@ def test_a_full_pool_raises_instead_of_waiting(engine_with):
     assert len(_reentrant_threads() - before) == 3
 
 
+def test_a_full_pool_serves_backward_after_backward(engine_with):
+    # A backward that used every pool thread, or failed for want of one,
+    # returns only once they are idle again, so the next one finds them: no
+    # spurious "all 3 threads ... are busy" (See Note [A pool thread is back
+    # before its caller] in pyengine/_pure/engine.py). The race it guards
+    # against is narrow: seen once in a full run on a loaded machine, not
+    # reproduced on demand; a tiny switch interval and threads competing
+    # for the GIL widen it.
+    engine_with(max_recursion_depth=0, max_pool_threads=3)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    # Contention for the GIL, so that a pool thread still unwinding waits
+    # for it while its caller runs on.
+    stop = threading.Event()
+    spinners = [threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+                for _ in range(2)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        for _ in range(100):
+            levels = _level_chain(4, None)
+            pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+            assert (levels.leaves[-1].grad == 4 * G).all()
+            # One level too many: the pool is full, and the error unwinds
+            # every level while the next backward starts.
+            with pytest.raises(RuntimeError, match="all 3 threads"):
+                pyengine.backward(value(_level_chain(5, None).nodes[-1]), grad_tensors=G)
+    finally:
+        stop.set()
+        for spinner in spinners:
+            spinner.join()
+        sys.setswitchinterval(interval)
+
+
 def test_a_pool_thread_that_fails_to_start_is_reported_and_cleaned_up(engine_with, monkeypatch):
     engine = engine_with(max_recursion_depth=0)
     before = _reentrant_threads()

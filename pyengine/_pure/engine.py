@@ -52,6 +52,22 @@ grows by a thread per hand-off), so pyengine sets three:
   the original error. A pool thread that ends for any reason takes itself
   off the list, so ``stop`` joins only threads that ran.
 
+Note [A pool thread is back before its caller]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A pool thread completes its graph task from inside ``thread_main``, and the
+caller waiting in ``add_thread_pool_task`` wakes at once, while the thread
+still has to unwind and count itself idle. Without more, a caller that
+returns and hands off again at once (the next backward, or the next level)
+can find that thread not yet idle: PyTorch's unbounded pool would start one
+more thread, but a pool at ``max_pool_threads`` raises "all N threads ...
+are busy" although none is (See Note [Bounds on reentrant backward]). So
+the thread marks its task ``on_pool_thread`` while it runs it, and clears
+the mark in the same critical section that counts it idle again; the
+caller, once its task completed, waits for the mark to clear. The wait is
+short (the thread needs only the GIL, which the caller does not hold), and
+a backward that returns has every pool thread it used idle again. A caller
+that cancels its task (Ctrl-C, a thread that did not start) does not wait.
+
 Note [Cancelling a graph task]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A caller that stops waiting for its graph task (Ctrl-C in a wait: See Note
@@ -548,6 +564,10 @@ class Engine:
             withdraw_pool_task(pool, graph_task)
             cancel_graph_task(graph_task, error)
             raise
+        # See Note [A pool thread is back before its caller].
+        with pool.condition:
+            while graph_task.on_pool_thread:
+                pool.condition.wait()
 
     def start_pool_thread(self, graph_task):
         """Start a pool thread, its slot in ``num_threads`` already taken; if
@@ -575,29 +595,46 @@ class Engine:
     def _reentrant_thread_main(self):
         pool = self._pool
         worker = _worker_state
+        # Whether this thread is counted in num_idle: from its start, and
+        # again from the moment it finishes a task (See Note [A pool thread
+        # is back before its caller]).
+        counted_idle = False
         try:
+            with pool.condition:
+                pool.num_idle += 1
+                counted_idle = True
             while True:
                 with pool.condition:
-                    pool.num_idle += 1
                     while not pool.graph_tasks and not pool.stopping:
                         pool.condition.wait()
                     pool.num_idle -= 1
+                    counted_idle = False
                     if pool.stopping:
                         return
                     graph_task = pool.graph_tasks.pop(0)
+                graph_task.on_pool_thread = True
                 worker.worker_device = graph_task.owner
                 worker.local_ready_queue = graph_task.cpu_ready_queue
                 worker.total_depth = graph_task.reentrant_depth
                 worker.current_depth = 0
-                self.thread_main(graph_task)
-                worker.local_ready_queue = None
-                worker.worker_device = NO_DEVICE
+                try:
+                    self.thread_main(graph_task)
+                finally:
+                    worker.local_ready_queue = None
+                    worker.worker_device = NO_DEVICE
+                    with pool.condition:
+                        graph_task.on_pool_thread = False
+                        pool.num_idle += 1
+                        counted_idle = True
+                        pool.condition.notify_all()
                 del graph_task
         finally:
             # However it ends, it leaves no dead thread in the pool.
             with pool.condition:
                 pool.threads.remove(threading.current_thread())
                 pool.num_threads -= 1
+                if counted_idle:
+                    pool.num_idle -= 1
 
     def stop(self, timeout=1.0):
         """Stop the device and pool threads (at interpreter exit). A backward

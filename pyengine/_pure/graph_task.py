@@ -68,6 +68,9 @@ class GraphTask:
         self.caller_current_streams = streams.current_streams()
         self.owner = None
         self.graph_root = None
+        # Guarded by the engine's pool lock. See Note [A pool thread is back
+        # before its caller] in pyengine/_pure/engine.py.
+        self.on_pool_thread = False
         self.mutex = threading.Lock()
         self.dependencies = {}
         self.not_ready = {}

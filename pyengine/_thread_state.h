@@ -1,0 +1,18 @@
+// The engine's per-thread state: one struct per thread, owned by
+// pyengine/_state.pyx (pyengine/_state_variables.h holds the instance).
+// Modules that cimport pyengine._state see only this type and reach the
+// instance through _state's functions.
+#pragma once
+
+#include <Python.h>
+
+struct pyengine_ThreadState {
+    int grad_enabled;
+    // False while a node of a pruning graph task (grad, inputs=) runs, and
+    // in every backward nested below it.
+    int checkpoint_valid;
+    // Borrowed: the graph task whose node runs on this thread, or NULL.
+    PyObject *current_graph_task;
+    // Whether device work goes to device threads (else all on the caller).
+    int multithreading_enabled;
+};
