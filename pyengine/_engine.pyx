@@ -79,6 +79,7 @@ import threading
 from time import perf_counter_ns as _perf_counter_ns
 
 from pyengine import backends as _backends
+from pyengine.indexed import IndexedGradient
 from pyengine import streams as _streams
 from pyengine._pure import hooks as _hooks
 from pyengine._pure.engine import (SHUTDOWN_ERROR, _DeviceThreads, pool_full_message,
@@ -259,13 +260,22 @@ cdef inline int release_variables(NodeBase node) except -1:
     return 0
 
 
+cdef object _IndexedGradient = IndexedGradient
+
+
 cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple next_edges):
     """A node without hooks: ``apply`` and ``validate_outputs`` against
     ``next_edges``, the node's edges from before it ran (See Note [Next edges
     while a node runs] in ``pyengine/_pure/engine.py``), here. With hooks:
-    the twin's ``call_function``, which runs them in PyTorch's order."""
+    the twin's ``call_function``, which runs them in PyTorch's order.
+    IndexedGradients are densified for a node that does not accept them
+    (the twin's ``densify_inputs``)."""
     if has_hooks(node):
         return _hooks.call_function(graph_task, node, inputs, next_edges)
+    for i in range(PyList_GET_SIZE(inputs)):
+        if <PyObject*>Py_TYPE(<object>PyList_GET_ITEM(inputs, i)) == <PyObject*>_IndexedGradient:
+            _hooks.densify_inputs(node, inputs)
+            break
     outputs = node.apply(inputs)
     if type(outputs) is not list:
         if not isinstance(outputs, (tuple, list)):

@@ -6,7 +6,14 @@ does arithmetic itself; it asks the backend registered for the value's type
 for: shape, dtype, device, out-of-place ``add``, in-place ``add_`` (used only
 on arrays the engine allocated itself), ``sum_to`` (reduce a broadcast
 gradient), ``cast``, ``copy``, ``to_device``, ``zeros``, ``ones_like`` and a
-NaN check.
+NaN check. A backend whose arrays may hold the rows of an
+:class:`pyengine.IndexedGradient` also gives ``index_add_``,
+``concatenate``, ``unique_inverse`` and ``index_range`` (numpy and cupy do).
+
+Every sum keeps the type of its operands: two numpy arrays sum to a numpy
+array at every rank, 0-d included (numpy's own ``a + b`` gives a scalar
+there), so that a framework may keep the sum as ``.grad`` and update it in
+place. A dense array plus an IndexedGradient is a dense array.
 
 numpy is built in (and the compiled core has a fast path for it that never
 comes here on the common path). Another array type or a framework's tensor
@@ -84,6 +91,26 @@ class ArrayBackend:
     def has_nan(self, value) -> bool:
         raise NotImplementedError
 
+    # What an IndexedGradient asks of the backend of its rows.
+
+    def index_add_(self, dense, indices, values):
+        """Add ``values[k]`` into ``dense[indices[k]]`` for every ``k`` (repeated
+        indices add up), in place; return ``dense``."""
+        raise NotImplementedError(f"the {self.name} backend cannot hold indexed gradients")
+
+    def concatenate(self, arrays):
+        """The arrays joined along their first axis."""
+        raise NotImplementedError(f"the {self.name} backend cannot hold indexed gradients")
+
+    def unique_inverse(self, indices):
+        """``(unique, inverse)``: the sorted distinct ``indices``, and for each
+        index its position in ``unique``."""
+        raise NotImplementedError(f"the {self.name} backend cannot hold indexed gradients")
+
+    def index_range(self, indices) -> tuple:
+        """``(min, max)`` of a non-empty integer array, as Python ints."""
+        raise NotImplementedError(f"the {self.name} backend cannot hold indexed gradients")
+
 
 def sum_to_shape_axes(value_shape: tuple, shape: tuple) -> tuple:
     """The axes of ``value_shape`` to sum (keeping dims) to reach ``shape``.
@@ -127,13 +154,24 @@ class NumpyBackend(ArrayBackend):
         return np.dtype(dtype).kind
 
     def add(self, a, b):
-        return np.add(a, b)
+        if type(b) is IndexedGradient:
+            dense = np.array(a, dtype=np.result_type(a, b.dtype), copy=True)
+            return b.add_to_(dense)
+        total = np.add(a, b)
+        if type(total) is not np.ndarray and isinstance(a, np.ndarray):
+            # numpy gives a scalar for 0-d operands: keep the array type.
+            total = np.asarray(total)
+        return total
 
     def add_(self, a, b):
         if isinstance(a, np.ndarray) and a.flags.writeable:
+            if type(b) is IndexedGradient:
+                if np.can_cast(b.dtype, a.dtype, "same_kind"):
+                    return b.add_to_(a)
+                return self.add(a, b)
             np.add(a, b, out=a)
             return a
-        return np.add(a, b)
+        return self.add(a, b)
 
     def sum_to(self, value, shape):
         value = np.asarray(value)
@@ -165,6 +203,20 @@ class NumpyBackend(ArrayBackend):
 
     def has_nan(self, value):
         return bool(np.isnan(value).any())
+
+    def index_add_(self, dense, indices, values):
+        np.add.at(dense, indices, values)
+        return dense
+
+    def concatenate(self, arrays):
+        return np.concatenate(arrays)
+
+    def unique_inverse(self, indices):
+        unique, inverse = np.unique(indices, return_inverse=True)
+        return unique, inverse.reshape(-1)
+
+    def index_range(self, indices):
+        return int(indices.min()), int(indices.max())
 
 
 _backends: dict[type, ArrayBackend] = {}
@@ -207,3 +259,8 @@ def backend_of(value) -> ArrayBackend | None:
 NUMPY = NumpyBackend()
 register_backend(np.ndarray, NUMPY)
 register_backend(np.generic, NUMPY)
+
+# Last: indexed.py builds on the classes above.
+from .indexed import IndexedBackend, IndexedGradient  # noqa: E402
+
+register_backend(IndexedGradient, IndexedBackend())

@@ -6,6 +6,7 @@ paths are shared].
 """
 
 from ..backends import backend_of
+from ..indexed import IndexedGradient
 from .node import node_name
 from .validate_outputs import validate_outputs
 
@@ -100,6 +101,17 @@ def call_tensor_pre_hooks(node, grads):
     return grads
 
 
+def densify_inputs(node, grads):
+    """Densify the IndexedGradients in ``grads`` (a list, edited in place)
+    unless ``node`` accepts them: See Note [Where an indexed gradient goes]
+    in ``pyengine/indexed.py``. Called once the node's pre-hooks ran."""
+    if getattr(node, "accepts_indexed_gradients", False):
+        return
+    for i, grad in enumerate(grads):
+        if type(grad) is IndexedGradient:
+            grads[i] = grad.to_dense()
+
+
 def call_function(graph_task, node, grads, next_edges=None):
     """Hooks and ``apply`` on ``grads`` (the node's InputBuffer's list), in
     PyTorch's order: tensor pre-hooks, retains-grad hooks, node pre-hooks,
@@ -107,7 +119,8 @@ def call_function(graph_task, node, grads, next_edges=None):
     node's edges from before it ran, which the engine routes the gradients
     along (read here when not given). See Note [Next edges while a node
     runs] in ``pyengine/_pure/engine.py``. Hook lists are read when their
-    turn comes: See Note [Hooks a running hook or node may change]."""
+    turn comes: See Note [Hooks a running hook or node may change].
+    IndexedGradients are densified after the pre-hooks (``densify_inputs``)."""
     if next_edges is None:
         next_edges = node._next_edges
     if node._tensor_pre_hooks or node._retains_grad_hooks:
@@ -118,6 +131,10 @@ def call_function(graph_task, node, grads, next_edges=None):
             result = hook(tuple(grads))
             if result is not None:
                 grads = _apply_hook_results(node, hook, grads, result)
+    for grad in grads:
+        if type(grad) is IndexedGradient:
+            densify_inputs(node, grads)
+            break
     had_post_hooks = bool(node._post_hooks)
     # apply may edit the list it gets; post-hooks must see the inputs unchanged.
     outputs = node.apply(list(grads) if had_post_hooks else grads)
