@@ -93,6 +93,9 @@ class IndexedGradient:
         if indices_backend is not values_backend:
             raise TypeError(f"IndexedGradient indices ({type(indices).__name__}) and values "
                             f"({type(values).__name__}) must be arrays of one kind")
+        if type(values_backend).index_add_ is backends.ArrayBackend.index_add_:
+            raise TypeError(f"the {values_backend.name} backend cannot hold indexed gradients "
+                            f"(it has no index_add_)")
         if indices_backend.dtype_kind(indices_backend.dtype(indices)) not in ("i", "u"):
             raise TypeError(f"IndexedGradient indices must be integers, got dtype "
                             f"{indices_backend.dtype(indices)}")
