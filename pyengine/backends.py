@@ -158,7 +158,8 @@ class NumpyBackend(ArrayBackend):
             dense = np.array(a, dtype=np.result_type(a, b.dtype), copy=True)
             return b.add_to_(dense)
         total = np.add(a, b)
-        if type(total) is not np.ndarray and isinstance(a, np.ndarray):
+        if isinstance(total, np.generic) and (isinstance(a, np.ndarray)
+                                              or isinstance(b, np.ndarray)):
             # numpy gives a scalar for 0-d operands: keep the array type.
             total = np.asarray(total)
         return total
@@ -205,7 +206,32 @@ class NumpyBackend(ArrayBackend):
         return bool(np.isnan(value).any())
 
     def index_add_(self, dense, indices, values):
-        np.add.at(dense, indices, values)
+        # See Note [Adding rows at indices].
+        if values.ndim < 2 or len(indices) < _ROWS_FOR_SORTED_ADD:
+            np.add.at(dense, indices, values)
+            return dense
+        count = len(indices)
+        if indices.min() < 0:  # -1 and rows - 1 must meet as one row
+            indices = indices % dense.shape[0]
+        if dense.shape[0] * count < 2 ** 62:
+            # Sorting (index, position) keys: a plain sort, faster than a
+            # stable argsort, in the same order.
+            keys = indices.astype(np.int64) * count + np.arange(count)
+            keys.sort()
+            sorted_indices, order = np.divmod(keys, count)
+        else:
+            order = np.argsort(indices, kind="stable")
+            sorted_indices = indices[order]
+        first = np.empty(len(sorted_indices), dtype=bool)
+        first[0] = True
+        np.not_equal(sorted_indices[1:], sorted_indices[:-1], out=first[1:])
+        distinct = sorted_indices[first]
+        rows = np.take(dense, distinct, axis=0)
+        rows += np.take(values, order[first], axis=0)
+        dense[distinct] = rows
+        repeated = ~first
+        if repeated.any():
+            np.add.at(dense, sorted_indices[repeated], np.take(values, order[repeated], axis=0))
         return dense
 
     def concatenate(self, arrays):
@@ -218,6 +244,22 @@ class NumpyBackend(ArrayBackend):
     def index_range(self, indices):
         return int(indices.min()), int(indices.max())
 
+
+# Note [Adding rows at indices]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``np.add.at(dense, indices, rows)`` adds one row at a time through
+# ufunc.at's general loop, several times slower than a fancy-indexed add.
+# But ``dense[indices] += rows`` is wrong where an index repeats (the last
+# write wins). So the indices are sorted, stably (as keys index * count +
+# position, which a plain sort orders as a stable one would): the first occurrence of
+# each distinct index is added with a gather, an add and a scatter (no index
+# repeats among them), and only the repeated occurrences go through
+# ``np.add.at``. Each row of ``dense`` receives its rows in the order they
+# came, as ``np.add.at`` adds them, so the result is the same to the bit.
+# Few rows (or 1-d values, where ufunc.at has a fast loop) take
+# ``np.add.at`` directly.
+
+_ROWS_FOR_SORTED_ADD = 128
 
 _backends: dict[type, ArrayBackend] = {}
 # device type -> function(numpy value, Device) -> value on that device.

@@ -367,3 +367,19 @@ def test_embedding_bad_indices(indices, error, match):
     w = pe.Tensor(_table(), requires_grad=True)
     with pytest.raises(error, match=match):
         pe.embedding(w, indices)
+
+
+@pytest.mark.parametrize("rows, nnz, columns", [(50, 600, 4), (3, 200, 2), (1000, 300, (2, 3)),
+                                                (20, 1, 4), (20, 0, 4), (500, 200, ())])
+def test_numpy_index_add_is_np_add_at_to_the_bit(rows, nnz, columns):
+    # See Note [Adding rows at indices]: the sorted add against np.add.at itself.
+    columns = columns if isinstance(columns, tuple) else (columns,)
+    rng = np.random.default_rng(nnz)
+    dense = rng.standard_normal((rows,) + columns).astype(np.float32)
+    indices = rng.integers(-rows, rows, nnz)  # negative ones count from the end
+    values = rng.standard_normal((nnz,) + columns).astype(np.float32)
+    expected = dense.copy()
+    np.add.at(expected, indices, values)
+    got = pyengine.backends.NUMPY.index_add_(dense, indices, values)
+    assert got is dense
+    np.testing.assert_array_equal(got, expected)

@@ -101,6 +101,14 @@ def call_tensor_pre_hooks(node, grads):
     return grads
 
 
+def has_indexed(grads):
+    """Whether an IndexedGradient is among ``grads``."""
+    for grad in grads:
+        if type(grad) is IndexedGradient:
+            return True
+    return False
+
+
 def densify_inputs(node, grads):
     """Densify the IndexedGradients in ``grads`` (a list, edited in place)
     unless ``node`` accepts them: See Note [Where an indexed gradient goes]
@@ -131,10 +139,10 @@ def call_function(graph_task, node, grads, next_edges=None):
             result = hook(tuple(grads))
             if result is not None:
                 grads = _apply_hook_results(node, hook, grads, result)
-    for grad in grads:
-        if type(grad) is IndexedGradient:
-            densify_inputs(node, grads)
-            break
+    # A function, not a loop here: a loop variable would keep the last
+    # gradient alive, and AccumulateGrad could no longer steal it.
+    if has_indexed(grads):
+        densify_inputs(node, grads)
     had_post_hooks = bool(node._post_hooks)
     # apply may edit the list it gets; post-hooks must see the inputs unchanged.
     outputs = node.apply(list(grads) if had_post_hooks else grads)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 
+from . import lookups
 from .subjects import SUBJECTS
 from .workload import size_label
 
@@ -175,6 +176,13 @@ def report(results, markdown=False) -> str:
                          f"{largest['rss_peak'] / largest['nodes']:.0f} bytes/node peak RSS "
                          f"({largest['rss_method']}), {largest['tracemalloc_peak'] / largest['nodes']:.1f} "
                          "bytes/node through Python's allocators (tracemalloc)")
+    if results.get("lookups"):
+        parts.append(heading(f"Lookups (indexed gradients): {lookups.LOOKUPS} lookups of "
+                             f"{lookups.ROWS_PER_LOOKUP:,} rows, (e * e).sum() each; ms per "
+                             "backward, median (min-max); peak memory of one backward "
+                             "(tracemalloc)", markdown))
+        parts.append(render(lookups.LOOKUP_HEADERS, lookups.lookup_rows(results["lookups"]),
+                            markdown))
     parts.append(heading("Goals", markdown))
     parts.append(render(["goal", "measured", "status"], goals(results), markdown))
     failures = failure_lines(results)
@@ -245,6 +253,8 @@ def goals(results):
             "chain:10000", GOAL_MICROGRAD)
     speedup("micrograd on pyengine no slower, MLP step", "micrograd", "micrograd-pyengine",
             "mlp-step:0", GOAL_MICROGRAD)
+    if results.get("lookups"):
+        rows.extend(lookups.lookup_goals(results["lookups"]))
     return rows
 
 
