@@ -263,6 +263,22 @@ cdef inline int release_variables(NodeBase node) except -1:
 cdef object _IndexedGradient = IndexedGradient
 
 
+cdef inline bint has_indexed_gradient(list inputs) noexcept:
+    """The twin's ``has_indexed``: a type comparison per input."""
+    cdef PyObject* indexed_type = <PyObject*>_IndexedGradient
+    cdef Py_ssize_t i
+    for i in range(PyList_GET_SIZE(inputs)):
+        if <PyObject*>Py_TYPE(<object>PyList_GET_ITEM(inputs, i)) == indexed_type:
+            return True
+    return False
+
+
+cdef int densify_inputs(NodeBase node, list inputs) except -1:
+    # Out of line: the common path through call_function stays short.
+    _hooks.densify_inputs(node, inputs)
+    return 0
+
+
 cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple next_edges):
     """A node without hooks: ``apply`` and ``validate_outputs`` against
     ``next_edges``, the node's edges from before it ran (See Note [Next edges
@@ -272,10 +288,8 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple 
     (the twin's ``densify_inputs``)."""
     if has_hooks(node):
         return _hooks.call_function(graph_task, node, inputs, next_edges)
-    for i in range(PyList_GET_SIZE(inputs)):
-        if <PyObject*>Py_TYPE(<object>PyList_GET_ITEM(inputs, i)) == <PyObject*>_IndexedGradient:
-            _hooks.densify_inputs(node, inputs)
-            break
+    if has_indexed_gradient(inputs):
+        densify_inputs(node, inputs)
     outputs = node.apply(inputs)
     if type(outputs) is not list:
         if not isinstance(outputs, (tuple, list)):
