@@ -383,3 +383,35 @@ def test_numpy_index_add_is_np_add_at_to_the_bit(rows, nnz, columns):
     got = pyengine.backends.NUMPY.index_add_(dense, indices, values)
     assert got is dense
     np.testing.assert_array_equal(got, expected)
+
+
+# -- the lookup benchmark ----------------------------------------------------------------
+
+def test_lookup_workload_checks_its_gradients_and_times_each_way():
+    from pyengine.bench import lookups
+
+    workload = lookups.LookupWorkload(2_000)  # its constructor runs the oracle
+    for way in lookups.WAYS:
+        assert workload.step(way) > 0
+    workload.check()  # still right after more steps of each way
+    # A few copies of the rows looked up (their gradients, concatenated, gathered).
+    row_bytes = lookups.COLUMNS * 4
+    assert workload.peak_bytes("indexed") < 4 * lookups.LOOKUPS * lookups.ROWS_PER_LOOKUP * row_bytes
+
+
+def test_lookup_report_ratios_and_goals():
+    from pyengine.bench import lookups
+
+    def entry(rows, indexed, dense, floor, peak):
+        return {"rows": rows, "seconds": {"indexed": [indexed] * 3, "dense": [dense] * 3,
+                                          "floor": [floor] * 3},
+                "peak_bytes": {"indexed": peak, "dense": 10 * peak, "floor": 0},
+                "looked_up": 30_000, "table_bytes": rows * 256}
+
+    results = [entry(100_000, 0.010, 0.05, 0.004, 3_000_000),
+               entry(1_000_000, 0.010, 0.25, 0.006, 3_000_000)]
+    rows = lookups.lookup_rows(results)
+    assert rows[1][4] == "1.67x" and rows[1][5] == "25.0x"
+    goals = lookups.lookup_goals(results)
+    assert [g[2] for g in goals] == ["MISSED", "met", "met", "met"]
+    assert goals[0][1] == "2.50x" and goals[2][1] == "25.0x" and goals[3][1].startswith("x1.00")

@@ -231,6 +231,8 @@ def goals(results):
         else:
             rows.append([label, f"{a / b:.2f}x", "met" if a / b >= limit else "MISSED"])
 
+    if not results["timing"]:  # --lookups-only
+        return lookups.lookup_goals(results.get("lookups") or [])
     at_most(f"compiled <= {GOAL_CHAIN_100K_US} us/node, chain 100k",
             median_of(results, "pyengine", "chain:100000"), GOAL_CHAIN_100K_US, "us/node")
     at_most(f"compiled <= {GOAL_WIDE_US} us/node, wide 1000x10",
