@@ -79,7 +79,6 @@ import threading
 from time import perf_counter_ns as _perf_counter_ns
 
 from pyengine import backends as _backends
-from pyengine.indexed import IndexedGradient
 from pyengine import streams as _streams
 from pyengine._pure import hooks as _hooks
 from pyengine._pure.engine import (SHUTDOWN_ERROR, _DeviceThreads, pool_full_message,
@@ -87,6 +86,7 @@ from pyengine._pure.engine import (SHUTDOWN_ERROR, _DeviceThreads, pool_full_mes
 from pyengine._pure.node import node_device, not_initialized_message
 from pyengine._pure.owner_graph import check_owner_graph_arguments, execute_translated
 from pyengine._validate_outputs import NodeErrorFormat, plain_error_format
+from pyengine.indexed import IndexedGradient
 
 cnp.import_array()
 

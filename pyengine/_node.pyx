@@ -27,8 +27,8 @@ import numpy as np
 
 from pyengine import backends as _backends
 from pyengine.backends import backend_of
-from pyengine.indexed import IndexedGradient
 from pyengine.device import CPU
+from pyengine.indexed import IndexedGradient
 
 from pyengine._pure.node import (MAX_INPUT_NR, _cannot_delete, _creation_stream, _input_nr_error,
                                  _leaf_state_error, call_post_accumulate_grad_hooks, node_name,

@@ -17,8 +17,8 @@ import numpy as np
 
 from .. import streams
 from ..backends import backend_of
-from ..indexed import IndexedGradient
 from ..device import CPU
+from ..indexed import IndexedGradient
 from . import state
 
 # AccumulateGrad sorts before every other node: See Note [AccumulateGrad first].

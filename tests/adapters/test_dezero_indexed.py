@@ -10,7 +10,6 @@ import pytest
 
 pytest.importorskip("dezero")
 
-import dezero  # noqa: E402
 import dezero.functions as F  # noqa: E402
 from dezero import Variable  # noqa: E402
 
