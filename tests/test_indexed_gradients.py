@@ -415,3 +415,47 @@ def test_lookup_report_ratios_and_goals():
     goals = lookups.lookup_goals(results)
     assert [g[2] for g in goals] == ["MISSED", "met", "met", "met"]
     assert goals[0][1] == "2.50x" and goals[2][1] == "25.0x" and goals[3][1].startswith("x1.00")
+
+
+def test_frontend_tensor_hooks_see_the_indexed_gradient():
+    w = pe.Tensor(_table(), requires_grad=True)
+    seen = []
+
+    def hook(grad):
+        seen.append(grad)
+        return IndexedGradient(grad.indices, grad.values * 10, grad.shape)
+
+    w.register_hook(hook)
+    (w[np.array([4, 4, 1])] * 1.0).sum().backward()
+    assert type(seen[0]) is IndexedGradient and seen[0].nnz == 3
+    expected = np.zeros_like(w.data)
+    np.add.at(expected, [4, 4, 1], 10.0)
+    np.testing.assert_allclose(w.grad.data, expected)
+
+
+def test_frontend_grad_returns_the_indexed_gradient():
+    data = _table()
+    w = pe.Tensor(data.copy(), requires_grad=True)
+    (g,) = pe.grad((w[np.array([0, 9, 0])] ** 2).sum(), [w])
+    assert type(g) is IndexedGradient
+    expected = np.zeros_like(data)
+    np.add.at(expected, [0, 9, 0], 2 * data[[0, 9, 0]])
+    np.testing.assert_allclose(densify(g), expected, rtol=1e-6)
+    assert w.grad is None
+
+
+def test_frontend_gradcheck_through_row_lookups():
+    # gradcheck's analytical Jacobian reads the lookup's IndexedGradient;
+    # finite differences are the oracle.
+    w = pe.Tensor(np.random.default_rng(3).standard_normal((6, 2)), requires_grad=True)
+    assert pe.gradcheck(lambda t: (t[np.array([1, 1, 4])] ** 2) * 3.0, [w])
+    assert pe.gradcheck(lambda t: pe.embedding(t, np.array([[0, 5], [5, 5]])).sum(), [w])
+
+
+def test_module_zero_grad_clears_an_indexed_grad():
+    module = pe.nn.Module()
+    module.weight = pe.Parameter(_table())
+    (pe.embedding(module.weight, np.array([1, 2]), sparse=True) * 1.0).sum().backward()
+    assert type(module.weight.grad) is IndexedGradient
+    module.zero_grad(set_to_none=False)
+    assert module.weight.grad is None

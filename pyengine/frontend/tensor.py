@@ -598,9 +598,13 @@ def is_tensor(value) -> bool:
 
 def _tensor_hook(fn):
     """Wrap ``fn`` so that it sees and returns Tensors while the engine sees
-    values: arrays, or Tensors under create_graph."""
+    values: arrays, or Tensors under create_graph. An IndexedGradient is
+    handed over as it is (as torch hands a hook a sparse tensor)."""
 
     def hook(grad):
+        if isinstance(grad, pyengine.IndexedGradient):
+            result = fn(grad)
+            return result.data if isinstance(result, Tensor) else result
         result = fn(grad if isinstance(grad, Tensor) else Tensor._make(grad))
         if result is None:
             return None
