@@ -32,6 +32,7 @@ from .engine import (
     set_default_engine,
     set_multithreading_enabled,
 )
+from .indexed import IndexedGradient, densify, keep_indexed_grad
 from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from .node import (
     AccumulateGrad,
@@ -76,11 +77,13 @@ __all__ = [
     "GradientEdge",
     "GradientFreeNode",
     "GraphRoot",
+    "IndexedGradient",
     "InputMetadata",
     "Node",
     "RemovableHandle",
     "backend_of",
     "backward",
+    "densify",
     "detect_anomaly",
     "enable_grad",
     "OwnerGraph",
@@ -94,6 +97,7 @@ __all__ = [
     "is_checkpoint_valid",
     "is_grad_enabled",
     "is_multithreading_enabled",
+    "keep_indexed_grad",
     "no_grad",
     "profile",
     "queue_callback",

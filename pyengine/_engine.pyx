@@ -56,6 +56,7 @@ from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from pyengine._shared.messages import not_initialized_message, pool_full_message, total_depth_message
 from pyengine._validate_outputs import plain_error_format, validate_outputs
+from pyengine.indexed import IndexedGradient
 
 cnp.import_array()
 
@@ -149,13 +150,36 @@ cdef inline int release_variables(NodeBase node) except -1:
     return 0
 
 
+cdef object _IndexedGradient = IndexedGradient
+
+
+cdef inline bint has_indexed_gradient(list inputs) noexcept:
+    """The twin's ``has_indexed``: a type comparison per input."""
+    cdef PyObject* indexed_type = <PyObject*>_IndexedGradient
+    cdef Py_ssize_t i
+    for i in range(PyList_GET_SIZE(inputs)):
+        if <PyObject*>Py_TYPE(<object>PyList_GET_ITEM(inputs, i)) == indexed_type:
+            return True
+    return False
+
+
+cdef int densify_inputs(NodeBase node, list inputs) except -1:
+    # Out of line: the common path through call_function stays short.
+    _hooks.densify_inputs(node, inputs)
+    return 0
+
+
 cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple next_edges):
     """A node without hooks: ``apply`` and ``validate_outputs`` against
     ``next_edges``, the node's edges from before it ran (See Note [Next edges
     while a node runs] in ``pyengine/_pure/engine.py``), here. With hooks:
-    the shared ``call_function``, which runs them in PyTorch's order."""
+    the shared ``call_function``, which runs them in PyTorch's order.
+    IndexedGradients are densified for a node that does not accept them
+    (the shared ``densify_inputs``)."""
     if has_hooks(node):
         return _hooks.call_function(graph_task, node, inputs, next_edges, validate_outputs)
+    if has_indexed_gradient(inputs):
+        densify_inputs(node, inputs)
     outputs = node.apply(inputs)
     if type(outputs) is not list:
         if not isinstance(outputs, (tuple, list)):

@@ -59,6 +59,8 @@ cdef class LeafState:
     cdef public object accumulator
     cdef public object tensor_pre_hooks
     cdef public object post_accumulate_grad_hooks
+    # Set by the framework (read under lock): keep an indexed .grad indexed.
+    cdef public bint keep_indexed
 
     cpdef object owned_grad(self)
     cpdef set_owned_grad(self, grad)

@@ -71,6 +71,7 @@ class LeafState:
     accumulator: Any
     tensor_pre_hooks: list[Any] | None
     post_accumulate_grad_hooks: list[Any] | None
+    keep_indexed: bool
     def owned_grad(self) -> Any: ...
     def set_owned_grad(self, grad: Any) -> None: ...
 

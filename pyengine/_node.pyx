@@ -27,6 +27,7 @@ import numpy as np
 from pyengine import backends as _backends
 from pyengine.backends import backend_of
 from pyengine.device import CPU
+from pyengine.indexed import IndexedGradient
 
 from pyengine._shared.hooks import call_post_accumulate_grad_hooks
 from pyengine._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
@@ -373,18 +374,27 @@ cdef object copy_value(object value):
     return backend_of(value).copy(value)
 
 
+cdef object add_arrays(object grad, object new_grad):
+    """The numpy backend's ``add`` of two numpy arrays: an array at every
+    rank (numpy's own sum of 0-d arrays is a scalar)."""
+    total = PyNumber_Add(grad, new_grad)
+    if type(total) is not cnp.ndarray:
+        total = cnp.PyArray_FROM_O(total)
+    return total
+
+
 cdef object add_in_place(object grad, object new_grad):
     if is_numpy_array(grad) and type(new_grad) is cnp.ndarray:
         if cnp.PyArray_ISWRITEABLE(<cnp.ndarray>grad):
             # np.add(grad, new_grad, out=grad), the numpy backend's add_.
             return PyNumber_InPlaceAdd(grad, new_grad)
-        return PyNumber_Add(grad, new_grad)
+        return add_arrays(grad, new_grad)
     return backend_of(grad).add_(grad, new_grad)
 
 
 cdef object add_values(object grad, object new_grad):
     if is_numpy_array(grad) and type(new_grad) is cnp.ndarray:
-        return PyNumber_Add(grad, new_grad)
+        return add_arrays(grad, new_grad)
     return backend_of(grad).add(grad, new_grad)
 
 
@@ -459,6 +469,10 @@ cdef class AccumulateGradBase(NodeBase):
             lock.acquire()
             try:
                 old_grad = variable.grad
+                if (old_grad is None and type(new_grad) is IndexedGradient
+                        and not leaf_state.keep_indexed):
+                    # See Note [Where an indexed gradient goes] in pyengine/indexed.py.
+                    new_grad = new_grad.to_dense()
                 if old_grad is None:
                     # See Note [Stealing with post hooks] in the twin.
                     if create_graph or not can_steal(new_grad, 2 if self._post_hooks else 1):

@@ -6,7 +6,14 @@ does arithmetic itself; it asks the backend registered for the value's type
 for: shape, dtype, device, out-of-place ``add``, in-place ``add_`` (used only
 on arrays the engine allocated itself), ``sum_to`` (reduce a broadcast
 gradient), ``cast``, ``copy``, ``to_device``, ``zeros``, ``ones_like`` and a
-NaN check.
+NaN check. A backend whose arrays may hold the rows of an
+:class:`pyengine.IndexedGradient` also gives ``index_add_``,
+``concatenate``, ``unique_inverse`` and ``index_range`` (numpy and cupy do).
+
+Every sum keeps the type of its operands: two numpy arrays sum to a numpy
+array at every rank, 0-d included (numpy's own ``a + b`` gives a scalar
+there), so that a framework may keep the sum as ``.grad`` and update it in
+place. A dense array plus an IndexedGradient is a dense array.
 
 numpy is built in (and the compiled core has a fast path for it that never
 comes here on the common path). Another array type or a framework's tensor
@@ -98,6 +105,26 @@ class ArrayBackend:
     def has_nan(self, value) -> bool:
         raise NotImplementedError
 
+    # What an IndexedGradient asks of the backend of its rows.
+
+    def index_add_(self, dense, indices, values):
+        """Add ``values[k]`` into ``dense[indices[k]]`` for every ``k`` (repeated
+        indices add up), in place; return ``dense``."""
+        raise NotImplementedError(f"the {self.name} backend cannot hold indexed gradients")
+
+    def concatenate(self, arrays):
+        """The arrays joined along their first axis."""
+        raise NotImplementedError(f"the {self.name} backend cannot hold indexed gradients")
+
+    def unique_inverse(self, indices):
+        """``(unique, inverse)``: the sorted distinct ``indices``, and for each
+        index its position in ``unique``."""
+        raise NotImplementedError(f"the {self.name} backend cannot hold indexed gradients")
+
+    def index_range(self, indices) -> tuple:
+        """``(min, max)`` of a non-empty integer array, as Python ints."""
+        raise NotImplementedError(f"the {self.name} backend cannot hold indexed gradients")
+
 
 def sum_to_shape_axes(value_shape: tuple, shape: tuple) -> tuple:
     """The axes of ``value_shape`` to sum (keeping dims) to reach ``shape``.
@@ -141,13 +168,25 @@ class NumpyBackend(ArrayBackend):
         return np.dtype(dtype).kind
 
     def add(self, a, b):
-        return np.add(a, b)
+        if type(b) is IndexedGradient:
+            dense = np.array(a, dtype=np.result_type(a, b.dtype), copy=True)
+            return b.add_to_(dense)
+        total = np.add(a, b)
+        if isinstance(total, np.generic) and (isinstance(a, np.ndarray)
+                                              or isinstance(b, np.ndarray)):
+            # numpy gives a scalar for 0-d operands: keep the array type.
+            total = np.asarray(total)
+        return total
 
     def add_(self, a, b):
         if isinstance(a, np.ndarray) and a.flags.writeable:
+            if type(b) is IndexedGradient:
+                if np.can_cast(b.dtype, a.dtype, "same_kind"):
+                    return b.add_to_(a)
+                return self.add(a, b)
             np.add(a, b, out=a)
             return a
-        return np.add(a, b)
+        return self.add(a, b)
 
     def sum_to(self, value, shape):
         value = np.asarray(value)
@@ -180,6 +219,61 @@ class NumpyBackend(ArrayBackend):
     def has_nan(self, value):
         return bool(np.isnan(value).any())
 
+    def index_add_(self, dense, indices, values):
+        # See Note [Adding rows at indices].
+        if values.ndim < 2 or len(indices) < _ROWS_FOR_SORTED_ADD:
+            np.add.at(dense, indices, values)
+            return dense
+        count = len(indices)
+        if indices.min() < 0:  # -1 and rows - 1 must meet as one row
+            indices = indices % dense.shape[0]
+        if dense.shape[0] * count < 2 ** 62:
+            # Sorting (index, position) keys: a plain sort, faster than a
+            # stable argsort, in the same order.
+            keys = indices.astype(np.int64) * count + np.arange(count)
+            keys.sort()
+            sorted_indices, order = np.divmod(keys, count)
+        else:
+            order = np.argsort(indices, kind="stable")
+            sorted_indices = indices[order]
+        first = np.empty(len(sorted_indices), dtype=bool)
+        first[0] = True
+        np.not_equal(sorted_indices[1:], sorted_indices[:-1], out=first[1:])
+        distinct = sorted_indices[first]
+        rows = np.take(dense, distinct, axis=0)
+        rows += np.take(values, order[first], axis=0)
+        dense[distinct] = rows
+        repeated = ~first
+        if repeated.any():
+            np.add.at(dense, sorted_indices[repeated], np.take(values, order[repeated], axis=0))
+        return dense
+
+    def concatenate(self, arrays):
+        return np.concatenate(arrays)
+
+    def unique_inverse(self, indices):
+        unique, inverse = np.unique(indices, return_inverse=True)
+        return unique, inverse.reshape(-1)
+
+    def index_range(self, indices):
+        return int(indices.min()), int(indices.max())
+
+
+# Note [Adding rows at indices]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``np.add.at(dense, indices, rows)`` adds one row at a time through
+# ufunc.at's general loop, several times slower than a fancy-indexed add.
+# But ``dense[indices] += rows`` is wrong where an index repeats (the last
+# write wins). So the indices are sorted, stably (as keys index * count +
+# position, which a plain sort orders as a stable one would): the first occurrence of
+# each distinct index is added with a gather, an add and a scatter (no index
+# repeats among them), and only the repeated occurrences go through
+# ``np.add.at``. Each row of ``dense`` receives its rows in the order they
+# came, as ``np.add.at`` adds them, so the result is the same to the bit.
+# Few rows (or 1-d values, where ufunc.at has a fast loop) take
+# ``np.add.at`` directly.
+
+_ROWS_FOR_SORTED_ADD = 128
 
 _backends: dict[type, ArrayBackend] = {}
 # device type -> function(numpy value, Device) -> value on that device.
@@ -236,3 +330,8 @@ def _find_backend(value_type):
 NUMPY = NumpyBackend()
 register_backend(np.ndarray, NUMPY)
 register_backend(np.generic, NUMPY)
+
+# Last: indexed.py builds on the classes above.
+from .indexed import IndexedBackend, IndexedGradient  # noqa: E402
+
+register_backend(IndexedGradient, IndexedBackend())

@@ -1,7 +1,8 @@
 """cupy arrays as gradient values on ``cuda:N``, and cupy's streams and events.
 
 Imported by ``pyengine`` when cupy is installed. Registers a value backend
-for ``cupy.ndarray``, lets numpy values move to ``cuda`` devices, and gives
+for ``cupy.ndarray`` (which can also hold the rows of an IndexedGradient,
+summed with ``cupyx.scatter_add``), lets numpy values move to ``cuda`` devices, and gives
 the engine cupy's streams (see Note [Streaming backwards] in
 :mod:`pyengine.streams`). A cupy stream is wrapped in :class:`CudaStream`,
 which carries its device and compares equal to another wrapper of the same
@@ -11,9 +12,11 @@ stream, as the engine's stream interface expects.
 from __future__ import annotations
 
 import cupy
+import cupyx
 
 from . import backends, streams
 from .device import CPU, Device
+from .indexed import IndexedGradient
 
 __all__ = ["CudaStream", "CupyBackend", "CupyRuntime"]
 
@@ -88,10 +91,17 @@ class CupyBackend(backends.ArrayBackend):
 
     def add(self, a, b):
         with a.device:
+            if type(b) is IndexedGradient:
+                return b.add_to_(a.astype(cupy.result_type(a.dtype, b.dtype), copy=True))
+            # cupy keeps 0-d operands arrays: the sum keeps their type.
             return a + b
 
     def add_(self, a, b):
         with a.device:
+            if type(b) is IndexedGradient:
+                if cupy.can_cast(b.dtype, a.dtype, "same_kind"):
+                    return b.add_to_(a)
+                return self.add(a, b)
             a += b
         return a
 
@@ -127,6 +137,24 @@ class CupyBackend(backends.ArrayBackend):
     def has_nan(self, value):
         with value.device:
             return bool(cupy.isnan(value).any())
+
+    def index_add_(self, dense, indices, values):
+        with dense.device:
+            cupyx.scatter_add(dense, indices, values)
+        return dense
+
+    def concatenate(self, arrays):
+        with arrays[0].device:
+            return cupy.concatenate(arrays)
+
+    def unique_inverse(self, indices):
+        with indices.device:
+            unique, inverse = cupy.unique(indices, return_inverse=True)
+            return unique, inverse.reshape(-1)
+
+    def index_range(self, indices):
+        with indices.device:
+            return int(indices.min()), int(indices.max())
 
 
 def _from_host(value, device):

@@ -116,7 +116,15 @@ class Node(NodeBase):
     afterwards is called only for nodes made afterwards, while replacing a
     method the class already had takes effect at once. See Note
     [Overriding release variables] in ``pyengine/_pure/node.py``.
+
+    ``accepts_indexed_gradients``: a class that sets it True gets
+    :class:`pyengine.IndexedGradient` inputs as they are; for any other, the
+    engine densifies them before ``apply`` (its hooks still see them
+    indexed). See Note [Where an indexed gradient goes] in
+    ``pyengine/indexed.py``.
     """
+
+    accepts_indexed_gradients = False
 
     def name(self) -> str:
         return type(self).__name__
@@ -231,8 +239,11 @@ class AccumulateGrad(AccumulateGradBase, Node):
     post-accumulate-grad hooks, ``fn(variable)``. ``apply`` is the core's
     (compiled in the compiled core). What must outlive this node (a new
     forward pass makes a new one) lives on the variable, in its
-    :class:`LeafState`.
+    :class:`LeafState`. It accepts indexed gradients (See Note [Where an
+    indexed gradient goes] in ``pyengine/indexed.py``).
     """
+
+    accepts_indexed_gradients = True
 
     def __init__(self, variable, metadata=None):
         if metadata is None:

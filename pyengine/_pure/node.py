@@ -23,6 +23,7 @@ from .._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _
 from .._shared.node_streams import _creation_stream
 from ..backends import backend_of
 from ..device import CPU
+from ..indexed import IndexedGradient
 from . import state
 
 # AccumulateGrad sorts before every other node: See Note [AccumulateGrad first].
@@ -546,13 +547,16 @@ class LeafState:
       _owned_grad: None or a weak reference to the ``.grad`` array pyengine
         stored, the only one it may add into in place (``owned_grad()``,
         ``set_owned_grad()``); guarded by ``lock``.
+      keep_indexed: whether an IndexedGradient reaching a ``.grad`` that is
+        None is stored as it is (copied) rather than densified; set by the
+        framework (:func:`pyengine.keep_indexed_grad`), read under ``lock``.
       tensor_pre_hooks, post_accumulate_grad_hooks: None or lists of
         ``(handle_id, ...)`` entries, replaced (never edited) under the GIL.
         The AccumulateGrad runs ``tensor_pre_hooks`` as its tensor pre-hooks.
     """
 
     __slots__ = ("lock_", "accumulator", "_owned_grad", "tensor_pre_hooks",
-                 "post_accumulate_grad_hooks")
+                 "post_accumulate_grad_hooks", "keep_indexed")
 
     lock = _read_only_field("lock", "lock_")
 
@@ -562,6 +566,7 @@ class LeafState:
         self._owned_grad = None
         self.tensor_pre_hooks = None
         self.post_accumulate_grad_hooks = None
+        self.keep_indexed = False
 
     def __reduce__(self):
         # A copied or pickled tensor starts with fresh engine state: a lock
@@ -622,6 +627,10 @@ class AccumulateGradBase(NodeBase):
             create_graph = state.is_grad_enabled()
             with leaf_state.lock:
                 old_grad = variable.grad
+                if (old_grad is None and type(new_grad) is IndexedGradient
+                        and not leaf_state.keep_indexed):
+                    # See Note [Where an indexed gradient goes] in pyengine/indexed.py.
+                    new_grad = new_grad.to_dense()
                 if old_grad is None:
                     # See Note [Stealing with post hooks].
                     if create_graph or not can_steal(new_grad, 1 if self._post_hooks else 0):

@@ -8,6 +8,7 @@ Each core passes its own ``validate_outputs`` to ``call_function``.
 """
 
 from ..backends import backend_of
+from ..indexed import IndexedGradient
 from .messages import node_name
 
 
@@ -101,6 +102,25 @@ def call_tensor_pre_hooks(node, grads):
     return grads
 
 
+def has_indexed(grads):
+    """Whether an IndexedGradient is among ``grads``."""
+    for grad in grads:
+        if type(grad) is IndexedGradient:
+            return True
+    return False
+
+
+def densify_inputs(node, grads):
+    """Densify the IndexedGradients in ``grads`` (a list, edited in place)
+    unless ``node`` accepts them: See Note [Where an indexed gradient goes]
+    in ``pyengine/indexed.py``. Called once the node's pre-hooks ran."""
+    if getattr(node, "accepts_indexed_gradients", False):
+        return
+    for i, grad in enumerate(grads):
+        if type(grad) is IndexedGradient:
+            grads[i] = grad.to_dense()
+
+
 def call_function(graph_task, node, grads, next_edges, validate_outputs):
     """Hooks and ``apply`` on ``grads`` (the node's InputBuffer's list), in
     PyTorch's order: tensor pre-hooks, retains-grad hooks, node pre-hooks,
@@ -108,7 +128,8 @@ def call_function(graph_task, node, grads, next_edges, validate_outputs):
     ``next_edges``: the node's edges from before it ran, which the engine
     routes the gradients along. See Note [Next edges while a node runs] in
     ``pyengine/_pure/engine.py``. Hook lists are read when their turn
-    comes: See Note [Hooks a running hook or node may change]."""
+    comes: See Note [Hooks a running hook or node may change].
+    IndexedGradients are densified after the pre-hooks (``densify_inputs``)."""
     if node._tensor_pre_hooks or node._retains_grad_hooks:
         grads = call_tensor_pre_hooks(node, grads)
     pre_hooks = node._pre_hooks
@@ -117,6 +138,10 @@ def call_function(graph_task, node, grads, next_edges, validate_outputs):
             result = hook(tuple(grads))
             if result is not None:
                 grads = _apply_hook_results(node, hook, grads, result)
+    # A function, not a loop here: a loop variable would keep the last
+    # gradient alive, and AccumulateGrad could no longer steal it.
+    if has_indexed(grads):
+        densify_inputs(node, grads)
     had_post_hooks = bool(node._post_hooks)
     # apply may edit the list it gets; post-hooks must see the inputs unchanged.
     outputs = node.apply(list(grads) if had_post_hooks else grads)

@@ -11,6 +11,7 @@ import shlex
 import sys
 import time
 
+from . import lookups as lookup_bench
 from . import report as reporting
 from .runner import run_memory, run_timing
 from .subjects import SUBJECTS
@@ -70,6 +71,12 @@ def add_arguments(parser) -> None:
                         help="small graphs (chain 1k and 10k, the others at 1/10), 3 repeats, "
                         "memory at 1k and 10k: a smoke run, not figures to quote")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory figures")
+    parser.add_argument("--lookup-rows", nargs="+", type=parse_size, default=None, metavar="N",
+                        help="table sizes for the lookup figures (indexed gradients; default "
+                        "100k 1M, quick 10k 100k)")
+    parser.add_argument("--no-lookups", action="store_true", help="skip the lookup figures")
+    parser.add_argument("--lookups-only", action="store_true",
+                        help="only the lookup figures (no engines, no memory)")
     parser.add_argument("--plot", default="pyengine-bench.png", metavar="PATH",
                         help="where to write the PNG plot (default pyengine-bench.png)")
     parser.add_argument("--no-plot", action="store_true", help="write no plot")
@@ -122,11 +129,16 @@ def main(args) -> int:
 
     all_keys = keys["graphs"] + keys["steps"] + keys["fixed"]
     budget = NODES_PER_SAMPLE // 10 if args.quick else NODES_PER_SAMPLE
-    timing = run_timing(args.subjects, all_keys, args.repeats, budget, log)
+    timing = {} if args.lookups_only else run_timing(args.subjects, all_keys, args.repeats,
+                                                     budget, log)
     if args.json:  # the timings survive a memory phase that fails or is interrupted
         with open(args.json, "w") as f:
             json.dump({"keys": keys, "timing": timing}, f, indent=1)
-    memory = [] if args.no_memory else run_memory(args.subjects, memory_sizes, log)
+    memory = ([] if args.no_memory or args.lookups_only
+              else run_memory(args.subjects, memory_sizes, log))
+    lookup_rows = args.lookup_rows or (lookup_bench.QUICK_TABLE_ROWS if args.quick
+                                       else lookup_bench.DEFAULT_TABLE_ROWS)
+    lookups = [] if args.no_lookups else lookup_bench.run_lookups(lookup_rows, args.repeats, log)
     elapsed = time.perf_counter() - t0
     machine = (f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs; "
                f"pyengine {pyengine.__version__}; {_versions()}")
@@ -136,7 +148,7 @@ def main(args) -> int:
               f"{args.repeats} samples per workload, interleaved across subjects; each sample "
               f"of a graph covers >= {budget:,} node executions")
     results = {"header": header, "started": started, "command": command, "machine": machine,
-               "keys": keys, "timing": timing, "memory": memory,
+               "keys": keys, "timing": timing, "memory": memory, "lookups": lookups,
                "title": f"pyengine bench, {started}, {os.cpu_count()} CPUs: {command}"}
     text = reporting.report(results, markdown=args.markdown)
     skipped = reporting.skipped_lines(results)
@@ -146,7 +158,7 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    if not args.no_plot:
+    if not args.no_plot and timing:
         try:
             reporting.plot(results, args.plot)
             print(f"plot: {args.plot}")

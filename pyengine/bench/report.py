@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 
+from . import lookups
 from .subjects import SUBJECTS
 from .workload import size_label
 
@@ -175,6 +176,13 @@ def report(results, markdown=False) -> str:
                          f"{largest['rss_peak'] / largest['nodes']:.0f} bytes/node peak RSS "
                          f"({largest['rss_method']}), {largest['tracemalloc_peak'] / largest['nodes']:.1f} "
                          "bytes/node through Python's allocators (tracemalloc)")
+    if results.get("lookups"):
+        parts.append(heading(f"Lookups (indexed gradients): {lookups.LOOKUPS} lookups of "
+                             f"{lookups.ROWS_PER_LOOKUP:,} rows, (e * e).sum() each; ms per "
+                             "backward, median (min-max); peak memory of one backward "
+                             "(tracemalloc)", markdown))
+        parts.append(render(lookups.LOOKUP_HEADERS, lookups.lookup_rows(results["lookups"]),
+                            markdown))
     parts.append(heading("Goals", markdown))
     parts.append(render(["goal", "measured", "status"], goals(results), markdown))
     failures = failure_lines(results)
@@ -223,6 +231,8 @@ def goals(results):
         else:
             rows.append([label, f"{a / b:.2f}x", "met" if a / b >= limit else "MISSED"])
 
+    if not results["timing"]:  # --lookups-only
+        return lookups.lookup_goals(results.get("lookups") or [])
     at_most(f"compiled <= {GOAL_CHAIN_100K_US} us/node, chain 100k",
             median_of(results, "pyengine", "chain:100000"), GOAL_CHAIN_100K_US, "us/node")
     at_most(f"compiled <= {GOAL_WIDE_US} us/node, wide 1000x10",
@@ -245,6 +255,8 @@ def goals(results):
             "chain:10000", GOAL_MICROGRAD)
     speedup("micrograd on pyengine no slower, MLP step", "micrograd", "micrograd-pyengine",
             "mlp-step:0", GOAL_MICROGRAD)
+    if results.get("lookups"):
+        rows.extend(lookups.lookup_goals(results["lookups"]))
     return rows
 
 

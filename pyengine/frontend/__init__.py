@@ -47,6 +47,7 @@ from .ops import (
     concatenate,
     cross_entropy,
     div,
+    embedding,
     exp,
     getitem,
     linear,
@@ -80,7 +81,7 @@ from .ops import (
 __all__ = [
     "Function", "GradcheckError", "Parameter", "Tensor", "abs", "add", "arange", "as_tensor",
     "astype", "backward", "broadcast_to", "checkpoint", "clip", "clone", "concatenate",
-    "cross_entropy", "div", "enable_grad", "exp", "from_numpy", "full", "getitem", "grad",
+    "cross_entropy", "div", "embedding", "enable_grad", "exp", "from_numpy", "full", "getitem", "grad",
     "gradcheck", "gradgradcheck", "is_grad_enabled", "is_tensor", "linear", "log", "log_softmax",
     "manual_seed", "matmul", "max", "maximum", "mean", "mul", "neg", "nll_loss", "nn", "no_grad",
     "ones", "ones_like", "optim", "pow", "rand", "randn", "relu", "reshape", "scatter_add",

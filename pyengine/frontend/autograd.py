@@ -23,8 +23,10 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
 def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
          allow_unused=None, materialize_grads=False):
     """The gradients of ``outputs`` with respect to ``inputs``, as a tuple of
-    Tensors (None for an unused input) (``torch.autograd.grad``)."""
+    Tensors (None for an unused input) (``torch.autograd.grad``); an
+    IndexedGradient (a lookup's, See Note [Where an indexed gradient goes] in
+    ``pyengine/indexed.py``) as it is, as torch returns a sparse tensor."""
     results = pyengine.grad(outputs, inputs, grad_outputs, retain_graph, create_graph,
                             allow_unused, materialize_grads)
-    return tuple(value if value is None or isinstance(value, Tensor) else Tensor._make(value)
-                 for value in results)
+    return tuple(value if value is None or isinstance(value, (Tensor, pyengine.IndexedGradient))
+                 else Tensor._make(value) for value in results)

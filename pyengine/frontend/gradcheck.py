@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import pyengine
+
 from .autograd import grad
 from .tensor import Tensor, _as_array
 
@@ -85,7 +87,9 @@ def _analytical_jacobians(fn, inputs, wrt):
                          allow_unused=True)
             for i, value in enumerate(grads):
                 if value is not None:
-                    jacobians[i][j][:, k] = _as_array(value.data).astype(np.float64).ravel()
+                    value = pyengine.densify(value)  # a lookup's IndexedGradient
+                    value = value.data if isinstance(value, Tensor) else value
+                    jacobians[i][j][:, k] = _as_array(value).astype(np.float64).ravel()
     return jacobians
 
 

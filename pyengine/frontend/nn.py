@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import pyengine
+
 from . import ops
 from .tensor import Parameter, default_generator
 
@@ -61,7 +63,8 @@ class Module:
     def zero_grad(self, set_to_none=True):
         """Clear every parameter's ``.grad`` (set it to None, or zero it)."""
         for parameter in self.parameters():
-            if set_to_none or parameter.grad is None:
+            if set_to_none or parameter.grad is None or \
+                    isinstance(parameter.grad, pyengine.IndexedGradient):
                 parameter.grad = None
             else:
                 parameter.grad.data[...] = 0

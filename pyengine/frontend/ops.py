@@ -40,6 +40,7 @@ from .reduce import max, mean, sum, sum_to
 from .shape import (
     broadcast_to,
     concatenate,
+    embedding,
     getitem,
     index_put,
     reshape,
@@ -51,7 +52,7 @@ from .shape import (
 
 __all__ = [
     "abs", "add", "astype", "broadcast_to", "clip", "clone", "compare", "concatenate",
-    "copy_from", "cross_entropy", "div", "exp", "fill", "getitem", "index_put", "linear", "log",
+    "copy_from", "cross_entropy", "div", "embedding", "exp", "fill", "getitem", "index_put", "linear", "log",
     "log_softmax", "matmul", "max", "maximum", "mean", "mul", "neg", "nll_loss", "pow", "relu",
     "reshape", "scatter_add", "sigmoid", "sign", "softmax", "sqrt", "stack", "sub", "sum",
     "sum_to", "swapaxes", "tanh", "to_device", "transpose", "where",

@@ -29,7 +29,8 @@ class Optimizer:
 
     def zero_grad(self, set_to_none=True):
         for parameter in self.params:
-            if set_to_none or parameter.grad is None:
+            if set_to_none or parameter.grad is None or \
+                    isinstance(parameter.grad, pyengine.IndexedGradient):
                 parameter.grad = None
             else:
                 parameter.grad.data[...] = 0
@@ -37,9 +38,13 @@ class Optimizer:
     def step(self):
         with pyengine.no_grad():
             for parameter, state in zip(self.params, self.state):
-                if parameter.grad is None:
+                grad = parameter.grad
+                if grad is None:
                     continue
-                self._update(parameter.data, parameter.grad.data, state)
+                # An indexed .grad (embedding(sparse=True)): dense for the
+                # update formulas, which read every row.
+                grad = grad.to_dense() if isinstance(grad, pyengine.IndexedGradient) else grad.data
+                self._update(parameter.data, grad, state)
                 parameter._bump_version()
 
     def _update(self, data, grad, state):

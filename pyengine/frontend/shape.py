@@ -12,18 +12,27 @@ indexing (a view); integer arrays, lists and boolean masks are advanced
 indexing (a copy). The backward of either adds the gradient into zeros of
 the input's shape at the index, with ``np.add.at`` for advanced indices so
 that a repeated index gets the sum of its gradients (scatter-add).
+
+A lookup along the first axis (one integer array as the whole index, and
+``embedding``) has an indexed backward instead: a
+:class:`pyengine.IndexedGradient` of the rows looked up, which the engine
+sums and adds into ``.grad`` without a dense array of the table's shape
+(See Note [Where an indexed gradient goes] in ``pyengine/indexed.py``).
+Under ``create_graph`` its backward is the dense scatter-add, a Tensor op.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+import pyengine
+
 from .graph import OpNode, mark_view, needs_graph, operand, raw, record
 from .pointwise import where
 from .tensor import Tensor, array_module
 
-__all__ = ["reshape", "transpose", "swapaxes", "broadcast_to", "getitem", "scatter_add",
-           "index_put", "concatenate", "stack"]
+__all__ = ["reshape", "transpose", "swapaxes", "broadcast_to", "getitem", "embedding",
+           "scatter_add", "index_put", "concatenate", "stack"]
 
 
 def _shares_memory(out, x):
@@ -133,13 +142,73 @@ def getitem(x, index):
     if basic:
         mark_view(out, x)
     if needs_graph(x):
-        record(IndexBackward, (x,), out, index=index, input_shape=x.shape)
+        if _is_row_lookup(index, x):
+            record(RowLookupBackward, (x,), out, rows=index[0], input_shape=x.shape)
+        else:
+            record(IndexBackward, (x,), out, index=index, input_shape=x.shape)
     return out
+
+
+def _is_row_lookup(index, x):
+    """Whether ``x[index]`` picks whole rows: one integer array as the index."""
+    if len(index) != 1 or x.ndim == 0:
+        return False
+    rows = index[0]
+    return (hasattr(rows, "dtype") and not isinstance(rows, np.generic)
+            and rows.dtype.kind in "iu")
 
 
 class IndexBackward(OpNode):
     def formula(self, grad):
         return [scatter_add(grad, self.index, self.input_shape)]
+
+
+class RowLookupBackward(OpNode):
+    """The backward of ``x[rows]`` (``rows`` an integer array): the rows'
+    gradients as an IndexedGradient, without a dense array of ``x``'s shape;
+    a dense scatter-add under ``create_graph``, where the gradient is a Tensor
+    op that records a graph."""
+
+    def formula(self, grad):
+        if isinstance(grad, Tensor):
+            return [scatter_add(grad, (self.rows,), self.input_shape)]
+        xp = array_module(grad)
+        rows = xp.asarray(self.rows).reshape(-1)
+        values = grad.reshape((rows.shape[0],) + tuple(self.input_shape[1:]))
+        return [pyengine.IndexedGradient(rows, values, tuple(self.input_shape))]
+
+
+def embedding(weight, indices, sparse=False):
+    """``weight[indices]``: one row of ``weight`` per index, as
+    ``torch.nn.functional.embedding`` (no padding index or max norm).
+
+    The backward is an IndexedGradient of the rows looked up (See Note
+    [Where an indexed gradient goes] in ``pyengine/indexed.py``), summed
+    over lookups and added into ``weight.grad`` in place. ``sparse=True``
+    also keeps ``weight.grad`` an IndexedGradient (it marks the leaf
+    ``weight`` with :func:`pyengine.keep_indexed_grad`, as torch's
+    ``sparse=True`` gives it a sparse ``.grad``); ``sparse=False`` leaves a
+    dense ``.grad``.
+    """
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"embedding weight must be a Tensor, got {type(weight).__name__}")
+    if weight.ndim != 2:
+        raise ValueError(f"embedding weight must be 2-D (rows, features), got shape {weight.shape}")
+    if isinstance(indices, Tensor):
+        indices = indices.data
+    indices = array_module(weight.data).asarray(indices)
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"embedding indices must be integers, got dtype {indices.dtype}")
+    rows = weight.shape[0]
+    if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= rows):
+        bad = int(indices.min()) if int(indices.min()) < 0 else int(indices.max())
+        raise IndexError(f"embedding index {bad} is out of range for a weight of {rows} rows")
+    if sparse and weight.is_leaf and weight.requires_grad:
+        pyengine.keep_indexed_grad(weight)
+    out = Tensor._make(weight.data[indices])
+    if needs_graph(weight):
+        record(RowLookupBackward, (weight,), out, rows=indices, input_shape=weight.shape)
+    return out
 
 
 def _scatter_add_array(values, index, shape):

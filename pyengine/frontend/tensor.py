@@ -20,7 +20,10 @@ Where PyTorch and numpy differ, this frontend chose:
 - ``Tensor(array)`` wraps an array without copying (``torch.from_numpy``);
   :func:`tensor` copies (``torch.tensor``).
 - ``.grad`` is a Tensor. The engine stores arrays there; the setter wraps
-  them without a copy, so the engine still adds into the array it owns.
+  them without a copy, so the engine still adds into the array it owns. A
+  leaf that keeps indexed gradients (``embedding(..., sparse=True)``)
+  holds a :class:`pyengine.IndexedGradient` there instead, as torch's
+  ``.grad`` is then a sparse tensor.
 - Hooks registered with ``register_hook`` see and return Tensors, as in
   PyTorch; hooks on Nodes (``grad_fn.register_hook``) are the engine's and
   see raw values.
@@ -211,7 +214,8 @@ class Tensor:
 
     @grad.setter
     def grad(self, value):
-        if value is not None and not isinstance(value, Tensor):
+        # An IndexedGradient (a leaf that keeps one) is stored as it is.
+        if value is not None and not isinstance(value, (Tensor, pyengine.IndexedGradient)):
             value = Tensor._make(value)
         self._grad = value
 
@@ -594,9 +598,13 @@ def is_tensor(value) -> bool:
 
 def _tensor_hook(fn):
     """Wrap ``fn`` so that it sees and returns Tensors while the engine sees
-    values: arrays, or Tensors under create_graph."""
+    values: arrays, or Tensors under create_graph. An IndexedGradient is
+    handed over as it is (as torch hands a hook a sparse tensor)."""
 
     def hook(grad):
+        if isinstance(grad, pyengine.IndexedGradient):
+            result = fn(grad)
+            return result.data if isinstance(result, Tensor) else result
         result = fn(grad if isinstance(grad, Tensor) else Tensor._make(grad))
         if result is None:
             return None
@@ -726,12 +734,20 @@ class TensorBackend(pyengine.ArrayBackend):
         return np.dtype(dtype).kind
 
     def add(self, a, b):
+        if type(b) is pyengine.IndexedGradient:
+            b = b.to_dense()
         return _ops.add(a, b)
 
     def add_(self, a, b):
         # Only ever called on a value the engine allocated (a gradient sum
         # or a .grad it stored), outside create_graph.
         if isinstance(a, Tensor) and not a._requires_grad and a.data.flags.writeable:
+            if type(b) is pyengine.IndexedGradient:
+                if b.shape == a.data.shape and np.can_cast(b.dtype, a.data.dtype, "same_kind"):
+                    b.add_to_(a.data)
+                    a._version_counter.value += 1
+                    return a
+                return self.add(a, b)
             b = b.data if isinstance(b, Tensor) else b
             if np.broadcast_shapes(a.data.shape, np.shape(b)) == a.data.shape:
                 array_module(a.data).add(a.data, b, out=a.data, casting="same_kind")

@@ -2,8 +2,10 @@
 
 What this module owns:
 
-- :class:`FunctionNode`: the Node of one call of a DeZero ``Function``, and
-  :class:`DeZeroAccumulateGrad`, the sink of a leaf Variable.
+- :class:`FunctionNode`: the Node of one call of a DeZero ``Function``
+  (:class:`RowLookupNode` for a GetItem that looks up rows of a leaf, whose
+  gradient is indexed), and :class:`DeZeroAccumulateGrad`, the sink of a
+  leaf Variable.
 - The leaves' LeafStates (``_leaf_states``, keyed weakly by the Variable)
   and their accumulators (``_grad_accumulator``).
 - Building nodes: ``_make_node`` for one forward call (called by the
@@ -20,12 +22,15 @@ import contextvars
 import threading
 import weakref
 
-from dezero.core import Config
+import numpy as np
+from dezero.core import Config, Variable
+from dezero.functions import GetItem
 
 from ... import _core
+from ...indexed import IndexedGradient
 from ..._shared.hooks import call_post_accumulate_grad_hooks
 from ...node import RELEASED_ERROR, AccumulateGrad, Edge, LeafState, Node
-from .variable_backend import _add
+from .variable_backend import _add, _array_module
 
 _is_grad_enabled = _core.is_grad_enabled
 
@@ -367,6 +372,9 @@ class DeZeroAccumulateGrad(AccumulateGrad):
             grads[0] = None
             with state.lock:
                 old_grad = variable.grad
+                if old_grad is None and type(new_grad) is IndexedGradient:
+                    # DeZero's .grad is a Variable of a dense array.
+                    new_grad = Variable(new_grad.to_dense())
                 variable.grad = new_grad if old_grad is None else _add(old_grad, new_grad)
         # Also for a leaf that got no gradient, and a hook must return None,
         # as AccumulateGrad's: See Note [Post accumulate grad hooks].
@@ -409,6 +417,41 @@ def _grad_accumulator(variable):
     return accumulator
 
 
+class RowLookupNode(FunctionNode):
+    """The backward of ``x[rows]`` (DeZero's GetItem, ``rows`` an integer
+    array) for a leaf ``x``: the rows' gradients as an IndexedGradient (See
+    Note [Where an indexed gradient goes] in ``pyengine/indexed.py``), which
+    DeZeroAccumulateGrad adds into ``x.grad`` as DeZero would add the dense
+    gradient. Under ``create_graph``, or in any uncommon case, DeZero's own
+    GetItemGrad, as for any Function."""
+
+    __slots__ = ()
+
+    def apply(self, grads):
+        function = self._function()
+        if not self._common or function is None or _is_grad_enabled():
+            return super().apply(grads)
+        gys = self._incoming(function, grads, None)
+        if gys is None:
+            return [None]
+        gy = gys[0].data if isinstance(gys[0], Variable) else gys[0]
+        shape = function.inputs[0].shape
+        xp = _array_module(gy)
+        rows = xp.asarray(function.slices).reshape(-1)
+        return [IndexedGradient(rows, gy.reshape((rows.shape[0],) + tuple(shape[1:])), shape)]
+
+
+def _is_row_lookup(function, inputs, edges):
+    """A GetItem with one integer array as its index, of a leaf (the only
+    consumer that takes an indexed gradient as DeZero's ``.grad`` allows)."""
+    if type(function) is not GetItem or len(edges) != 1 or edges[0] is None:
+        return False
+    rows = function.slices
+    return (type(edges[0].node) is DeZeroAccumulateGrad and getattr(rows, "dtype", None) is not None
+            and not isinstance(rows, np.generic) and rows.dtype.kind in "iu"
+            and len(inputs[0].shape) >= 1)
+
+
 def _make_node(function, inputs, constants, num_outputs):
     """The FunctionNode of a forward call of ``function`` on ``inputs``."""
     edges = []
@@ -423,6 +466,8 @@ def _make_node(function, inputs, constants, num_outputs):
             edges.append(None)
         else:
             edges.append(Edge(_grad_accumulator(variable), 0))
+    if _is_row_lookup(function, inputs, edges):
+        return RowLookupNode(function, edges, constants, num_outputs)
     return FunctionNode(function, edges, constants, num_outputs)
 
 

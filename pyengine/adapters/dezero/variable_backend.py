@@ -23,11 +23,18 @@ import pyengine
 
 from ... import _core
 from ...device import CPU, Device
+from ...indexed import IndexedGradient
 
 
 def _add(a, b):
     """``a + b`` as DeZero's ``x.grad + gx``: recorded when grad mode is on
-    (``create_graph``), else computed without making a Function."""
+    (``create_graph``), else computed without making a Function. An
+    IndexedGradient (a row lookup's, never under ``create_graph``) makes a
+    dense sum, out of place as DeZero adds."""
+    if type(b) is IndexedGradient:
+        return Variable(_data(a) + b)
+    if type(a) is IndexedGradient:
+        return Variable(a + _data(b))
     if _core.is_grad_enabled():
         previous = Config.enable_backprop
         Config.enable_backprop = True
@@ -151,6 +158,12 @@ class VariableBackend(pyengine.ArrayBackend):
         # never under create_graph; in place only where numpy or cupy would
         # give the out-of-place sum's dtype and shape.
         a_data, b_data = a.data, _data(b)
+        if type(b_data) is IndexedGradient:
+            if (getattr(a_data, "flags", None) is not None and a_data.flags.writeable
+                    and b_data.shape == a_data.shape and b_data.dtype == a_data.dtype):
+                b_data.add_to_(a_data)
+                return a
+            return _add(a, b)
         if (type(a_data) is type(b_data) and a_data.shape == b_data.shape
                 and a_data.dtype == b_data.dtype and getattr(a_data, "flags", None) is not None
                 and a_data.flags.writeable):
