@@ -159,9 +159,9 @@ _EXIT_GRACE = 5.0
 #   reported its own error, and then ends with ``os._exit(1)``: MPI_Finalize
 #   could block forever on the all-reduces that will never complete.
 # - A rank that dies without a word (a crash, ``os._exit``): Open MPI's
-#   launcher then tears the job down with SIGTERM. While the final callback
-#   waits on the main thread, SIGTERM raises DistributedError there, so
-#   the rank reports why it ends. Under a launcher that keeps the job
+#   launcher then tears the job down with SIGTERM. From the first hook of
+#   a reduction to its end, SIGTERM raises DistributedError on the main
+#   thread (in a node, or in the wait), so the rank reports why it ends. Under a launcher that keeps the job
 #   running (``mpirun --enable-recovery``), the deadline ends the wait.
 #
 # So every surviving rank gets a DistributedError within the timeout.
@@ -320,6 +320,7 @@ class DataParallel:
         self._notice_requests = []
         self._notified = False
         self._closed = False
+        self._sigterm_previous = None     # (handler,) while ours is installed; main thread only
 
         arrays = [self.access.data(parameter) for parameter in self.parameters]
         self._check_same_parameters(user_comm, arrays)
@@ -464,6 +465,7 @@ class DataParallel:
         self.ready_order = []
         for bucket in self.buckets:
             bucket.reset()
+        self._catch_sigterm()
         pyengine.queue_callback(self._finalize)
 
     def _fill(self, bucket, position, index):
@@ -525,6 +527,8 @@ class DataParallel:
                 self._notify(f"rank {self.rank} failed during step {self._step}: "
                              f"{type(error).__name__}: {error}")
                 raise
+            finally:
+                self._release_sigterm()
             end = time.perf_counter()
             self.stats.wait_seconds += end - backward_end
             for bucket in self.buckets:
@@ -539,34 +543,42 @@ class DataParallel:
     def _wait(self):
         """Test until every bucket is done, a notice arrives, or the deadline passes."""
         deadline = time.monotonic() + self.timeout
-        on_main = threading.current_thread() is threading.main_thread()
-        previous = None
-        if on_main:
-            def on_sigterm(signum, frame):
+        pause = 0.0
+        while not self._progress():
+            notice = self._poll_notice()
+            if notice is not None:
                 raise DistributedError(
-                    f"rank {self.rank} was terminated (SIGTERM) while waiting for the gradient "
-                    f"all-reduces of step {self._step}: another rank died, and the MPI launcher is "
-                    "ending the job")
-            previous = signal.signal(signal.SIGTERM, on_sigterm)
-        try:
-            pause = 0.0
-            while not self._progress():
-                notice = self._poll_notice()
-                if notice is not None:
-                    raise DistributedError(
-                        f"rank {self.rank}: the gradient all-reduce of step {self._step} cannot "
-                        f"complete: {notice}")
-                if time.monotonic() > deadline:
-                    waiting = [bucket.index for bucket in self.buckets if bucket.done is None]
-                    raise DistributedError(
-                        f"rank {self.rank} waited {self.timeout:g} s (timeout) for the gradient "
-                        f"all-reduce of buckets {waiting} in step {self._step}; another rank failed, "
-                        "died or is stuck before its backward finished")
-                time.sleep(pause)
-                pause = min(0.002, pause + 0.0001)
-        finally:
-            if on_main:
-                signal.signal(signal.SIGTERM, previous)
+                    f"rank {self.rank}: the gradient all-reduce of step {self._step} cannot "
+                    f"complete: {notice}")
+            if time.monotonic() > deadline:
+                waiting = [bucket.index for bucket in self.buckets if bucket.done is None]
+                raise DistributedError(
+                    f"rank {self.rank} waited {self.timeout:g} s (timeout) for the gradient "
+                    f"all-reduce of buckets {waiting} in step {self._step}; another rank failed, "
+                    "died or is stuck before its backward finished")
+            time.sleep(pause)
+            pause = min(0.002, pause + 0.0001)
+
+    def _catch_sigterm(self):
+        """From the first hook of a reduction to its end, SIGTERM (the MPI
+        launcher ending the job because a rank died) raises DistributedError
+        on the main thread, wherever backward is. See Note [Failures end
+        every rank]."""
+        if self._sigterm_previous is not None or \
+                threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_sigterm(signum, frame):
+            raise DistributedError(
+                f"rank {self.rank} was terminated (SIGTERM) during the gradient all-reduce of step "
+                f"{self._step}: another rank died, and the MPI launcher is ending the job")
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        self._sigterm_previous = (previous,)
+
+    def _release_sigterm(self):
+        if self._sigterm_previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm_previous[0])
+            self._sigterm_previous = None
 
     def _write_back(self, bucket):
         """``.grad = sum / world_size`` for each member some rank had a gradient for."""

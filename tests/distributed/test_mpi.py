@@ -127,3 +127,11 @@ def test_a_rank_that_dies_under_recovery_times_out_on_every_survivor(tmp_path):
     for rank in survivors:
         assert any(f"waited {timeout:g} s (timeout)" in line or "(timeout)" in line
                    for line in reports[rank]), reports[rank]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [2])
+def test_cupy_gradients(ranks, tmp_path):
+    pytest.importorskip("cupy")
+    returncode, output, _, _ = expect_pass("gpu_grads", ranks, tmp_path)
+    assert returncode == 0, output
