@@ -23,9 +23,10 @@ What it chose, where PyTorch's DDP leaves room:
 - Parameters whose shapes, dtypes, array types or names differ across
   ranks raise ``ValueError`` at construction, on every rank, naming the
   first parameter that differs and both ranks' views of it.
-- A rank that fails is reported to the others: see Note [Failures end every
-  rank] below. After a failure the ``DataParallel`` is broken: a later
-  backward raises :class:`DistributedError` at its first hook.
+- A rank that fails is reported to the others within the timeout.
+  See Note [Failures end every rank]. After a failure the
+  ``DataParallel`` is broken: a later backward raises
+  :class:`DistributedError` at its first hook.
 - Each backward that reaches a parameter is one reduction. A backward that
   reaches no parameter reduces nothing (every rank must then do the same).
   Reentrant checkpointing inside the model is not supported (as in DDP's
@@ -562,8 +563,8 @@ class DataParallel:
     def _catch_sigterm(self):
         """From the first hook of a reduction to its end, SIGTERM (the MPI
         launcher ending the job because a rank died) raises DistributedError
-        on the main thread, wherever backward is. See Note [Failures end
-        every rank]."""
+        on the main thread, wherever backward is.
+        See Note [Failures end every rank]."""
         if self._sigterm_previous is not None or \
                 threading.current_thread() is not threading.main_thread():
             return

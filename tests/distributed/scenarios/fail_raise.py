@@ -4,7 +4,7 @@ long before the timeout."""
 
 import time
 
-from mpi_common import Tensor, comm, cross_entropy, data, make_model, passed, rank, report, shard
+from mpi_common import Tensor, cross_entropy, data, make_model, passed, rank, report, shard
 
 from pyengine.distributed import DataParallel, DistributedError
 from pyengine.frontend import Function

@@ -2,8 +2,7 @@
 full-batch gradient (1e-12 relative), for several bucket sizes and both
 transports; the parameters were broadcast from rank 0."""
 
-from mpi_common import (check_close, check_grads, comm, copy_of, data, loss_of, make_model, np,
-                        passed, shard)
+from mpi_common import check_close, check_grads, comm, copy_of, data, loss_of, make_model, np, passed, shard
 
 from pyengine.distributed import DataParallel
 

@@ -97,5 +97,5 @@ def check_grads(model, reference, what, rtol=1e-12):
 
 
 __all__ = ["MPI", "comm", "rank", "size", "np", "pyengine", "optim", "nn", "Tensor", "cross_entropy",
-           "SIZES", "ROWS", "report", "passed", "skip_all", "data", "shard", "make_model", "copy_of", "loss_of",
-           "relative_error", "check_close", "check_grads"]
+           "SIZES", "ROWS", "report", "passed", "skip_all", "data", "shard", "make_model", "copy_of",
+           "loss_of", "relative_error", "check_close", "check_grads"]

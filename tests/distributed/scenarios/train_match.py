@@ -1,8 +1,19 @@
 """Several steps of SGD (with momentum) and Adam, data-parallel, match the
 same steps taken in one process on the full minibatches."""
 
-from mpi_common import (check_close, check_grads, comm, copy_of, data, loss_of, make_model, np, optim,
-                        passed, shard)
+from mpi_common import (
+    check_close,
+    check_grads,
+    comm,
+    copy_of,
+    data,
+    loss_of,
+    make_model,
+    np,
+    optim,
+    passed,
+    shard,
+)
 
 from pyengine.distributed import DataParallel
 
