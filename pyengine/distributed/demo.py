@@ -120,7 +120,8 @@ def main(args) -> int:
             print(f"{r:4d} {rows_r:6d} {steps_r:6d} {nodes_r:15,d} {backward_r:11.2f} "
                   f"{allreduce_r:13.2f} {hidden_r:9.2f} {wait_r:9.2f} {100 * fraction:6.1f}% "
                   f"{bytes_r / 1e6:11.1f}")
-        print("all-reduce s: each bucket from its start to its completion, summed; hidden: the part "
-              "before backward ended; waited: what the final callback waited after backward")
+        print("backward s: loss.backward(), the final wait included; all-reduce s: each bucket from "
+              "its start to its completion, summed; hidden: the part of it before backward ended; "
+              "waited: the final callback's wait after backward")
     ddp.close()
     return 0
