@@ -92,12 +92,16 @@ def test_shape_mismatch_is_an_error_on_every_rank(ranks, tmp_path):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_a_rank_that_raises_in_backward_fails_every_rank(ranks, tmp_path):
+@pytest.mark.parametrize("mode", ["uncaught", "abort"])
+def test_a_rank_that_raises_in_backward_fails_every_rank(mode, ranks, tmp_path):
     survivors = [rank for rank in range(ranks) if rank != 1]
-    returncode, output, reports, seconds = expect_pass("fail_raise", ranks, tmp_path,
+    returncode, output, reports, seconds = expect_pass("fail_raise", ranks, tmp_path, mode,
                                                        ranks_that_pass=survivors)
     assert returncode != 0
-    assert "ValueError: injected failure on rank 1" in output   # rank 1's own traceback
+    if mode == "uncaught":
+        assert "ValueError: injected failure on rank 1" in output   # rank 1's own traceback
+    else:
+        assert "rank 1 aborted: injected failure on rank 1" in reports[1], reports[1]
     for rank in survivors:
         assert any("rank 1 failed: ValueError: injected failure on rank 1" in line
                    for line in reports[rank]), reports[rank]

@@ -1,7 +1,9 @@
-"""Rank 1 raises inside backward (uncaught: the process dies of it). Every
-other rank's backward raises DistributedError naming rank 1 and its error,
-long before the timeout."""
+"""Rank 1 raises inside backward: uncaught, so that the process dies of it
+(``uncaught``, the default), or caught and passed to ``DataParallel.abort``
+(``abort``). Every other rank's backward raises DistributedError naming
+rank 1 and its error, long before the timeout."""
 
+import sys
 import time
 
 from mpi_common import Tensor, cross_entropy, data, make_model, passed, rank, report, shard
@@ -10,6 +12,7 @@ from pyengine.distributed import DataParallel, DistributedError
 from pyengine.frontend import Function
 
 TIMEOUT = 60
+MODE = sys.argv[1] if len(sys.argv) > 1 else "uncaught"
 
 
 class FailOnRank1(Function):
@@ -34,6 +37,12 @@ out = model[6](model[5](out))
 start = time.monotonic()
 try:
     cross_entropy(out, shard(y)).backward()
+except ValueError as error:
+    if MODE != "abort" or isinstance(error, DistributedError):
+        raise
+    dp.abort(f"{type(error).__name__}: {error}")
+    report(f"rank {rank} aborted: {error}")
+    sys.exit(0)   # the atexit handler ends the rank once the others have reported
 except DistributedError as error:
     elapsed = time.monotonic() - start
     message = str(error)
