@@ -321,12 +321,21 @@ class DataParallel:
         self._ready = None                # guarded by _lock: per parameter, marked this step
         self._broken = None               # guarded by _lock: the failure message, once broken
         self._notices = {}                # rank -> message received (guarded by _lock)
-        self._notice_requests = []
+        self._notice_requests = []        # the notices' sends, kept until exit
         self._notified = False
         self._closed = False
         self._sigterm_previous = None     # (handler,) while ours is installed; main thread only
 
         arrays = [self.access.data(parameter) for parameter in self.parameters]
+        for name, parameter, array in zip(self.names, self.parameters, arrays):
+            # Checked before any collective: the same models fail alike on every rank.
+            if array is None:
+                raise ValueError(f"DataParallel: parameter {name!r} has no array yet (a DeZero Linear "
+                                 "without in_size makes its weight at the first forward): run one "
+                                 "forward first, or give the layer its input size")
+            if not getattr(parameter, "requires_grad", True):
+                raise ValueError(f"DataParallel: parameter {name!r} does not require grad; pass the "
+                                 "trainable parameters only (a list or dict)")
         self._check_same_parameters(user_comm, arrays)
         # Collective, in the same order on every rank.
         self.comm = user_comm.Dup()

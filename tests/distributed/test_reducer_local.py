@@ -266,3 +266,10 @@ def test_parameters_listed_twice(make_ddp):
     weight = Tensor(np.ones(2), requires_grad=True)
     with pytest.raises(ValueError, match="parameter '1' is listed twice"):
         make_ddp([weight, weight], FakeComm())
+
+
+def test_a_frozen_parameter_is_refused_by_name(make_ddp):
+    trainable = Tensor(np.ones(2), requires_grad=True)
+    frozen = Tensor(np.ones(2))
+    with pytest.raises(ValueError, match="parameter 'frozen' does not require grad"):
+        make_ddp({"trainable": trainable, "frozen": frozen}, FakeComm())

@@ -36,6 +36,14 @@ def copy_params(target, source):
     return flat_target, flat_source
 
 
+# A DeZero Linear without in_size has no weight until its first forward.
+try:
+    DataParallel(dezero.models.MLP((4, 3)))
+except ValueError as error:
+    assert "parameter 'l0/W' has no array yet" in str(error), error
+else:
+    raise AssertionError("DataParallel accepted a model without weights")
+
 x, y = data()
 np.random.seed(100 + rank)            # DeZero initializes from numpy's global generator
 model = Net()
