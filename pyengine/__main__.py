@@ -30,11 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(command)
         command.set_defaults(run=module.main)
+        if name == "demo":  # the logic is pyengine/distributed/demo.py's
+            command.add_argument("--distributed", action="store_true",
+                                 help="train data-parallel on MPI ranks: mpirun -n 4 python -m "
+                                 "pyengine demo --distributed (needs pyengine[mpi])")
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "distributed", False):
+        from pyengine.distributed.demo import main as distributed_demo
+
+        return distributed_demo(args)
     return args.run(args)
 
 

@@ -25,7 +25,7 @@ deadlocks.
 cimport cython
 cimport numpy as cnp
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
-from cpython.object cimport PyObject
+from cpython.object cimport PyObject, Py_TYPE
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
