@@ -67,7 +67,8 @@ def test_unknown_graph_kind_names_the_known_ones():
 # -- workloads and their oracles ----------------------------------------------------------
 
 PYENGINE_KEYS = ["chain:50", "wide:50", "lattice:49", "fan-in:20", "mlp-step:0",
-                 "execute-fixed:1", "backward-fixed:10", "grad-fixed:10"]
+                 "execute-fixed:1", "backward-fixed:10", "grad-fixed:10", "grad-inputs:50",
+                 "apply-floor:50"]
 
 
 @pytest.mark.parametrize("key", PYENGINE_KEYS)
@@ -83,7 +84,26 @@ class _EngineThatDoesNothing:
         return (np.zeros(3),)
 
 
-@pytest.mark.parametrize("key", [k for k in PYENGINE_KEYS if not k.startswith("mlp")])
+def test_apply_floor_calls_every_node_once_and_its_oracle_catches_a_broken_node(monkeypatch):
+    workload = subjects.SUBJECTS["pyengine"].build("apply-floor", 40)
+    calls = []
+    real_apply = graphs.Pass.apply
+
+    def counting_apply(self, grads):
+        calls.append(self)
+        return real_apply(self, grads)
+
+    monkeypatch.setattr(graphs.Pass, "apply", counting_apply)
+    workload.run_checked()
+    assert len(calls) == len(set(map(id, calls))) == workload.nodes == 40
+    monkeypatch.setattr(graphs.Pass, "apply", lambda self, grads: [np.zeros(3)])
+    with pytest.raises(AssertionError, match="apply floor.*expected"):
+        workload.run_checked()
+
+
+# The apply floor runs no engine: test_apply_floor_... checks its oracle.
+@pytest.mark.parametrize("key", [k for k in PYENGINE_KEYS
+                                 if not k.startswith(("mlp", "apply-floor"))])
 def test_pyengine_workload_oracle_catches_a_broken_engine(key, monkeypatch):
     # Workloads look the engine up when they are built: build them broken.
     monkeypatch.setattr(pyengine, "get_default_engine", _EngineThatDoesNothing)
@@ -136,9 +156,12 @@ def test_torch_workloads_pass_their_oracle():
             workload = subjects._torch_build(flavor, kind, int(size))
             workload.run_checked()
             workload.run_checked()
-    for key in ["mlp-step:0", "execute-fixed:1", "backward-fixed:10", "grad-fixed:10"]:
+    for key in ["mlp-step:0", "execute-fixed:1", "backward-fixed:10", "grad-fixed:10",
+                "grad-inputs:30"]:
         kind, _, size = key.partition(":")
         subjects._torch_build("view", kind, int(size)).run_checked()
+    with pytest.raises(subjects.Unsupported):
+        subjects._torch_build("view", "apply-floor", 10)
     with pytest.raises(subjects.Unsupported):
         subjects._torch_build("mul", "mlp-step", 0)
 
@@ -204,7 +227,12 @@ def test_report_ratios_and_goals_from_known_samples():
             "chain:100000": _entry("chain 100k", 100_000, [0.28, 0.29, 0.50]),
             "chain:1000000": _entry("chain 1M", 1_000_000, [0.40]),
             "wide:10000": _entry("wide 1000x10", 10_001, [0.45]),
-            "execute-fixed:1": _entry("Engine.execute, 1-node chain", 1, [2.5], "call")}},
+            "execute-fixed:1": _entry("Engine.execute, 1-node chain", 1, [2.5], "call"),
+            "backward-fixed:1": _entry("backward, 1-node chain", 1, [2.6], "call"),
+            "grad-fixed:1": _entry("grad, 1-node chain", 1, [3.4], "call"),
+            "apply-floor:100000": _entry("apply alone, chain 100k", 100_000, [0.1, 0.2]),
+            "grad-inputs:10000": _entry("grad(inputs=), chain 10k", 10_000, [0.30]),
+            "grad-inputs:100000": _entry("grad(inputs=), chain 100k", 100_000, [0.58])}},
         "torch-view": {"workloads": {
             "chain:100000": _entry("chain 100k", 100_000, [2.9, 3.0]),
             "wide:10000": {"error": "RuntimeError: boom"}}},
@@ -220,7 +248,15 @@ def test_report_ratios_and_goals_from_known_samples():
     assert rows["compiled <= 0.3 us/node, chain 100k"] == ["0.290 us/node", "met"]
     assert rows["compiled <= 0.4 us/node, wide 1000x10"] == ["0.450 us/node", "MISSED"]
     assert rows["fixed cost <= 3.0 us (Engine.execute, 1 node)"] == ["2.500 us", "met"]
-    assert rows["compiled per-node cost at 1M within 1.3x of 10k (chain)"] == ["1.60x", "MISSED"]
+    assert rows["compiled per-node cost at 1M within 1.2x of 10k (chain)"] == ["1.60x", "MISSED"]
+    assert rows["backward() fixed cost <= 2.5 us (1 node)"] == ["2.600 us", "MISSED"]
+    assert rows["grad() fixed cost <= 3.5 us (1 node)"] == ["3.400 us", "met"]
+    # 0.29 against a floor of 0.15 (the median of 0.1 and 0.2).
+    assert rows["engine cost per node <= 2.0x calling each apply alone, chain 100k"] \
+        == ["1.93x", "met"]
+    assert rows["grad(inputs=) per node <= 1.3x backward, chain 10k"] == ["1.20x", "met"]
+    assert rows["grad(inputs=) per node <= 1.3x backward, chain 100k"] == ["2.00x", "MISSED"]
+    assert rows["grad(inputs=) per node <= 1.3x backward, chain 1M"] == ["not measured", "-"]
     assert rows["DeZero on pyengine >= 2x faster, chain 10k"] == ["3.00x", "met"]
     assert rows["micrograd on pyengine no slower, chain 10k"] == ["not measured", "-"]
     text = report.report(results)

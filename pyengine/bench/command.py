@@ -105,7 +105,12 @@ def _load() -> str:
 def plan(args):
     """The workload keys of this run: ``{"graphs", "steps", "fixed"}``."""
     sizes = args.sizes or ([1_000, 10_000] if args.quick else DEFAULT_CHAIN_SIZES)
-    graphs = [f"chain:{n}" for n in sorted(set(sizes))]
+    chain_sizes = sorted(set(sizes))
+    graphs = [f"chain:{n}" for n in chain_sizes]
+    # Issue 19's references, on the same chains: grad(inputs=) against the
+    # backward above, and the floor of calling each apply with no engine.
+    graphs += [f"grad-inputs:{n}" for n in chain_sizes]
+    graphs += [f"apply-floor:{n}" for n in chain_sizes]
     graphs += QUICK_GRAPH_KEYS if args.quick else GRAPH_KEYS
     return {"graphs": graphs, "steps": STEP_KEYS, "fixed": FIXED_KEYS}
 

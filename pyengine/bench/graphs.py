@@ -208,6 +208,17 @@ def single() -> Graph:
     return graph
 
 
+def chain_nodes(graph: Graph) -> list:
+    """The Python nodes of a :func:`chain`, root first (its AccumulateGrad
+    left out): what the apply floor calls (See ``apply_floor``)."""
+    nodes = []
+    node = graph.root_edge.node
+    while isinstance(node, Pass):
+        nodes.append(node)
+        node = node.next_edges[0].node
+    return nodes
+
+
 BUILDERS = {"chain": chain, "wide": wide_scaled, "lattice": lattice_scaled, "fan-in": fan_in,
             "single": lambda n: single()}
 

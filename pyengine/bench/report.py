@@ -18,7 +18,14 @@ from .workload import size_label
 GOAL_CHAIN_100K_US = 0.3
 GOAL_WIDE_US = 0.4
 GOAL_FIXED_US = 3.0
-GOAL_SCALING = 1.3
+# Issue 19's goals: the engine's cost against the floor of calling every
+# apply alone, grad(inputs=) against backward at every size, the fixed cost
+# of the public calls, and the per-node cost at 1M against 10k.
+GOAL_FLOOR_RATIO = 2.0
+GOAL_GRAD_INPUTS_RATIO = 1.3
+GOAL_BACKWARD_FIXED_US = 2.5
+GOAL_GRAD_FIXED_US = 3.5
+GOAL_SCALING = 1.2
 GOAL_DEZERO_CHAIN = 2.0
 GOAL_DEZERO_WIDE = 5.0
 GOAL_MICROGRAD = 1.0
@@ -239,6 +246,26 @@ def goals(results):
             median_of(results, "pyengine", "wide:10000"), GOAL_WIDE_US, "us/node")
     at_most(f"fixed cost <= {GOAL_FIXED_US} us (Engine.execute, 1 node)",
             median_of(results, "pyengine", "execute-fixed:1"), GOAL_FIXED_US, "us")
+    at_most(f"backward() fixed cost <= {GOAL_BACKWARD_FIXED_US} us (1 node)",
+            median_of(results, "pyengine", "backward-fixed:1"), GOAL_BACKWARD_FIXED_US, "us")
+    at_most(f"grad() fixed cost <= {GOAL_GRAD_FIXED_US} us (1 node)",
+            median_of(results, "pyengine", "grad-fixed:1"), GOAL_GRAD_FIXED_US, "us")
+
+    def ratio_at_most(label, key, reference_key, limit):
+        value = median_of(results, "pyengine", key)
+        reference = median_of(results, "pyengine", reference_key)
+        if value is None or not reference:
+            rows.append([label, "not measured", "-"])
+        else:
+            rows.append([label, f"{value / reference:.2f}x",
+                         "met" if value / reference <= limit else "MISSED"])
+
+    ratio_at_most(f"engine cost per node <= {GOAL_FLOOR_RATIO}x calling each apply alone, "
+                  "chain 100k", "chain:100000", "apply-floor:100000", GOAL_FLOOR_RATIO)
+    for size in (10_000, 100_000, 1_000_000):
+        ratio_at_most(f"grad(inputs=) per node <= {GOAL_GRAD_INPUTS_RATIO}x backward, chain "
+                      f"{size_label(size)}", f"grad-inputs:{size}", f"chain:{size}",
+                      GOAL_GRAD_INPUTS_RATIO)
     small, large = (median_of(results, "pyengine", "chain:10000"),
                     median_of(results, "pyengine", "chain:1000000"))
     label = f"compiled per-node cost at 1M within {GOAL_SCALING}x of 10k (chain)"

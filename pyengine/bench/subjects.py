@@ -16,6 +16,12 @@ asked for (each workload reports the nodes it really has):
   ``size`` gradients.
 - ``mlp-step``: a training step (forward, backward, SGD update) of an MLP
   (:mod:`pyengine.bench.workload` has the two problems and their oracle).
+- ``grad-inputs``: ``grad(root, inputs=leaf)`` on a chain: a backward
+  whose exec_info marks the nodes on a path to the leaf and captures its
+  gradient, against ``chain``'s backward into the leaf's ``.grad``.
+- ``apply-floor`` (pyengine only): each node of a chain's ``apply`` called
+  once, in order, from C (``map`` drained by a ``deque``), with no engine:
+  the floor an engine's cost per node is measured against (issue 19).
 - ``execute-fixed`` / ``backward-fixed`` / ``grad-fixed``: one call on a
   chain of ``size`` (1 or 10) nodes: the fixed cost of a call, through the
   engine's entry point (``Engine.execute``; PyTorch's ``run_backward``), and
@@ -157,6 +163,21 @@ def _pyengine_build(kind, size):
             execute([root_edge], [grad], False, False, True)
 
         return Workload(graph.name, graph.nodes, run, graph.check)
+    if kind == "grad-inputs":
+        graph = graphs.chain(size)
+        root_edge, grad, leaf = graph.root_edge, graph.grad, graph.leaf
+        result = [None]
+        grad_fn = pyengine.grad
+
+        def run():
+            result[0] = grad_fn(root_edge, leaf, grad)
+
+        def check():
+            expect_equal(f"grad(inputs=), {graph.name}", result[0][0], graph.expected)
+
+        return Workload(f"grad(inputs=), {graph.name}", graph.nodes, run, check)
+    if kind == "apply-floor":
+        return _apply_floor(graphs.chain(size), graphs.chain_nodes)
     if kind in ("execute-fixed", "backward-fixed", "grad-fixed"):
         graph = graphs.chain(size)
         root_edge, grad, leaf = graph.root_edge, graph.grad, graph.leaf
@@ -190,6 +211,29 @@ def _pyengine_build(kind, size):
     if kind == "mlp-step":
         return _frontend_mlp_step(tensor_mlp_problem())
     raise Unsupported(kind)
+
+
+def _apply_floor(graph, chain_nodes):
+    """Every node of ``graph`` (a chain)'s ``apply`` called once, root first,
+    each on the root gradient (a Pass node returns its input list), from C:
+    ``map`` calls the bound methods and a ``deque`` of length one drains it,
+    keeping the last result for the oracle. No Python frame runs per node
+    but ``apply``'s own, so this is what calling the nodes costs with no
+    engine at all."""
+    from collections import deque
+    from operator import methodcaller
+
+    nodes = chain_nodes(graph)
+    call_apply = methodcaller("apply", [graph.grad])
+    last = deque(maxlen=1)
+
+    def run():
+        last.extend(map(call_apply, nodes))
+
+    def check():
+        expect_equal(f"apply floor, {graph.name}", last[0][0], graph.expected)
+
+    return Workload(f"apply alone, {graph.name}", len(nodes), run, check)
 
 
 def _frontend_mlp_step(problem: MLPProblem):
@@ -278,12 +322,13 @@ def _torch_build(flavor, kind, size):
     def stack(values):
         return torch.stack(values), 1
 
-    name, root, nodes, gradient = _build_graph("chain" if fixed else kind, size, x, unary,
+    on_chain = fixed or kind == "grad-inputs"
+    name, root, nodes, gradient = _build_graph("chain" if on_chain else kind, size, x, unary,
                                                binary, stack)
     grad = torch.ones_like(root)
     expected = np.full(SHAPE, gradient)
 
-    if kind == "grad-fixed":
+    if kind in ("grad-fixed", "grad-inputs"):
         result = [None]
 
         def run():
@@ -292,6 +337,8 @@ def _torch_build(flavor, kind, size):
         def check():
             expect_equal(f"torch grad, {size}-node chain", result[0][0].numpy(), expected)
 
+        if kind == "grad-inputs":
+            return Workload(f"grad(inputs=), {name}", nodes, run, check)
         return Workload(f"grad, {size}-node chain", size, run, check, unit="call")
 
     # y * 1.0 saves its operand, which a backward frees unless retained.
