@@ -78,6 +78,10 @@ class InputBuffer:
                 total += value
             else:
                 total = old + value
+                if type(total) is not np.ndarray:
+                    # A 0-d sum is a numpy scalar: keep the operands' type,
+                    # as the numpy backend's add does.
+                    total = np.asarray(total)
         elif in_place:
             total = backend_of(old).add_(old, value)
         else:
