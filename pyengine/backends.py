@@ -11,7 +11,9 @@ NaN check.
 numpy is built in (and the compiled core has a fast path for it that never
 comes here on the common path). Another array type or a framework's tensor
 type plugs in with :func:`register_backend`; lookups walk the type's MRO, so
-registering a base class covers its subclasses.
+registering a base class covers its subclasses. ``register_backend`` returns
+the backend it replaced and :func:`unregister_backend` removes one, so that
+an adapter can undo what it registered.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "ArrayBackend",
     "NumpyBackend",
     "register_backend",
+    "unregister_backend",
     "register_device_type",
     "backend_of",
     "is_expandable_to",
@@ -174,12 +177,25 @@ _from_host: dict = {}
 _backend_cache: dict[type, ArrayBackend | None] = {}
 
 
-def register_backend(value_type: type, backend: ArrayBackend) -> None:
-    """Make ``backend`` handle values of ``value_type`` and its subclasses."""
+def register_backend(value_type: type, backend: ArrayBackend) -> ArrayBackend | None:
+    """Make ``backend`` handle values of ``value_type`` and its subclasses.
+    Returns the backend registered for ``value_type`` itself before (None if
+    none was), so that a caller can put it back."""
     if not isinstance(backend, ArrayBackend):
         raise TypeError(f"backend must be an ArrayBackend, got {type(backend).__name__}")
+    previous = _backends.get(value_type)
     _backends[value_type] = backend
     _backend_cache.clear()
+    return previous
+
+
+def unregister_backend(value_type: type) -> ArrayBackend | None:
+    """Remove the backend registered for ``value_type`` itself and return it
+    (None if there was none); values of that type then find the backend of
+    a base class, if any."""
+    previous = _backends.pop(value_type, None)
+    _backend_cache.clear()
+    return previous
 
 
 def register_device_type(device_type: str, from_host) -> None:
