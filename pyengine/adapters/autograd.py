@@ -80,9 +80,9 @@ import numpy as np
 
 try:
     import autograd.core as _autograd_core
+    import autograd.numpy  # noqa: F401  (registers numpy's vspaces and ArrayBox)
     from autograd.core import SparseObject, sparse_add, sparse_object_types, vspace
     from autograd.tracer import Box, getval
-    import autograd.numpy  # noqa: F401  (registers numpy's vspaces and ArrayBox)
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pyengine.adapters.autograd needs autograd: pip install autograd") from error
 
@@ -95,10 +95,6 @@ __all__ = ["install", "uninstall", "is_installed", "installed", "backward_pass",
            "AutogradBackend", "AutogradNumpyBackend"]
 
 VJPNode = _autograd_core.VJPNode
-
-# The native function, kept for the error message and for reading (the
-# patch keeps its own copy of what it replaced).
-_NATIVE_BACKWARD_PASS = _autograd_core.backward_pass
 
 
 # -- summing autograd's values --------------------------------------------------------------
@@ -225,10 +221,14 @@ _BACKEND = AutogradBackend()
 
 # -- the backward pass ----------------------------------------------------------------------
 
-def _vjp(node, grads):
-    """The owner graph's backward: the node's vjp on its summed gradient,
-    one gradient per parent."""
-    ingrads = node.vjp(_dense(grads[0]))
+def _vjp(node, grads, sparse_types=sparse_object_types, tuple=tuple, type=type):
+    """The owner graph's backward: the node's vjp on its summed gradient
+    (made dense, as ``_dense``), one gradient per parent. It runs once per
+    node: the defaults bind globals as locals, and ``_dense`` is inlined."""
+    g = grads[0]
+    if type(g) in sparse_types:
+        g = sparse_add(vspace(g), None, g)
+    ingrads = node.vjp(g)
     return ingrads if type(ingrads) is tuple else tuple(ingrads)
 
 

@@ -13,17 +13,18 @@ the installed adapter, where ``PYENGINE_AUTOGRAD_TESTS`` names its
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from collections import namedtuple
+from pathlib import Path
 
 import numpy as onp
 import pytest
 
 autograd = pytest.importorskip("autograd")
 
-import autograd.core  # noqa: E402
 import autograd.numpy as np  # noqa: E402
 from autograd import checkpoint, elementwise_grad, grad, hessian, jacobian, make_vjp  # noqa: E402
 from autograd.builtins import NamedTupleVSpace, SequenceBox  # noqa: E402
@@ -34,7 +35,7 @@ import pyengine  # noqa: E402
 from pyengine import backends  # noqa: E402
 from pyengine.adapters import autograd as pyengine_autograd  # noqa: E402
 
-NATIVE_BACKWARD_PASS = autograd.core.backward_pass
+NATIVE_BACKWARD_PASS = autograd.core.backward_pass  # autograd.core: imported by autograd
 
 
 @pytest.fixture(autouse=True)
@@ -138,7 +139,7 @@ def test_mlp_gradient_with_a_list_of_weights():
 def test_third_order_derivatives():
     function = lambda x: np.sin(x) * np.exp(0.3 * x) + x ** 4  # noqa: E731
     for x in (0.3, -1.7):
-        ours = check(lambda: grad(grad(grad(function)))(x), rtol=1e-12)
+        ours = check(lambda x=x: grad(grad(grad(function)))(x), rtol=1e-12)
         exact = (  # d3/dx3 by hand
             onp.exp(0.3 * x) * (-onp.cos(x) - 0.9 * onp.sin(x) + 0.27 * onp.cos(x)
                                 + 0.027 * onp.sin(x))
@@ -171,8 +172,9 @@ def test_hessian_where_arrays_and_boxes_meet_at_one_node():
     engine owns (in place, as autograd's ``mut_add``). Every order of the
     terms, each with three or more gradients meeting."""
     for order in ORDERS:
-        check(lambda: hessian(terms_in_order(order))(X), rtol=1e-12)
-        check(lambda: grad(grad(lambda x: terms_in_order(order)(x) * x))(0.3), rtol=1e-12)
+        function = terms_in_order(order)
+        check(lambda function=function: hessian(function)(X), rtol=1e-12)
+        check(lambda function=function: grad(grad(lambda x: function(x) * x))(0.3), rtol=1e-12)
 
 
 def test_mixed_sums_go_through_autograds_add(monkeypatch):
@@ -180,11 +182,16 @@ def test_mixed_sums_go_through_autograds_add(monkeypatch):
     sum the engine owns: a Box refuses ``out=``) happens above, and goes
     through autograd's vspace ``mut_add``."""
     calls = []
-    for name in ("_add", "_mut_add"):
-        def spy(a, b, original=getattr(pyengine_autograd, name), name=name):
+    def spy_on(name):
+        original = getattr(pyengine_autograd, name)
+
+        def spy(a, b):
             calls.append((name, type(a).__name__, type(b).__name__))
             return original(a, b)
         monkeypatch.setattr(pyengine_autograd, name, spy)
+
+    spy_on("_add")
+    spy_on("_mut_add")
     with pyengine_autograd.installed():
         for order in ORDERS:
             hessian(terms_in_order(order))(X)
@@ -527,3 +534,16 @@ def test_autograds_own_test_suite():
         capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     assert " passed" in result.stdout
+
+
+def test_readme_swap_in(capsys):
+    """The README's three lines for autograd run as they are and print what
+    their comment says."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Use it in HIPS autograd"):]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start:section.index("```", start)]
+    exec(code, {})
+    assert not pyengine_autograd.is_installed()
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == re.findall(r"print\(.*\)  # (.*)", code) == ["1.209464"]
