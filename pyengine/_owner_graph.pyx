@@ -3,9 +3,11 @@ depth-first post-order of Note [Owner graphs], run in reverse), without a
 Python object per owner in writes mode.
 
 Twin: ``pyengine/_pure/owner_graph.py``: the same functions under the same
-names, in the same order. The error messages, the default ``accumulate``,
-the profiler's ``OwnerRun`` record and ``grad(inputs=)``'s pruning
-(``mark_needed``) are the twin's: slow paths written once.
+names, in the same order. The error messages (``split_item``,
+``count_slots`` and ``check_input_nr`` raise through the twin's), the
+default ``accumulate``, the profiler's ``OwnerRun`` record and
+``grad(inputs=)``'s pruning (``mark_needed``) are the twin's: slow paths
+written once (See Note [Slow paths are shared]).
 """
 
 cimport numpy as cnp
@@ -30,9 +32,10 @@ from pyengine._pure.owner_graph import (RETURNS, WRITES, OwnerRun, accumulate_gr
 from pyengine._pure.owner_graph import check_input_nr as check_input_nr_slow
 from pyengine._pure.owner_graph import count_slots as count_slots_slow
 from pyengine._pure.owner_graph import split_item as split_item_slow
+from pyengine._node import as_input_metadata
 from pyengine._pure.validate_outputs import validate_gradient
 
-__all__ = ["OwnerGraph", "search", "run_owner_graph"]
+__all__ = ["OwnerGraph", "run_owner_graph"]
 
 cnp.import_array()
 
@@ -150,6 +153,13 @@ cdef int check_input_nr(object owner, Py_ssize_t input_nr, dict slots, object wh
     if not 0 <= input_nr < count:
         check_input_nr_slow(owner, input_nr, slots, where)  # raises, with the twin's message
     return 0
+
+
+cdef tuple read_metadata(OwnerGraph graph, object owner):
+    """``metadata(owner)`` as the Node API reads ``input_metadata``: each
+    entry an InputMetadata, None, a ``(shape, dtype[, device])`` tuple or a
+    value to read them from."""
+    return tuple([as_input_metadata(spec) for spec in graph.metadata(owner)])
 
 
 cdef struct Frame:
@@ -342,8 +352,8 @@ cdef int check_outputs(OwnerGraph graph, object owner, list outputs, tuple items
         if graph.metadata is not None:
             all_metadata = metadata_of.get(id(<object>parent))
             if all_metadata is None:
-                all_metadata = metadata_of[id(<object>parent)] = tuple(
-                    graph.metadata(<object>parent))
+                all_metadata = metadata_of[id(<object>parent)] = read_metadata(graph,
+                                                                               <object>parent)
             if input_nr < len(all_metadata):
                 metadata = all_metadata[input_nr]
         if gradient_matches(metadata, grad):
@@ -487,7 +497,7 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
     if returns:
         metadata = None
         if graph.metadata is not None:
-            all_metadata = metadata_of[id(root_owner)] = tuple(graph.metadata(root_owner))
+            all_metadata = metadata_of[id(root_owner)] = read_metadata(graph, root_owner)
             if root_nr < len(all_metadata):
                 metadata = all_metadata[root_nr]
         grad = validate_gradient(0, grad, metadata, format_root_error)

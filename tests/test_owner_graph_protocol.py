@@ -554,6 +554,32 @@ def test_reentrant_inside_a_node():
     assert depths == [1]
 
 
+def test_a_backward_inside_an_owners_backward():
+    """An owner's backward may run a Node graph and queue callbacks after it:
+    they go to the owner graph's task."""
+    log = []
+
+    class Sink(Node):
+        def apply(self, grads):
+            log.append(("sink", grads[0].tolist()))
+            return []
+
+    class Nesting(Function):
+        def forward(self, a):
+            return a
+
+        def backward(self, grad):
+            pyengine.get_default_engine().execute([Edge(Sink([], [((1,), np.float64)]), 0)],
+                                                  [2 * grad], False, False, True)
+            pyengine.queue_callback(lambda: log.append("callback"))
+            return (grad,)
+
+    x = Value([1.0])
+    make_graph().backward(item_of(Nesting(x).outputs()), np.ones(1))
+    assert log == [("sink", [2.0]), "callback"]
+    np.testing.assert_array_equal(x.grad, [1.0])
+
+
 def test_metadata_reduces_broadcast_gradients_and_rejects_bad_ones():
     class Broadcasting(Function):
         def forward(self, a):
@@ -566,6 +592,13 @@ def test_metadata_reduces_broadcast_gradients_and_rejects_bad_ones():
     metadata = lambda owner: [pyengine.InputMetadata((3,), np.float64)]  # noqa: E731
     make_graph(metadata=metadata).backward(item_of(Broadcasting(x).outputs()), np.ones(3))
     np.testing.assert_array_equal(x.grad, np.full(3, 2.0))
+    # Specs as the Node API takes them: a (shape, dtype) tuple, a value; a cast.
+    for spec in [((3,), np.float32), np.zeros(3, np.float32)]:
+        x.grad = None
+        make_graph(metadata=lambda owner, spec=spec: [spec]).backward(
+            item_of(Broadcasting(x).outputs()), np.ones(3))
+        assert x.grad.dtype == np.float32
+        np.testing.assert_array_equal(x.grad, np.full(3, 2.0, np.float32))
 
     class Wrong(Broadcasting):
         def backward(self, grad):
@@ -628,6 +661,7 @@ BAD_CASES = {
     "input_nr": (dict(items=[(Split(Value(1.0)), 2)]), IndexError,
                  "a parent item of a Bad names slot 2 of a Split, which has 2 slots"),
     "slots": (dict(slots=0), TypeError, "num_inputs.Bad. must be an int of at least 1, got 0"),
+    "huge": (dict(slots=1 << 40), ValueError, "num_inputs.Bad. is 1099511627776; at most 65536"),
 }
 
 
@@ -686,6 +720,7 @@ def run_logged(core, seed, error_case):
         graph_backward = backward
     graph = core.OwnerGraph(
         parents, graph_backward, mode="returns", num_inputs=num_inputs,
+        metadata=lambda owner: [((3,), np.float64)] * num_inputs(owner),
         visit=lambda owner: log.append(("visit", id(owner))),
         needs_no_gradient=lambda owner: owner is leaves[2],
         pre_hook=lambda owner, grads: log.append(("pre", id(owner), [g.tolist() for g in grads

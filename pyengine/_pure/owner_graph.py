@@ -100,7 +100,12 @@ otherwise.
 
 What differs from torch.autograd: the graph belongs to the framework, so
 it is read at each backward and never released (backward can run again);
-a leaf's gradient is what ``accumulate`` does with it; a nested
+a leaf's gradient is what ``accumulate`` does with it; there is no
+``create_graph`` (backward runs with grad mode off: a framework that
+differentiates twice records its own second graph) and no stream rule (the
+gradients are summed on the caller's current stream); an owner at which no
+gradient arrived does not run (torch runs such a node with undefined
+gradients); a nested
 ``backward`` inside an owner's method is reentrant only when the owner
 graph itself runs inside another backward (otherwise it is a backward of
 its own on this thread). The walk lets other threads run, and the compiled
@@ -116,7 +121,7 @@ from ..backends import backend_of
 from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer
-from .node import InputMetadata
+from .node import MAX_INPUT_NR, InputMetadata, as_input_metadata
 from .validate_outputs import validate_gradient
 
 __all__ = ["OwnerGraph", "OwnerRun", "WRITES", "RETURNS", "check_reader", "cycle_error",
@@ -257,7 +262,18 @@ def count_slots(graph, owner):
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise TypeError(f"num_inputs({owner_name(owner)}) must be an int of at least 1, "
                         f"got {count!r}")
+    if count > MAX_INPUT_NR:
+        # See Note [Edge input_nr]: no list of a billion slots mid-backward.
+        raise ValueError(f"num_inputs({owner_name(owner)}) is {count}; at most {MAX_INPUT_NR} "
+                         "slots are allowed")
     return count
+
+
+def read_metadata(graph, owner):
+    """``metadata(owner)`` as the Node API reads ``input_metadata``: each
+    entry an InputMetadata, None, a ``(shape, dtype[, device])`` tuple or a
+    value to read them from."""
+    return tuple([as_input_metadata(spec) for spec in graph.metadata(owner)])
 
 
 def check_input_nr(owner, input_nr, slots, where):
@@ -443,7 +459,7 @@ def check_outputs(graph, owner, outputs, items, slots, metadata_of):
         if graph.metadata is not None:
             all_metadata = metadata_of.get(id(pair[0]))
             if all_metadata is None:
-                all_metadata = metadata_of[id(pair[0])] = tuple(graph.metadata(pair[0]))
+                all_metadata = metadata_of[id(pair[0])] = read_metadata(graph, pair[0])
             if pair[1] < len(all_metadata):
                 metadata = all_metadata[pair[1]]
         if gradient_matches(metadata, grad):
@@ -574,7 +590,7 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
     if returns:
         metadata = None
         if graph.metadata is not None:
-            all_metadata = metadata_of[id(root_owner)] = tuple(graph.metadata(root_owner))
+            all_metadata = metadata_of[id(root_owner)] = read_metadata(graph, root_owner)
             if root_nr < len(all_metadata):
                 metadata = all_metadata[root_nr]
         grad = validate_gradient(0, grad, metadata, format_root_error)
