@@ -134,9 +134,9 @@ class pyengine_DependencyMap {
     static size_t hash(PyObject *node) {
         // Objects are 16-byte aligned. Nodes made one after the other lie
         // close together in memory and run one after the other, so keeping
-        // the address order keeps their slots close, in cache, too: a
-        // 1M-node chain runs 1.7x faster than with a scrambling hash (and
-        // 1.15x faster than when folding in the megabyte as well). Keys
+        // the address order keeps their slots close, in cache, too (the
+        // hashes tried, and the 1M chain with each: benchmarks/RESULTS.md,
+        // "Figures moved out of code comments"). Keys
         // collide only at addresses a multiple of 16 x capacity (at least
         // 32 bytes x nodes) apart, which live objects do not pile up at.
         return static_cast<size_t>(reinterpret_cast<uintptr_t>(node) >> 4);

@@ -19,38 +19,13 @@ sense of Note [Locks and the GIL]: it runs no node, hook or callback and
 never starts a backward. It may release the GIL (a large numpy add does);
 a thread that then wants the same mutex waits without the GIL, so nothing
 deadlocks.
-
-Note [GradientFreeNode graphs]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-When every node a backward reaches is a gradient-free node (See Note
-[GradientFreeNode] in ``pyengine/_pure/node.py``) on the CPU without a
-stream, the graph task has nothing for the ReadyQueue, the InputBuffers or
-validate_outputs to do: it is a topological order and a call per node. If
-the caller is not inside the engine already (no reentrant backward, no
-device thread) and asked for no ``outputs``, ``execute`` runs it with
-``run_gradient_free``: on the calling thread, from a heap of its own that
-pops in the ReadyQueue's order (the later sequence_nr first; one graph task
-has one reentrant depth, and gradient-free nodes never tie, since only
-AccumulateGrad nodes share a sequence number), with dependencies
-counted as usual but without the graph task's lock (no other thread can
-reach this graph task: nothing goes to a device thread or a pool thread).
-Everything a node sees is as in ``thread_main``: the graph task's grad mode
-and ``current_graph_task`` while it runs, its hooks through the twin's
-``call_function``, the profiler, anomaly mode's note on an error, which
-stops the backward, and the final callbacks once all nodes ran. On a
-micrograd MLP's graph made of such nodes the engine's share is a third
-fewer instructions per node than through ``thread_main`` (callgrind;
-``benchmarks/RESULTS.md`` has the times). The twin has no such loop: it
-runs these graphs through its ReadyQueue, in the same order. (An owner
-graph needs no nodes at all: See Note [Owner graphs] in
-``pyengine/_pure/owner_graph.py``.)
 """
 
 cimport cython
 cimport numpy as cnp
 from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
-from cpython.object cimport PyObject, Py_TYPE
+from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
@@ -58,10 +33,8 @@ from libcpp.condition_variable cimport condition_variable
 from libcpp.deque cimport deque
 from libcpp.mutex cimport mutex, unique_lock
 from libcpp.vector cimport vector
-from libc.stdint cimport uint64_t
 
-from pyengine._graph_task cimport (ExecInfoEntry, ExecInfoMap, GraphTask, NodePtr, new_graph_task,
-                                   running_thread_state)
+from pyengine._graph_task cimport ExecInfoEntry, ExecInfoMap, GraphTask, NodePtr, new_graph_task
 from pyengine._graph_task cimport SEARCH_NOT_SEEN, SEARCH_ON_PATH, SearchState
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
@@ -100,13 +73,6 @@ DEF CPU_DEVICE = -1
 MAX_RECURSION_DEPTH = 60
 MAX_TOTAL_DEPTH = 4096
 MAX_POOL_THREADS = 256
-
-
-cdef extern from "_gradient_free_queue.h" nogil:
-    cppclass GradientFreeQueue "pyengine_GradientFreeQueue":
-        GradientFreeQueue()
-        void push(PyObject* node, uint64_t sequence_nr) noexcept
-        PyObject* pop() noexcept
 
 
 # -- per-thread worker state --------------------------------------------------------
@@ -176,81 +142,18 @@ cdef inline bint known_value_type(object value_type) noexcept:
     return backend != NULL and backend != <PyObject*>None
 
 
-cdef extern from "Python.h":
-    object PyObject_CallMethodNoArgs(object obj, object name)
-
-
-cdef inline int call_owner_method(GradientFreeNodeBase node) except -1:
-    """``node.owner.<node.method>()``: what a gradient-free node's ``apply``
-    runs, called from C (See Note [GradientFreeNode])."""
-    PyObject_CallMethodNoArgs(node.owner, node.method)
-    return 0
-
-
 cdef inline bint has_hooks(NodeBase node) noexcept:
     return bool(node._tensor_pre_hooks or node._retains_grad_hooks or node._pre_hooks
                 or node._post_hooks)
 
 
-# What NodeBase.release_variables is, looked up on a node's type, when no
-# subclass overrides it.
-cdef object _base_release_variables = NodeBase.__dict__["release_variables"]
-cdef str _release_variables_name = "release_variables"
-
-cdef extern from *:
-    """
-    /* Whether a node type overrides release_variables, per type: a few
-       entries, direct-mapped by the type's address. An entry holds while the
-       type's version tag is valid and unchanged: CPython gives a type a new
-       tag whenever it or a base class changes an attribute, and never reuses
-       a tag. Read and written under the GIL. */
-    struct pyengine_OverrideCacheEntry {
-        PyTypeObject *type;
-        unsigned int version_tag;
-        int overridden;
-    };
-    static struct pyengine_OverrideCacheEntry pyengine_release_override_cache[8];
-
-    static inline struct pyengine_OverrideCacheEntry *
-    pyengine_release_override_entry(PyTypeObject *type) {
-        return &pyengine_release_override_cache[((uintptr_t)type >> 6) & 7];
-    }
-    static inline int pyengine_version_tag_valid(PyTypeObject *type) {
-        return PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG);
-    }
-    """
-    ctypedef struct PyTypeObject "PyTypeObject":
-        unsigned int tp_version_tag
-    ctypedef struct OverrideCacheEntry "struct pyengine_OverrideCacheEntry":
-        PyTypeObject* type
-        unsigned int version_tag
-        bint overridden
-    OverrideCacheEntry* release_override_entry "pyengine_release_override_entry" (
-        PyTypeObject* type) noexcept
-    bint version_tag_valid "pyengine_version_tag_valid" (PyTypeObject* type) noexcept
-
-
 cdef inline int release_variables(NodeBase node) except -1:
-    """``type(node).release_variables(node)``, then mark the node released.
-    The method is looked up on the class, as the twin does; a small cache
-    remembers which classes override it, since Cython's own dispatch of a
-    cpdef method looks the name up on the node each time (its cache holds
-    one type, and a graph mixes several), which costs about as much as
-    running a small node."""
-    cdef PyTypeObject* node_type = <PyTypeObject*>Py_TYPE(node)
-    cdef OverrideCacheEntry* entry = release_override_entry(node_type)
-    cdef object release
-    if not (entry.type == node_type and version_tag_valid(node_type)
-            and entry.version_tag == node_type.tp_version_tag):
-        release = getattr(type(node), _release_variables_name)
-        # The lookup gave the type a valid version tag, unless it could not.
-        entry.type = node_type
-        entry.version_tag = node_type.tp_version_tag
-        entry.overridden = release is not _base_release_variables
-        if not version_tag_valid(node_type):
-            entry.type = NULL
-    if entry.overridden:
-        getattr(type(node), _release_variables_name)(node)
+    """``type(node).release_variables(node)`` where the node's class
+    overrode it when the node was made, else what NodeBase's does, with no
+    lookup; then mark the node released. See Note [Overriding release
+    variables] in ``pyengine/_pure/node.py``."""
+    if node._overrides_release_variables:
+        type(node).release_variables(node)
     else:
         node._saved_values = None  # NodeBase.release_variables
     node._released = True
@@ -403,17 +306,11 @@ cdef class Engine:
             graph_root = GraphRoot(root_edges, root_grads)
             input_buffer = new_input_buffer(0)
         graph_task.graph_root = graph_root
-        cdef bint gradient_free = compute_dependencies(graph_root, graph_task)
+        compute_dependencies(graph_root, graph_task)
         if output_edges:
             graph_task.init_to_execute(graph_root, output_edges, accumulate_grad)
 
-        if (gradient_free and not output_edges and worker.worker_device == NO_DEVICE
-                and self.route(graph_task, graph_root, input_buffer.buffer)
-                is graph_task.cpu_ready_queue):
-            # See Note [GradientFreeNode graphs].
-            self.run_gradient_free(worker, graph_task, graph_root, input_buffer.buffer)
-        else:
-            self.execute_with_graph_task(worker, graph_task, graph_root, input_buffer.buffer)
+        self.execute_with_graph_task(worker, graph_task, graph_root, input_buffer.buffer)
         try:
             graph_task.wait()
         except BaseException as error:
@@ -462,60 +359,6 @@ cdef class Engine:
                     worker.total_depth -= 1
         return 0
 
-    # -- gradient-free graphs --
-
-    cdef int run_gradient_free(self, WorkerState worker, GraphTask graph_task, NodeBase graph_root,
-                               list root_inputs) except -1:
-        """Run a graph task whose nodes are all gradient-free CPU nodes on
-        this thread, from a queue of its own. See Note [GradientFreeNode graphs]."""
-        cdef GradientFreeQueue ready
-        cdef PyObject* next_node
-        cdef NodeBase node
-        cdef ThreadState* thread = thread_state()
-        cdef ThreadState previous = thread[0]
-        cdef ThreadState running = running_thread_state(graph_task)
-        worker.worker_device = CPU_DEVICE
-        graph_task.owner = CPU_DEVICE
-        Py_INCREF(graph_root)
-        ready.push(<PyObject*>graph_root, graph_root._sequence_nr)
-        try:
-            while True:
-                next_node = ready.pop()
-                if next_node == NULL:
-                    break
-                node = <NodeBase>next_node
-                Py_DECREF(node)  # the queue's reference; node holds one now
-                thread[0] = running
-                try:
-                    if profiler() == NULL:
-                        run_gradient_free_node(graph_task, node, ready,
-                                               root_inputs if node is graph_root else None)
-                    else:
-                        callback = <object>profiler()
-                        start = _perf_counter_ns()
-                        try:
-                            run_gradient_free_node(graph_task, node, ready,
-                                                   root_inputs if node is graph_root else None)
-                        finally:
-                            callback(node, start, _perf_counter_ns())
-                except BaseException as error:
-                    if anomaly_enabled():
-                        _hooks.add_anomaly_note(error, node)
-                    graph_task.set_exception(error)
-                    break
-                finally:
-                    thread[0] = previous
-        finally:
-            # The tasks an error left behind.
-            next_node = ready.pop()
-            while next_node != NULL:
-                Py_DECREF(<object>next_node)
-                next_node = ready.pop()
-            worker.worker_device = NO_DEVICE
-        if not graph_task.has_error_.load():
-            graph_task.mark_as_completed_and_run_post_processing()
-        return 0
-
     # -- the loop --
 
     cdef int thread_main(self, WorkerState worker, GraphTask graph_task) except -1:
@@ -546,7 +389,10 @@ cdef class Engine:
                 previous = thread[0]
                 thread.current_graph_task = record.graph_task
                 thread.grad_enabled = local_graph_task.grad_mode
-                thread.checkpoint_valid = local_graph_task.exec_info_.empty()
+                # ANDed with the enclosing task's: See Note [Checkpoint valid
+                # in nested backward] in pyengine/_pure/state.py.
+                thread.checkpoint_valid = (local_graph_task.exec_info_.empty()
+                                           and previous.checkpoint_valid)
                 try:
                     if not local_graph_task.has_error_.load():
                         # One check per node when nobody profiles.
@@ -687,20 +533,17 @@ cdef class Engine:
                 if buffered == graph_task.not_ready_.end():
                     if not _should_execute(graph_task.exec_info_, key):
                         continue
-                    if not streamed:
-                        if is_ready:
-                            # Its only gradient: what InputBuffer's first add
-                            # would hold, without the InputBuffer.
-                            gradients = single_gradient(
-                                PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
-                                gradient)
-                            push_task(self.route(graph_task, next_node, gradients), graph_task,
-                                      next_node, gradients)
-                            continue
-                        if gradient is None:
-                            # An InputBuffer of Nones: no InputBuffer at all
-                            # gives the node the same inputs when it is ready.
-                            continue
+                    if not streamed and is_ready:
+                        # Its only gradient: what InputBuffer's first add
+                        # would hold, without the InputBuffer.
+                        gradients = single_gradient(
+                            PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
+                            gradient)
+                        push_task(self.route(graph_task, next_node, gradients), graph_task,
+                                  next_node, gradients)
+                        continue
+                    # A buffer even for a None gradient, as the twin's: See
+                    # Note [Gradients left in not ready] in pyengine/_pure/graph_task.py.
                     input_buffer = new_input_buffer(PyTuple_GET_SIZE(next_node._input_metadata))
                     if not is_ready:
                         Py_INCREF(input_buffer)
@@ -905,39 +748,6 @@ cdef class Engine:
         (<GraphTask>graph_task).final_callbacks.append(callback)
 
 
-cdef int run_gradient_free_node(GraphTask graph_task, NodeBase node, GradientFreeQueue& ready,
-                                list inputs) except -1:
-    """Run ``node`` of a gradient-free graph (``inputs``: its gradients, None
-    for all None) and queue the nodes it makes ready."""
-    # See Note [Next edges while a node runs] in pyengine/_pure/engine.py.
-    cdef tuple next_edges = node._next_edges
-    if has_hooks(node):
-        if inputs is None:
-            inputs = [None] * PyTuple_GET_SIZE(node._input_metadata)
-        # Its hooks run as in call_function; its gradients are all None.
-        _hooks.call_function(graph_task, node, inputs, next_edges)
-    else:
-        call_owner_method(<GradientFreeNodeBase>node)
-    if not graph_task.keep_graph:
-        release_variables(node)
-    cdef PyObject* edge
-    cdef NodeBase next_node
-    cdef int remaining
-    for i in range(PyTuple_GET_SIZE(next_edges)):
-        edge = PyTuple_GET_ITEM(next_edges, i)
-        if edge == <PyObject*>None:
-            continue
-        next_node = (<Edge>edge).node
-        # No lock: no other thread can reach this graph task.
-        remaining = graph_task.dependencies_.remove(<PyObject*>next_node)
-        if remaining < 0:
-            raise RuntimeError(f"dependency not found for {_hooks.node_name(next_node)}")
-        if remaining == 1:
-            Py_INCREF(next_node)
-            ready.push(<PyObject*>next_node, next_node._sequence_nr)
-    return 0
-
-
 cdef inline void push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node,
                            list inputs) noexcept:
     graph_task.outstanding_tasks_.fetch_add(1)
@@ -1015,16 +825,12 @@ cdef extern from "Python.h":
     void decref "Py_DECREF"(PyObject* obj)
 
 
-cdef inline bint push_dependency_frame(deque[DependencyFrame]& stack, NodeBase node, size_t slot,
-                                       bint gradient_free) except -1:
+cdef inline int push_dependency_frame(deque[DependencyFrame]& stack, NodeBase node,
+                                      size_t slot) except -1:
     """Start the search below ``node`` (reached for the first time, its map
-    slot at index ``slot``); returns whether the graph is still
-    gradient-free with ``node`` in it."""
+    slot at index ``slot``)."""
     if not node._initialized:
         raise RuntimeError(not_initialized_message(node))
-    if gradient_free:
-        gradient_free = (isinstance(node, GradientFreeNodeBase) and node._stream is None
-                         and on_cpu(node._input_metadata))
     cdef tuple edges = node._next_edges
     cdef DependencyFrame frame
     frame.node = <PyObject*>node
@@ -1033,28 +839,26 @@ cdef inline bint push_dependency_frame(deque[DependencyFrame]& stack, NodeBase n
     frame.slot = slot
     stack.push_back(frame)
     Py_INCREF(edges)
-    return gradient_free
+    return 0
 
 
-cdef bint compute_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
+cdef int compute_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
     """Count, for each node reachable from ``graph_root``, the edges into it,
     and refuse a cycle before any node runs: the plain count, and the
     depth-first search only where the count cannot rule a cycle out (See
     Note [Cycles in the backward graph] in ``pyengine/_pure/engine.py``).
     Both let other threads run as they go (See Note [Long passes let other
-    threads run]). Returns whether every one of those nodes is a
-    gradient-free CPU node (See Note [GradientFreeNode graphs])."""
-    cdef bint gradient_free
-    if count_dependencies(graph_root, graph_task, &gradient_free):
-        return gradient_free
+    threads run])."""
+    if count_dependencies(graph_root, graph_task):
+        return 0
     graph_task.dependencies_.reset()
-    return search_dependencies(graph_root, graph_task)
+    search_dependencies(graph_root, graph_task)
+    return 0
 
 
-cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task,
-                             bint* gradient_free) except -1:
-    """Count the edges into each node reachable from ``graph_root`` and set
-    ``gradient_free``, while every edge leads to a node made earlier (a
+cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
+    """Count the edges into each node reachable from ``graph_root``, while
+    every edge leads to a node made earlier (a
     lower sequence_nr) or to a node without next edges: then no cycle is
     possible. Returns False, the count unfinished, at the first edge that
     breaks that rule. Iterative, in any order: each node once, from a
@@ -1066,7 +870,6 @@ cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task,
     cdef PyObject* edge
     cdef size_t slot
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
-    gradient_free[0] = True
     graph_task.dependencies_.enter(<PyObject*>graph_root)
     Py_INCREF(graph_root)
     stack.push_back(<PyObject*>graph_root)
@@ -1077,9 +880,6 @@ cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task,
             decref(<PyObject*>node)  # the stack's reference; node holds one
             if not node._initialized:
                 raise RuntimeError(not_initialized_message(node))
-            if gradient_free[0]:
-                gradient_free[0] = (isinstance(node, GradientFreeNodeBase) and node._stream is None
-                                    and on_cpu(node._input_metadata))
             edges = node._next_edges
             for i in range(PyTuple_GET_SIZE(edges)):
                 let_others_run(&work_left)
@@ -1105,11 +905,10 @@ cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task,
     return True
 
 
-cdef bint search_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
+cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
     """compute_dependencies' count in a depth-first search that refuses a
     cycle, for a graph ``count_dependencies`` could not vouch for.
-    Iterative: graphs of millions of nodes, deep or wide, use no C stack.
-    Returns whether the graph is gradient-free."""
+    Iterative: graphs of millions of nodes, deep or wide, use no C stack."""
     # A deque, not a vector: a vector millions of frames deep copies them all,
     # holding the GIL for tens of milliseconds, each time it grows.
     cdef deque[DependencyFrame] stack
@@ -1121,10 +920,9 @@ cdef bint search_dependencies(NodeBase graph_root, GraphTask graph_task) except 
     cdef SearchState state
     cdef size_t slot
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
-    cdef bint gradient_free
     try:
         slot = graph_task.dependencies_.enter(<PyObject*>graph_root)
-        gradient_free = push_dependency_frame(stack, graph_root, slot, True)
+        push_dependency_frame(stack, graph_root, slot)
         while not stack.empty():
             frame = &stack.back()
             edges = frame.edges
@@ -1159,8 +957,7 @@ cdef bint search_dependencies(NodeBase graph_root, GraphTask graph_task) except 
                     # in cache (a chain's frames all end so).
                     frame.edges = NULL
                     decref(edges)
-                gradient_free = push_dependency_frame(stack, <NodeBase>next_node, slot,
-                                                      gradient_free)
+                push_dependency_frame(stack, <NodeBase>next_node, slot)
             else:
                 let_others_run(&work_left)
                 graph_task.dependencies_.finish(frame.node, frame.slot)
@@ -1173,7 +970,7 @@ cdef bint search_dependencies(NodeBase graph_root, GraphTask graph_task) except 
             if stack.back().edges != NULL:
                 decref(stack.back().edges)
             stack.pop_back()
-    return gradient_free
+    return 0
 
 
 def _reset_worker_state_after_fork():

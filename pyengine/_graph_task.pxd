@@ -133,10 +133,12 @@ cdef GraphTask new_graph_task(bint keep_graph, bint grad_mode, int reentrant_dep
 cdef inline ThreadState running_thread_state(GraphTask graph_task) noexcept:
     """This thread's state as thread_main sets it while a node of
     ``graph_task`` runs (PyTorch's ThreadLocalStateGuard), for a graph task
-    that runs every node (no ``exec_info``): what the engine's own loops
-    for gradient-free nodes and owner graphs set around each call."""
+    that runs every node (no ``exec_info``): what the engine's own loop
+    for owner graphs sets around each call."""
     cdef ThreadState running = thread_state()[0]
     running.current_graph_task = <PyObject*>graph_task
     running.grad_enabled = graph_task.grad_mode
-    running.checkpoint_valid = True
+    # checkpoint_valid stays as it is: can_checkpoint() is True without
+    # exec_info, and ANDed with the enclosing task's value it is that value
+    # (See Note [Checkpoint valid in nested backward] in pyengine/_pure/state.py).
     return running

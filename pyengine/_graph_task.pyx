@@ -84,6 +84,17 @@ cdef inline void mark_needed(ExecInfoMap& exec_info, Frame* frame) noexcept nogi
         exec_info.make_entry(frame.node).needed = True
 
 
+cdef int check_not_ready_empty(GraphTask graph_task) except -1:
+    """Raise RuntimeError if a node's gradients wait in ``not_ready_`` when the
+    task completes. See Note [Gradients left in not ready] in the twin."""
+    lock_releasing_gil(graph_task.mutex_)
+    cdef size_t count = graph_task.not_ready_.size()
+    graph_task.mutex_.unlock()
+    if count:
+        raise RuntimeError(_twin.not_ready_message(count))
+    return 0
+
+
 cdef GraphTask new_graph_task(bint keep_graph, bint grad_mode, int reentrant_depth,
                               ReadyQueue cpu_ready_queue, bint exit_on_error,
                               bint multithreading):
@@ -331,7 +342,10 @@ cdef class GraphTask:
     cpdef exec_post_processing(self):
         """Make the caller's streams wait on the leaf streams, then run final
         callbacks, under the graph task's grad mode, as the twin does; a
-        callback may queue more, which run too."""
+        callback may queue more, which run too. First, a node that got some
+        of its gradients but never ran fails the task: See Note [Gradients
+        left in not ready] in the twin."""
+        check_not_ready_empty(self)
         if self.leaf_streams:
             _twin.sync_leaf_streams(self)
         cdef ThreadState* thread = thread_state()

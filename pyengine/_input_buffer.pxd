@@ -2,7 +2,6 @@
 
 cdef class InputBuffer:
     cdef public list buffer
-    cdef public object device
     # _owned[i]: the value the buffer allocated for slot i, or None.
     cdef list _owned
 

@@ -2,10 +2,7 @@
 
 from typing import Any
 
-from pyengine.device import Device
-
 class InputBuffer:
     buffer: list[Any]
-    device: Device
     def __init__(self, size: int) -> None: ...
     def add(self, pos: int, value: Any, create_graph: bool) -> int: ...

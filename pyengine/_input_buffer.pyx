@@ -10,13 +10,12 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_S
 from cpython.ref cimport Py_INCREF
 
 from pyengine.backends import backend_of
-from pyengine.device import CPU
 
 cimport numpy as cnp
 
-cnp.import_array()
+from pyengine._node cimport is_numpy_array
 
-cdef object _CPU = CPU
+cnp.import_array()
 
 
 cdef list _none_list(Py_ssize_t size):
@@ -31,7 +30,6 @@ cdef InputBuffer new_input_buffer(Py_ssize_t size):
     """An InputBuffer of ``size`` empty slots, without calling ``__init__``."""
     cdef InputBuffer input_buffer = InputBuffer.__new__(InputBuffer)
     input_buffer.buffer = _none_list(size)
-    input_buffer.device = _CPU
     return input_buffer
 
 
@@ -40,13 +38,12 @@ cdef InputBuffer new_input_buffer(Py_ssize_t size):
 cdef class InputBuffer:
     """Per-slot gradient sums for one node.
 
-    ``buffer`` holds one value (or None) per input slot; ``device`` is the
-    device of the first non-CPU value added, else the CPU.
+    ``buffer`` holds one value (or None) per input slot (See Note
+    [InputBuffer has no device] in the twin).
     """
 
     def __init__(self, Py_ssize_t size):
         self.buffer = _none_list(size)
-        self.device = _CPU
 
     cpdef int add(self, Py_ssize_t pos, object value, bint create_graph) except -1:
         """Add ``value`` into slot ``pos`` (See Note [InputBuffer ownership])."""
@@ -67,19 +64,15 @@ cdef class InputBuffer:
         old = <object>PyList_GET_ITEM(buffer, pos)
         if old is None:
             buffer[pos] = value
-            if self.device is _CPU and type(value) is not cnp.ndarray:
-                backend = backend_of(value)
-                if backend is not None:
-                    self.device = backend.device(value)
             return 0
         if self._owned is None:
             self._owned = _none_list(PyList_GET_SIZE(buffer))
         elif pos >= PyList_GET_SIZE(self._owned):
             self._owned.extend([None] * (pos + 1 - PyList_GET_SIZE(self._owned)))
         cdef bint in_place = self._owned[pos] is old and not create_graph
-        if type(old) is cnp.ndarray and type(value) is cnp.ndarray:
-            # numpy's own operators, as the numpy backend would call them; an
-            # array this buffer allocated is always writeable.
+        if is_numpy_array(old) and type(value) is cnp.ndarray:
+            # numpy's own operators, as the built-in numpy backend would call
+            # them; an array this buffer allocated is always writeable.
             if in_place:
                 total = old
                 total += value

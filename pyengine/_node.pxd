@@ -31,6 +31,10 @@ cdef class NodeBase:
     cdef public dict _retains_grad_hooks
     cdef public object _saved_values
     cdef public bint _released
+    # Whether the node's class overrides release_variables, when the node was
+    # made; immutable after construction. See Note [Overriding release variables]
+    # in pyengine/_pure/node.py.
+    cdef readonly bint _overrides_release_variables
     cdef public object _stream
     cdef public dict _metadata
     cdef readonly bint _initialized
@@ -74,3 +78,4 @@ cdef class Edge:
 
 
 cdef bint on_cpu(tuple input_metadata) noexcept
+cdef bint is_numpy_array(object value) noexcept

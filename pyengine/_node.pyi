@@ -35,6 +35,8 @@ class NodeBase:
     _retains_grad_hooks: dict[int, Any] | None
     _saved_values: Any
     _released: bool
+    @property
+    def _overrides_release_variables(self) -> bool: ...
     _stream: Any
     _metadata: dict[str, Any] | None
     _initialized: bool

@@ -11,7 +11,6 @@ fields' guards (all guarded by the GIL).
 
 cimport cython
 cimport numpy as cnp
-from cpython.dict cimport PyDict_GetItem
 from cpython.number cimport PyNumber_Add, PyNumber_Index, PyNumber_InPlaceAdd
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_REFCNT
@@ -214,6 +213,9 @@ cdef class NodeBase:
             self._input_metadata = tuple([as_input_metadata(spec) for spec in input_metadata])
         self._sequence_nr = pyengine_next_sequence_nr
         pyengine_next_sequence_nr += 1
+        # See Note [Overriding release variables] in the twin.
+        self._overrides_release_variables = (
+            getattr(type(self), "release_variables") is not _base_release_variables)
         if not on_cpu(self._input_metadata):
             self._stream = _creation_stream(self._input_metadata)
         self._initialized = True
@@ -295,9 +297,19 @@ cdef class NodeBase:
 
     cpdef release_variables(self):
         """Drop what the node saved for backward. Override it in a subclass to
-        free more: the engine calls the method of the node's class (as C++
-        calls a virtual method), not a function set on the node itself."""
+        free more: the engine calls the method of the node's class, as C++
+        calls a virtual method, where the class overrode it when the node was
+        made. See Note [Overriding release variables] in the twin."""
         self._saved_values = None
+
+
+# What NodeBase.release_variables is, looked up on a class that does not
+# override it.
+cdef object _base_release_variables = NodeBase.__dict__["release_variables"]
+
+
+cdef extern from "Python.h":
+    object PyObject_CallMethodNoArgs(object obj, object name)
 
 
 cdef class GradientFreeNodeBase(NodeBase):
@@ -313,26 +325,35 @@ cdef class GradientFreeNodeBase(NodeBase):
         self.method = method
 
     def apply(self, grads):
-        getattr(self.owner, self.method)()
-        return [None] * len(self._next_edges)
+        # getattr(owner, method)(), without the bound method in between.
+        PyObject_CallMethodNoArgs(self.owner, self.method)
+        return [None] * PyTuple_GET_SIZE(self._next_edges)
 
     def __reduce__(self):
         # See Note [Copying a GradientFreeNode] in the twin.
         return type(self), (self.owner, self.method, self._next_edges)
 
 
-# backend_of's cache, type -> backend or None; register_backend clears it in
-# place, so this reference stays the live cache.
-cdef dict _backend_cache = _backends._backend_cache
-cdef object _numpy_backend = _backends.NUMPY
+# A C copy of backends.numpy_backend_is_builtin, refreshed by register_backend
+# (through _registration_listeners); written and read under the GIL.
+cdef bint _numpy_backend_is_builtin = True
 
 
-cdef inline bint is_numpy_array(object value) noexcept:
+def _refresh_numpy_backend_is_builtin():
+    global _numpy_backend_is_builtin
+    _numpy_backend_is_builtin = _backends.numpy_backend_is_builtin
+
+
+_backends._registration_listeners.append(_refresh_numpy_backend_is_builtin)
+_refresh_numpy_backend_is_builtin()
+
+
+cdef bint is_numpy_array(object value) noexcept:
     """Whether ``value`` is an exact numpy array that the built-in numpy
-    backend handles (no backend registered over it)."""
-    if type(value) is not cnp.ndarray:
-        return False
-    return PyDict_GetItem(_backend_cache, cnp.ndarray) == <PyObject*>_numpy_backend
+    backend handles (no backend registered over it): the twin's, reading
+    the flag's C copy. See Note [Replacing the numpy backend] in
+    pyengine/backends.py."""
+    return type(value) is cnp.ndarray and _numpy_backend_is_builtin
 
 
 cdef inline bint can_steal(object value, Py_ssize_t expected_references) noexcept:

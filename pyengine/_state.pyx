@@ -78,7 +78,8 @@ def set_profiler(callback):
 
 def is_checkpoint_valid():
     """False while a node of a backward that prunes nodes (``grad``,
-    ``inputs=``) runs on this thread; True elsewhere, final callbacks included."""
+    ``inputs=``), or of a backward nested in one, runs on this thread; True
+    elsewhere. See Note [Checkpoint valid in nested backward] in the twin."""
     return bool(pyengine_thread_state.checkpoint_valid)
 
 

@@ -6,14 +6,15 @@ from libcpp.vector cimport vector
 
 cimport numpy as cnp
 
-from pyengine._node cimport InputMetadata
+from pyengine._node cimport InputMetadata, is_numpy_array
 
 
 cdef inline bint numpy_gradient_matches(InputMetadata metadata, object grad) noexcept:
-    """The fast path of validate_outputs: a numpy array whose dtype, shape and
-    device are the slot's. Reads the array's fields, then compares them in
-    ``numpy_fields_match``."""
-    if type(grad) is not cnp.ndarray:
+    """The fast path of validate_outputs: a numpy array that the built-in
+    numpy backend handles (See Note [Replacing the numpy backend] in
+    pyengine/backends.py), whose dtype, shape and device are the slot's.
+    Reads the array's fields, then compares them in ``numpy_fields_match``."""
+    if not is_numpy_array(grad):
         return False
     cdef cnp.ndarray array = <cnp.ndarray>grad
     return numpy_fields_match(<PyObject*>metadata.numpy_dtype, metadata.dims,

@@ -14,6 +14,21 @@ type plugs in with :func:`register_backend`; lookups walk the type's MRO, so
 registering a base class covers its subclasses. ``register_backend`` returns
 the backend it replaced and :func:`unregister_backend` removes one, so that
 an adapter can undo what it registered.
+
+Note [Replacing the numpy backend]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``register_backend(np.ndarray, backend)`` replaces the built-in numpy
+backend, and from then on every numpy gradient goes through ``backend``, in
+both cores: the InputBuffer's sums, validate_outputs' checks, AccumulateGrad's
+copies and sums. The numpy fast paths (the compiled core's, and the twin's
+counterpart of each) are taken only for a value that ``is_numpy_array``
+(pyengine/_pure/node.py, pyengine/_node.pyx): an exact ndarray while
+``numpy_backend_is_builtin``, which ``register_backend`` keeps up to date
+(the backend found for ``np.ndarray`` is the built-in ``NUMPY``). The
+compiled core keeps a C copy of that flag, which register_backend's
+listener refreshes, so that the check costs no dictionary lookup. Routing (``node_device``) still takes a numpy
+array to be on the CPU whatever backend handles it, in both cores.
+``unregister_backend`` keeps the flag up to date as well.
 """
 
 from __future__ import annotations
@@ -176,6 +191,14 @@ _from_host: dict = {}
 # Lookups by exact type, filled lazily from the MRO; cleared on registration.
 _backend_cache: dict[type, ArrayBackend | None] = {}
 
+# Whether exact numpy arrays go to the built-in NUMPY backend, so that the
+# numpy fast paths may skip the backend: See Note [Replacing the numpy
+# backend]. Written by register_backend and unregister_backend, under the GIL.
+numpy_backend_is_builtin = True
+# Functions register_backend and unregister_backend call, without arguments,
+# after every change: the compiled core copies numpy_backend_is_builtin into C.
+_registration_listeners: list = []
+
 
 def register_backend(value_type: type, backend: ArrayBackend) -> ArrayBackend | None:
     """Make ``backend`` handle values of ``value_type`` and its subclasses.
@@ -185,7 +208,7 @@ def register_backend(value_type: type, backend: ArrayBackend) -> ArrayBackend | 
         raise TypeError(f"backend must be an ArrayBackend, got {type(backend).__name__}")
     previous = _backends.get(value_type)
     _backends[value_type] = backend
-    _backend_cache.clear()
+    _registrations_changed()
     return previous
 
 
@@ -194,8 +217,16 @@ def unregister_backend(value_type: type) -> ArrayBackend | None:
     (None if there was none); values of that type then find the backend of
     a base class, if any."""
     previous = _backends.pop(value_type, None)
-    _backend_cache.clear()
+    _registrations_changed()
     return previous
+
+
+def _registrations_changed():
+    global numpy_backend_is_builtin
+    _backend_cache.clear()
+    numpy_backend_is_builtin = _find_backend(np.ndarray) is NUMPY
+    for listener in _registration_listeners:
+        listener()
 
 
 def register_device_type(device_type: str, from_host) -> None:
@@ -211,13 +242,16 @@ def backend_of(value) -> ArrayBackend | None:
         return _backend_cache[value_type]
     except KeyError:
         pass
-    found = None
+    found = _backend_cache[value_type] = _find_backend(value_type)
+    return found
+
+
+def _find_backend(value_type):
+    """The backend registered for ``value_type`` or its nearest base, or None."""
     for base in value_type.__mro__:
         if base in _backends:
-            found = _backends[base]
-            break
-    _backend_cache[value_type] = found
-    return found
+            return _backends[base]
+    return None
 
 
 NUMPY = NumpyBackend()

@@ -107,6 +107,15 @@ class Node(NodeBase):
     for; the node then gets as many slots as the highest one used (an Edge
     into an undeclared slot is refused from slot 65,536 on: See Note [Edge
     input_nr] in ``pyengine/_pure/node.py``).
+
+    Override ``release_variables()`` to free more than the values
+    ``save_for_backward`` kept; the engine calls it after the node ran
+    unless the graph is retained. Whether a node's class overrides it is
+    read when the node is made, as a C++ object's virtual methods are fixed
+    by its constructor: a ``release_variables`` assigned to the class
+    afterwards is called only for nodes made afterwards, while replacing a
+    method the class already had takes effect at once. See Note
+    [Overriding release variables] in ``pyengine/_pure/node.py``.
     """
 
     def name(self) -> str:
@@ -197,15 +206,10 @@ class GradientFreeNode(GradientFreeNodeBase, Node):
     ``GradientFreeNode(owner, method, next_edges=(), input_metadata=())``:
     ``method`` is a name, looked up on ``owner`` each time the node runs.
     ``apply(grads)`` makes that call and returns one None per next edge;
-    hooks see those Nones. The engine may make the call without ``apply``,
-    so a subclass cannot override ``apply``.
+    hooks see those Nones. The engine runs it as any node, through
+    ``apply``: a subclass may override ``apply`` (and whatever gradients
+    that returns go along its edges, as a plain Node's do).
     """
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "apply" in cls.__dict__:
-            raise TypeError(f"{cls.__name__}: a GradientFreeNode runs owner.<method>(); "
-                            "the engine does not call an apply override")
 
 
 def translate_owner_graph(root, children, method):

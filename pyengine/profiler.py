@@ -56,9 +56,9 @@ while a profile is active.
 Collecting from several threads
 -------------------------------
 Each thread appends to buffers of its own (no lock and no allocation of a
-container on the per-node path: ~0.4 us per node with the compiled core).
-A buffered entry keeps its node and graph task alive until it is resolved
-into a :class:`NodeEvent` (name, device, run): after each backward through
+container on the per-node path; benchmarks/RESULTS.md has its cost per
+node). A buffered entry keeps its node and graph task alive until it is
+resolved into a :class:`NodeEvent` (name, device, run): after each backward through
 the default engine, by its calling thread once the backward's span has
 ended (so that the work is not counted in the backward's time); by a thread
 whose buffer reaches :data:`FLUSH_EVENTS` entries in the middle of a

@@ -1,10 +1,11 @@
 """GradientFreeNode: nodes that call ``owner.<method>()`` and pass no gradients.
 
-See Note [GradientFreeNode] and Note [GradientFreeNode graphs]. Oracles:
-the same graph built from plain Nodes whose ``apply`` returns a None per
-edge (the engine's general path, which PyTorch's order specifies) runs the
-same nodes in the same order, with the same hooks, errors, profiler events
-and callbacks; a small scalar program whose nodes add into their inputs'
+See Note [GradientFreeNode]. Oracles: the same graph built from plain
+Nodes whose ``apply`` returns a None per edge (the engine's general path,
+which PyTorch's order specifies) runs the same nodes in the same order,
+with the same hooks, errors, profiler events and callbacks, also when its
+nodes were made on several threads (the twin runs the same order: the
+suite runs on both cores); a small scalar program whose nodes add into their inputs'
 ``.grad``, as micrograd's closures do, gets its analytic derivatives; a
 deep copy of such a program is the same program over the copies (See Note
 [Copying a GradientFreeNode]).
@@ -101,6 +102,60 @@ def test_random_graphs_run_in_the_plain_nodes_order(seed):
     gradient_free, plain = both(spec)
     assert gradient_free == plain
     assert gradient_free[0] == len(spec) - 1  # the root first
+
+
+def build_on_threads(gradient_free, log):
+    """On each of three fresh threads (each numbers its nodes from 0, as
+    PyTorch's per-thread sequence_nr does), the diamond 3 -> {1, 2} -> 0 of
+    nodes tagged A0..A3, B0..B3, C0..C3; a root R on this thread with an
+    edge to each thread's node 3. Equal sequence numbers tie in the ready
+    queue: See Note [Ties in the ready queue]."""
+    diamond = [[], [0], [0], [1, 2]]
+    tops = {}
+
+    def build_diamond(name):
+        nodes = []
+        for index, targets in enumerate(diamond):
+            edges = [Edge(nodes[target], 0) for target in targets]
+            recorder = Recorder(f"{name}{index}", log)
+            nodes.append(GradientFreeNode(recorder, "run", edges) if gradient_free
+                         else PlainRecorder(edges, recorder))
+        tops[name] = nodes[-1]
+
+    for name in "ABC":
+        thread = threading.Thread(target=build_diamond, args=(name,))
+        thread.start()
+        thread.join()
+    edges = [Edge(tops[name], 0) for name in "ABC"]
+    recorder = Recorder("R", log)
+    return GradientFreeNode(recorder, "run", edges) if gradient_free else PlainRecorder(edges,
+                                                                                       recorder)
+
+
+def test_nodes_made_on_three_threads_run_in_the_plain_nodes_order():
+    """Sequence numbers tie across threads; both builds run in the ready
+    queue's order, which libstdc++'s heap gives PyTorch's engine (See Note
+    [Ties in the ready queue]): 2 of C's diamond before 2 of B's."""
+    logs = []
+    for gradient_free in (True, False):
+        log = []
+        root = build_on_threads(gradient_free, log)
+        assert sorted({node.sequence_nr for node in _diamond_nodes(root)}) == [0, 1, 2, 3]
+        pyengine.get_default_engine().execute([Edge(root, 0)], [None], True, False, True)
+        logs.append(log)
+    assert logs[0] == logs[1]
+    assert logs[0] == ["R", "A3", "B3", "C3", "A2", "C2", "B2", "A1", "B1", "C1", "A0", "B0", "C0"]
+
+
+def _diamond_nodes(root):
+    """The nodes below ``root``."""
+    seen, stack = [], [edge.node for edge in root.next_edges]
+    while stack:
+        node = stack.pop()
+        if all(node is not other for other in seen):
+            seen.append(node)
+            stack.extend(edge.node for edge in node.next_edges)
+    return seen
 
 
 def test_a_node_runs_after_all_of_its_consumers():
@@ -475,12 +530,39 @@ def test_method_must_be_a_name():
         GradientFreeNode(Recorder("x", []), Recorder.run)
 
 
-def test_subclasses_cannot_override_apply():
-    with pytest.raises(TypeError, match="does not call an apply override"):
-        class Overrides(GradientFreeNode):  # noqa: F841
-            def apply(self, grads):
-                return []
+def test_an_apply_override_runs_and_its_gradients_flow():
+    """A subclass's ``apply`` is what the engine calls, in a graph of
+    gradient-free nodes only and in a mixed one: here it passes a gradient
+    on, which the plain node below receives (its analytic value: 3 times
+    the root's)."""
+    log = []
 
+    class Overrides(GradientFreeNode):
+        def apply(self, grads):
+            log.append(("apply", self.owner.tag))
+            return [3.0 * grads[0]]
+
+    class Sink(Node):
+        def apply(self, grads):
+            log.append(("sink", list(grads)))
+            return []
+
+    bottom = GradientFreeNode(Recorder("bottom", log), "run")
+    top = Overrides(Recorder("top", log), "run", [Edge(bottom, 0)])
+    pyengine.get_default_engine().execute([Edge(top, 0)], [np.ones(2)], True, False, True)
+    assert log == [("apply", "top"), "bottom"]  # owner.run of top did not run
+
+    log.clear()
+    sink = Sink(input_metadata=[((2,), np.float64)])
+    top = Overrides(Recorder("top", log), "run", [Edge(sink, 0)],
+                    input_metadata=[((2,), np.float64)])
+    pyengine.get_default_engine().execute([Edge(top, 0)], [np.ones(2)], True, False, True)
+    assert log[0] == ("apply", "top")
+    assert log[1][0] == "sink"
+    np.testing.assert_array_equal(log[1][1][0], np.full(2, 3.0))
+
+
+def test_a_subclass_may_name_itself():
     class Named(GradientFreeNode):
         def name(self):
             return "Named"

@@ -35,7 +35,6 @@ def test_first_value_is_stored_as_is():
         assert buffer.buffer[1] is a
         assert buffer.buffer[0] is None and buffer.buffer[2] is None
         assert len(buffer.buffer) == 3
-        assert buffer.device == pyengine.CPU
 
 
 def test_second_addition_is_out_of_place():

@@ -193,6 +193,18 @@ class GraphRoot(NodeBase):
         return "GraphRoot"
 
 
+def release_variables(node):
+    """``type(node).release_variables(node)`` where the node's class
+    overrode it when the node was made, else what NodeBase's does, with no
+    lookup; then mark the node released. See Note [Overriding release
+    variables] in ``pyengine/_pure/node.py``."""
+    if node._overrides_release_variables:
+        type(node).release_variables(node)
+    else:
+        node._saved_values = None  # NodeBase.release_variables
+    node._released = True
+
+
 # -- the reentrant thread pool -------------------------------------------------
 
 class _ThreadPoolShared:
@@ -500,8 +512,10 @@ class Engine:
                 previous_graph_task = state.set_current_graph_task(local_graph_task)
                 previous_grad_mode = state.is_grad_enabled()
                 state.set_grad_enabled(local_graph_task.grad_mode)
+                # ANDed with the enclosing task's: See Note [Checkpoint valid
+                # in nested backward] in pyengine/_pure/state.py.
                 previous_checkpoint_valid = state.swap_checkpoint_valid(
-                    local_graph_task.can_checkpoint())
+                    local_graph_task.can_checkpoint() and state.is_checkpoint_valid())
                 try:
                     if not local_graph_task.has_error:
                         profiler = state.profiler()
@@ -586,11 +600,7 @@ class Engine:
         with streams.stream_guard(producer_stream):
             outputs = call_function(graph_task, node, inputs, next_edges)
         if not graph_task.keep_graph:
-            # Looked up on the class, as a C++ virtual method is (the compiled
-            # engine's lookup is then cheap): a function set on the node
-            # itself is not an override.
-            type(node).release_variables(node)
-            node._released = True
+            release_variables(node)
         if not outputs:
             if producer_stream is not None:
                 graph_task.add_leaf_stream(producer_stream)

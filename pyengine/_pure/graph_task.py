@@ -226,7 +226,10 @@ class GraphTask:
         under the graph task's grad mode (off, or on under ``create_graph``),
         as PyTorch's run under the graph task's thread-local state: whoever
         completes the task (its caller, a device thread, a nested task's
-        node) may have another grad mode."""
+        node) may have another grad mode. First, a node that got some of its
+        gradients but never ran fails the task: See Note [Gradients left in
+        not ready]."""
+        check_not_ready_empty(self)
         sync_leaf_streams(self)
         previous = state.set_current_graph_task(self)
         previous_grad_mode = state.is_grad_enabled()
@@ -251,6 +254,37 @@ class GraphTask:
         with self._completion:
             while not self.future_completed:
                 wait_honouring_signals(self._completion, on_main_thread)
+
+
+# Note [Gradients left in not ready]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A node's InputBuffer waits in ``not_ready`` from its first gradient until
+# the last of the edges counted into it delivers. When every task ran and a
+# buffer is still there, some edge counted by compute_dependencies never
+# delivered: a hook or node changed a producer's next_edges after the count
+# (See Note [Next edges while a node runs] in pyengine/_pure/engine.py), so
+# the node never ran and gradients that reached it are lost. PyTorch 2.x
+# fails the backward then, in ``GraphTask::exec_post_processing``, before any
+# final callback runs, with "could not compute gradients for some
+# functions"; so do both cores, and say how many nodes were left. A node
+# that no gradient reached at all has no buffer and is not an error, as in
+# PyTorch. The compiled core puts a buffer in ``not_ready`` for exactly the
+# nodes the twin does (for a None gradient too), so that both fail alike.
+
+
+def not_ready_message(count):
+    return (f"could not compute gradients for some functions: {count} "
+            f"{'node' if count == 1 else 'nodes'} got some of their gradients but not all, "
+            "so never ran (did a hook or node change next_edges during backward?)")
+
+
+def check_not_ready_empty(graph_task):
+    """Raise RuntimeError if a node's gradients wait in ``not_ready`` when the
+    task completes. See Note [Gradients left in not ready]."""
+    with graph_task.mutex:
+        count = len(graph_task.not_ready)
+    if count:
+        raise RuntimeError(not_ready_message(count))
 
 
 def sync_leaf_streams(graph_task):

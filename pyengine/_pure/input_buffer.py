@@ -11,25 +11,36 @@ gradient is added out of place, into a new value that the buffer allocated
 and therefore owns; from the third on, the buffer adds in place into that
 owned value. Under ``create_graph`` every sum is out of place, so that the
 frontend records it. The buffer remembers ownership per slot, by identity.
+
+Note [InputBuffer has no device]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+PyTorch 1.x's InputBuffer remembered the device of the first non-CPU
+gradient added, and the engine sent the node's task to that device's queue.
+PyTorch 2.x dropped it: ``evaluate_function`` and ``execute_with_graph_task``
+route by ``Node::device()``, the node's first non-CPU input metadata. So
+does pyengine (``node_device`` in pyengine/_pure/node.py, which falls back to
+the gradients' devices only for a node that declared no non-CPU metadata),
+and an InputBuffer keeps no device.
 """
 
+import numpy as np
+
 from ..backends import backend_of
-from ..device import CPU
+from .node import is_numpy_array
 
 
 class InputBuffer:
     """Per-slot gradient sums for one node.
 
-    ``buffer`` holds one value (or None) per input slot; ``device`` is the
-    device of the first non-CPU value added, else the CPU. Owned by one
-    NodeTask or by its GraphTask's ``not_ready`` map, whose lock guards it.
+    ``buffer`` holds one value (or None) per input slot (See Note
+    [InputBuffer has no device]). Owned by one NodeTask or by its
+    GraphTask's ``not_ready`` map, whose lock guards it.
     """
 
-    __slots__ = ("buffer", "device", "_owned")
+    __slots__ = ("buffer", "_owned")
 
     def __init__(self, size):
         self.buffer = [None] * size
-        self.device = CPU
         # _owned[i] is the value the buffer allocated for slot i, or None.
         self._owned = None
 
@@ -51,19 +62,24 @@ class InputBuffer:
         old = buffer[pos]
         if old is None:
             buffer[pos] = value
-            if self.device is CPU:
-                backend = backend_of(value)
-                if backend is not None:
-                    self.device = backend.device(value)
             return
-        backend = backend_of(old)
         owned = self._owned
         if owned is None:
             owned = self._owned = [None] * len(buffer)
         elif pos >= len(owned):
             owned.extend([None] * (pos + 1 - len(owned)))
-        if owned[pos] is old and not create_graph:
-            buffer[pos] = backend.add_(old, value)
+        in_place = owned[pos] is old and not create_graph
+        if is_numpy_array(old) and type(value) is np.ndarray:
+            # numpy's own operators, as the built-in numpy backend would call
+            # them; an array this buffer allocated is always writeable.
+            if in_place:
+                total = old
+                total += value
+            else:
+                total = old + value
+        elif in_place:
+            total = backend_of(old).add_(old, value)
         else:
-            buffer[pos] = backend.add(old, value)
-        owned[pos] = buffer[pos]
+            total = backend_of(old).add(old, value)
+        buffer[pos] = total
+        owned[pos] = total

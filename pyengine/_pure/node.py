@@ -16,6 +16,7 @@ import weakref
 import numpy as np
 
 from .. import streams
+from .. import backends
 from ..backends import backend_of
 from ..device import CPU
 from . import state
@@ -255,7 +256,8 @@ def _check_input_metadata(input_metadata):
 #   AccumulateGrad's ``leaf_state`` must be a LeafState (never None: a
 #   fresh one until the subclass sets its own), as the compiled ``apply``
 #   reads it in C;
-# - read only: ``_sequence_nr``, ``_initialized``, a GradientFreeNode's
+# - read only: ``_sequence_nr``, ``_initialized``,
+#   ``_overrides_release_variables``, a GradientFreeNode's
 #   ``owner`` and ``method``, a LeafState's ``lock``, every field of an Edge
 #   and of an InputMetadata (AttributeError when written). An Edge checks
 #   its node and input_nr in ``__new__`` (no Edge without a node exists),
@@ -323,6 +325,9 @@ class NodeBase:
       _retains_grad_hooks: None or a dict ``input_nr -> fn``.
       _saved_values: what ``save_for_backward`` stored; cleared on release.
       _released: set by the engine once ``release_variables`` ran.
+      _overrides_release_variables: whether the node's class overrides
+        ``release_variables``, when the node was made; immutable after
+        construction (See Note [Overriding release variables]).
       _stream: the stream current at creation on a device, else None.
       _metadata: None or a dict, created on first access.
       _initialized: set by ``__init__``; the engine refuses a node without it.
@@ -334,11 +339,13 @@ class NodeBase:
     __slots__ = (
         "_next_edges_", "_input_metadata_", "_sequence_nr_", "_pre_hooks_", "_post_hooks_",
         "_tensor_pre_hooks_", "_retains_grad_hooks_", "_saved_values", "_released_",
-        "_stream", "_metadata_", "_initialized_", "__weakref__", "__dict__",
+        "_overrides_release_variables_", "_stream", "_metadata_", "_initialized_", "__weakref__", "__dict__",
     )
 
     _sequence_nr = _read_only_field("_sequence_nr", "_sequence_nr_")
     _initialized = _read_only_field("_initialized", "_initialized_")
+    _overrides_release_variables = _read_only_field("_overrides_release_variables",
+                                                    "_overrides_release_variables_")
     _pre_hooks = _checked_field("_pre_hooks", "_pre_hooks_", _not_list, "list")
     _post_hooks = _checked_field("_post_hooks", "_post_hooks_", _not_list, "list")
     _tensor_pre_hooks = _checked_field("_tensor_pre_hooks", "_tensor_pre_hooks_", _not_list, "list")
@@ -353,6 +360,9 @@ class NodeBase:
         set_field(self, "_input_metadata_", tuple(as_input_metadata(spec) for spec in input_metadata))
         set_field(self, "_sequence_nr_", _sequence_counter.next_value)
         _sequence_counter.next_value += 1
+        # See Note [Overriding release variables].
+        set_field(self, "_overrides_release_variables_",
+                  type(self).release_variables is not NodeBase.release_variables)
         set_field(self, "_pre_hooks_", None)
         set_field(self, "_post_hooks_", None)
         set_field(self, "_tensor_pre_hooks_", None)
@@ -439,9 +449,38 @@ class NodeBase:
 
     def release_variables(self):
         """Drop what the node saved for backward. Override it in a subclass to
-        free more: the engine calls the method of the node's class (as C++
-        calls a virtual method), not a function set on the node itself."""
+        free more: the engine calls the method of the node's class, as C++
+        calls a virtual method, where the class overrode it when the node was
+        made. See Note [Overriding release variables]."""
         self._saved_values = None
+
+
+# Note [Overriding release variables]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# After a node ran, unless the graph is retained, the engine's
+# ``release_variables(node)`` lets the node drop what it saved. A class may
+# override ``NodeBase.release_variables`` to free more; most do not, and
+# for them the engine only clears ``_saved_values``, without looking a
+# method up on the node's class when it releases the node. So a node
+# records, when it is made, whether its class overrides the method (its
+# read-only ``_overrides_release_variables``: the class, or a base class
+# below NodeBase, defines it), as a C++ object gets its virtual table from
+# its constructor: the lookup moves out of the backward pass, into the
+# node's construction (``benchmarks/RESULTS.md`` counts both). Then:
+#
+# - a node whose class overrode the method when the node was made gets
+#   ``type(node).release_variables(node)``, looked up on the class at each
+#   release: replacing the override on the class later takes effect for
+#   those nodes at once, and removing it leaves them NodeBase's;
+# - a node whose class did not override it gets NodeBase's, even if the
+#   class is given a ``release_variables`` after the node was made (nodes
+#   made afterwards get the new method);
+# - a function set on the node itself is never an override, as in C++;
+#   assigning a node's ``__class__`` does not change its flag.
+#
+# Both cores compute the flag when a node is initialized (``NodeBase.__init__``;
+# the compiled core's ``_initialize``, which GradientFreeNodeBase's
+# ``__init__`` calls too) and read it in their ``release_variables``.
 
 
 # Note [GradientFreeNode]
@@ -451,23 +490,20 @@ class NodeBase:
 # engine's only job is the order: a node runs once every node that feeds it
 # has run. A GradientFreeNodeBase says so. Running it calls
 # ``owner.<method>()`` (the result is ignored), and no gradient flows along
-# any of its edges: exactly what its ``apply`` does, returning one None per
+# any of its edges: its ``apply`` makes that call and returns one None per
 # edge. The method is named, not passed: the node is made before the
 # framework knows what will run (micrograd assigns ``_backward`` after
-# making the Value), so it is looked up when the node runs; and the engine
-# makes that call from C, with no Python frame of its own and no argument
-# tuple.
+# making the Value), so it is looked up when the node runs.
 #
-# A backward whose nodes are all gradient-free, the compiled engine runs in
-# a loop of its own that makes the call itself: no ``apply``, no list of
-# Nones, no validation, no ReadyQueue, no InputBuffers (See Note
-# [GradientFreeNode graphs] in ``pyengine/_engine.pyx``). In a graph that mixes
-# in other nodes, and in the twin, the engine calls ``apply``, and its Nones
-# take the general path, where a None reaching a node that must wait for
-# more gradients makes no InputBuffer (an InputBuffer of Nones and none at
-# all give the node the same inputs once it is ready). The results are the
-# same either way. A node with hooks runs them around ``apply`` as any
-# node does, so they see the Nones.
+# The engine runs such a node as any other, in both cores: from the ready
+# queue, in its order, through ``apply`` (a subclass's override of
+# ``apply`` runs), with its hooks around it, which see the Nones. Its
+# Nones take the general path, so a graph of gradient-free nodes runs in
+# the same order as the same graph of plain Nodes whose ``apply`` returns
+# Nones, wherever its nodes were made: nodes made on several threads share
+# sequence numbers (the counter is per thread), and only the ready queue's
+# order (See Note [Ties in the ready queue] in
+# ``pyengine/_pure/ready_queue.py``) settles which of them runs first.
 
 
 class GradientFreeNodeBase(NodeBase):
@@ -692,6 +728,14 @@ _STEALABLE_REFCOUNT = 3
 # the gradient from becoming ``.grad``: the post hooks then see ``.grad``
 # itself as their ``grad_outputs``, in PyTorch as here, including what a
 # backward nested in one of them adds into it in place.
+
+
+def is_numpy_array(value) -> bool:
+    """Whether ``value`` is an exact numpy array that the built-in numpy
+    backend handles (no backend registered over it): only then may a numpy
+    fast path skip the backend. See Note [Replacing the numpy backend] in
+    pyengine/backends.py."""
+    return type(value) is np.ndarray and backends.numpy_backend_is_builtin
 
 
 def _can_steal(value, extra_references=0) -> bool:

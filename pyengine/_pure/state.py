@@ -3,6 +3,19 @@ task running on this thread, whether a reentrant checkpoint is valid here.
 
 Twin of ``pyengine/_state.pyx``. Grad mode and the current graph task are
 per thread; anomaly mode is global, as in PyTorch.
+
+Note [Checkpoint valid in nested backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A reentrant checkpoint recomputes its forward inside backward and runs a
+nested backward over it; that is only right when every node of every
+backward on this thread's stack runs, since a pruned one (``grad``,
+``inputs=``) would skip what the checkpoint relies on. So while a node runs,
+``checkpoint_valid`` is the node's graph task's ``can_checkpoint()`` ANDed
+with the value the thread had before, as PyTorch's CheckpointValidGuard
+(engine.cpp, ``call_function``) sets it: a plain ``backward()`` nested in a
+node of a ``grad()`` call, and anything nested below it, sees False. The
+value is restored when the node returns; final callbacks see the value of
+whoever completes the task (True outside any backward).
 """
 
 import threading
@@ -67,7 +80,8 @@ def set_anomaly_enabled(enabled: bool, check_nan: bool = True) -> None:
 
 def is_checkpoint_valid() -> bool:
     """False while a node of a backward that prunes nodes (``grad``,
-    ``inputs=``) runs on this thread; True elsewhere, final callbacks included."""
+    ``inputs=``), or of a backward nested in one, runs on this thread; True
+    elsewhere. See Note [Checkpoint valid in nested backward]."""
     return _thread_state.checkpoint_valid
 
 

@@ -53,10 +53,11 @@ _is_grad_enabled = _core.is_grad_enabled
 #
 # Which of the two applies is per backward call, and a node is shared by
 # every call that reaches it, so the call's mode is per-thread state set by
-# ``Variable.backward`` (``_dezero_backward``, a ContextVar: each thread starts
-# from its default, and reading it costs a node a quarter of what a
-# ``threading.local`` attribute does). See Note [DeZero runs on the caller's
-# thread] for why per-thread state suffices.
+# ``Variable.backward`` (``_dezero_backward``, a ContextVar: each thread
+# starts from its default, and reading it is cheaper than a
+# ``threading.local`` attribute: benchmarks/RESULTS.md counts both). See
+# Note [DeZero runs on the caller's thread] for why per-thread state
+# suffices.
 
 # Note [No input metadata]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
