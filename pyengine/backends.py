@@ -25,10 +25,10 @@ counterpart of each) are taken only for a value that ``is_numpy_array``
 (pyengine/_pure/node.py, pyengine/_node.pyx): an exact ndarray while
 ``numpy_backend_is_builtin``, which ``register_backend`` keeps up to date
 (the backend found for ``np.ndarray`` is the built-in ``NUMPY``). The
-compiled core keeps a C copy of that flag, which register_backend's
-listener refreshes, so that the check costs no dictionary lookup. Routing (``node_device``) still takes a numpy
-array to be on the CPU whatever backend handles it, in both cores.
-``unregister_backend`` keeps the flag up to date as well.
+compiled core keeps a C copy of that flag, which register_backend's (and
+unregister_backend's) listener refreshes, so that the check costs no
+dictionary lookup. Routing (``node_device``) still takes a numpy array to be
+on the CPU whatever backend handles it, in both cores.
 """
 
 from __future__ import annotations

@@ -60,11 +60,16 @@ What differs from native autograd, by design of the engine:
   ``vjp(g)`` is made dense before the end node's vjp sees it (autograd
   would pass the SparseObject itself, which most vjps reject).
 - While installed, numpy arrays' backend is :class:`AutogradNumpyBackend`
-  for every user of pyengine in the process: numpy sums are unchanged, but
-  the compiled AccumulateGrad's numpy fast paths (which test for the
-  built-in numpy backend) step aside for the backend's methods; and
-  tuples, lists, dicts, floats and complex numbers are accepted as
-  gradient values (with autograd's addition) instead of being refused.
+  for every user of pyengine in the process: numpy sums give the same
+  values, but the numpy fast paths of both cores (InputBuffer sums,
+  validate_outputs, AccumulateGrad) step aside for the backend's methods
+  (See Note [Replacing the numpy backend] in ``pyengine/backends.py``),
+  which costs autograd's own numpy sums a Python call each; and tuples,
+  lists, dicts, floats and complex numbers are accepted as gradient values
+  (with autograd's addition) instead of being refused. The owner-graph
+  protocol sums with the backend of the gradient already in a slot, and a
+  numpy array there cannot take a Box in place or a SparseObject at all:
+  that is why numpy's backend is wrapped rather than left alone.
 
 Each backward is one owner-graph run on the calling thread: vjps that run
 a backward of their own (``checkpoint``, ``fixed_point``, ``odeint``) run
