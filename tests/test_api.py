@@ -929,3 +929,14 @@ def test_register_backend_returns_the_previous_and_unregister_backend_undoes_it(
     assert pyengine.backend_of(Derived()) is None
     # numpy's own is untouched.
     assert pyengine.backend_of(np.zeros(1)) is pyengine.backends.NUMPY
+    # Replacing numpy's and putting it back keeps the fast paths' flag true
+    # to the registry (See Note [Replacing the numpy backend]).
+    numpy_backend = pyengine.register_backend(np.ndarray, Backend())
+    try:
+        assert numpy_backend is pyengine.backends.NUMPY
+        assert not pyengine.backends.numpy_backend_is_builtin
+    finally:
+        pyengine.register_backend(np.ndarray, pyengine.backends.NUMPY)
+    assert pyengine.backends.numpy_backend_is_builtin
+    assert pyengine.unregister_backend(Derived) is None
+    assert pyengine.backends.numpy_backend_is_builtin

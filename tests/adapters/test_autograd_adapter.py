@@ -433,6 +433,7 @@ def test_install_and_uninstall_are_idempotent_and_restore_everything():
     assert pyengine_autograd.is_installed()
     assert autograd.core.backward_pass is pyengine_autograd.backward_pass
     assert isinstance(backends.backend_of(onp.zeros(1)), pyengine_autograd.AutogradNumpyBackend)
+    assert not backends.numpy_backend_is_builtin  # See Note [Replacing the numpy backend]
     for value in ((1.0,), [1.0], {"a": 1.0}, 1.0, 1j):
         assert isinstance(backends.backend_of(value), pyengine_autograd.AutogradBackend)
     pyengine_autograd.uninstall()
@@ -440,6 +441,7 @@ def test_install_and_uninstall_are_idempotent_and_restore_everything():
     assert not pyengine_autograd.is_installed()
     assert autograd.core.backward_pass is NATIVE_BACKWARD_PASS
     assert backends.backend_of(onp.zeros(1)) is numpy_backend
+    assert backends.numpy_backend_is_builtin
     assert backends.backend_of(onp.float64(1.0)) is scalar_backend
     for value in ((1.0,), [1.0], {"a": 1.0}, 1.0, 1j):
         assert backends.backend_of(value) is None
