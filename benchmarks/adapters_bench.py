@@ -577,6 +577,7 @@ def autograd_benchmarks():
     from autograd.core import VJPNode
     from autograd.tracer import trace
 
+    import pyengine
     from pyengine.adapters import autograd as adapter
 
     def chain(x):
@@ -627,7 +628,35 @@ def autograd_benchmarks():
 
         rows.append(Benchmark(f"autograd {name}, backward", sample_of("native"),
                               sample_of("pyengine")))
-    return rows, []
+
+    # Where a chain node's time goes: autograd's toposort, the vjps alone
+    # (each node's on a fixed gradient, in order), and the engine alone (the
+    # owner graph run with a C callable in place of the vjps: a dict's get,
+    # which hands each node's gradient list back as its one parent's).
+    from autograd.util import toposort
+
+    end_node = end_node_of(chain)
+    nodes = list(toposort(end_node))
+    engine_only = pyengine.OwnerGraph("parents", {}.get, mode="returns", accumulate={}.get)
+
+    def sort_only():
+        gc.collect()
+        return timed(lambda: list(toposort(end_node)))
+
+    def vjps_only():
+        gc.collect()
+        return timed(lambda: [node.vjp(seed) for node in nodes])
+
+    def engine_alone():
+        gc.collect()
+        return timed(lambda: engine_only.backward(end_node, seed))
+
+    components = [
+        Component("autograd chain: autograd's toposort", sort_only, CHAIN),
+        Component("autograd chain: the vjps alone", vjps_only, CHAIN),
+        Component("autograd chain: engine alone (a C callable for each vjp)", engine_alone, CHAIN),
+    ]
+    return rows, components
 
 
 # -- training steps, each sample in a fresh process ------------------------------------------
