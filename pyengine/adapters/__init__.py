@@ -10,7 +10,7 @@ Each adapter is a module that patches one framework so that its own
   (``autograd.core.backward_pass``, under ``grad``, ``jacobian``, ...).
 
 Each offers ``install()``, ``uninstall()``, ``is_installed()`` and the
-context manager ``installed()``. Importing this package imports neither
+context manager ``installed()``. Importing this package imports no
 framework; importing an adapter module imports its framework (and raises
 ``ImportError`` naming the package to install when it is missing)::
 

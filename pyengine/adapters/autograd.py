@@ -99,8 +99,6 @@ from pyengine.device import CPU
 __all__ = ["install", "uninstall", "is_installed", "installed", "backward_pass",
            "AutogradBackend", "AutogradNumpyBackend"]
 
-VJPNode = _autograd_core.VJPNode
-
 
 # -- summing autograd's values --------------------------------------------------------------
 
@@ -253,8 +251,10 @@ _GRAPH = pyengine.OwnerGraph("parents", _vjp, mode="returns", accumulate=_accumu
 def backward_pass(g, end_node):
     """autograd's ``backward_pass(g, end_node)`` on pyengine (installed as
     ``autograd.core.backward_pass``): the gradient reaching the start node
-    of the trace under ``end_node``, given ``g`` at ``end_node``."""
-    if len(autograd_vspace_types()) != _registered_count[0]:
+    of the trace under ``end_node``, given ``g`` at ``end_node``. Called
+    while the adapter is not installed, it runs too, but only gradients
+    with a backend of their own (numpy's) can be summed."""
+    if len(_vspace_types()) != _registered_count[0]:
         _register_vspace_types()
     stack = getattr(_results, "stack", None)
     if stack is None:
@@ -275,7 +275,7 @@ def backward_pass(g, end_node):
 
 # -- install --------------------------------------------------------------------------------
 
-def autograd_vspace_types():
+def _vspace_types():
     return _autograd_core.VSpace.mappings
 
 
@@ -296,7 +296,7 @@ def _register_vspace_types():
     with _lock:
         if not _PATCHES.is_installed():
             return
-        types = list(autograd_vspace_types())
+        types = list(_vspace_types())
         for value_type in types:
             if not issubclass(value_type, _NUMPY_TYPES):
                 _register(value_type, _BACKEND)
