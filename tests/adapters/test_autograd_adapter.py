@@ -371,6 +371,34 @@ def test_vjps_run_inside_a_pyengine_graph_task():
     assert ran == [0]
 
 
+def test_backward_passes_on_several_threads_at_once():
+    """Each thread's result is its own (the traces are made first: autograd's
+    tracing is not thread-safe, its backward passes are)."""
+    import threading
+
+    functions = [lambda x, k=k: np.sum(np.sin(x * (k + 1)) * x[k]) for k in range(4)]
+    vjps = [make_vjp(function)(X)[0] for function in functions]
+    expected = [vjp(1.0) for vjp in vjps]
+    results, errors = {}, []
+
+    def work(k):
+        try:
+            results[k] = [vjps[k](1.0) for _ in range(50)]
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    with pyengine_autograd.installed():
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not errors
+    for k in range(4):
+        for result in results[k]:
+            assert_same(expected[k], result)
+
+
 def test_deep_graph_beyond_the_recursion_limit():
     depth = 3 * sys.getrecursionlimit()
 
