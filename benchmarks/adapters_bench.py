@@ -1,11 +1,14 @@
 #!/usr/bin/env python
-"""DeZero and micrograd: their own engine against pyengine, in one table.
+"""DeZero, micrograd and autograd: their own engine against pyengine, in one table.
 
     python benchmarks/adapters_bench.py [--repeats 5] [--markdown]
-                                        [--only dezero|micrograd|owners] [--clock wall|cpu]
+                                        [--only dezero|micrograd|owners|autograd]
+                                        [--clock wall|cpu]
 
 Needs ``dezero`` and ``micrograd`` installed (the ``adapters`` tox
-environment has them) and pyengine installed with its compiled core. On a
+environment has them; ``autograd`` 1.9.1 is in the ``autograd`` one; a
+framework that does not import is skipped, with a note, unless ``--only``
+names it) and pyengine installed with its compiled core. On a
 shared machine, ``OPENBLAS_NUM_THREADS=1`` steadies the DeZero MLP rows
 (numpy's matrix products then do not compete for cores).
 
@@ -55,6 +58,12 @@ Graphs (float64 arrays of shape (3,) for DeZero, as in ``graphs.py``):
   such a framework writes for itself (an iterative depth-first sort, then
   the methods in reverse, gradients summed in a dict); *pyengine* is
   ``pyengine.OwnerGraph("parents", "backward", mode="returns")``.
+- autograd (HIPS, 1.9.1), float64 arrays of shape (3,): ``backward_pass``
+  (``autograd.core``'s, native, or the adapter's when installed) on a graph
+  traced once (``make_vjp``'s trace), for: chain 10k, ``x = -x`` 10,000
+  times (``anp.negative``); wide 1000x10, 1,000 branches of 10 negatives
+  summed by a chain of 999 adds; fan-in 10k, ``total = total + x`` 10,000
+  times (10,001 gradients meet at the start node). Backward only.
 """
 
 from __future__ import annotations
@@ -560,6 +569,96 @@ def owner_graph_benchmarks():
                       sample_of(graph.backward))], []
 
 
+# -- HIPS autograd -------------------------------------------------------------------------------
+
+def autograd_benchmarks():
+    import autograd.core
+    import autograd.numpy as anp
+    from autograd.core import VJPNode
+    from autograd.tracer import trace
+
+    import pyengine
+    from pyengine.adapters import autograd as adapter
+
+    def chain(x):
+        for _ in range(CHAIN):
+            x = anp.negative(x)
+        return x
+
+    def wide(x):
+        total = None
+        for _ in range(WIDE_BRANCHES):
+            y = x
+            for _ in range(WIDE_DEPTH):
+                y = anp.negative(y)
+            total = y if total is None else total + y
+        return total
+
+    def fan_in(x):
+        total = x
+        for _ in range(CHAIN):
+            total = total + x
+        return total
+
+    def end_node_of(function):
+        # The graph make_vjp traces (forward never touches the engine, so
+        # one graph serves both).
+        _, end_node = trace(VJPNode.new_root(), function, np.ones(3))
+        return end_node
+
+    seed = np.ones(3)
+    rows = []
+    for name, function in (("chain 10k", chain), (f"wide {WIDE_BRANCHES}x{WIDE_DEPTH}", wide),
+                           ("fan-in 10k", fan_in)):
+        end_node = end_node_of(function)
+        native = autograd.core.backward_pass(seed, end_node)
+        with adapter.installed():
+            ours = autograd.core.backward_pass(seed, end_node)
+        np.testing.assert_allclose(ours, native, rtol=1e-12)
+
+        def sample_of(engine, end_node=end_node):
+            def sample():
+                with adapter.installed() if engine == "pyengine" else _nothing():
+                    # Looked up where make_vjp looks it up: the patched one
+                    # when installed.
+                    backward_pass = autograd.core.backward_pass
+                    gc.collect()
+                    return timed(lambda: backward_pass(seed, end_node))
+            return sample
+
+        rows.append(Benchmark(f"autograd {name}, backward", sample_of("native"),
+                              sample_of("pyengine")))
+
+    # Where a chain node's time goes: autograd's toposort, the vjps alone
+    # (each node's on a fixed gradient, in order), and the engine alone (the
+    # owner graph run with a C callable in place of the vjps: a dict's get,
+    # which hands each node's gradient list back as its one parent's).
+    from autograd.util import toposort
+
+    end_node = end_node_of(chain)
+    nodes = list(toposort(end_node))
+    engine_only = pyengine.OwnerGraph("parents", {}.get, mode="returns", accumulate={}.get)
+
+    def sort_only():
+        gc.collect()
+        return timed(lambda: list(toposort(end_node)))
+
+    def vjps_only():
+        gc.collect()
+        return timed(lambda: [node.vjp(seed) for node in nodes])
+
+    def engine_alone():
+        gc.collect()
+        return timed(lambda: engine_only.backward(end_node, seed))
+
+    components = [
+        Component("autograd chain: autograd's toposort", sort_only, CHAIN),
+        Component("autograd chain: the vjps alone", vjps_only, CHAIN),
+        Component("autograd chain: engine alone (a C callable for each vjp)", engine_alone, CHAIN),
+    ]
+    return rows, components
+
+
 # -- training steps, each sample in a fresh process ------------------------------------------
 
 WARMUP_STEPS, TIMED_STEPS = 2, 5
@@ -622,6 +721,10 @@ GOALS = {
     "micrograd MLP backward": (1.0, "micrograd on pyengine no slower than native (MLP backward)"),
     "micrograd MLP step (forward+backward+SGD)": (
         1.0, "micrograd on pyengine no slower than native (MLP training step)"),
+    "autograd chain 10k, backward": (1.5, "autograd on pyengine >= 1.5x faster on the chain"),
+    f"autograd wide {WIDE_BRANCHES}x{WIDE_DEPTH}, backward": (
+        1.5, "autograd on pyengine >= 1.5x faster on the wide graph"),
+    "autograd fan-in 10k, backward": (1.5, "autograd on pyengine >= 1.5x faster on the fan-in"),
 }
 
 
@@ -679,7 +782,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("--only", choices=["dezero", "micrograd", "owners"])
+    parser.add_argument("--only", choices=["dezero", "micrograd", "owners", "autograd"])
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall: time.perf_counter (default); cpu: time.process_time")
     parser.add_argument("--worker", choices=["dezero", "micrograd"], help=argparse.SUPPRESS)
@@ -702,9 +805,15 @@ def main():
     t0 = time.perf_counter()
     benchmarks, components = [], []
     for framework, make in (("dezero", dezero_benchmarks), ("micrograd", micrograd_benchmarks),
-                            ("owners", owner_graph_benchmarks)):
+                            ("owners", owner_graph_benchmarks), ("autograd", autograd_benchmarks)):
         if args.only in (None, framework):
-            rows, parts = make()
+            try:
+                rows, parts = make()
+            except ImportError as error:
+                if args.only is not None:
+                    raise
+                print(f"skipped {framework}: {error}", file=sys.stderr)
+                continue
             benchmarks += rows
             components += parts
     gc.collect()
@@ -723,7 +832,7 @@ def main():
 
     print(f"pyengine adapters_bench.py, started {started}; wall time {time.perf_counter() - t0:.0f} s; "
           f"python {platform.python_version()}; numpy {np.__version__}; dezero {version('dezero')}; "
-          f"micrograd {version('micrograd')}; "
+          f"micrograd {version('micrograd')}; autograd {version('autograd')}; "
           f"pyengine {pyengine.IMPLEMENTATION} core; {os.cpu_count()} CPUs; load average at start "
           f"{start_load}, at end {load_average()}")
     print(f"{args.repeats} samples per benchmark, native and pyengine interleaved; "

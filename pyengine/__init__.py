@@ -20,7 +20,7 @@ from .autograd import (
     register_tensor_hook,
     retain_grad,
 )
-from .backends import ArrayBackend, backend_of, register_backend
+from .backends import ArrayBackend, backend_of, register_backend, unregister_backend
 from .device import CPU, Device
 from .engine import (
     Engine,
@@ -102,6 +102,7 @@ __all__ = [
     "profile",
     "queue_callback",
     "register_backend",
+    "unregister_backend",
     "register_post_accumulate_grad_hook",
     "register_tensor_hook",
     "render_graph",

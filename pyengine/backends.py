@@ -18,7 +18,9 @@ place. A dense array plus an IndexedGradient is a dense array.
 numpy is built in (and the compiled core has a fast path for it that never
 comes here on the common path). Another array type or a framework's tensor
 type plugs in with :func:`register_backend`; lookups walk the type's MRO, so
-registering a base class covers its subclasses.
+registering a base class covers its subclasses. ``register_backend`` returns
+the backend it replaced and :func:`unregister_backend` removes one, so that
+an adapter can undo what it registered.
 
 Note [Replacing the numpy backend]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -30,9 +32,10 @@ counterpart of each) are taken only for a value that ``is_numpy_array``
 (pyengine/_pure/node.py, pyengine/_node.pyx): an exact ndarray while
 ``numpy_backend_is_builtin``, which ``register_backend`` keeps up to date
 (the backend found for ``np.ndarray`` is the built-in ``NUMPY``). The
-compiled core keeps a C copy of that flag, which register_backend's
-listener refreshes, so that the check costs no dictionary lookup. Routing (``node_device``) still takes a numpy
-array to be on the CPU whatever backend handles it, in both cores.
+compiled core keeps a C copy of that flag, which register_backend's (and
+unregister_backend's) listener refreshes, so that the check costs no
+dictionary lookup. Routing (``node_device``) still takes a numpy array to be
+on the CPU whatever backend handles it, in both cores.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ __all__ = [
     "ArrayBackend",
     "NumpyBackend",
     "register_backend",
+    "unregister_backend",
     "register_device_type",
     "backend_of",
     "is_expandable_to",
@@ -283,19 +287,36 @@ _backend_cache: dict[type, ArrayBackend | None] = {}
 
 # Whether exact numpy arrays go to the built-in NUMPY backend, so that the
 # numpy fast paths may skip the backend: See Note [Replacing the numpy
-# backend]. Written by register_backend, under the GIL.
+# backend]. Written by register_backend and unregister_backend, under the GIL.
 numpy_backend_is_builtin = True
-# Functions register_backend calls, without arguments, after every
-# registration: the compiled core copies numpy_backend_is_builtin into C.
+# Functions register_backend and unregister_backend call, without arguments,
+# after every change: the compiled core copies numpy_backend_is_builtin into C.
 _registration_listeners: list = []
 
 
-def register_backend(value_type: type, backend: ArrayBackend) -> None:
-    """Make ``backend`` handle values of ``value_type`` and its subclasses."""
-    global numpy_backend_is_builtin
+def register_backend(value_type: type, backend: ArrayBackend) -> ArrayBackend | None:
+    """Make ``backend`` handle values of ``value_type`` and its subclasses.
+    Returns the backend registered for ``value_type`` itself before (None if
+    none was), so that a caller can put it back."""
     if not isinstance(backend, ArrayBackend):
         raise TypeError(f"backend must be an ArrayBackend, got {type(backend).__name__}")
+    previous = _backends.get(value_type)
     _backends[value_type] = backend
+    _registrations_changed()
+    return previous
+
+
+def unregister_backend(value_type: type) -> ArrayBackend | None:
+    """Remove the backend registered for ``value_type`` itself and return it
+    (None if there was none); values of that type then find the backend of
+    a base class, if any."""
+    previous = _backends.pop(value_type, None)
+    _registrations_changed()
+    return previous
+
+
+def _registrations_changed():
+    global numpy_backend_is_builtin
     _backend_cache.clear()
     numpy_backend_is_builtin = _find_backend(np.ndarray) is NUMPY
     for listener in _registration_listeners:

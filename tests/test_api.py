@@ -897,3 +897,46 @@ def test_a_leaf_that_took_part_in_backward_can_be_copied_and_pickled():
         (copied * 2.0).sum().backward()
         np.testing.assert_array_equal(copied.grad, [5.0, 5.0])
     np.testing.assert_array_equal(x.grad, [3.0, 3.0])
+
+
+def test_register_backend_returns_the_previous_and_unregister_backend_undoes_it():
+    class Value:
+        pass
+
+    class Derived(Value):
+        pass
+
+    class Backend(pyengine.ArrayBackend):
+        pass
+
+    base, derived = Backend(), Backend()
+    assert pyengine.register_backend(Value, base) is None
+    try:
+        assert pyengine.backend_of(Derived()) is base
+        assert pyengine.register_backend(Derived, derived) is None
+        assert pyengine.backend_of(Derived()) is derived
+        # Unregistering the subclass's backend uncovers the base class's again
+        # (the lookup cache is cleared).
+        assert pyengine.unregister_backend(Derived) is derived
+        assert pyengine.backend_of(Derived()) is base
+        assert pyengine.unregister_backend(Derived) is None
+        other = Backend()
+        assert pyengine.register_backend(Value, other) is base
+        assert pyengine.backend_of(Value()) is other
+    finally:
+        pyengine.unregister_backend(Value)
+    assert pyengine.backend_of(Value()) is None
+    assert pyengine.backend_of(Derived()) is None
+    # numpy's own is untouched.
+    assert pyengine.backend_of(np.zeros(1)) is pyengine.backends.NUMPY
+    # Replacing numpy's and putting it back keeps the fast paths' flag true
+    # to the registry (See Note [Replacing the numpy backend]).
+    numpy_backend = pyengine.register_backend(np.ndarray, Backend())
+    try:
+        assert numpy_backend is pyengine.backends.NUMPY
+        assert not pyengine.backends.numpy_backend_is_builtin
+    finally:
+        pyengine.register_backend(np.ndarray, pyengine.backends.NUMPY)
+    assert pyengine.backends.numpy_backend_is_builtin
+    assert pyengine.unregister_backend(Derived) is None
+    assert pyengine.backends.numpy_backend_is_builtin

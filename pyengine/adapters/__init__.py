@@ -5,10 +5,12 @@ Each adapter is a module that patches one framework so that its own
 
 - :mod:`pyengine.adapters.dezero`: DeZero's ``Variable.backward(retain_grad,
   create_graph)``;
-- :mod:`pyengine.adapters.micrograd`: micrograd's ``Value.backward()``.
+- :mod:`pyengine.adapters.micrograd`: micrograd's ``Value.backward()``;
+- :mod:`pyengine.adapters.autograd`: HIPS autograd's reverse mode
+  (``autograd.core.backward_pass``, under ``grad``, ``jacobian``, ...).
 
-Both offer ``install()``, ``uninstall()``, ``is_installed()`` and the
-context manager ``installed()``. Importing this package imports neither
+Each offers ``install()``, ``uninstall()``, ``is_installed()`` and the
+context manager ``installed()``. Importing this package imports no
 framework; importing an adapter module imports its framework (and raises
 ``ImportError`` naming the package to install when it is missing)::
 
