@@ -286,8 +286,10 @@ def test_other_threads_run_during_compute_dependencies(fan_graph):
     finally:
         sys.setswitchinterval(interval)
     stall, elapsed = min(tries)
-    # A pass that held the GIL would stall the counter for all of it.
-    assert elapsed > 0.04, tries
+    # A pass that held the GIL would stall the counter for all of it. The
+    # pass must last many switch intervals (1 ms here) for that to show; on a
+    # quiet machine it takes about 0.03 s.
+    assert elapsed > 0.01, tries
     assert stall < min(0.5, elapsed / 4), tries
 
 
