@@ -1,8 +1,11 @@
 """The engine: runs a backward graph task to completion.
 
 The compiled twin of ``pyengine/_pure/engine.py``, whose Notes explain the
-design: Note [CPU work runs on the caller], Note [Reentrant backward], Note
-[AccumulateGrad first], Note [Ready queue order]. Per node and per edge
+design: Note [CPU work runs on the caller], Note [AccumulateGrad first],
+Note [Ready queue order]; a backward nested too deep goes to the reentrant
+pool of ``pyengine/_thread_pool.pyx`` (See Note [Reentrant backward] in
+``pyengine/_pure/thread_pool.py``), and ``compute_dependencies`` is in
+``pyengine/_dependencies.pyx``. Per node and per edge
 everything here is C: records move through the ReadyQueue, dependencies
 are a C++ map keyed by node pointer, a numpy gradient of the right shape,
 dtype and device is checked in C, and a node without hooks is called
@@ -29,17 +32,16 @@ from cpython.object cimport PyObject, Py_TYPE
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
-from libcpp.condition_variable cimport condition_variable
-from libcpp.deque cimport deque
-from libcpp.mutex cimport mutex, unique_lock
 
-from pyengine._graph_task cimport ExecInfoEntry, ExecInfoMap, GraphTask, NodePtr, new_graph_task
+from pyengine._graph_task cimport (ExecInfoEntry, ExecInfoMap, GraphTask, NodePtr, cancel_graph_task,
+                                   new_graph_task)
 from pyengine._dependencies cimport compute_dependencies
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
 from pyengine._validate_outputs cimport validate_outputs_impl
+from pyengine._thread_pool cimport _ThreadPoolShared, add_thread_pool_task
 from pyengine._state cimport (ThreadState, anomaly_check_nan, anomaly_enabled, profiler,
                               thread_state)
 
@@ -52,7 +54,7 @@ from pyengine import backends as _backends
 from pyengine import streams as _streams
 from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
-from pyengine._shared.messages import pool_full_message, total_depth_message
+from pyengine._shared.messages import total_depth_message
 from pyengine._validate_outputs import plain_error_format, validate_outputs
 from pyengine.indexed import IndexedGradient
 
@@ -67,7 +69,8 @@ DEF CPU_DEVICE = -1
 
 # Levels of reentrant backward run inline on one thread before a pool thread
 # takes over; levels of reentrant backward in all; threads of the reentrant
-# pool. See Note [Reentrant backward] and Note [Bounds on reentrant backward].
+# pool. See Note [Reentrant backward] and Note [Bounds on reentrant backward] in
+# pyengine/_pure/thread_pool.py.
 MAX_RECURSION_DEPTH = 60
 MAX_TOTAL_DEPTH = 4096
 MAX_POOL_THREADS = 256
@@ -189,35 +192,6 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple 
     return checked
 
 
-# -- the reentrant thread pool --------------------------------------------------------
-
-@cython.final
-cdef class _ThreadPoolShared:
-    """Graph tasks handed off by a too-deep reentrant backward, and the pool
-    threads that run them. ``graph_tasks`` (owned references), ``num_idle``,
-    ``num_threads`` (started or starting, not yet ended: at most the
-    engine's ``max_pool_threads``) and ``stopping`` are guarded by
-    ``mutex_``; ``work`` is signalled under it, and ``released`` when a
-    thread goes back to idle after a task. ``threads`` (the started ones,
-    for ``stop`` to join) is guarded by the GIL."""
-    cdef mutex mutex_
-    cdef condition_variable work
-    cdef condition_variable released
-    cdef deque[PyObject*] graph_tasks
-    cdef size_t num_idle
-    cdef Py_ssize_t num_threads
-    cdef bint stopping
-    cdef list threads
-
-    def __cinit__(self):
-        self.threads = []
-
-    def __dealloc__(self):
-        while not self.graph_tasks.empty():
-            Py_DECREF(<object>self.graph_tasks.front())
-            self.graph_tasks.pop_front()
-
-
 # -- the engine -------------------------------------------------------------------------
 
 cdef class Engine:
@@ -337,7 +311,8 @@ cdef class Engine:
             graph_task.owner = worker.worker_device
             push_task(queue, graph_task, graph_root, inputs)
             if worker.current_depth >= self.max_recursion_depth:
-                self.add_thread_pool_task(graph_task)
+                add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
+                                     self._run_pool_task)
             else:
                 worker.total_depth += 1
                 worker.current_depth += 1
@@ -602,126 +577,20 @@ cdef class Engine:
 
     # -- reentrant pool --
 
-    cdef int add_thread_pool_task(self, GraphTask graph_task) except -1:
-        """Hand ``graph_task`` to a pool thread and block, without the GIL, until
-        it completes. See Note [Reentrant backward] and Note [Bounds on
-        reentrant backward]."""
-        cdef _ThreadPoolShared pool = self._pool
-        cdef unique_lock[mutex] lock
-        lock_releasing_gil(pool.mutex_)
-        # PyTorch's rule: a new thread unless an idle one is left over for it.
-        cdef bint start_thread = pool.num_idle <= pool.graph_tasks.size()
-        if start_thread and pool.num_threads >= self.max_pool_threads:
-            pool.mutex_.unlock()
-            error = RuntimeError(pool_full_message(graph_task.reentrant_depth,
-                                                   self.max_pool_threads))
-            cancel_graph_task(graph_task, error)
-            raise error
-        if start_thread:
-            pool.num_threads += 1
-        Py_INCREF(graph_task)
-        pool.graph_tasks.push_back(<PyObject*>graph_task)
-        pool.mutex_.unlock()
-        try:
-            if start_thread:
-                self.start_pool_thread(graph_task)
-            pool.work.notify_one()
-            graph_task.wait()
-        except BaseException as error:
-            # A thread that did not start, or Ctrl-C while waiting: the
-            # child ends here. See Note [Cancelling a graph task].
-            withdraw_pool_task(pool, graph_task)
-            cancel_graph_task(graph_task, error)
-            raise
-        # See Note [A pool thread is back before its caller] in the twin.
-        with nogil:
-            lock = unique_lock[mutex](pool.mutex_)
-            while graph_task.on_pool_thread:
-                pool.released.wait(lock)
-            lock.unlock()
-        return 0
-
-    cdef int start_pool_thread(self, GraphTask graph_task) except -1:
-        """Start a pool thread, its slot in ``num_threads`` already taken; if
-        it cannot start, give the slot back and raise RuntimeError."""
-        cdef _ThreadPoolShared pool = self._pool
-        thread = threading.Thread(target=self._reentrant_thread_main,
-                                  name="pyengine-reentrant", daemon=True)
-        pool.threads.append(thread)
-        try:
-            thread.start()
-        except BaseException as error:
-            if thread.ident is not None:
-                # It started (Ctrl-C came while start() waited for it).
-                raise
-            pool.threads.remove(thread)
-            lock_releasing_gil(pool.mutex_)
-            pool.num_threads -= 1
-            pool.mutex_.unlock()
-            if not isinstance(error, Exception):
-                raise
-            raise RuntimeError(
-                f"could not start a reentrant pool thread for a backward nested "
-                f"{graph_task.reentrant_depth} levels deep: {error}") from error
-        return 0
-
-    def _reentrant_thread_main(self):
-        cdef _ThreadPoolShared pool = self._pool
+    def _run_pool_task(self, GraphTask graph_task):
+        """Run ``graph_task``, handed off to the reentrant pool, on this pool
+        thread until it completes: the pool's call back into the engine
+        (See Note [Reentrant backward] in pyengine/_pure/thread_pool.py)."""
         cdef WorkerState worker = get_worker_state()
-        cdef PyObject* next_graph_task = NULL
-        cdef GraphTask graph_task
-        cdef unique_lock[mutex] lock
-        # Whether this thread is counted in num_idle: from its start, and
-        # again from the moment it finishes a task (See Note [A pool thread
-        # is back before its caller] in the twin).
-        cdef bint counted_idle = False
+        worker.worker_device = graph_task.owner
+        worker.local_ready_queue = graph_task.cpu_ready_queue
+        worker.total_depth = graph_task.reentrant_depth
+        worker.current_depth = 0
         try:
-            lock_releasing_gil(pool.mutex_)
-            pool.num_idle += 1
-            counted_idle = True
-            pool.mutex_.unlock()
-            while True:
-                with nogil:
-                    lock = unique_lock[mutex](pool.mutex_)
-                    while pool.graph_tasks.empty() and not pool.stopping:
-                        pool.work.wait(lock)
-                    pool.num_idle -= 1
-                    counted_idle = False
-                    if pool.stopping:
-                        next_graph_task = NULL
-                    else:
-                        next_graph_task = pool.graph_tasks.front()
-                        pool.graph_tasks.pop_front()
-                    lock.unlock()
-                if next_graph_task == NULL:
-                    return
-                graph_task = <GraphTask>next_graph_task
-                Py_DECREF(graph_task)  # the pool's reference; graph_task holds one
-                graph_task.on_pool_thread = True
-                worker.worker_device = graph_task.owner
-                worker.local_ready_queue = graph_task.cpu_ready_queue
-                worker.total_depth = graph_task.reentrant_depth
-                worker.current_depth = 0
-                try:
-                    self.thread_main(worker, graph_task)
-                finally:
-                    worker.local_ready_queue = None
-                    worker.worker_device = NO_DEVICE
-                    lock_releasing_gil(pool.mutex_)
-                    graph_task.on_pool_thread = False
-                    pool.num_idle += 1
-                    counted_idle = True
-                    pool.mutex_.unlock()
-                    pool.released.notify_all()
-                graph_task = None
+            self.thread_main(worker, graph_task)
         finally:
-            # However it ends, it leaves no dead thread in the pool.
-            pool.threads.remove(threading.current_thread())
-            lock_releasing_gil(pool.mutex_)
-            pool.num_threads -= 1
-            if counted_idle:
-                pool.num_idle -= 1
-            pool.mutex_.unlock()
+            worker.local_ready_queue = None
+            worker.worker_device = NO_DEVICE
 
     def stop(self, timeout=1.0):
         """Stop the device and pool threads (at interpreter exit). A backward
@@ -768,35 +637,6 @@ cdef inline void push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node
     graph_task.outstanding_tasks_.fetch_add(1)
     queue.push_record(make_record(graph_task, node, inputs, graph_task.reentrant_depth,
                                   node._sequence_nr))
-
-
-cdef int cancel_graph_task(GraphTask graph_task, object error) except -1:
-    """End ``graph_task`` with ``error``, which its caller raises itself: See
-    Note [Cancelling a graph task]."""
-    graph_task.set_exception(error)
-    # The caller raises the error: the task must not keep it (and its traceback).
-    if graph_task.exception_ is error:
-        graph_task.exception_ = None
-    graph_task.cpu_ready_queue.discard_graph_task_records(graph_task)
-    return 0
-
-
-cdef int withdraw_pool_task(_ThreadPoolShared pool, GraphTask graph_task) except -1:
-    """Take ``graph_task`` back from the pool's queue if no thread took it yet."""
-    cdef deque[PyObject*].iterator it
-    cdef bint found = False
-    lock_releasing_gil(pool.mutex_)
-    it = pool.graph_tasks.begin()
-    while it != pool.graph_tasks.end():
-        if deref(it) == <PyObject*>graph_task:
-            pool.graph_tasks.erase(it)
-            found = True
-            break
-        it += 1
-    pool.mutex_.unlock()
-    if found:
-        Py_DECREF(graph_task)  # the pool's reference
-    return 0
 
 
 cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, object gradient,
