@@ -16,7 +16,8 @@ from setuptools import Extension, setup
 DEBUG = os.environ.get("PYENGINE_DEBUG", "") not in ("", "0")
 
 COMPILED_MODULES = ["_state", "_interrupts", "_node", "_ready_queue", "_input_buffer", "_graph_task",
-                    "_validate_outputs", "_owner_graph", "_engine"]
+                    "_validate_outputs", "_owner_graph", "_dependencies", "_thread_pool",
+                    "_engine"]
 
 directives = {
     "language_level": 3,

@@ -11,7 +11,7 @@
 // Beside its count, each slot holds the node's state in the depth-first
 // search of compute_dependencies (not seen, on the search's path, finished):
 // a cycle is an edge to a node on the path. See Note [Cycles in the
-// backward graph] in pyengine/_pure/engine.py. The state takes two bits of
+// backward graph] in pyengine/_pure/dependencies.py. The state takes two bits of
 // the count's word, so a slot stays 16 bytes.
 #pragma once
 
@@ -165,7 +165,7 @@ class pyengine_DependencyMap {
 };
 
 
-// A frame of compute_dependencies' search (pyengine/_engine.pyx): its place
+// A frame of compute_dependencies' search (pyengine/_dependencies.pyx): its place
 // in one node's next edges.
 struct pyengine_DependencyFrame {
     // Borrowed, and only compared once the search yielded: the Edge that led

@@ -1,8 +1,11 @@
 """The engine: runs a backward graph task to completion.
 
 The compiled twin of ``pyengine/_pure/engine.py``, whose Notes explain the
-design: Note [CPU work runs on the caller], Note [Reentrant backward], Note
-[AccumulateGrad first], Note [Ready queue order]. Per node and per edge
+design: Note [CPU work runs on the caller], Note [AccumulateGrad first],
+Note [Ready queue order]; a backward nested too deep goes to the reentrant
+pool of ``pyengine/_thread_pool.pyx`` (See Note [Reentrant backward] in
+``pyengine/_pure/thread_pool.py``), and ``compute_dependencies`` is in
+``pyengine/_dependencies.pyx``. Per node and per edge
 everything here is C: records move through the ReadyQueue, dependencies
 are a C++ map keyed by node pointer, a numpy gradient of the right shape,
 dtype and device is checked in C, and a node without hooks is called
@@ -29,19 +32,16 @@ from cpython.object cimport PyObject, Py_TYPE
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
-from libcpp.condition_variable cimport condition_variable
-from libcpp.deque cimport deque
-from libcpp.mutex cimport mutex, unique_lock
-from libcpp.vector cimport vector
 
-from pyengine._graph_task cimport ExecInfoEntry, ExecInfoMap, GraphTask, NodePtr, new_graph_task
-from pyengine._graph_task cimport SEARCH_NOT_SEEN, SEARCH_ON_PATH, SearchState
+from pyengine._graph_task cimport (ExecInfoEntry, ExecInfoMap, GraphTask, NodePtr, cancel_graph_task,
+                                   new_graph_task)
+from pyengine._dependencies cimport compute_dependencies
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
-from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
 from pyengine._validate_outputs cimport validate_outputs_impl
+from pyengine._thread_pool cimport _ThreadPoolShared, add_thread_pool_task
 from pyengine._state cimport (ThreadState, anomaly_check_nan, anomaly_enabled, profiler,
                               thread_state)
 
@@ -54,7 +54,7 @@ from pyengine import backends as _backends
 from pyengine import streams as _streams
 from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
-from pyengine._shared.messages import not_initialized_message, pool_full_message, total_depth_message
+from pyengine._shared.messages import total_depth_message
 from pyengine._validate_outputs import plain_error_format, validate_outputs
 from pyengine.indexed import IndexedGradient
 
@@ -69,7 +69,8 @@ DEF CPU_DEVICE = -1
 
 # Levels of reentrant backward run inline on one thread before a pool thread
 # takes over; levels of reentrant backward in all; threads of the reentrant
-# pool. See Note [Reentrant backward] and Note [Bounds on reentrant backward].
+# pool. See Note [Reentrant backward] and Note [Bounds on reentrant backward] in
+# pyengine/_pure/thread_pool.py.
 MAX_RECURSION_DEPTH = 60
 MAX_TOTAL_DEPTH = 4096
 MAX_POOL_THREADS = 256
@@ -191,35 +192,6 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple 
     return checked
 
 
-# -- the reentrant thread pool --------------------------------------------------------
-
-@cython.final
-cdef class _ThreadPoolShared:
-    """Graph tasks handed off by a too-deep reentrant backward, and the pool
-    threads that run them. ``graph_tasks`` (owned references), ``num_idle``,
-    ``num_threads`` (started or starting, not yet ended: at most the
-    engine's ``max_pool_threads``) and ``stopping`` are guarded by
-    ``mutex_``; ``work`` is signalled under it, and ``released`` when a
-    thread goes back to idle after a task. ``threads`` (the started ones,
-    for ``stop`` to join) is guarded by the GIL."""
-    cdef mutex mutex_
-    cdef condition_variable work
-    cdef condition_variable released
-    cdef deque[PyObject*] graph_tasks
-    cdef size_t num_idle
-    cdef Py_ssize_t num_threads
-    cdef bint stopping
-    cdef list threads
-
-    def __cinit__(self):
-        self.threads = []
-
-    def __dealloc__(self):
-        while not self.graph_tasks.empty():
-            Py_DECREF(<object>self.graph_tasks.front())
-            self.graph_tasks.pop_front()
-
-
 # -- the engine -------------------------------------------------------------------------
 
 cdef class Engine:
@@ -339,7 +311,8 @@ cdef class Engine:
             graph_task.owner = worker.worker_device
             push_task(queue, graph_task, graph_root, inputs)
             if worker.current_depth >= self.max_recursion_depth:
-                self.add_thread_pool_task(graph_task)
+                add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
+                                     self._run_pool_task)
             else:
                 worker.total_depth += 1
                 worker.current_depth += 1
@@ -604,126 +577,20 @@ cdef class Engine:
 
     # -- reentrant pool --
 
-    cdef int add_thread_pool_task(self, GraphTask graph_task) except -1:
-        """Hand ``graph_task`` to a pool thread and block, without the GIL, until
-        it completes. See Note [Reentrant backward] and Note [Bounds on
-        reentrant backward]."""
-        cdef _ThreadPoolShared pool = self._pool
-        cdef unique_lock[mutex] lock
-        lock_releasing_gil(pool.mutex_)
-        # PyTorch's rule: a new thread unless an idle one is left over for it.
-        cdef bint start_thread = pool.num_idle <= pool.graph_tasks.size()
-        if start_thread and pool.num_threads >= self.max_pool_threads:
-            pool.mutex_.unlock()
-            error = RuntimeError(pool_full_message(graph_task.reentrant_depth,
-                                                   self.max_pool_threads))
-            cancel_graph_task(graph_task, error)
-            raise error
-        if start_thread:
-            pool.num_threads += 1
-        Py_INCREF(graph_task)
-        pool.graph_tasks.push_back(<PyObject*>graph_task)
-        pool.mutex_.unlock()
-        try:
-            if start_thread:
-                self.start_pool_thread(graph_task)
-            pool.work.notify_one()
-            graph_task.wait()
-        except BaseException as error:
-            # A thread that did not start, or Ctrl-C while waiting: the
-            # child ends here. See Note [Cancelling a graph task].
-            withdraw_pool_task(pool, graph_task)
-            cancel_graph_task(graph_task, error)
-            raise
-        # See Note [A pool thread is back before its caller] in the twin.
-        with nogil:
-            lock = unique_lock[mutex](pool.mutex_)
-            while graph_task.on_pool_thread:
-                pool.released.wait(lock)
-            lock.unlock()
-        return 0
-
-    cdef int start_pool_thread(self, GraphTask graph_task) except -1:
-        """Start a pool thread, its slot in ``num_threads`` already taken; if
-        it cannot start, give the slot back and raise RuntimeError."""
-        cdef _ThreadPoolShared pool = self._pool
-        thread = threading.Thread(target=self._reentrant_thread_main,
-                                  name="pyengine-reentrant", daemon=True)
-        pool.threads.append(thread)
-        try:
-            thread.start()
-        except BaseException as error:
-            if thread.ident is not None:
-                # It started (Ctrl-C came while start() waited for it).
-                raise
-            pool.threads.remove(thread)
-            lock_releasing_gil(pool.mutex_)
-            pool.num_threads -= 1
-            pool.mutex_.unlock()
-            if not isinstance(error, Exception):
-                raise
-            raise RuntimeError(
-                f"could not start a reentrant pool thread for a backward nested "
-                f"{graph_task.reentrant_depth} levels deep: {error}") from error
-        return 0
-
-    def _reentrant_thread_main(self):
-        cdef _ThreadPoolShared pool = self._pool
+    def _run_pool_task(self, GraphTask graph_task):
+        """Run ``graph_task``, handed off to the reentrant pool, on this pool
+        thread until it completes: the pool's call back into the engine
+        (See Note [Reentrant backward] in pyengine/_pure/thread_pool.py)."""
         cdef WorkerState worker = get_worker_state()
-        cdef PyObject* next_graph_task = NULL
-        cdef GraphTask graph_task
-        cdef unique_lock[mutex] lock
-        # Whether this thread is counted in num_idle: from its start, and
-        # again from the moment it finishes a task (See Note [A pool thread
-        # is back before its caller] in the twin).
-        cdef bint counted_idle = False
+        worker.worker_device = graph_task.owner
+        worker.local_ready_queue = graph_task.cpu_ready_queue
+        worker.total_depth = graph_task.reentrant_depth
+        worker.current_depth = 0
         try:
-            lock_releasing_gil(pool.mutex_)
-            pool.num_idle += 1
-            counted_idle = True
-            pool.mutex_.unlock()
-            while True:
-                with nogil:
-                    lock = unique_lock[mutex](pool.mutex_)
-                    while pool.graph_tasks.empty() and not pool.stopping:
-                        pool.work.wait(lock)
-                    pool.num_idle -= 1
-                    counted_idle = False
-                    if pool.stopping:
-                        next_graph_task = NULL
-                    else:
-                        next_graph_task = pool.graph_tasks.front()
-                        pool.graph_tasks.pop_front()
-                    lock.unlock()
-                if next_graph_task == NULL:
-                    return
-                graph_task = <GraphTask>next_graph_task
-                Py_DECREF(graph_task)  # the pool's reference; graph_task holds one
-                graph_task.on_pool_thread = True
-                worker.worker_device = graph_task.owner
-                worker.local_ready_queue = graph_task.cpu_ready_queue
-                worker.total_depth = graph_task.reentrant_depth
-                worker.current_depth = 0
-                try:
-                    self.thread_main(worker, graph_task)
-                finally:
-                    worker.local_ready_queue = None
-                    worker.worker_device = NO_DEVICE
-                    lock_releasing_gil(pool.mutex_)
-                    graph_task.on_pool_thread = False
-                    pool.num_idle += 1
-                    counted_idle = True
-                    pool.mutex_.unlock()
-                    pool.released.notify_all()
-                graph_task = None
+            self.thread_main(worker, graph_task)
         finally:
-            # However it ends, it leaves no dead thread in the pool.
-            pool.threads.remove(threading.current_thread())
-            lock_releasing_gil(pool.mutex_)
-            pool.num_threads -= 1
-            if counted_idle:
-                pool.num_idle -= 1
-            pool.mutex_.unlock()
+            worker.local_ready_queue = None
+            worker.worker_device = NO_DEVICE
 
     def stop(self, timeout=1.0):
         """Stop the device and pool threads (at interpreter exit). A backward
@@ -772,35 +639,6 @@ cdef inline void push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node
                                   node._sequence_nr))
 
 
-cdef int cancel_graph_task(GraphTask graph_task, object error) except -1:
-    """End ``graph_task`` with ``error``, which its caller raises itself: See
-    Note [Cancelling a graph task]."""
-    graph_task.set_exception(error)
-    # The caller raises the error: the task must not keep it (and its traceback).
-    if graph_task.exception_ is error:
-        graph_task.exception_ = None
-    graph_task.cpu_ready_queue.discard_graph_task_records(graph_task)
-    return 0
-
-
-cdef int withdraw_pool_task(_ThreadPoolShared pool, GraphTask graph_task) except -1:
-    """Take ``graph_task`` back from the pool's queue if no thread took it yet."""
-    cdef deque[PyObject*].iterator it
-    cdef bint found = False
-    lock_releasing_gil(pool.mutex_)
-    it = pool.graph_tasks.begin()
-    while it != pool.graph_tasks.end():
-        if deref(it) == <PyObject*>graph_task:
-            pool.graph_tasks.erase(it)
-            found = True
-            break
-        it += 1
-    pool.mutex_.unlock()
-    if found:
-        Py_DECREF(graph_task)  # the pool's reference
-    return 0
-
-
 cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, object gradient,
                                bint grad_mode, object producer_stream,
                                object consumer_stream) except -1:
@@ -826,168 +664,6 @@ cdef list single_gradient(Py_ssize_t num_inputs, Py_ssize_t input_nr, object gra
 cdef inline bint _should_execute(const ExecInfoMap& exec_info, PyObject* node) noexcept nogil:
     """Whether ``node`` runs or captures: every node does without exec_info."""
     return exec_info.empty() or exec_info.should_execute(node)
-
-
-cdef extern from "_dependency_map.h":
-    ctypedef struct DependencyFrame "pyengine_DependencyFrame":
-        PyObject* node
-        PyObject* edges
-        Py_ssize_t next
-        size_t slot
-
-cdef extern from "Python.h":
-    # On the frames' borrowed pointers, without a reference per use.
-    Py_ssize_t tuple_size "PyTuple_GET_SIZE"(PyObject* tuple) nogil
-    PyObject* tuple_item "PyTuple_GET_ITEM"(PyObject* tuple, Py_ssize_t i) nogil
-    void decref "Py_DECREF"(PyObject* obj)
-
-
-cdef inline int push_dependency_frame(deque[DependencyFrame]& stack, NodeBase node,
-                                      size_t slot) except -1:
-    """Start the search below ``node`` (reached for the first time, its map
-    slot at index ``slot``)."""
-    if not node._initialized:
-        raise RuntimeError(not_initialized_message(node))
-    cdef tuple edges = node._next_edges
-    cdef DependencyFrame frame
-    frame.node = <PyObject*>node
-    frame.edges = <PyObject*>edges
-    frame.next = 0
-    frame.slot = slot
-    stack.push_back(frame)
-    Py_INCREF(edges)
-    return 0
-
-
-cdef int compute_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
-    """Count, for each node reachable from ``graph_root``, the edges into it,
-    and refuse a cycle before any node runs: the plain count, and the
-    depth-first search only where the count cannot rule a cycle out (See
-    Note [Cycles in the backward graph] in ``pyengine/_pure/engine.py``).
-    Both let other threads run as they go (See Note [Long passes let other
-    threads run])."""
-    if count_dependencies(graph_root, graph_task):
-        return 0
-    graph_task.dependencies_.reset()
-    search_dependencies(graph_root, graph_task)
-    return 0
-
-
-cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
-    """Count the edges into each node reachable from ``graph_root``, while
-    every edge leads to a node made earlier (a
-    lower sequence_nr) or to a node without next edges: then no cycle is
-    possible. Returns False, the count unfinished, at the first edge that
-    breaks that rule. Iterative, in any order: each node once, from a
-    stack that owns its nodes."""
-    cdef vector[PyObject*] stack
-    cdef NodeBase node
-    cdef NodeBase next_node
-    cdef tuple edges
-    cdef PyObject* edge
-    cdef size_t slot
-    cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
-    graph_task.dependencies_.enter(<PyObject*>graph_root)
-    Py_INCREF(graph_root)
-    stack.push_back(<PyObject*>graph_root)
-    try:
-        while not stack.empty():
-            node = <NodeBase>stack.back()
-            stack.pop_back()
-            decref(<PyObject*>node)  # the stack's reference; node holds one
-            if not node._initialized:
-                raise RuntimeError(not_initialized_message(node))
-            edges = node._next_edges
-            for i in range(PyTuple_GET_SIZE(edges)):
-                let_others_run(&work_left)
-                edge = PyTuple_GET_ITEM(edges, i)
-                if edge == <PyObject*>None:
-                    continue
-                next_node = (<Edge>edge).node
-                if (next_node._sequence_nr >= node._sequence_nr
-                        and PyTuple_GET_SIZE(next_node._next_edges) != 0):
-                    return False
-                if graph_task.dependencies_.full():
-                    # See pyengine/_table_growth.h.
-                    while not graph_task.dependencies_.grow_step():
-                        yield_to_other_threads()
-                if graph_task.dependencies_.add_edge(<PyObject*>next_node, &slot) == SEARCH_NOT_SEEN:
-                    Py_INCREF(next_node)
-                    stack.push_back(<PyObject*>next_node)
-    finally:
-        # What an early return or an error (Ctrl-C) left.
-        while not stack.empty():
-            decref(stack.back())
-            stack.pop_back()
-    return True
-
-
-cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
-    """compute_dependencies' count in a depth-first search that refuses a
-    cycle, for a graph ``count_dependencies`` could not vouch for.
-    Iterative: graphs of millions of nodes, deep or wide, use no C stack."""
-    # A deque, not a vector: a vector millions of frames deep copies them all,
-    # holding the GIL for tens of milliseconds, each time it grows.
-    cdef deque[DependencyFrame] stack
-    cdef DependencyFrame* frame
-    cdef PyObject* edges
-    cdef PyObject* edge
-    cdef PyObject* next_node
-    cdef Py_ssize_t index, size
-    cdef SearchState state
-    cdef size_t slot
-    cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
-    try:
-        slot = graph_task.dependencies_.enter(<PyObject*>graph_root)
-        push_dependency_frame(stack, graph_root, slot)
-        while not stack.empty():
-            frame = &stack.back()
-            edges = frame.edges
-            size = tuple_size(edges) if edges != NULL else 0
-            index = frame.next
-            next_node = NULL
-            while index < size:
-                let_others_run(&work_left)
-                edge = tuple_item(edges, index)
-                index += 1
-                if edge == <PyObject*>None:
-                    continue
-                next_node = <PyObject*>(<Edge>edge).node
-                if graph_task.dependencies_.full():
-                    # See pyengine/_table_growth.h.
-                    while not graph_task.dependencies_.grow_step():
-                        yield_to_other_threads()
-                state = graph_task.dependencies_.add_edge(next_node, &slot)
-                if state == SEARCH_NOT_SEEN:
-                    break
-                if state == SEARCH_ON_PATH:
-                    raise RuntimeError(
-                        f"the backward graph has a cycle: {_hooks.node_name(<object>next_node)} is "
-                        "reachable from itself through next_edges; backward needs a graph without "
-                        "cycles")
-                next_node = NULL
-            if next_node != NULL:
-                # Search below next_node first; this frame resumes after it.
-                frame.next = index
-                if index == size:
-                    # Its last edge: let go of its edges now, while they are
-                    # in cache (a chain's frames all end so).
-                    frame.edges = NULL
-                    decref(edges)
-                push_dependency_frame(stack, <NodeBase>next_node, slot)
-            else:
-                let_others_run(&work_left)
-                graph_task.dependencies_.finish(frame.node, frame.slot)
-                if edges != NULL:
-                    decref(edges)
-                stack.pop_back()
-    finally:
-        # The frames an error (a cycle, Ctrl-C) left.
-        while not stack.empty():
-            if stack.back().edges != NULL:
-                decref(stack.back().edges)
-            stack.pop_back()
-    return 0
 
 
 def _reset_worker_state_after_fork():

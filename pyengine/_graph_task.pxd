@@ -133,6 +133,8 @@ cdef GraphTask new_graph_task(bint keep_graph, bint grad_mode, int reentrant_dep
                               ReadyQueue cpu_ready_queue, bint exit_on_error,
                               bint multithreading)
 
+cdef int cancel_graph_task(GraphTask graph_task, object error) except -1
+
 
 cdef inline ThreadState running_thread_state(GraphTask graph_task) noexcept:
     """This thread's state as thread_main sets it while a node of

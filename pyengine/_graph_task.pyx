@@ -377,3 +377,14 @@ cdef class GraphTask:
             lock = unique_lock[mutex](self.completion_mutex)
             while not self.future_completed_.load():
                 wait_honouring_signals(self.completed_cv, lock, on_main_thread)
+
+
+cdef int cancel_graph_task(GraphTask graph_task, object error) except -1:
+    """End ``graph_task`` with ``error``, which its caller raises itself: See
+    Note [Cancelling a graph task] in pyengine/_pure/engine.py."""
+    graph_task.set_exception(error)
+    # The caller raises the error: the task must not keep it (and its traceback).
+    if graph_task.exception_ is error:
+        graph_task.exception_ = None
+    graph_task.cpu_ready_queue.discard_graph_task_records(graph_task)
+    return 0

@@ -154,7 +154,8 @@ def test_the_map_states_the_pytorch_revision_it_follows():
     ("pyengine/_pure/engine.py", "MAX_RECURSION_DEPTH", True),
     ("pyengine/_pure/engine.py", "NoSuchClass.execute", False),
     ("pyengine/_engine.pyx", "Engine.evaluate_function", True),
-    ("pyengine/_engine.pyx", "compute_dependencies", True),
+    ("pyengine/_dependencies.pyx", "compute_dependencies", True),
+    ("pyengine/_engine.pyx", "compute_dependencies", False),  # moved to _dependencies.pyx
     ("pyengine/_engine.pyx", "WorkerState", True),
     ("pyengine/_engine.pyx", "Engine.compute_dependencies", False),
     ("pyengine/_node_task.h", "pyengine_CompareNodeTaskTime", True),

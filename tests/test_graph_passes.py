@@ -1,6 +1,6 @@
 """The whole-graph passes: ``compute_dependencies`` and the owner graph's
 search. See Note [Cycles in the backward graph] in
-``pyengine/_pure/engine.py``, Note [Long passes let other threads run] in
+``pyengine/_pure/dependencies.py``, Note [Long passes let other threads run] in
 ``pyengine/_interrupts.pxd`` and Note [Owner graphs] in
 ``pyengine/_pure/owner_graph.py``.
 

@@ -1,9 +1,11 @@
 """The engine: runs a backward graph task to completion.
 
-Twin of ``pyengine/_engine.pyx``: ``GraphRoot``, ``call_function``,
-``compute_dependencies``, and ``Engine`` with ``execute``, ``thread_main``,
-``evaluate_function``, reentrant backward and its thread pool. Read it
-beside PyTorch's ``torch/csrc/autograd/engine.cpp``.
+Twin of ``pyengine/_engine.pyx``: ``GraphRoot``, ``call_function``, and
+``Engine`` with ``execute``, ``thread_main``, ``evaluate_function`` and
+reentrant backward; its thread pool is ``pyengine/_pure/thread_pool.py``
+(See Note [Reentrant backward] there) and ``compute_dependencies`` is in
+``pyengine/_pure/dependencies.py``. Read it beside PyTorch's
+``torch/csrc/autograd/engine.cpp``.
 
 Note [CPU work runs on the caller]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -12,61 +14,6 @@ the root task onto a ReadyQueue of its own (one per thread, made on first
 use) and runs ``thread_main`` until the graph task completes. It never hands
 CPU work to another thread, so a backward with only CPU nodes takes no
 thread switch at all.
-
-Note [Reentrant backward]
-~~~~~~~~~~~~~~~~~~~~~~~~~
-A backward started inside a node's ``apply`` (or a hook) is reentrant. Its
-graph task gets ``reentrant_depth`` one more than the task that was running,
-shares the caller's ReadyQueue, and runs on the same thread, recursively:
-its tasks sort before the parent's (See Note [Ready queue order]), so the
-child completes before the parent's queued work continues. Each level costs
-Python and C stack, so past ``max_recursion_depth`` levels on one thread the
-child graph task goes to a pool thread that serves the same queue, with a
-fresh stack, while the caller blocks (with the GIL released) until the child
-completes. A pool thread may in turn go ``max_recursion_depth`` levels deep
-before handing off again, so chains thousands of levels deep complete.
-
-Note [Bounds on reentrant backward]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A hook that calls backward on its own retained graph nests without end,
-and every ``max_recursion_depth`` levels it takes one more pool thread: left
-alone it starts threads until the system refuses one. PyTorch's engine.cpp
-has no bound here (``total_depth`` only orders the ready queue; its pool
-grows by a thread per hand-off), so pyengine sets three:
-
-- ``max_total_depth`` (default ``MAX_TOTAL_DEPTH``, 4096): a reentrant
-  backward nested deeper than that raises RecursionError before it queues
-  anything, naming the depth and the attribute that raises the limit. The
-  error goes up through every level as that level's error, so the outermost
-  backward raises it, after at most about ``max_total_depth /
-  (max_recursion_depth + 1)`` pool threads (68 with the defaults) took part.
-- ``max_pool_threads`` (default ``MAX_POOL_THREADS``, 256): a hand-off that
-  finds no idle pool thread and this many threads started raises
-  RuntimeError instead of waiting, since the busy threads may all be waiting
-  for it (a deadlock). Several threads that each nest deeply at once share
-  the pool, so it is larger than one chain needs.
-- A pool thread that fails to start (``threading.Thread.start`` raises) is
-  taken off the pool's list and its slot given back, the graph task handed
-  off is taken back and cancelled (See Note [Cancelling a graph task]),
-  and the reentrant ``execute`` raises RuntimeError naming the depth, from
-  the original error. A pool thread that ends for any reason takes itself
-  off the list, so ``stop`` joins only threads that ran.
-
-Note [A pool thread is back before its caller]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A pool thread completes its graph task from inside ``thread_main``, and the
-caller waiting in ``add_thread_pool_task`` wakes at once, while the thread
-still has to unwind and count itself idle. Without more, a caller that
-returns and hands off again at once (the next backward, or the next level)
-can find that thread not yet idle: PyTorch's unbounded pool would start one
-more thread, but a pool at ``max_pool_threads`` raises "all N threads ...
-are busy" although none is (See Note [Bounds on reentrant backward]). So
-the thread marks its task ``on_pool_thread`` while it runs it, and clears
-the mark in the same critical section that counts it idle again; the
-caller, once its task completed, waits for the mark to clear. The wait is
-short (the thread needs only the GIL, which the caller does not hold), and
-a backward that returns has every pool thread it used idle again. A caller
-that cancels its task (Ctrl-C, a thread that did not start) does not wait.
 
 Note [Cancelling a graph task]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -134,15 +81,16 @@ import time
 from .. import streams
 from ..device import CPU
 from . import state
-from .graph_task import GraphTask
+from .graph_task import GraphTask, cancel_graph_task
 from .._shared import hooks
 from .._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
-from .._shared.messages import (node_name, not_initialized_message, pool_full_message,
-                                total_depth_message)
+from .._shared.messages import node_name, total_depth_message
+from .dependencies import compute_dependencies
 from .input_buffer import InputBuffer
 from .node import Edge, GradientFreeNodeBase, NodeBase
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
+from .thread_pool import _ThreadPoolShared, add_thread_pool_task
 from .validate_outputs import validate_outputs
 
 # worker_device values: the thread runs no engine loop, or the CPU loop.
@@ -152,7 +100,8 @@ CPU_DEVICE = -1
 
 # Levels of reentrant backward run inline on one thread before a pool thread
 # takes over; levels of reentrant backward in all; threads of the reentrant
-# pool. See Note [Reentrant backward] and Note [Bounds on reentrant backward].
+# pool. See Note [Reentrant backward] and Note [Bounds on reentrant backward] in
+# pyengine/_pure/thread_pool.py.
 MAX_RECURSION_DEPTH = 60
 MAX_TOTAL_DEPTH = 4096
 MAX_POOL_THREADS = 256
@@ -216,24 +165,6 @@ def call_function(graph_task, node, inputs, next_edges):
     ``validate_outputs``. The compiled core runs a node without hooks
     itself, with the same result."""
     return hooks.call_function(graph_task, node, inputs, next_edges, validate_outputs)
-
-
-# -- the reentrant thread pool -------------------------------------------------
-
-class _ThreadPoolShared:
-    """Graph tasks handed off by a too-deep reentrant backward, and the pool
-    threads that run them. ``graph_tasks``, ``num_idle``, ``num_threads``
-    (started or starting, not yet ended: at most the engine's
-    ``max_pool_threads``), ``threads`` (the started ones, for ``stop`` to
-    join) and ``stopping`` are guarded by ``condition``'s lock."""
-
-    def __init__(self):
-        self.condition = threading.Condition(threading.Lock())
-        self.graph_tasks = []
-        self.num_idle = 0
-        self.num_threads = 0
-        self.threads = []
-        self.stopping = False
 
 
 # -- the engine -------------------------------------------------------------
@@ -339,7 +270,8 @@ class Engine:
             graph_task.owner = worker.worker_device
             queue.push(NodeTask(graph_task, graph_root, input_buffer.buffer))
             if worker.current_depth >= self.max_recursion_depth:
-                self.add_thread_pool_task(graph_task)
+                add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
+                                     self._run_pool_task)
             else:
                 worker.total_depth += 1
                 worker.current_depth += 1
@@ -533,108 +465,20 @@ class Engine:
 
     # -- reentrant pool --
 
-    def add_thread_pool_task(self, graph_task):
-        """Hand ``graph_task`` to a pool thread and block until it completes.
-        See Note [Reentrant backward] and Note [Bounds on reentrant backward]."""
-        pool = self._pool
-        with pool.condition:
-            # PyTorch's rule: a new thread unless an idle one is left over for it.
-            start_thread = pool.num_idle <= len(pool.graph_tasks)
-            if start_thread and pool.num_threads >= self.max_pool_threads:
-                full = True
-            else:
-                full = False
-                if start_thread:
-                    pool.num_threads += 1
-                pool.graph_tasks.append(graph_task)
-        if full:
-            error = RuntimeError(pool_full_message(graph_task.reentrant_depth,
-                                                   self.max_pool_threads))
-            cancel_graph_task(graph_task, error)
-            raise error
-        try:
-            if start_thread:
-                self.start_pool_thread(graph_task)
-            with pool.condition:
-                pool.condition.notify()
-            graph_task.wait()
-        except BaseException as error:
-            # A thread that did not start, or Ctrl-C while waiting: the
-            # child ends here. See Note [Cancelling a graph task].
-            withdraw_pool_task(pool, graph_task)
-            cancel_graph_task(graph_task, error)
-            raise
-        # See Note [A pool thread is back before its caller].
-        with pool.condition:
-            while graph_task.on_pool_thread:
-                pool.condition.wait()
-
-    def start_pool_thread(self, graph_task):
-        """Start a pool thread, its slot in ``num_threads`` already taken; if
-        it cannot start, give the slot back and raise RuntimeError."""
-        pool = self._pool
-        thread = threading.Thread(target=self._reentrant_thread_main,
-                                  name="pyengine-reentrant", daemon=True)
-        with pool.condition:
-            pool.threads.append(thread)
-        try:
-            thread.start()
-        except BaseException as error:
-            if thread.ident is not None:
-                # It started (Ctrl-C came while start() waited for it).
-                raise
-            with pool.condition:
-                pool.threads.remove(thread)
-                pool.num_threads -= 1
-            if not isinstance(error, Exception):
-                raise
-            raise RuntimeError(
-                f"could not start a reentrant pool thread for a backward nested "
-                f"{graph_task.reentrant_depth} levels deep: {error}") from error
-
-    def _reentrant_thread_main(self):
-        pool = self._pool
+    def _run_pool_task(self, graph_task):
+        """Run ``graph_task``, handed off to the reentrant pool, on this pool
+        thread until it completes: the pool's call back into the engine
+        (See Note [Reentrant backward] in pyengine/_pure/thread_pool.py)."""
         worker = _worker_state
-        # Whether this thread is counted in num_idle: from its start, and
-        # again from the moment it finishes a task (See Note [A pool thread
-        # is back before its caller]).
-        counted_idle = False
+        worker.worker_device = graph_task.owner
+        worker.local_ready_queue = graph_task.cpu_ready_queue
+        worker.total_depth = graph_task.reentrant_depth
+        worker.current_depth = 0
         try:
-            with pool.condition:
-                pool.num_idle += 1
-                counted_idle = True
-            while True:
-                with pool.condition:
-                    while not pool.graph_tasks and not pool.stopping:
-                        pool.condition.wait()
-                    pool.num_idle -= 1
-                    counted_idle = False
-                    if pool.stopping:
-                        return
-                    graph_task = pool.graph_tasks.pop(0)
-                graph_task.on_pool_thread = True
-                worker.worker_device = graph_task.owner
-                worker.local_ready_queue = graph_task.cpu_ready_queue
-                worker.total_depth = graph_task.reentrant_depth
-                worker.current_depth = 0
-                try:
-                    self.thread_main(graph_task)
-                finally:
-                    worker.local_ready_queue = None
-                    worker.worker_device = NO_DEVICE
-                    with pool.condition:
-                        graph_task.on_pool_thread = False
-                        pool.num_idle += 1
-                        counted_idle = True
-                        pool.condition.notify_all()
-                del graph_task
+            self.thread_main(graph_task)
         finally:
-            # However it ends, it leaves no dead thread in the pool.
-            with pool.condition:
-                pool.threads.remove(threading.current_thread())
-                pool.num_threads -= 1
-                if counted_idle:
-                    pool.num_idle -= 1
+            worker.local_ready_queue = None
+            worker.worker_device = NO_DEVICE
 
     def stop(self, timeout=1.0):
         """Stop the device and pool threads (at interpreter exit). A backward
@@ -678,25 +522,6 @@ def push_task(queue, graph_task, node, inputs):
     queue.push(NodeTask(graph_task, node, inputs))
 
 
-def cancel_graph_task(graph_task, error):
-    """End ``graph_task`` with ``error``, which its caller raises itself: See
-    Note [Cancelling a graph task]."""
-    graph_task.set_exception(error)
-    # The caller raises the error: the task must not keep it (and its traceback).
-    if graph_task.exception is error:
-        graph_task.exception = None
-    graph_task.cpu_ready_queue.discard_graph_task(graph_task)
-
-
-def withdraw_pool_task(pool, graph_task):
-    """Take ``graph_task`` back from the pool's queue if no thread took it yet."""
-    with pool.condition:
-        for i, queued in enumerate(pool.graph_tasks):
-            if queued is graph_task:
-                del pool.graph_tasks[i]
-                break
-
-
 def _should_execute(exec_info, key):
     """Whether the node ``key`` (its id) runs or captures: every node does
     without exec_info."""
@@ -715,106 +540,6 @@ def accumulate_on_streams(input_buffer, input_nr, gradient, grad_mode, producer_
     streams.sync_streams(consumer_stream, producer_stream)
     with streams.stream_guard(consumer_stream):
         input_buffer.add(input_nr, gradient, grad_mode)
-
-
-# Note [Cycles in the backward graph]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A backward graph made by a forward pass has no cycle, but next_edges
-# can be set by hand, and a cycle has no order to run in: its nodes
-# would wait for each other. So compute_dependencies counts the edges
-# into each node in a depth-first search that keeps each node's state
-# (not seen, on the search's path, finished), and an edge to a node on
-# the path closes a cycle through that node: the search raises before
-# any node has run, naming it. The search reads each node's next_edges
-# once, when it first reaches the node, and follows the edges in their
-# order, so both cores name the same node. The compiled core keeps the
-# state beside the count in the DependencyMap's slot.
-#
-# That search costs more per node than a plain count (a frame per node,
-# read again on the way up), and most graphs cannot have a cycle: a
-# forward pass makes each node after the nodes its edges lead to, so
-# its edges lead to lower sequence numbers (or to an AccumulateGrad,
-# which has none of its own). A cycle needs an edge to a node made no
-# earlier that has next edges itself, since sequence numbers cannot
-# fall all the way around it. So compute_dependencies first counts
-# plainly (count_dependencies) and checks that rule on every edge; only
-# at the first edge that breaks it (nodes made on several threads, whose
-# sequence numbers are per thread, or edges set by hand) does it start
-# again with the depth-first search (search_dependencies).
-
-
-def compute_dependencies(graph_root, graph_task):
-    """Count, for each node reachable from ``graph_root``, the edges into
-    it, and refuse a cycle before any node runs: the plain count, and the
-    depth-first search only where the count cannot rule a cycle out. See
-    Note [Cycles in the backward graph]."""
-    if not count_dependencies(graph_root, graph_task):
-        graph_task.dependencies.clear()
-        search_dependencies(graph_root, graph_task)
-
-
-def count_dependencies(graph_root, graph_task):
-    """Count the edges into each node reachable from ``graph_root`` while
-    every edge leads to a node made earlier (a lower sequence_nr) or to a
-    node without next edges. Returns False, the count unfinished, at the
-    first edge that breaks that rule. Iterative, each node once."""
-    dependencies = graph_task.dependencies
-    seen = {id(graph_root)}
-    stack = [graph_root]
-    while stack:
-        node = stack.pop()
-        if not getattr(node, "_initialized", False):
-            raise RuntimeError(not_initialized_message(node))
-        for edge in node._next_edges:
-            if edge is None:
-                continue
-            next_node = edge.node
-            if next_node._sequence_nr >= node._sequence_nr and next_node._next_edges:
-                return False
-            key = id(next_node)
-            dependencies[key] = dependencies.get(key, 0) + 1
-            if key not in seen:
-                seen.add(key)
-                stack.append(next_node)
-    return True
-
-
-def search_dependencies(graph_root, graph_task):
-    """compute_dependencies' count in a depth-first search that refuses a
-    cycle, for a graph count_dependencies could not vouch for.
-    Iterative: any depth."""
-    on_path, finished = 1, 2
-    dependencies = graph_task.dependencies
-    search_state = {id(graph_root): on_path}
-    if not getattr(graph_root, "_initialized", False):
-        raise RuntimeError(not_initialized_message(graph_root))
-    # Frames: [node, its next edges as first read, the index of the next edge].
-    stack = [[graph_root, graph_root._next_edges, 0]]
-    while stack:
-        frame = stack[-1]
-        node, edges, start = frame
-        for index in range(start, len(edges)):
-            edge = edges[index]
-            if edge is None:
-                continue
-            next_node = edge.node
-            key = id(next_node)
-            dependencies[key] = dependencies.get(key, 0) + 1
-            state = search_state.get(key)
-            if state is None:
-                if not getattr(next_node, "_initialized", False):
-                    raise RuntimeError(not_initialized_message(next_node))
-                search_state[key] = on_path
-                frame[2] = index + 1
-                stack.append([next_node, next_node._next_edges, 0])
-                break  # search below next_node first; this frame resumes after it
-            if state == on_path:
-                raise RuntimeError(
-                    f"the backward graph has a cycle: {node_name(next_node)} is reachable "
-                    "from itself through next_edges; backward needs a graph without cycles")
-        else:
-            search_state[id(node)] = finished
-            stack.pop()
 
 
 def _reset_worker_state_after_fork():

@@ -284,3 +284,13 @@ def check_not_ready_empty(graph_task):
         count = len(graph_task.not_ready)
     if count:
         raise RuntimeError(not_ready_message(count))
+
+
+def cancel_graph_task(graph_task, error):
+    """End ``graph_task`` with ``error``, which its caller raises itself: See
+    Note [Cancelling a graph task] in pyengine/_pure/engine.py."""
+    graph_task.set_exception(error)
+    # The caller raises the error: the task must not keep it (and its traceback).
+    if graph_task.exception is error:
+        graph_task.exception = None
+    graph_task.cpu_ready_queue.discard_graph_task(graph_task)

@@ -1,0 +1,181 @@
+"""Dependencies: the count of the edges into each node of a backward graph,
+made before any node runs, and the refusal of a cycle (the compiled twin of
+``pyengine/_pure/dependencies.py``, whose Note [Cycles in the backward graph]
+explains the two passes). The engine cimports ``compute_dependencies``; it
+runs once per graph task, not per node.
+"""
+
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from libcpp.deque cimport deque
+from libcpp.vector cimport vector
+
+from pyengine._graph_task cimport GraphTask, SEARCH_NOT_SEEN, SEARCH_ON_PATH, SearchState
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
+from pyengine._node cimport Edge, NodeBase
+
+from pyengine._shared import hooks as _hooks
+from pyengine._shared.messages import not_initialized_message
+
+
+cdef extern from "_dependency_map.h":
+    ctypedef struct DependencyFrame "pyengine_DependencyFrame":
+        PyObject* node
+        PyObject* edges
+        Py_ssize_t next
+        size_t slot
+
+cdef extern from "Python.h":
+    # On the frames' borrowed pointers, without a reference per use.
+    Py_ssize_t tuple_size "PyTuple_GET_SIZE"(PyObject* tuple) nogil
+    PyObject* tuple_item "PyTuple_GET_ITEM"(PyObject* tuple, Py_ssize_t i) nogil
+    void decref "Py_DECREF"(PyObject* obj)
+
+
+cdef inline int push_dependency_frame(deque[DependencyFrame]& stack, NodeBase node,
+                                      size_t slot) except -1:
+    """Start the search below ``node`` (reached for the first time, its map
+    slot at index ``slot``)."""
+    if not node._initialized:
+        raise RuntimeError(not_initialized_message(node))
+    cdef tuple edges = node._next_edges
+    cdef DependencyFrame frame
+    frame.node = <PyObject*>node
+    frame.edges = <PyObject*>edges
+    frame.next = 0
+    frame.slot = slot
+    stack.push_back(frame)
+    Py_INCREF(edges)
+    return 0
+
+
+cdef int compute_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
+    """Count, for each node reachable from ``graph_root``, the edges into it,
+    and refuse a cycle before any node runs: the plain count, and the
+    depth-first search only where the count cannot rule a cycle out (See
+    Note [Cycles in the backward graph] in ``pyengine/_pure/dependencies.py``).
+    Both let other threads run as they go (See Note [Long passes let other
+    threads run])."""
+    if count_dependencies(graph_root, graph_task):
+        return 0
+    graph_task.dependencies_.reset()
+    search_dependencies(graph_root, graph_task)
+    return 0
+
+
+cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
+    """Count the edges into each node reachable from ``graph_root``, while
+    every edge leads to a node made earlier (a
+    lower sequence_nr) or to a node without next edges: then no cycle is
+    possible. Returns False, the count unfinished, at the first edge that
+    breaks that rule. Iterative, in any order: each node once, from a
+    stack that owns its nodes."""
+    cdef vector[PyObject*] stack
+    cdef NodeBase node
+    cdef NodeBase next_node
+    cdef tuple edges
+    cdef PyObject* edge
+    cdef size_t slot
+    cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
+    graph_task.dependencies_.enter(<PyObject*>graph_root)
+    Py_INCREF(graph_root)
+    stack.push_back(<PyObject*>graph_root)
+    try:
+        while not stack.empty():
+            node = <NodeBase>stack.back()
+            stack.pop_back()
+            decref(<PyObject*>node)  # the stack's reference; node holds one
+            if not node._initialized:
+                raise RuntimeError(not_initialized_message(node))
+            edges = node._next_edges
+            for i in range(PyTuple_GET_SIZE(edges)):
+                let_others_run(&work_left)
+                edge = PyTuple_GET_ITEM(edges, i)
+                if edge == <PyObject*>None:
+                    continue
+                next_node = (<Edge>edge).node
+                if (next_node._sequence_nr >= node._sequence_nr
+                        and PyTuple_GET_SIZE(next_node._next_edges) != 0):
+                    return False
+                if graph_task.dependencies_.full():
+                    # See pyengine/_table_growth.h.
+                    while not graph_task.dependencies_.grow_step():
+                        yield_to_other_threads()
+                if graph_task.dependencies_.add_edge(<PyObject*>next_node, &slot) == SEARCH_NOT_SEEN:
+                    Py_INCREF(next_node)
+                    stack.push_back(<PyObject*>next_node)
+    finally:
+        # What an early return or an error (Ctrl-C) left.
+        while not stack.empty():
+            decref(stack.back())
+            stack.pop_back()
+    return True
+
+
+cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
+    """compute_dependencies' count in a depth-first search that refuses a
+    cycle, for a graph ``count_dependencies`` could not vouch for.
+    Iterative: graphs of millions of nodes, deep or wide, use no C stack."""
+    # A deque, not a vector: a vector millions of frames deep copies them all,
+    # holding the GIL for tens of milliseconds, each time it grows.
+    cdef deque[DependencyFrame] stack
+    cdef DependencyFrame* frame
+    cdef PyObject* edges
+    cdef PyObject* edge
+    cdef PyObject* next_node
+    cdef Py_ssize_t index, size
+    cdef SearchState state
+    cdef size_t slot
+    cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
+    try:
+        slot = graph_task.dependencies_.enter(<PyObject*>graph_root)
+        push_dependency_frame(stack, graph_root, slot)
+        while not stack.empty():
+            frame = &stack.back()
+            edges = frame.edges
+            size = tuple_size(edges) if edges != NULL else 0
+            index = frame.next
+            next_node = NULL
+            while index < size:
+                let_others_run(&work_left)
+                edge = tuple_item(edges, index)
+                index += 1
+                if edge == <PyObject*>None:
+                    continue
+                next_node = <PyObject*>(<Edge>edge).node
+                if graph_task.dependencies_.full():
+                    # See pyengine/_table_growth.h.
+                    while not graph_task.dependencies_.grow_step():
+                        yield_to_other_threads()
+                state = graph_task.dependencies_.add_edge(next_node, &slot)
+                if state == SEARCH_NOT_SEEN:
+                    break
+                if state == SEARCH_ON_PATH:
+                    raise RuntimeError(
+                        f"the backward graph has a cycle: {_hooks.node_name(<object>next_node)} is "
+                        "reachable from itself through next_edges; backward needs a graph without "
+                        "cycles")
+                next_node = NULL
+            if next_node != NULL:
+                # Search below next_node first; this frame resumes after it.
+                frame.next = index
+                if index == size:
+                    # Its last edge: let go of its edges now, while they are
+                    # in cache (a chain's frames all end so).
+                    frame.edges = NULL
+                    decref(edges)
+                push_dependency_frame(stack, <NodeBase>next_node, slot)
+            else:
+                let_others_run(&work_left)
+                graph_task.dependencies_.finish(frame.node, frame.slot)
+                if edges != NULL:
+                    decref(edges)
+                stack.pop_back()
+    finally:
+        # The frames an error (a cycle, Ctrl-C) left.
+        while not stack.empty():
+            if stack.back().edges != NULL:
+                decref(stack.back().edges)
+            stack.pop_back()
+    return 0

@@ -1,0 +1,194 @@
+"""The reentrant thread pool: graph tasks handed off by a reentrant backward
+nested too deep to run inline, and the threads that run them.
+
+Twin of ``pyengine/_thread_pool.pyx``. The engine hands a graph task off
+with ``add_thread_pool_task`` once per hand-off, never per node; a pool
+thread runs the task through ``run_graph_task`` (the engine's
+``_run_pool_task``), a call back into the engine, so this module needs
+nothing from it.
+
+Note [Reentrant backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A backward started inside a node's ``apply`` (or a hook) is reentrant. Its
+graph task gets ``reentrant_depth`` one more than the task that was running,
+shares the caller's ReadyQueue, and runs on the same thread, recursively:
+its tasks sort before the parent's (See Note [Ready queue order]), so the
+child completes before the parent's queued work continues. Each level costs
+Python and C stack, so past ``max_recursion_depth`` levels on one thread the
+child graph task goes to a pool thread that serves the same queue, with a
+fresh stack, while the caller blocks (with the GIL released) until the child
+completes. A pool thread may in turn go ``max_recursion_depth`` levels deep
+before handing off again, so chains thousands of levels deep complete.
+
+Note [Bounds on reentrant backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A hook that calls backward on its own retained graph nests without end,
+and every ``max_recursion_depth`` levels it takes one more pool thread: left
+alone it starts threads until the system refuses one. PyTorch's engine.cpp
+has no bound here (``total_depth`` only orders the ready queue; its pool
+grows by a thread per hand-off), so pyengine sets three:
+
+- ``max_total_depth`` (default ``MAX_TOTAL_DEPTH``, 4096): a reentrant
+  backward nested deeper than that raises RecursionError before it queues
+  anything, naming the depth and the attribute that raises the limit. The
+  error goes up through every level as that level's error, so the outermost
+  backward raises it, after at most about ``max_total_depth /
+  (max_recursion_depth + 1)`` pool threads (68 with the defaults) took part.
+- ``max_pool_threads`` (default ``MAX_POOL_THREADS``, 256): a hand-off that
+  finds no idle pool thread and this many threads started raises
+  RuntimeError instead of waiting, since the busy threads may all be waiting
+  for it (a deadlock). Several threads that each nest deeply at once share
+  the pool, so it is larger than one chain needs.
+- A pool thread that fails to start (``threading.Thread.start`` raises) is
+  taken off the pool's list and its slot given back, the graph task handed
+  off is taken back and cancelled (See Note [Cancelling a graph task]),
+  and the reentrant ``execute`` raises RuntimeError naming the depth, from
+  the original error. A pool thread that ends for any reason takes itself
+  off the list, so ``stop`` joins only threads that ran.
+
+Note [A pool thread is back before its caller]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A pool thread completes its graph task from inside ``thread_main``, and the
+caller waiting in ``add_thread_pool_task`` wakes at once, while the thread
+still has to unwind and count itself idle. Without more, a caller that
+returns and hands off again at once (the next backward, or the next level)
+can find that thread not yet idle: PyTorch's unbounded pool would start one
+more thread, but a pool at ``max_pool_threads`` raises "all N threads ...
+are busy" although none is (See Note [Bounds on reentrant backward]). So
+the thread marks its task ``on_pool_thread`` while it runs it, and clears
+the mark in the same critical section that counts it idle again; the
+caller, once its task completed, waits for the mark to clear. The wait is
+short (the thread needs only the GIL, which the caller does not hold), and
+a backward that returns has every pool thread it used idle again. A caller
+that cancels its task (Ctrl-C, a thread that did not start) does not wait.
+"""
+
+import threading
+
+from .._shared.messages import pool_full_message
+from .graph_task import cancel_graph_task
+
+
+class _ThreadPoolShared:
+    """Graph tasks handed off by a too-deep reentrant backward, and the pool
+    threads that run them. ``graph_tasks``, ``num_idle``, ``num_threads``
+    (started or starting, not yet ended: at most the engine's
+    ``max_pool_threads``), ``threads`` (the started ones, for ``stop`` to
+    join) and ``stopping`` are guarded by ``condition``'s lock."""
+
+    def __init__(self):
+        self.condition = threading.Condition(threading.Lock())
+        self.graph_tasks = []
+        self.num_idle = 0
+        self.num_threads = 0
+        self.threads = []
+        self.stopping = False
+
+
+def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
+    """Hand ``graph_task`` to a pool thread and block until it completes.
+    ``run_graph_task(graph_task)`` runs it on the pool thread. See Note
+    [Reentrant backward] and Note [Bounds on reentrant backward]."""
+    with pool.condition:
+        # PyTorch's rule: a new thread unless an idle one is left over for it.
+        start_thread = pool.num_idle <= len(pool.graph_tasks)
+        if start_thread and pool.num_threads >= max_pool_threads:
+            full = True
+        else:
+            full = False
+            if start_thread:
+                pool.num_threads += 1
+            pool.graph_tasks.append(graph_task)
+    if full:
+        error = RuntimeError(pool_full_message(graph_task.reentrant_depth,
+                                               max_pool_threads))
+        cancel_graph_task(graph_task, error)
+        raise error
+    try:
+        if start_thread:
+            start_pool_thread(pool, graph_task, run_graph_task)
+        with pool.condition:
+            pool.condition.notify()
+        graph_task.wait()
+    except BaseException as error:
+        # A thread that did not start, or Ctrl-C while waiting: the
+        # child ends here. See Note [Cancelling a graph task] in
+        # pyengine/_pure/engine.py.
+        withdraw_pool_task(pool, graph_task)
+        cancel_graph_task(graph_task, error)
+        raise
+    # See Note [A pool thread is back before its caller].
+    with pool.condition:
+        while graph_task.on_pool_thread:
+            pool.condition.wait()
+
+
+def start_pool_thread(pool, graph_task, run_graph_task):
+    """Start a pool thread, its slot in ``num_threads`` already taken; if
+    it cannot start, give the slot back and raise RuntimeError."""
+    thread = threading.Thread(target=_reentrant_thread_main, args=(pool, run_graph_task),
+                              name="pyengine-reentrant", daemon=True)
+    with pool.condition:
+        pool.threads.append(thread)
+    try:
+        thread.start()
+    except BaseException as error:
+        if thread.ident is not None:
+            # It started (Ctrl-C came while start() waited for it).
+            raise
+        with pool.condition:
+            pool.threads.remove(thread)
+            pool.num_threads -= 1
+        if not isinstance(error, Exception):
+            raise
+        raise RuntimeError(
+            f"could not start a reentrant pool thread for a backward nested "
+            f"{graph_task.reentrant_depth} levels deep: {error}") from error
+
+
+def _reentrant_thread_main(pool, run_graph_task):
+    """A pool thread: run the graph tasks handed off, with
+    ``run_graph_task(graph_task)``, until the pool stops."""
+    # Whether this thread is counted in num_idle: from its start, and
+    # again from the moment it finishes a task (See Note [A pool thread
+    # is back before its caller]).
+    counted_idle = False
+    try:
+        with pool.condition:
+            pool.num_idle += 1
+            counted_idle = True
+        while True:
+            with pool.condition:
+                while not pool.graph_tasks and not pool.stopping:
+                    pool.condition.wait()
+                pool.num_idle -= 1
+                counted_idle = False
+                if pool.stopping:
+                    return
+                graph_task = pool.graph_tasks.pop(0)
+            graph_task.on_pool_thread = True
+            try:
+                run_graph_task(graph_task)
+            finally:
+                with pool.condition:
+                    graph_task.on_pool_thread = False
+                    pool.num_idle += 1
+                    counted_idle = True
+                    pool.condition.notify_all()
+            del graph_task
+    finally:
+        # However it ends, it leaves no dead thread in the pool.
+        with pool.condition:
+            pool.threads.remove(threading.current_thread())
+            pool.num_threads -= 1
+            if counted_idle:
+                pool.num_idle -= 1
+
+
+def withdraw_pool_task(pool, graph_task):
+    """Take ``graph_task`` back from the pool's queue if no thread took it yet."""
+    with pool.condition:
+        for i, queued in enumerate(pool.graph_tasks):
+            if queued is graph_task:
+                del pool.graph_tasks[i]
+                break

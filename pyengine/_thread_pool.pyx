@@ -1,0 +1,180 @@
+"""The reentrant thread pool: graph tasks handed off by a reentrant backward
+nested too deep to run inline, and the threads that run them.
+
+The compiled twin of ``pyengine/_pure/thread_pool.py``, whose Notes explain
+it: Note [Reentrant backward], Note [Bounds on reentrant backward], Note [A
+pool thread is back before its caller]. The engine hands a graph task off
+with ``add_thread_pool_task`` once per hand-off, never per node; a pool
+thread runs the task through ``run_graph_task`` (the engine's
+``_run_pool_task``), a Python call back into the engine, so this module
+needs nothing from it.
+"""
+
+cimport cython
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from cython.operator cimport dereference as deref
+from libcpp.deque cimport deque
+from libcpp.mutex cimport mutex, unique_lock
+
+from pyengine._graph_task cimport GraphTask, cancel_graph_task
+from pyengine._locks cimport lock_releasing_gil
+
+import threading
+
+from pyengine._shared.messages import pool_full_message
+
+
+@cython.final
+cdef class _ThreadPoolShared:
+    """Graph tasks handed off by a too-deep reentrant backward, and the pool
+    threads that run them. ``graph_tasks`` (owned references), ``num_idle``,
+    ``num_threads`` (started or starting, not yet ended: at most the
+    engine's ``max_pool_threads``) and ``stopping`` are guarded by
+    ``mutex_``; ``work`` is signalled under it, and ``released`` when a
+    thread goes back to idle after a task. ``threads`` (the started ones,
+    for ``stop`` to join) is guarded by the GIL."""
+
+    def __cinit__(self):
+        self.threads = []
+
+    def __dealloc__(self):
+        while not self.graph_tasks.empty():
+            Py_DECREF(<object>self.graph_tasks.front())
+            self.graph_tasks.pop_front()
+
+
+cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
+                              Py_ssize_t max_pool_threads, object run_graph_task) except -1:
+    """Hand ``graph_task`` to a pool thread and block, without the GIL, until
+    it completes. ``run_graph_task(graph_task)`` runs it on the pool thread.
+    See Note [Reentrant backward] and Note [Bounds on reentrant backward]."""
+    cdef unique_lock[mutex] lock
+    lock_releasing_gil(pool.mutex_)
+    # PyTorch's rule: a new thread unless an idle one is left over for it.
+    cdef bint start_thread = pool.num_idle <= pool.graph_tasks.size()
+    if start_thread and pool.num_threads >= max_pool_threads:
+        pool.mutex_.unlock()
+        error = RuntimeError(pool_full_message(graph_task.reentrant_depth, max_pool_threads))
+        cancel_graph_task(graph_task, error)
+        raise error
+    if start_thread:
+        pool.num_threads += 1
+    Py_INCREF(graph_task)
+    pool.graph_tasks.push_back(<PyObject*>graph_task)
+    pool.mutex_.unlock()
+    try:
+        if start_thread:
+            start_pool_thread(pool, graph_task, run_graph_task)
+        pool.work.notify_one()
+        graph_task.wait()
+    except BaseException as error:
+        # A thread that did not start, or Ctrl-C while waiting: the
+        # child ends here. See Note [Cancelling a graph task] in
+        # pyengine/_pure/engine.py.
+        withdraw_pool_task(pool, graph_task)
+        cancel_graph_task(graph_task, error)
+        raise
+    # See Note [A pool thread is back before its caller] in the twin.
+    with nogil:
+        lock = unique_lock[mutex](pool.mutex_)
+        while graph_task.on_pool_thread:
+            pool.released.wait(lock)
+        lock.unlock()
+    return 0
+
+
+cdef int start_pool_thread(_ThreadPoolShared pool, GraphTask graph_task,
+                           object run_graph_task) except -1:
+    """Start a pool thread, its slot in ``num_threads`` already taken; if
+    it cannot start, give the slot back and raise RuntimeError."""
+    thread = threading.Thread(target=_reentrant_thread_main, args=(pool, run_graph_task),
+                              name="pyengine-reentrant", daemon=True)
+    pool.threads.append(thread)
+    try:
+        thread.start()
+    except BaseException as error:
+        if thread.ident is not None:
+            # It started (Ctrl-C came while start() waited for it).
+            raise
+        pool.threads.remove(thread)
+        lock_releasing_gil(pool.mutex_)
+        pool.num_threads -= 1
+        pool.mutex_.unlock()
+        if not isinstance(error, Exception):
+            raise
+        raise RuntimeError(
+            f"could not start a reentrant pool thread for a backward nested "
+            f"{graph_task.reentrant_depth} levels deep: {error}") from error
+    return 0
+
+
+def _reentrant_thread_main(_ThreadPoolShared pool, run_graph_task):
+    """A pool thread: run the graph tasks handed off, with
+    ``run_graph_task(graph_task)``, until the pool stops."""
+    cdef PyObject* next_graph_task = NULL
+    cdef GraphTask graph_task
+    cdef unique_lock[mutex] lock
+    # Whether this thread is counted in num_idle: from its start, and
+    # again from the moment it finishes a task (See Note [A pool thread
+    # is back before its caller] in the twin).
+    cdef bint counted_idle = False
+    try:
+        lock_releasing_gil(pool.mutex_)
+        pool.num_idle += 1
+        counted_idle = True
+        pool.mutex_.unlock()
+        while True:
+            with nogil:
+                lock = unique_lock[mutex](pool.mutex_)
+                while pool.graph_tasks.empty() and not pool.stopping:
+                    pool.work.wait(lock)
+                pool.num_idle -= 1
+                counted_idle = False
+                if pool.stopping:
+                    next_graph_task = NULL
+                else:
+                    next_graph_task = pool.graph_tasks.front()
+                    pool.graph_tasks.pop_front()
+                lock.unlock()
+            if next_graph_task == NULL:
+                return
+            graph_task = <GraphTask>next_graph_task
+            Py_DECREF(graph_task)  # the pool's reference; graph_task holds one
+            graph_task.on_pool_thread = True
+            try:
+                run_graph_task(graph_task)
+            finally:
+                lock_releasing_gil(pool.mutex_)
+                graph_task.on_pool_thread = False
+                pool.num_idle += 1
+                counted_idle = True
+                pool.mutex_.unlock()
+                pool.released.notify_all()
+            graph_task = None
+    finally:
+        # However it ends, it leaves no dead thread in the pool.
+        pool.threads.remove(threading.current_thread())
+        lock_releasing_gil(pool.mutex_)
+        pool.num_threads -= 1
+        if counted_idle:
+            pool.num_idle -= 1
+        pool.mutex_.unlock()
+
+
+cdef int withdraw_pool_task(_ThreadPoolShared pool, GraphTask graph_task) except -1:
+    """Take ``graph_task`` back from the pool's queue if no thread took it yet."""
+    cdef deque[PyObject*].iterator it
+    cdef bint found = False
+    lock_releasing_gil(pool.mutex_)
+    it = pool.graph_tasks.begin()
+    while it != pool.graph_tasks.end():
+        if deref(it) == <PyObject*>graph_task:
+            pool.graph_tasks.erase(it)
+            found = True
+            break
+        it += 1
+    pool.mutex_.unlock()
+    if found:
+        Py_DECREF(graph_task)  # the pool's reference
+    return 0
