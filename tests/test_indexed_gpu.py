@@ -12,6 +12,7 @@ import pytest
 
 import pyengine
 from pyengine import IndexedGradient
+from test_indexed_gradients import Leaf, Source
 
 cupy = pytest.importorskip("cupy")
 try:
@@ -29,24 +30,6 @@ def _parts(seed):
     indices = rng.integers(0, ROWS, 300)
     values = rng.standard_normal((300, COLS))
     return indices, values
-
-
-class Leaf:
-    def __init__(self, data):
-        self.data = data
-        self.grad = None
-        self.grad_fn = None
-        self.output_nr = 0
-        self.requires_grad = True
-
-
-class Source(pyengine.Node):
-    def __init__(self, edges, grads):
-        super().__init__(edges, [((), np.float64)])
-        self.grads = grads
-
-    def apply(self, grads):
-        return list(self.grads)
 
 
 def test_cupy_indexed_gradients_sum_and_accumulate():

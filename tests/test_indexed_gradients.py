@@ -15,6 +15,7 @@ import pyengine
 import pyengine.frontend as pe
 from pyengine import IndexedGradient, densify
 from pyengine import fake_device as fd
+from plain_tensors import Leaf
 
 ROWS, COLS = 7, 3
 
@@ -97,15 +98,6 @@ def test_fields_are_read_only():
 
 
 # -- in the engine ----------------------------------------------------------------------
-
-class Leaf:
-    def __init__(self, data):
-        self.data = data
-        self.grad = None
-        self.grad_fn = None
-        self.output_nr = 0
-        self.requires_grad = True
-
 
 class Source(pyengine.Node):
     def __init__(self, edges, grads):
