@@ -44,15 +44,46 @@ def _perf(args, command):
             ack.readline()
 
 
+class _GradInputs:
+    """A chain run as ``grad(root, inputs=leaf)``: exec_info's path, which
+    a backward into the leaf never takes."""
+
+    def __init__(self, chain):
+        self.chain = chain
+        self.name = f"grad(inputs=), {chain.name}"
+        self.nodes = chain.nodes
+        self.result = None
+
+    def reset(self):
+        pass
+
+    def run(self):
+        self.result = pyengine.grad(self.chain.root_edge, self.chain.leaf, self.chain.grad)
+
+    def check(self):
+        import numpy as np
+
+        np.testing.assert_array_equal(self.result[0], self.chain.expected)
+
+    def run_checked(self):
+        self.run()
+        self.check()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kind", default="chain", choices=["chain", "wide", "single"])
+    parser.add_argument("--kind", default="chain", choices=["chain", "wide", "single", "grad-inputs"],
+                        help="grad-inputs: grad(root, inputs=leaf) on a chain, the bench's row of "
+                             "that name")
     parser.add_argument("--n", type=int, default=100_000)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--perf-ctl", help="perf --control fifo: enabled around the backward calls")
     parser.add_argument("--perf-ack", help="perf's ack fifo, waited on after each command")
     args = parser.parse_args(argv)
-    graph = build(args.kind, args.n)
+    if args.kind == "grad-inputs":
+        graph = _GradInputs(build("chain", args.n))
+    else:
+        graph = build(args.kind, args.n)
     graph.run_checked()
     gc.collect()
     _perf(args, "enable")

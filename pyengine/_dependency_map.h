@@ -57,6 +57,9 @@ class pyengine_DependencyMap {
         moved_ = 0;
     }
 
+    // The number of nodes with a slot: those the last count reached.
+    size_t size() const { return used_; }
+
     // One edge into node delivered: 1 when that was its last, 0 when more are
     // due, -1 when node has no dependencies outstanding.
     int remove(PyObject *node) {

@@ -17,6 +17,7 @@
 
 #include <Python.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -36,7 +37,7 @@ struct pyengine_ExecInfo {
 class pyengine_ExecInfoMap {
   public:
     // No table until the first slot: most graph tasks never make one.
-    pyengine_ExecInfoMap() : used_(0), moved_(0) {}
+    pyengine_ExecInfoMap() : used_(0), moved_(0), traversed_(false) {}
 
     // Whether the next new slot doubles the table: as DependencyMap's.
     bool full() const { return 2 * (used_ + 1) > slots_.size(); }
@@ -49,6 +50,7 @@ class pyengine_ExecInfoMap {
         std::vector<PyObject *>().swap(order_);
         used_ = 0;
         moved_ = 0;
+        traversed_ = false;
     }
 
     bool grow_step() {
@@ -62,6 +64,38 @@ class pyengine_ExecInfoMap {
                                      const pyengine_ExecInfo &slot) {
                                       slots[find_index(slots, slot.node)] = slot;
                                   });
+    }
+
+    // One step of making room for `entries` slots, so that that many
+    // inserts never grow the table: the caller calls it until it returns
+    // true, letting other threads run between the calls, as grow_step's.
+    // An empty table is zeroed at its final size in steps of
+    // pyengine_TABLE_GROWTH_STEP; one with slots doubles in steps. See
+    // Note [Sizing exec info up front] in pyengine/_pure/graph_task.py.
+    bool reserve_step(size_t entries) {
+        size_t wanted = 16;
+        while (2 * (entries + 1) > wanted) {
+            wanted *= 2;
+        }
+        if (slots_.size() >= wanted) {
+            return true;
+        }
+        if (used_ != 0) {
+            return grow_step() && slots_.size() >= wanted;
+        }
+        // Nothing to move: no table between the one we have and the last.
+        if (larger_.capacity() < wanted) {
+            larger_.reserve(wanted);  // address space only: pages are touched as zeroed
+        }
+        larger_.resize(std::min(wanted, larger_.size() + pyengine_TABLE_GROWTH_STEP));
+        if (larger_.size() < wanted) {
+            return false;
+        }
+        slots_.swap(larger_);
+        std::vector<pyengine_ExecInfo>().swap(larger_);
+        // At most one entry per node: order_ never grows either.
+        order_.reserve(entries);
+        return true;
     }
 
     // No entry at all: every node runs.
@@ -116,8 +150,14 @@ class pyengine_ExecInfoMap {
         return entry;
     }
 
-    // Forget what a traversal has seen, before the next one.
+    // Forget what a traversal has seen, before the next one. Only a table
+    // that a traversal used has anything to forget: the first skips the
+    // pass over every slot (at a million nodes, tens of megabytes).
     void clear_seen() {
+        if (!traversed_) {
+            traversed_ = true;
+            return;
+        }
         for (pyengine_ExecInfo &slot : slots_) {
             slot.seen = false;
         }
@@ -145,4 +185,7 @@ class pyengine_ExecInfoMap {
     std::vector<pyengine_ExecInfo> larger_;
     size_t moved_;
     std::vector<PyObject *> order_;
+    // Whether clear_seen ran since the table was made: a traversal may
+    // have set seen bits.
+    bool traversed_;
 };

@@ -31,6 +31,7 @@ cdef extern from "_dependency_map.h" nogil:
         size_t enter(PyObject* root)
         SearchState add_edge(PyObject* node, size_t* index)
         void finish(PyObject* node, size_t index)
+        size_t size()
 
 cdef extern from "_exec_info_map.h" nogil:
     cppclass ExecInfoEntry "pyengine_ExecInfo":
@@ -44,6 +45,7 @@ cdef extern from "_exec_info_map.h" nogil:
         ExecInfoMap()
         bint full()
         bint grow_step()
+        bint reserve_step(size_t entries)
         void release()
         bint empty()
         Py_ssize_t size()
@@ -122,6 +124,7 @@ cdef class GraphTask:
 
     # What the engine calls once per backward, called in C. The ones that
     # return None to Python report errors as exceptions (a NULL return).
+    cdef Py_ssize_t reserve_exec_info(self) except -1
     cpdef init_to_execute(self, graph_root, outputs, bint accumulate_grad)
     cpdef void set_exception(self, exception) noexcept
     cpdef mark_as_completed_and_run_post_processing(self)

@@ -222,6 +222,16 @@ cdef class GraphTask:
 
     # -- execution plan --
 
+    cdef Py_ssize_t reserve_exec_info(self) except -1:
+        """Size exec_info for every node the dependency count reached, before
+        init_to_execute fills it, and return that count: See Note [Sizing
+        exec info up front] in the twin. Zeroing the table lets other
+        threads run, as its growth does."""
+        cdef size_t size_hint = self.dependencies_.size()
+        while not self.exec_info_.reserve_step(size_hint):
+            yield_to_other_threads()
+        return <Py_ssize_t>size_hint
+
     cpdef init_to_execute(self, graph_root, outputs, bint accumulate_grad):
         """Mark the nodes on a path from ``graph_root`` to an edge of ``outputs``
         (a sequence of Edges) in ``exec_info_``: the twin's algorithm, in C.
@@ -236,6 +246,7 @@ cdef class GraphTask:
         cdef Edge edge
         cdef ExecInfoEntry* entry
         cdef int32_t captures
+        self.reserve_exec_info()
         for output_idx in range(PyList_GET_SIZE(output_list)):
             edge = <Edge?>PyList_GET_ITEM(output_list, output_idx)
             entry = &self.exec_info_.make_entry(<PyObject*>edge.node)

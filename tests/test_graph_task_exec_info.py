@@ -249,6 +249,34 @@ def test_grad_on_a_10_node_chain_is_the_product_of_its_factors():
     assert x.grad is None
 
 
+def test_grad_on_a_chain_whose_exec_info_is_sized_in_several_steps():
+    # 40k nodes: exec_info is sized up front from the dependency count
+    # (See Note [Sizing exec info up front]), a table of 2^17 slots zeroed
+    # in four steps; an input the graph does not reach adds an entry past
+    # that count, and a second call of the same graph starts afresh.
+    depth = 40_000
+    x = leaf([1.0, 2.0])
+    unused = leaf([3.0])
+    y = x
+    middle = None
+    for k in range(depth):
+        y = mul(y, const(-1.0 if k % 3 == 0 else 1.0))
+        if k == depth // 2 - 1:
+            middle = y
+    # y = (-1)^(number of k < depth with k % 3 == 0) x; middle is y after
+    # the first depth/2 factors.
+    sign_all = (-1.0) ** len(range(0, depth, 3))
+    sign_below_middle = (-1.0) ** len(range(0, depth // 2, 3))
+    for _ in range(2):
+        dx, dmiddle, dunused = pyengine.grad(y, [x, middle, unused], np.ones(2),
+                                             retain_graph=True, allow_unused=True)
+        np.testing.assert_array_equal(dx, [sign_all, sign_all])
+        expected_middle = sign_all * sign_below_middle
+        np.testing.assert_array_equal(dmiddle, [expected_middle, expected_middle])
+        assert dunused is None
+    assert x.grad is None
+
+
 def test_grad_captures_a_node_that_also_runs_for_an_input_below_it():
     x = leaf([1.0, 2.0])
     h = mul(x, const(3.0))

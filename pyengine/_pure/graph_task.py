@@ -116,6 +116,27 @@ class GraphTask:
 
     # -- execution plan ---------------------------------------------------
 
+    def reserve_exec_info(self):
+        """Size exec_info for every node the dependency count reached, before
+        init_to_execute fills it, and return that count. See Note [Sizing
+        exec info up front]: a dict sizes itself, so here the step only
+        computes the hint."""
+        return len(self.dependencies)
+
+    # Note [Sizing exec info up front]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # init_to_execute makes a slot for every node on its way and an entry
+    # for every node on a path to an output: on a chain that is every
+    # node. compute_dependencies has just counted those nodes, so the
+    # compiled core's ExecInfoMap is made that large once, before the
+    # traversal, instead of doubling (and moving every slot) a dozen times
+    # as it fills, and its list of entries in order is reserved as well.
+    # The count is a hint: an output the graph does not reach still gets
+    # an entry, and a table that fills past the hint grows as before. An
+    # empty table is zeroed in steps that let other threads run (See Note
+    # [Long passes let other threads run]). Python's dicts size themselves,
+    # so the twin's step computes the hint and sizes nothing.
+
     def init_to_execute(self, graph_root, outputs, accumulate_grad):
         """Mark the nodes on a path from ``graph_root`` to an edge of ``outputs``.
 
@@ -144,6 +165,7 @@ class GraphTask:
         passes let other threads run]); here the interpreter does.
         """
         exec_info = self.exec_info
+        self.reserve_exec_info()
         for output_idx, edge in enumerate(outputs):
             info = exec_info.get(id(edge.node))
             if info is None:
