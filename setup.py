@@ -106,5 +106,9 @@ class BuildExtOrFallBack(build_ext):
         return None
 
 
-setup(ext_modules=cythonize(extensions, compiler_directives=directives, nthreads=os.cpu_count() or 1),
+# force: the generated C++ depends on the numpy (its .pxd and headers) of the
+# build environment, which a timestamp does not tell; a .cpp left from a
+# build against another numpy does not compile.
+setup(ext_modules=cythonize(extensions, compiler_directives=directives, nthreads=os.cpu_count() or 1,
+                            force=True),
       cmdclass={"build_ext": BuildExtOrFallBack})
