@@ -5,13 +5,20 @@ build (line tracing for coverage and profilers, bounds and wraparound
 checks, C assertions on) is one environment variable away:
 
     PYENGINE_DEBUG=1 pip install .
+
+Where no C++ compiler works, the install falls back to the pure-Python twin:
+See Note [Installing without a compiler].
 """
 
 import os
+import sys
+import tempfile
 
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.errors import CCompilerError, ExecError, PlatformError
 
 DEBUG = os.environ.get("PYENGINE_DEBUG", "") not in ("", "0")
 
@@ -47,4 +54,62 @@ extensions = [
     for name in COMPILED_MODULES
 ]
 
-setup(ext_modules=cythonize(extensions, compiler_directives=directives, nthreads=os.cpu_count() or 1))
+
+# Note [Installing without a compiler]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# pyengine's pure-Python twin is the fallback where no compiled build exists
+# (pyengine/_core.py picks it, with a warning, when the compiled modules are
+# missing). So a machine without a working C++ compiler still gets a working
+# install: before building the extensions, build_ext compiles and links a
+# one-line C++ file with the very compiler and flags the extensions would
+# use. If that fails, no extension is built, a warning says why, and the
+# package installs without its compiled modules; pip shows the warning with
+# ``pip install -v``, and importing pyengine warns every time. If the probe
+# works, the extensions build as usual and an error in them fails the
+# install: a broken build must not pass for a missing compiler.
+
+
+def warn(message):
+    bar = "*" * 78
+    print(f"\n{bar}\npyengine: {message}\n{bar}\n", file=sys.stderr, flush=True)
+
+
+class BuildExtOrFallBack(build_ext):
+    """build_ext that builds nothing, with a warning, where no C++ compiler
+    works. See Note [Installing without a compiler]."""
+
+    def build_extensions(self):
+        problem = self.compiler_problem()
+        if problem is None:
+            super().build_extensions()
+            return
+        warn(f"no working C++ compiler ({problem}), so the compiled core is not built and "
+             "pyengine installs as its pure-Python twin, which is several times slower. Install a "
+             "C++17 compiler (g++ or clang++) and reinstall pyengine (pip install --force-reinstall "
+             "--no-cache-dir ...) to get the compiled core.")
+
+    def compiler_problem(self):
+        """Why the compiler cannot build a C++ extension, or None if it can."""
+        probe = extensions[0]
+        with tempfile.TemporaryDirectory(prefix="pyengine-probe-") as scratch:
+            source = os.path.join(scratch, "probe.cpp")
+            with open(source, "w") as file:
+                file.write("int pyengine_probe() { return 0; }\n")
+            try:
+                objects = self.compiler.compile([source], output_dir=scratch,
+                                                extra_postargs=probe.extra_compile_args)
+                self.compiler.link_shared_object(
+                    objects, os.path.join(scratch, "probe" + self.compiler.shared_lib_extension),
+                    target_lang=probe.language)
+            except (CCompilerError, ExecError, PlatformError, OSError) as error:
+                text = str(error)
+                return text if len(text) < 200 else f"{text[:200]}..."
+        return None
+
+
+# force: the generated C++ depends on the numpy (its .pxd and headers) of the
+# build environment, which a timestamp does not tell; a .cpp left from a
+# build against another numpy does not compile.
+setup(ext_modules=cythonize(extensions, compiler_directives=directives, nthreads=os.cpu_count() or 1,
+                            force=True),
+      cmdclass={"build_ext": BuildExtOrFallBack})

@@ -1,18 +1,63 @@
 """Chooses the engine core: the compiled Cython modules or their pure-Python twin.
 
 ``PYENGINE_PURE=1`` selects the twin. Without it, the compiled modules are
-used; if they cannot be imported (no compiled build for this platform), the
-twin is used with a warning. Everything else imports the core from here.
+used; if they cannot be imported, the twin is used with a warning that says
+why and what to do (:func:`why_no_compiled_core`). Everything else imports
+the core from here.
 """
 
+import importlib.machinery
 import os
 import warnings
 
 from ._pure import owner_graph as translation_module
 
 IMPLEMENTATION = "pure"
+_PURE_REQUESTED = os.environ.get("PYENGINE_PURE", "") not in ("", "0")
 
-if os.environ.get("PYENGINE_PURE", "") in ("", "0"):
+# The compiled modules this file imports; each is a pyengine/<name>.pyx.
+_COMPILED = ("_engine", "_graph_task", "_input_buffer", "_node", "_ready_queue", "_state",
+             "_validate_outputs")
+
+
+def why_no_compiled_core(error):
+    """The warning for a pyengine whose compiled modules failed to import with
+    ``error``: which of three cases this is, and what to do.
+
+    Python words a missing submodule of a package that is being imported as
+    "most likely due to a circular import", which is never the cause here, so
+    the files say what happened: no built module next to its ``.pyx`` source
+    is a source tree that was not built (``python -m pyengine`` or a script
+    run from the repository root imports the checkout, which shadows an
+    installed pyengine); no built module and no source is an install that
+    found no C++ compiler (See Note [Installing without a compiler] in
+    setup.py); a built module that fails to import is a build for another
+    Python or numpy, and the error says which.
+    """
+    package = os.path.dirname(os.path.abspath(__file__))
+    built = [name for name in _COMPILED
+             if any(os.path.exists(os.path.join(package, name + suffix))
+                    for suffix in importlib.machinery.EXTENSION_SUFFIXES)]
+    twin = "pyengine runs on its pure-Python twin, which is several times slower"
+    if len(built) < len(_COMPILED) and os.path.exists(os.path.join(package, "_engine.pyx")):
+        checkout = os.path.dirname(package)
+        shadow = (" (Python imports from the current directory first, so the checkout shadows any "
+                  "installed pyengine)" if os.path.abspath(os.getcwd()) == checkout else "")
+        return (f"pyengine: imported from the source tree {package}{shadow}, where the compiled "
+                f"core is not built; {twin}. To use the compiled core, run from outside {checkout} "
+                f"to import the installed pyengine, or build it in place: cd {checkout} && python "
+                "setup.py build_ext --inplace. PYENGINE_PURE=1 selects the twin without this warning.")
+    if not built:
+        return (f"pyengine: installed without its compiled core ({package} has no compiled modules: "
+                f"the install found no working C++ compiler); {twin}. Install a C++17 compiler (g++ "
+                "or clang++) and reinstall pyengine with pip install --force-reinstall "
+                "--no-cache-dir. PYENGINE_PURE=1 selects the twin without this warning.")
+    return (f"pyengine: the compiled core in {package} does not import ({error}); {twin}. It was "
+            "probably built for another Python or numpy: reinstall pyengine with pip install "
+            "--force-reinstall --no-cache-dir.")
+
+
+if not _PURE_REQUESTED:
     try:
         from . import _engine as engine_module
         from . import _graph_task as graph_task_module
@@ -25,12 +70,18 @@ if os.environ.get("PYENGINE_PURE", "") in ("", "0"):
 
         IMPLEMENTATION = "compiled"
     except ImportError as error:
-        warnings.warn(
-            f"pyengine: the compiled core is unavailable ({error}); using the slower "
-            "pure-Python twin. Reinstall pyengine to build it.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        warnings.warn(why_no_compiled_core(error), RuntimeWarning, stacklevel=2)
+
+def core_description():
+    """Which core runs, in words for the command-line tools' first line; the
+    pure twin says plainly why it runs."""
+    if IMPLEMENTATION == "compiled":
+        return "compiled engine core"
+    if _PURE_REQUESTED:
+        return "pure engine core (the pure-Python twin, as PYENGINE_PURE=1 asks)"
+    return ("pure engine core: the pure-Python twin, several times slower, because the compiled "
+            "core did not import (the warning above says why)")
+
 
 if IMPLEMENTATION == "pure":
     from ._pure import engine as engine_module

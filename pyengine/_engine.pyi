@@ -9,6 +9,9 @@ MAX_RECURSION_DEPTH: int
 MAX_TOTAL_DEPTH: int
 MAX_POOL_THREADS: int
 
+class WorkerState:
+    """The engine's per-thread state; no attribute is visible from Python."""
+
 class GraphRoot(NodeBase):
     outputs: list[Any]
     def __init__(self, roots: Sequence[Edge], grads: Sequence[Any]) -> None: ...

@@ -71,6 +71,21 @@ class StressReport:
     seconds: float = 0.0
     per_scenario: dict = field(default_factory=dict)
 
+    @property
+    def failures(self) -> int:
+        """The failed checks counted so far (a run stops at its first failure)."""
+        return self.deadlocks + self.leaked_threads + self.leaked_graphs
+
+    @property
+    def scenarios(self) -> int:
+        """Scenarios run so far: one of each per batch."""
+        return self.batches * len(SCENARIOS)
+
+    def progress(self) -> str:
+        """One line: the elapsed time, batches, scenarios and failures so far."""
+        return (f"{self.seconds:6.1f} s  {self.batches:,} batches  {self.scenarios:,} scenarios  "
+                f"{self.backward_calls:,} backward calls  {self.failures} failures")
+
     def summary(self) -> str:
         scenarios = ", ".join(f"{name} {count}" for name, count in sorted(self.per_scenario.items()))
         return (f"{self.batches} batches, {self.backward_calls} backward calls ({scenarios}), "
@@ -382,7 +397,8 @@ def _check_batch(report, graph_refs, other_threads_before, engine_threads_limit)
 def run(duration_s=None, batches=None, seed=0, watchdog_s=60.0, log=None) -> StressReport:
     """Run batches until ``duration_s`` seconds or ``batches`` batches are done
     (whichever is given; both: the first reached). Raises StressFailure on
-    the first failed check; returns the report otherwise."""
+    the first failed check; returns the report otherwise. ``log(report)``,
+    where given, is called after every batch."""
     if duration_s is None and batches is None:
         raise ValueError("give duration_s or batches")
     rng = np.random.default_rng(seed)
@@ -420,8 +436,9 @@ def run(duration_s=None, batches=None, seed=0, watchdog_s=60.0, log=None) -> Str
             _check_batch(report, graph_refs, other_threads_before, engine_threads_limit)
             gc.enable()
             report.batches += 1
+            report.seconds = time.monotonic() - start
             if log is not None:
-                log(f"batch {report.batches}: {report.summary()}")
+                log(report)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -436,18 +453,52 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (0)")
     parser.add_argument("--watchdog", type=float, default=60.0,
                         help="seconds one call may take before it counts as a deadlock (60)")
-    parser.add_argument("--quiet", action="store_true", help="print only the summary")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress line: print only the header and the summary")
+
+
+class ProgressLine:
+    """The run's progress on one line: redrawn in place on a terminal; in a log
+    (not a terminal), a line every ``every_s`` seconds."""
+
+    def __init__(self, stream=None, every_s=10.0):
+        self.stream = sys.stdout if stream is None else stream
+        self.live = self.stream.isatty()
+        self.every_s = every_s
+        self.next_s = every_s
+        self.drawn = False
+
+    def __call__(self, report):
+        if self.live:
+            self.stream.write(f"\r\x1b[K{report.progress()}")
+            self.drawn = True
+        elif report.seconds >= self.next_s:
+            self.stream.write(report.progress() + "\n")
+            self.next_s = report.seconds + self.every_s
+        self.stream.flush()
+
+    def finish(self):
+        """End the redrawn line, so that what follows starts on a line of its own."""
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.drawn = False
 
 
 def main(args) -> int:
-    from . import IMPLEMENTATION
+    from ._core import core_description
 
-    print(f"pyengine stress: {IMPLEMENTATION} core, {args.minutes} min, seed {args.seed}")
+    print(f"pyengine stress: {core_description()}; {args.minutes} min, seed {args.seed}", flush=True)
+    progress = None if args.quiet else ProgressLine()
     try:
         report = run(duration_s=args.minutes * 60, seed=args.seed, watchdog_s=args.watchdog,
-                     log=None if args.quiet else print)
+                     log=progress)
     except StressFailure as failure:
+        if progress is not None:
+            progress.finish()
         print(f"FAILED: {failure}")
         return 1
+    if progress is not None:
+        progress.finish()
     print(f"passed: {report.summary()}")
     return 0

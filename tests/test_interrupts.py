@@ -65,7 +65,8 @@ class Interrupter:
         if self.how == "pthread_kill":
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         else:
-            _thread.interrupt_main(signal.SIGINT)
+            # Python 3.9's interrupt_main takes no signal number: SIGINT is its only one.
+            _thread.interrupt_main(signal.SIGINT) if sys.version_info >= (3, 10) else _thread.interrupt_main()
 
     def latency(self, caught_at):
         self.thread.join()

@@ -118,6 +118,7 @@ import time
 import numpy as np
 
 from .._shared.gradient_checks import validate_gradient
+from .._shared.hooks import add_note
 from .._shared.messages import MAX_INPUT_NR
 from ..backends import backend_of
 from . import state
@@ -503,7 +504,7 @@ def route_gradients(owner, outputs, items, buffers, slots):
 
 
 def add_owner_note(error, owner):
-    error.add_note(f"Error detected in the backward of a {owner_name(owner)} (an owner graph).")
+    add_note(error, f"Error detected in the backward of a {owner_name(owner)} (an owner graph).")
 
 
 def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, items, buffers, slots,

@@ -179,7 +179,49 @@ def add_anomaly_note(error, node):
     else:
         note += (" No forward pass information available. Enable detect anomaly during "
                  "forward pass for more information.")
-    error.add_note(note)
+    add_note(error, note)
+
+
+# Note [Error notes before Python 3.11]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Anomaly mode names the failing node and its forward traceback on the error
+# the node raised, with ``BaseException.add_note`` (PEP 678), which exists from
+# Python 3.11. Before 3.11 the same note goes where PEP 678 says backports put
+# it, the error's ``__notes__`` list, so code that reads the notes works on
+# every version. Those Pythons' traceback printing does not show
+# ``__notes__``, though, and the note is for a person reading a traceback, so
+# there it is also appended to the message, on its own line, where the
+# message is the error's one string argument (``str(error)`` is then the
+# message and the note). An error that words its message otherwise (a
+# ``__str__`` of its own, as KeyError's, or several arguments) keeps it, and
+# keeps the note in ``__notes__`` only.
+
+_HAS_ADD_NOTE = hasattr(BaseException, "add_note")
+
+
+def add_note(error, note):
+    """``error.add_note(note)`` on every Python pyengine supports. See Note
+    [Error notes before Python 3.11]."""
+    if _HAS_ADD_NOTE:
+        error.add_note(note)
+    else:
+        add_note_without_add_note(error, note)
+
+
+def add_note_without_add_note(error, note):
+    """What :func:`add_note` does before Python 3.11, where exceptions have no
+    ``add_note``; a function of its own so that every version tests it."""
+    if not isinstance(note, str):
+        raise TypeError(f"note must be a str, not {type(note).__name__}")
+    notes = getattr(error, "__notes__", None)
+    if notes is None:
+        error.__notes__ = notes = []
+    if not isinstance(notes, list):
+        raise TypeError("Cannot add note: __notes__ is not a list")
+    notes.append(note)
+    if (type(error).__str__ is BaseException.__str__ and len(error.args) == 1
+            and isinstance(error.args[0], str)):
+        error.args = (f"{error.args[0]}\n{note}",)
 
 
 # Note [Post accumulate grad hooks]

@@ -48,8 +48,11 @@ from __future__ import annotations
 
 try:
     import micrograd.engine as _micrograd_engine
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("pyengine.adapters.micrograd needs micrograd: pip install micrograd") from error
+except Exception as error:  # pragma: no cover - depends on the environment
+    if isinstance(error, ModuleNotFoundError) and error.name == "micrograd":
+        raise ImportError("pyengine.adapters.micrograd needs micrograd: pip install micrograd") from error
+    raise ImportError(f"pyengine.adapters.micrograd: micrograd is installed but does not import "
+                      f"({type(error).__name__}: {error})") from error
 
 import pyengine
 from pyengine.adapters import Patches

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 
@@ -25,6 +26,7 @@ import numpy as np
 
 import pyengine
 
+from .._core import core_description
 from . import nn, optim
 from .graph import FormulaProfile
 from .loss import cross_entropy
@@ -50,7 +52,9 @@ def add_arguments(parser):
                         help="width of the 2 hidden layers (default 64)")
     parser.add_argument("--lr", type=float, default=0.01,
                         help="Adam learning rate (default 0.01), decayed to 1/20 of it")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the data, the initial weights and the batch order; the same "
+                        "seed gives the same run (default 0)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (needs cupy)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--trace", metavar="PATH", help="profile every backward node and write a "
@@ -111,7 +115,25 @@ class _Progress:
         self.stream.flush()
 
 
+def _unwritable(option, path):
+    """Why ``path`` cannot be written, checked before training rather than
+    after it, or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"demo: {option} {path}: is a folder, expected a file name"
+    if not os.path.isdir(folder):
+        return f"demo: {option} {path}: the folder {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"demo: {option} {path}: the folder {folder} is not writable"
+    return None
+
+
 def main(args) -> int:
+    for option, path in (("--graph", args.graph), ("--trace", args.trace)):
+        problem = path and _unwritable(option, path)
+        if problem:
+            print(problem, file=sys.stderr)
+            return 2
     device = pyengine.Device.parse(args.device)
     if device.type == "cuda":
         try:
@@ -134,7 +156,7 @@ def main(args) -> int:
     batches = -(-args.points // args.batch_size)
     print(f"pyengine demo: two spirals, {args.points} points; MLP 2-{args.hidden}-{args.hidden}-2 "
           f"(relu), Adam lr {args.lr} with cosine decay, batch {args.batch_size}; {device}, "
-          f"{pyengine.IMPLEMENTATION} engine core")
+          f"{core_description()}")
 
     progress = _Progress(not args.no_progress)
     nodes_per_step = None
@@ -159,7 +181,8 @@ def main(args) -> int:
                         try:
                             pyengine.render_graph(loss, args.graph,
                                                   params=dict(model.named_parameters()))
-                        except RuntimeError as error:  # no Graphviz to render .svg/.png
+                        except (RuntimeError, ValueError, OSError) as error:
+                            # No Graphviz for .svg/.png, no suffix, a file that cannot be written.
                             print(f"demo: --graph: {error}", file=sys.stderr)
                             return 2
                 optimizer.zero_grad()

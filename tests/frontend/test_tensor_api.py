@@ -230,10 +230,13 @@ def test_readme_example(capsys):
     section = readme[readme.index("## A reference frontend and a demo"):]
     start = section.index("```python\n") + len("```python\n")
     code = section[start:section.index("```", start)]
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        exec(code, {})
+    exec(code, {})  # the block catches the in-place error and prints it
     printed = capsys.readouterr().out.splitlines()
-    assert printed == re.findall(r"print\(.*\)  # (.*)", code)
+    comments = re.findall(r"print\(.*\)  # (.*)", code)
+    assert len(printed) == len(comments) >= 3
+    for line, comment in zip(printed, comments):
+        # A comment ending in "..." gives the start of a longer line.
+        assert line.startswith(comment[:-3].rstrip()) if comment.endswith("...") else line == comment
 
 
 @pytest.mark.parametrize("count", range(1, 13))

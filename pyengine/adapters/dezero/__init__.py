@@ -72,8 +72,15 @@ import numpy as np
 
 try:
     import dezero.core as _dezero_core
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("pyengine.adapters.dezero needs DeZero: pip install dezero") from error
+except Exception as error:  # pragma: no cover - depends on the environment
+    if isinstance(error, ModuleNotFoundError) and error.name == "dezero":
+        raise ImportError("pyengine.adapters.dezero needs DeZero: pip install dezero==0.0.13 "
+                          "'numpy<1.24' 'matplotlib<3.9'") from error
+    # Installed but broken: DeZero 0.0.13 uses np.int (gone from numpy 1.24) and
+    # imports matplotlib without declaring it.
+    raise ImportError(f"pyengine.adapters.dezero: DeZero is installed but does not import "
+                      f"({type(error).__name__}: {error}); DeZero 0.0.13 needs 'numpy<1.24' and "
+                      "matplotlib ('matplotlib<3.9')") from error
 
 import pyengine
 from pyengine.adapters import Patches
