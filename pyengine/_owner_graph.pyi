@@ -3,11 +3,11 @@
 from collections.abc import Callable, Iterable
 from typing import Any
 
-Reader = str | Callable[..., Any]
+_Reader = str | Callable[..., Any]
 
 class OwnerGraph:
-    parents: Reader
-    backward_: Reader
+    parents: _Reader
+    backward_: _Reader
     mode: str
     returns: bool
     num_inputs: Callable[[Any], int] | None
@@ -17,7 +17,7 @@ class OwnerGraph:
     needs_no_gradient: Callable[[Any], bool] | None
     pre_hook: Callable[[Any, list[Any]], Any] | None
     post_hook: Callable[[Any, list[Any], list[Any]], Any] | None
-    def __init__(self, parents: Reader, backward: Reader, *, mode: str = ...,
+    def __init__(self, parents: _Reader, backward: _Reader, *, mode: str = ...,
                  num_inputs: Callable[[Any], int] | None = ...,
                  metadata: Callable[[Any], Any] | None = ...,
                  accumulate: Callable[[Any, Any], Any] | None = ...,

@@ -2,7 +2,7 @@
 
 ``BaseException.add_note`` exists from Python 3.11; before it, pyengine keeps
 the note in ``__notes__`` and in the message (See Note [Error notes before
-Python 3.11] in pyengine/_pure/hooks.py). The oracle: the note is in
+Python 3.11] in pyengine/_shared/hooks.py). The oracle: the note is in
 ``__notes__`` and in the traceback Python prints, whichever the version.
 """
 
@@ -17,7 +17,7 @@ from minitensor import T, leaf
 
 import pyengine
 from pyengine import gradient_edge
-from pyengine._pure.hooks import add_note, add_note_without_add_note
+from pyengine._shared.hooks import add_note, add_note_without_add_note
 
 
 def printed(error):

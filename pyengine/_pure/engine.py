@@ -420,6 +420,15 @@ class Engine:
                 if input_buffer is None:
                     if not _should_execute(exec_info, key):
                         continue
+                    streamed = producer_stream is not None or next_node._stream is not None
+                    if not streamed and is_ready:
+                        # Its only gradient: what InputBuffer's first add
+                        # would hold, without the InputBuffer.
+                        gradients = single_gradient(len(next_node._input_metadata),
+                                                    edge.input_nr, output)
+                        push_task(self.route(graph_task, next_node, gradients), graph_task,
+                                  next_node, gradients)
+                        continue
                     input_buffer = InputBuffer(len(next_node._input_metadata))
                     accumulate_on_streams(input_buffer, edge.input_nr, output, grad_mode,
                                           producer_stream, next_node._stream)
@@ -520,6 +529,17 @@ class Engine:
 
 def push_task(queue, graph_task, node, inputs):
     queue.push(NodeTask(graph_task, node, inputs))
+
+
+def single_gradient(num_inputs, input_nr, gradient):
+    """``num_inputs`` slots, all None but ``input_nr``, which holds
+    ``gradient``: what an InputBuffer holds after that one add (which grows
+    it to fit a gradient beyond its slots, but not a None)."""
+    if gradient is None:
+        return [None] * num_inputs
+    gradients = [None] * (num_inputs if input_nr < num_inputs else input_nr + 1)
+    gradients[input_nr] = gradient
+    return gradients
 
 
 def _should_execute(exec_info, key):
