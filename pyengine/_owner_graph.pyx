@@ -48,6 +48,11 @@ cdef extern from "Python.h":
     bint PyBool_Check(object obj)
     # On the arena's owned pointers, without a reference per use.
     void decref "Py_DECREF"(PyObject* obj)
+    # id(): the same int, without a Python call and its audit event.
+    object address "PyLong_FromVoidPtr"(void* pointer)
+    object PyTuple_New(Py_ssize_t size)
+    # Steals the reference: the caller gives one (Py_INCREF) first.
+    void tuple_set_item "PyTuple_SET_ITEM"(object tuple, Py_ssize_t index, PyObject* item)
 
 
 def _check_optional(what, value):
@@ -149,7 +154,7 @@ cdef int count_slots(OwnerGraph graph, object owner) except -1:
 
 
 cdef int check_input_nr(object owner, Py_ssize_t input_nr, dict slots, object where) except -1:
-    cdef Py_ssize_t count = slots[id(owner)]
+    cdef Py_ssize_t count = slots[address(<void*>owner)]
     if not 0 <= input_nr < count:
         check_input_nr_slow(owner, input_nr, slots, where)  # raises, with the twin's message
     return 0
@@ -218,7 +223,15 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
                 order.push_back(frame.owner)
                 is_leaf.push_back(0)
                 if keep_items:
-                    items_of.append(tuple([<object>arena[i] for i in range(frame.start, frame.end)]))
+                    # The arena's references move into the tuple (no list
+                    # first), before anything else can raise.
+                    items = PyTuple_New(<Py_ssize_t>(frame.end - frame.start))
+                    for i in range(frame.start, frame.end):
+                        tuple_set_item(items, <Py_ssize_t>(i - frame.start), arena[i])
+                    arena.resize(frame.start)
+                    stack.pop_back()
+                    items_of.append(items)
+                    continue
                 for i in range(frame.start, frame.end):
                     decref(arena[i])
                 arena.resize(frame.start)
@@ -258,7 +271,7 @@ cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, DependencyMap&
     another one starts a frame."""
     held.append(owner)
     if graph.returns:
-        slots[id(owner)] = count_slots(graph, owner)
+        slots[address(<void*>owner)] = count_slots(graph, owner)
     cdef Frame frame
     frame.start = arena.size()
     read_parents(graph.parents, owner, arena)
@@ -345,15 +358,18 @@ cdef int check_outputs(OwnerGraph graph, object owner, list outputs, tuple items
         grad = outputs[i]
         if grad is None:
             continue
-        if not split_item(items[i], owner, &parent, &input_nr) or id(<object>parent) not in slots:
+        if not split_item(items[i], owner, &parent, &input_nr):
+            outputs[i] = None
+            continue
+        key = address(<void*>parent)
+        if key not in slots:
             outputs[i] = None
             continue
         metadata = None
         if graph.metadata is not None:
-            all_metadata = metadata_of.get(id(<object>parent))
+            all_metadata = metadata_of.get(key)
             if all_metadata is None:
-                all_metadata = metadata_of[id(<object>parent)] = read_metadata(graph,
-                                                                               <object>parent)
+                all_metadata = metadata_of[key] = read_metadata(graph, <object>parent)
             if input_nr < len(all_metadata):
                 metadata = all_metadata[input_nr]
         if gradient_matches(metadata, grad):
@@ -385,7 +401,7 @@ cdef int route_gradients(object owner, list outputs, tuple items, dict buffers,
         if grad is None:
             continue
         split_item(items[i], owner, &parent, &input_nr)
-        key = id(<object>parent)
+        key = address(<void*>parent)
         buffer = buffers.get(key)
         if buffer is None:
             buffer = buffers[key] = new_input_buffer(slots[key])
@@ -526,12 +542,13 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
                 run_one(graph, graph_task, True, owner, i, None, None, None, None, None, None)
             i -= 1
             continue
-        buffer = buffers.pop(id(owner), None)
+        key = address(<void*>owner)
+        buffer = buffers.pop(key, None)
         if buffer is None:
             i -= 1
             continue
         grads = buffer.buffer
-        if wanted is not None and id(owner) in wanted:
+        if wanted is not None and key in wanted:
             for k, (input_owner, input_nr) in enumerate(inputs):
                 if input_owner is owner and input_nr < len(grads):
                     captured[k] = grads[input_nr]
@@ -539,7 +556,7 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
             if inputs is None:
                 run_one(graph, graph_task, True, owner, i, grads, None, None, None, None,
                         accumulate)
-        elif needed is None or id(owner) in needed:
+        elif needed is None or key in needed:
             run_one(graph, graph_task, checkpoint_valid, owner, i, grads, items_of[i], buffers,
                     slots, metadata_of, None)
         i -= 1
