@@ -54,6 +54,12 @@ cdef extern from "_owner_table.h":
         bint grow_step()
         void add(PyObject* owner, Py_ssize_t slots)
         OwnerEntry* find(PyObject* owner)
+    cppclass OwnerItems "pyengine_OwnerItems":
+        OwnerItems()
+        void append_owner(PyObject** first, size_t count) except +
+        size_t owners()
+        PyObject** of(size_t index)
+        Py_ssize_t count(size_t index)
 
 cdef extern from "Python.h":
     object PyObject_CallMethodNoArgs(object obj, object name)
@@ -66,9 +72,6 @@ cdef extern from "Python.h":
     void decref "Py_DECREF"(PyObject* obj)
     # id(): the same int, without a Python call and its audit event.
     object address "PyLong_FromVoidPtr"(void* pointer)
-    object PyTuple_New(Py_ssize_t size)
-    # Steals the reference: the caller gives one (Py_INCREF) first.
-    void tuple_set_item "PyTuple_SET_ITEM"(object tuple, Py_ssize_t index, PyObject* item)
 
 
 def _check_optional(what, value):
@@ -212,11 +215,12 @@ cdef int read_parents(object parents, object owner, vector[PyObject*]& arena) ex
 
 
 cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[char]& is_leaf,
-                list items_of, OwnerTable* owners, list held, bint keep_items) except -1:
+                OwnerItems* items_of, OwnerTable* owners, list held, bint keep_items) except -1:
     """Append to ``order`` the owners under ``root`` in the depth-first
     post-order of Note [Owner graphs] (borrowed: ``held`` keeps every owner
     seen alive, so that no address is reused), with ``is_leaf`` beside it,
-    each owner's items (a tuple) to ``items_of`` with ``keep_items``, and (in
+    each owner's items to ``items_of`` with ``keep_items`` (the twin's list
+    of tuples: See pyengine/_owner_table.h), and (in
     returns mode) its slot count to ``owners`` (the twin's ``slots``, by
     address: See pyengine/_owner_table.h). The snapshots are the
     frames' ranges of one arena, used as a stack, so that no object is made
@@ -245,14 +249,10 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
                 order.push_back(frame.owner)
                 is_leaf.push_back(0)
                 if keep_items:
-                    # The arena's references move into the tuple (no list
-                    # first), before anything else can raise.
-                    items = PyTuple_New(<Py_ssize_t>(frame.end - frame.start))
-                    for i in range(frame.start, frame.end):
-                        tuple_set_item(items, <Py_ssize_t>(i - frame.start), arena[i])
+                    # The arena's references move to items_of: no object per owner.
+                    items_of.append_owner(&arena[frame.start], frame.end - frame.start)
                     arena.resize(frame.start)
                     stack.pop_back()
-                    items_of.append(items)
                     continue
                 for i in range(frame.start, frame.end):
                     decref(arena[i])
@@ -287,7 +287,7 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
 
 cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, DependencyMap& seen,
                      vector[Frame]& stack, vector[PyObject*]& arena, vector[PyObject*]& order,
-                     vector[char]& is_leaf, list items_of, OwnerTable* owners, list held,
+                     vector[char]& is_leaf, OwnerItems* items_of, OwnerTable* owners, list held,
                      bint keep_items) except -1:
     """Read an owner the search reaches first: a leaf finishes at once,
     another one starts a frame."""
@@ -308,7 +308,7 @@ cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, DependencyMap&
         order.push_back(<PyObject*>owner)
         is_leaf.push_back(1)
         if keep_items:
-            items_of.append(())
+            items_of.append_owner(NULL, 0)
         return 0
     frame.owner = <PyObject*>owner
     frame.slot = slot
@@ -333,7 +333,8 @@ cdef object call_backward(OwnerGraph graph, object owner, list grads):
     return outputs
 
 
-cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, tuple items,
+cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** items,
+                        Py_ssize_t n_items,
                         OwnerTable* owners, dict metadata_of) except -1:
     """Run one owner's hooks and backward; in returns mode check its
     gradients and sum them into its parents' InputBuffers."""
@@ -355,26 +356,26 @@ cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, tuple items,
         return 0
     if not isinstance(outputs, (list, tuple)):
         raise TypeError(f"the backward of a {owner_name(owner)} returned "
-                        f"{type(outputs).__name__}; expected a list or tuple of {len(items)} "
+                        f"{type(outputs).__name__}; expected a list or tuple of {n_items} "
                         "gradients, one per parent item")
-    if len(outputs) != len(items):
+    if len(outputs) != n_items:
         raise RuntimeError(f"the backward of a {owner_name(owner)} returned {len(outputs)} "
-                           f"gradients; expected {len(items)}, one per parent item")
+                           f"gradients; expected {n_items}, one per parent item")
     cdef list checked = list(outputs)
-    check_outputs(graph, owner, checked, items, owners, metadata_of)
+    check_outputs(graph, owner, checked, items, n_items, owners, metadata_of)
     if graph.post_hook is not None:
         result = graph.post_hook(owner, checked, grads)
         if result is not None:
-            checked = check_hook_result(owner, "post_hook", result, len(items))
-            check_outputs(graph, owner, checked, items, owners, metadata_of)
+            checked = check_hook_result(owner, "post_hook", result, n_items)
+            check_outputs(graph, owner, checked, items, n_items, owners, metadata_of)
     if anomaly_enabled() and anomaly_check_nan():
         check_nan(owner, checked)
-    route_gradients(owner, checked, items, owners)
+    route_gradients(owner, checked, items, n_items, owners)
     return 0
 
 
-cdef int check_outputs(OwnerGraph graph, object owner, list outputs, tuple items,
-                       OwnerTable* owners, dict metadata_of) except -1:
+cdef int check_outputs(OwnerGraph graph, object owner, list outputs, PyObject** items,
+                       Py_ssize_t n_items, OwnerTable* owners, dict metadata_of) except -1:
     """validate_outputs for an owner: a gradient for a parent that gets none
     is dropped; the others are values, checked against the parent's
     metadata where the framework gives it."""
@@ -386,7 +387,10 @@ cdef int check_outputs(OwnerGraph graph, object owner, list outputs, tuple items
         grad = outputs[i]
         if grad is None:
             continue
-        if not split_item(items[i], owner, &parent, &input_nr) or owners.find(parent) == NULL:
+        if i >= n_items:
+            raise IndexError("tuple index out of range")  # the twin's items[i]
+        if (not split_item(<object>items[i], owner, &parent, &input_nr)
+                or owners.find(parent) == NULL):
             outputs[i] = None
             continue
         metadata = None
@@ -414,7 +418,7 @@ cdef inline bint gradient_matches(object metadata, object grad) noexcept:
     return type(metadata) is InputMetadata and numpy_gradient_matches(<InputMetadata>metadata, grad)
 
 
-cdef int route_gradients(object owner, list outputs, tuple items,
+cdef int route_gradients(object owner, list outputs, PyObject** items, Py_ssize_t n_items,
                          OwnerTable* owners) except -1:
     """Sum each gradient into its parent's InputBuffer, made on the first
     (check_outputs dropped the gradients of parents not in the table)."""
@@ -427,7 +431,10 @@ cdef int route_gradients(object owner, list outputs, tuple items,
         grad = outputs[i]
         if grad is None:
             continue
-        split_item(items[i], owner, &parent, &input_nr)
+        if i >= n_items:
+            # The twin's items[i]: a post_hook lengthened the list it was given.
+            raise IndexError("tuple index out of range")
+        split_item(<object>items[i], owner, &parent, &input_nr)
         # Found again for each gradient: the sum below runs Python code.
         entry = owners.find(parent)
         if entry == NULL:
@@ -443,7 +450,7 @@ cdef int route_gradients(object owner, list outputs, tuple items,
 
 
 cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, object owner,
-                 Py_ssize_t sequence_nr, list grads, tuple items, OwnerTable* owners,
+                 Py_ssize_t sequence_nr, list grads, OwnerItems* items_of, OwnerTable* owners,
                  dict metadata_of, object accumulate) except -1:
     """Run one owner (``accumulate``: a leaf's gradient) as a node of
     ``graph_task`` runs: its thread state, its profiler event, its anomaly
@@ -460,7 +467,11 @@ cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, 
         if accumulate is not None:
             accumulate(owner, grads[0] if len(grads) == 1 else grads)
         else:
-            evaluate_owner(graph, owner, grads, items, owners, metadata_of)
+            if <size_t>sequence_nr < items_of.owners():
+                evaluate_owner(graph, owner, grads, items_of.of(sequence_nr),
+                               items_of.count(sequence_nr), owners, metadata_of)
+            else:  # writes mode keeps no items
+                evaluate_owner(graph, owner, grads, NULL, 0, owners, metadata_of)
     except BaseException as error:
         if anomaly_enabled():
             add_owner_note(error, owner)
@@ -510,12 +521,12 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
 
     cdef vector[PyObject*] order
     cdef vector[char] is_leaf
-    cdef list items_of = []
+    cdef OwnerItems items_of  # the twin's items_of: See pyengine/_owner_table.h
     # The twin's slots and buffers; releases the buffers an error leaves.
     cdef OwnerTable owners
     cdef OwnerEntry* entry
     cdef list held = []
-    search(graph, root_owner, order, is_leaf, items_of, &owners, held, returns)
+    search(graph, root_owner, order, is_leaf, &items_of, &owners, held, returns)
     cdef Py_ssize_t i, k
     if returns:
         check_input_nr(root_owner, root_nr, &owners, "the root")
@@ -542,7 +553,9 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
         for i in range(<Py_ssize_t>order.size()):
             order_list.append(<object>order[i])
             is_leaf_list.append(<bint>is_leaf[i])
-        needed = mark_needed(order_list, is_leaf_list, items_of, wanted)
+        needed = mark_needed(order_list, is_leaf_list,
+                             [tuple([<object>items_of.of(i)[k] for k in range(items_of.count(i))])
+                              for i in range(<Py_ssize_t>order.size())], wanted)
     cdef InputBuffer buffer
     if returns:
         metadata = None
@@ -576,7 +589,7 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
         owner = <object>order[i]
         if not returns:
             if not is_leaf[i]:
-                run_one(graph, graph_task, True, owner, i, None, None, &owners, None, None)
+                run_one(graph, graph_task, True, owner, i, None, &items_of, &owners, None, None)
             i -= 1
             continue
         # The twin's buffers.pop(id(owner), None): the reference moves out.
@@ -595,10 +608,10 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
                     captured[k] = grads[input_nr]
         if is_leaf[i]:
             if inputs is None:
-                run_one(graph, graph_task, True, owner, i, grads, None, &owners, None,
+                run_one(graph, graph_task, True, owner, i, grads, &items_of, &owners, None,
                         accumulate)
         elif needed is None or key in needed:
-            run_one(graph, graph_task, checkpoint_valid, owner, i, grads, items_of[i], &owners,
+            run_one(graph, graph_task, checkpoint_valid, owner, i, grads, &items_of, &owners,
                     metadata_of, None)
         i -= 1
     graph_task.mark_as_completed_and_run_post_processing()

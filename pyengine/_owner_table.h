@@ -96,3 +96,43 @@ class pyengine_OwnerTable {
     std::vector<pyengine_OwnerEntry> larger_;
     size_t moved_;
 };
+
+
+// OwnerItems: the parent items of every owner a returns-mode walk reached,
+// in the search's post-order (an owner's index in its order), in one array:
+// the compiled twin of the twin's ``items_of``, a tuple per owner. Owns a
+// reference to each item (released by its destructor, with the GIL held).
+class pyengine_OwnerItems {
+  public:
+    pyengine_OwnerItems() : start_(1, 0) {}
+
+    pyengine_OwnerItems(const pyengine_OwnerItems &) = delete;
+    pyengine_OwnerItems &operator=(const pyengine_OwnerItems &) = delete;
+
+    ~pyengine_OwnerItems() {
+        for (PyObject *item : items_) {
+            Py_DECREF(item);
+        }
+    }
+
+    // The next owner's items: count references move in from first. Throws
+    // (std::bad_alloc) before any moved.
+    void append_owner(PyObject *const *first, size_t count) {
+        items_.reserve(items_.size() + count);
+        start_.reserve(start_.size() + 1);
+        items_.insert(items_.end(), first, first + count);
+        start_.push_back(items_.size());
+    }
+
+    size_t owners() const { return start_.size() - 1; }
+
+    // Borrowed: owner index's items, valid until the next append_owner.
+    PyObject **of(size_t index) { return items_.data() + start_[index]; }
+    Py_ssize_t count(size_t index) const {
+        return static_cast<Py_ssize_t>(start_[index + 1] - start_[index]);
+    }
+
+  private:
+    std::vector<PyObject *> items_;
+    std::vector<size_t> start_;  // owner i's items are items_[start_[i]:start_[i + 1]]
+};

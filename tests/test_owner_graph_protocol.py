@@ -861,3 +861,24 @@ def test_an_error_releases_the_gradients_still_waiting(core):
         raise AssertionError("the backward did not raise")
     gc.collect()
     assert len(sent) == 1 and sent[0]() is None
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_a_post_hook_that_lengthens_its_list_gets_an_index_error(core):
+    # The compiled walk reads an owner's items from a C array (See
+    # pyengine/_owner_table.h): a gradient past them is the twin's
+    # IndexError on its tuple, not a read past the array.
+    if core == "compiled" and compiled_owner_graph is None:
+        pytest.skip("no compiled build")
+    module = compiled_owner_graph if core == "compiled" else pure_owner_graph
+    x = Value([1.0, 2.0])
+    y = Sin(x).outputs()
+
+    def post_hook(owner, outputs, grads):
+        outputs.append(None)  # no gradient: nothing to route, no error
+        outputs.append(np.ones(2))
+
+    graph = make_graph(module, post_hook=post_hook)
+    with pytest.raises(IndexError, match="tuple index out of range"):
+        graph.backward(item_of(y), np.ones(2))
+    assert x.grad is None
