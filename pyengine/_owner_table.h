@@ -15,6 +15,7 @@
 
 #include <Python.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -118,8 +119,8 @@ class pyengine_OwnerItems {
     // The next owner's items: count references move in from first. Throws
     // (std::bad_alloc) before any moved.
     void append_owner(PyObject *const *first, size_t count) {
-        items_.reserve(items_.size() + count);
-        start_.reserve(start_.size() + 1);
+        make_room(items_, count);
+        make_room(start_, 1);
         items_.insert(items_.end(), first, first + count);
         start_.push_back(items_.size());
     }
@@ -133,6 +134,15 @@ class pyengine_OwnerItems {
     }
 
   private:
+    // Room for count more, doubling (reserve alone would allocate exactly,
+    // and copy the whole array at every owner).
+    template <typename T>
+    static void make_room(std::vector<T> &vector, size_t count) {
+        if (vector.size() + count > vector.capacity()) {
+            vector.reserve(std::max(2 * vector.capacity(), vector.size() + count));
+        }
+    }
+
     std::vector<PyObject *> items_;
     std::vector<size_t> start_;  // owner i's items are items_[start_[i]:start_[i + 1]]
 };
