@@ -1,10 +1,11 @@
 """Owner graphs, compiled: the ``OwnerGraph`` protocol and its walk (the
 depth-first post-order of Note [Owner graphs], run in reverse), without a
 Python object per owner in writes mode. In returns mode each owner's slot
-count and InputBuffer live in an ``OwnerTable`` keyed by address
-(``pyengine/_owner_table.h``), where the twin has two dicts keyed by
-``id()``; the other dicts are keyed by ``PyLong_FromVoidPtr``, ``id()``'s
-own value, without its Python call.
+count and InputBuffer live in an ``OwnerTable`` keyed by address, and its
+parent items in ``OwnerItems``, one C array (both in
+``pyengine/_owner_table.h``), where the twin has two dicts keyed by ``id()``
+and a tuple per owner; the other dicts are keyed by ``PyLong_FromVoidPtr``,
+``id()``'s own value, without its Python call.
 
 Twin: ``pyengine/_pure/owner_graph.py``: the same functions under the same
 names, in the same order. The error messages (``split_item``,
