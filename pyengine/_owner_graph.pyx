@@ -1,6 +1,11 @@
 """Owner graphs, compiled: the ``OwnerGraph`` protocol and its walk (the
 depth-first post-order of Note [Owner graphs], run in reverse), without a
-Python object per owner in writes mode.
+Python object per owner in writes mode. In returns mode each owner's slot
+count and InputBuffer live in an ``OwnerTable`` keyed by address, and its
+parent items in ``OwnerItems``, one C array (both in
+``pyengine/_owner_table.h``), where the twin has two dicts keyed by ``id()``
+and a tuple per owner; the other dicts are keyed by ``PyLong_FromVoidPtr``,
+``id()``'s own value, without its Python call.
 
 Twin: ``pyengine/_pure/owner_graph.py``: the same functions under the same
 names, in the same order. The error messages (``split_item``,
@@ -39,6 +44,24 @@ __all__ = ["OwnerGraph", "run_owner_graph"]
 
 cnp.import_array()
 
+cdef extern from "_owner_table.h":
+    cdef struct OwnerEntry "pyengine_OwnerEntry":
+        PyObject* node
+        Py_ssize_t slots
+        PyObject* buffer  # owned, or NULL
+    cppclass OwnerTable "pyengine_OwnerTable":
+        OwnerTable()
+        bint full()
+        bint grow_step()
+        void add(PyObject* owner, Py_ssize_t slots)
+        OwnerEntry* find(PyObject* owner)
+    cppclass OwnerItems "pyengine_OwnerItems":
+        OwnerItems()
+        void append_owner(PyObject** first, size_t count) except +
+        size_t owners()
+        PyObject** of(size_t index)
+        Py_ssize_t count(size_t index)
+
 cdef extern from "Python.h":
     object PyObject_CallMethodNoArgs(object obj, object name)
     object PyObject_CallMethodOneArg(object obj, object name, object arg)
@@ -48,6 +71,8 @@ cdef extern from "Python.h":
     bint PyBool_Check(object obj)
     # On the arena's owned pointers, without a reference per use.
     void decref "Py_DECREF"(PyObject* obj)
+    # id(): the same int, without a Python call and its audit event.
+    object address "PyLong_FromVoidPtr"(void* pointer)
 
 
 def _check_optional(what, value):
@@ -148,10 +173,15 @@ cdef int count_slots(OwnerGraph graph, object owner) except -1:
     return count_slots_slow(graph, owner)
 
 
-cdef int check_input_nr(object owner, Py_ssize_t input_nr, dict slots, object where) except -1:
-    cdef Py_ssize_t count = slots[id(owner)]
-    if not 0 <= input_nr < count:
-        check_input_nr_slow(owner, input_nr, slots, where)  # raises, with the twin's message
+cdef int check_input_nr(object owner, Py_ssize_t input_nr, OwnerTable* owners,
+                        object where) except -1:
+    """The twin's, on the table: ``slots`` there, ``owners`` here."""
+    cdef OwnerEntry* entry = owners.find(<PyObject*>owner)
+    if entry == NULL:
+        check_input_nr_slow(owner, input_nr, {}, where)  # raises the twin's KeyError
+    if not 0 <= input_nr < entry.slots:
+        # Raises, with the twin's message.
+        check_input_nr_slow(owner, input_nr, {id(owner): entry.slots}, where)
     return 0
 
 
@@ -186,12 +216,14 @@ cdef int read_parents(object parents, object owner, vector[PyObject*]& arena) ex
 
 
 cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[char]& is_leaf,
-                list items_of, dict slots, list held, bint keep_items) except -1:
+                OwnerItems* items_of, OwnerTable* owners, list held, bint keep_items) except -1:
     """Append to ``order`` the owners under ``root`` in the depth-first
     post-order of Note [Owner graphs] (borrowed: ``held`` keeps every owner
     seen alive, so that no address is reused), with ``is_leaf`` beside it,
-    each owner's items (a tuple) to ``items_of`` with ``keep_items``, and (in
-    returns mode) its slot count to ``slots`` (by id). The snapshots are the
+    each owner's items to ``items_of`` with ``keep_items`` (the twin's list
+    of tuples: See pyengine/_owner_table.h), and (in
+    returns mode) its slot count to ``owners`` (the twin's ``slots``, by
+    address: See pyengine/_owner_table.h). The snapshots are the
     frames' ranges of one arena, used as a stack, so that no object is made
     per owner without ``keep_items``. Iterative: any depth; it lets other
     threads run as it goes (See Note [Long passes let other threads run])."""
@@ -208,7 +240,7 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     cdef size_t i, slot
     try:
         slot = seen.enter(<PyObject*>root)
-        reach_owner(graph, root, slot, seen, stack, arena, order, is_leaf, items_of, slots, held,
+        reach_owner(graph, root, slot, seen, stack, arena, order, is_leaf, items_of, owners, held,
                     keep_items)
         while not stack.empty():
             let_others_run(&work_left)
@@ -218,7 +250,11 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
                 order.push_back(frame.owner)
                 is_leaf.push_back(0)
                 if keep_items:
-                    items_of.append(tuple([<object>arena[i] for i in range(frame.start, frame.end)]))
+                    # The arena's references move to items_of: no object per owner.
+                    items_of.append_owner(&arena[frame.start], frame.end - frame.start)
+                    arena.resize(frame.start)
+                    stack.pop_back()
+                    continue
                 for i in range(frame.start, frame.end):
                     decref(arena[i])
                 arena.resize(frame.start)
@@ -240,9 +276,9 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
             holder = <object>frame.owner  # reach_owner may move the frames
             if parent_state != SEARCH_FINISHED:
                 reach_owner(graph, <object>parent, slot, seen, stack, arena, order, is_leaf,
-                            items_of, slots, held, keep_items)
+                            items_of, owners, held, keep_items)
             if graph.returns:
-                check_input_nr(<object>parent, input_nr, slots, holder)
+                check_input_nr(<object>parent, input_nr, owners, holder)
     finally:
         # What an error (a cycle, an attribute, Ctrl-C) left.
         for i in range(arena.size()):
@@ -252,13 +288,19 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
 
 cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, DependencyMap& seen,
                      vector[Frame]& stack, vector[PyObject*]& arena, vector[PyObject*]& order,
-                     vector[char]& is_leaf, list items_of, dict slots, list held,
+                     vector[char]& is_leaf, OwnerItems* items_of, OwnerTable* owners, list held,
                      bint keep_items) except -1:
     """Read an owner the search reaches first: a leaf finishes at once,
     another one starts a frame."""
-    held.append(owner)
+    held.append(owner)  # before it enters the table: its address stays its own
+    cdef Py_ssize_t count
     if graph.returns:
-        slots[id(owner)] = count_slots(graph, owner)
+        count = count_slots(graph, owner)
+        if owners.full():
+            # See pyengine/_table_growth.h.
+            while not owners.grow_step():
+                yield_to_other_threads()
+        owners.add(<PyObject*>owner, count)
     cdef Frame frame
     frame.start = arena.size()
     read_parents(graph.parents, owner, arena)
@@ -267,7 +309,7 @@ cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, DependencyMap&
         order.push_back(<PyObject*>owner)
         is_leaf.push_back(1)
         if keep_items:
-            items_of.append(())
+            items_of.append_owner(NULL, 0)
         return 0
     frame.owner = <PyObject*>owner
     frame.slot = slot
@@ -292,8 +334,9 @@ cdef object call_backward(OwnerGraph graph, object owner, list grads):
     return outputs
 
 
-cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, tuple items, dict buffers,
-                        dict slots, dict metadata_of) except -1:
+cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** items,
+                        Py_ssize_t n_items,
+                        OwnerTable* owners, dict metadata_of) except -1:
     """Run one owner's hooks and backward; in returns mode check its
     gradients and sum them into its parents' InputBuffers."""
     cdef bint returns = graph.returns
@@ -314,26 +357,26 @@ cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, tuple items,
         return 0
     if not isinstance(outputs, (list, tuple)):
         raise TypeError(f"the backward of a {owner_name(owner)} returned "
-                        f"{type(outputs).__name__}; expected a list or tuple of {len(items)} "
+                        f"{type(outputs).__name__}; expected a list or tuple of {n_items} "
                         "gradients, one per parent item")
-    if len(outputs) != len(items):
+    if len(outputs) != n_items:
         raise RuntimeError(f"the backward of a {owner_name(owner)} returned {len(outputs)} "
-                           f"gradients; expected {len(items)}, one per parent item")
+                           f"gradients; expected {n_items}, one per parent item")
     cdef list checked = list(outputs)
-    check_outputs(graph, owner, checked, items, slots, metadata_of)
+    check_outputs(graph, owner, checked, items, n_items, owners, metadata_of)
     if graph.post_hook is not None:
         result = graph.post_hook(owner, checked, grads)
         if result is not None:
-            checked = check_hook_result(owner, "post_hook", result, len(items))
-            check_outputs(graph, owner, checked, items, slots, metadata_of)
+            checked = check_hook_result(owner, "post_hook", result, n_items)
+            check_outputs(graph, owner, checked, items, n_items, owners, metadata_of)
     if anomaly_enabled() and anomaly_check_nan():
         check_nan(owner, checked)
-    route_gradients(owner, checked, items, buffers, slots)
+    route_gradients(owner, checked, items, n_items, owners)
     return 0
 
 
-cdef int check_outputs(OwnerGraph graph, object owner, list outputs, tuple items, dict slots,
-                       dict metadata_of) except -1:
+cdef int check_outputs(OwnerGraph graph, object owner, list outputs, PyObject** items,
+                       Py_ssize_t n_items, OwnerTable* owners, dict metadata_of) except -1:
     """validate_outputs for an owner: a gradient for a parent that gets none
     is dropped; the others are values, checked against the parent's
     metadata where the framework gives it."""
@@ -345,15 +388,18 @@ cdef int check_outputs(OwnerGraph graph, object owner, list outputs, tuple items
         grad = outputs[i]
         if grad is None:
             continue
-        if not split_item(items[i], owner, &parent, &input_nr) or id(<object>parent) not in slots:
+        if i >= n_items:
+            raise IndexError("tuple index out of range")  # the twin's items[i]
+        if (not split_item(<object>items[i], owner, &parent, &input_nr)
+                or owners.find(parent) == NULL):
             outputs[i] = None
             continue
         metadata = None
         if graph.metadata is not None:
-            all_metadata = metadata_of.get(id(<object>parent))
+            key = address(<void*>parent)
+            all_metadata = metadata_of.get(key)
             if all_metadata is None:
-                all_metadata = metadata_of[id(<object>parent)] = read_metadata(graph,
-                                                                               <object>parent)
+                all_metadata = metadata_of[key] = read_metadata(graph, <object>parent)
             if input_nr < len(all_metadata):
                 metadata = all_metadata[input_nr]
         if gradient_matches(metadata, grad):
@@ -373,28 +419,39 @@ cdef inline bint gradient_matches(object metadata, object grad) noexcept:
     return type(metadata) is InputMetadata and numpy_gradient_matches(<InputMetadata>metadata, grad)
 
 
-cdef int route_gradients(object owner, list outputs, tuple items, dict buffers,
-                         dict slots) except -1:
-    """Sum each gradient into its parent's InputBuffer, made on the first."""
+cdef int route_gradients(object owner, list outputs, PyObject** items, Py_ssize_t n_items,
+                         OwnerTable* owners) except -1:
+    """Sum each gradient into its parent's InputBuffer, made on the first
+    (check_outputs dropped the gradients of parents not in the table)."""
     cdef PyObject* parent
     cdef Py_ssize_t input_nr
     cdef Py_ssize_t i
+    cdef OwnerEntry* entry
     cdef InputBuffer buffer
     for i in range(len(outputs)):
         grad = outputs[i]
         if grad is None:
             continue
-        split_item(items[i], owner, &parent, &input_nr)
-        key = id(<object>parent)
-        buffer = buffers.get(key)
-        if buffer is None:
-            buffer = buffers[key] = new_input_buffer(slots[key])
+        if i >= n_items:
+            # The twin's items[i]: a post_hook lengthened the list it was given.
+            raise IndexError("tuple index out of range")
+        split_item(<object>items[i], owner, &parent, &input_nr)
+        # Found again for each gradient: the sum below runs Python code.
+        entry = owners.find(parent)
+        if entry == NULL:
+            raise KeyError(id(<object>parent))  # as the twin's slots[id(parent)]
+        if entry.buffer == NULL:
+            buffer = new_input_buffer(entry.slots)
+            Py_INCREF(buffer)
+            entry.buffer = <PyObject*>buffer
+        else:
+            buffer = <InputBuffer>entry.buffer
         buffer.add(input_nr, grad, False)
     return 0
 
 
 cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, object owner,
-                 Py_ssize_t sequence_nr, list grads, tuple items, dict buffers, dict slots,
+                 Py_ssize_t sequence_nr, list grads, OwnerItems* items_of, OwnerTable* owners,
                  dict metadata_of, object accumulate) except -1:
     """Run one owner (``accumulate``: a leaf's gradient) as a node of
     ``graph_task`` runs: its thread state, its profiler event, its anomaly
@@ -411,7 +468,11 @@ cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, 
         if accumulate is not None:
             accumulate(owner, grads[0] if len(grads) == 1 else grads)
         else:
-            evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of)
+            if <size_t>sequence_nr < items_of.owners():
+                evaluate_owner(graph, owner, grads, items_of.of(sequence_nr),
+                               items_of.count(sequence_nr), owners, metadata_of)
+            else:  # writes mode keeps no items
+                evaluate_owner(graph, owner, grads, NULL, 0, owners, metadata_of)
     except BaseException as error:
         if anomaly_enabled():
             add_owner_note(error, owner)
@@ -461,16 +522,18 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
 
     cdef vector[PyObject*] order
     cdef vector[char] is_leaf
-    cdef list items_of = []
-    cdef dict slots = {}
+    cdef OwnerItems items_of  # the twin's items_of: See pyengine/_owner_table.h
+    # The twin's slots and buffers; releases the buffers an error leaves.
+    cdef OwnerTable owners
+    cdef OwnerEntry* entry
     cdef list held = []
-    search(graph, root_owner, order, is_leaf, items_of, slots, held, returns)
+    search(graph, root_owner, order, is_leaf, &items_of, &owners, held, returns)
     cdef Py_ssize_t i, k
     if returns:
-        check_input_nr(root_owner, root_nr, slots, "the root")
+        check_input_nr(root_owner, root_nr, &owners, "the root")
         for i, (owner, input_nr) in enumerate(inputs or ()):
-            if id(owner) in slots:
-                check_input_nr(owner, input_nr, slots, f"inputs[{i}]")
+            if owners.find(<PyObject*>owner) != NULL:
+                check_input_nr(owner, input_nr, &owners, f"inputs[{i}]")
     if graph.visit is not None:
         for i in range(<Py_ssize_t>order.size()):
             graph.visit(<object>order[i])
@@ -482,7 +545,6 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
                                                thread.multithreading_enabled)
     # grad(inputs=) prunes, so a reentrant checkpoint is not valid in it.
     cdef bint checkpoint_valid = inputs is None
-    cdef dict buffers = {}
     cdef dict metadata_of = {}
     cdef list captured = [None] * len(inputs) if inputs is not None else None
     needed = None
@@ -492,7 +554,9 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
         for i in range(<Py_ssize_t>order.size()):
             order_list.append(<object>order[i])
             is_leaf_list.append(<bint>is_leaf[i])
-        needed = mark_needed(order_list, is_leaf_list, items_of, wanted)
+        needed = mark_needed(order_list, is_leaf_list,
+                             [tuple([<object>items_of.of(i)[k] for k in range(items_of.count(i))])
+                              for i in range(<Py_ssize_t>order.size())], wanted)
     cdef InputBuffer buffer
     if returns:
         metadata = None
@@ -501,7 +565,10 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
             if root_nr < len(all_metadata):
                 metadata = all_metadata[root_nr]
         grad = validate_gradient(0, grad, metadata, format_root_error)
-        buffer = buffers[id(root_owner)] = new_input_buffer(slots[id(root_owner)])
+        entry = owners.find(<PyObject*>root_owner)
+        buffer = new_input_buffer(entry.slots)
+        Py_INCREF(buffer)
+        entry.buffer = <PyObject*>buffer
         buffer.add(root_nr, grad, False)
     accumulate = graph.accumulate if graph.accumulate is not None else accumulate_grad
     cdef ThreadState previous, running
@@ -523,25 +590,30 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
         owner = <object>order[i]
         if not returns:
             if not is_leaf[i]:
-                run_one(graph, graph_task, True, owner, i, None, None, None, None, None, None)
+                run_one(graph, graph_task, True, owner, i, None, &items_of, &owners, None, None)
             i -= 1
             continue
-        buffer = buffers.pop(id(owner), None)
-        if buffer is None:
+        # The twin's buffers.pop(id(owner), None): the reference moves out.
+        entry = owners.find(order[i])
+        if entry == NULL or entry.buffer == NULL:
             i -= 1
             continue
+        buffer = <InputBuffer>entry.buffer
+        decref(entry.buffer)
+        entry.buffer = NULL
         grads = buffer.buffer
-        if wanted is not None and id(owner) in wanted:
+        key = address(order[i]) if wanted is not None or needed is not None else None
+        if wanted is not None and key in wanted:
             for k, (input_owner, input_nr) in enumerate(inputs):
                 if input_owner is owner and input_nr < len(grads):
                     captured[k] = grads[input_nr]
         if is_leaf[i]:
             if inputs is None:
-                run_one(graph, graph_task, True, owner, i, grads, None, None, None, None,
+                run_one(graph, graph_task, True, owner, i, grads, &items_of, &owners, None,
                         accumulate)
-        elif needed is None or id(owner) in needed:
-            run_one(graph, graph_task, checkpoint_valid, owner, i, grads, items_of[i], buffers,
-                    slots, metadata_of, None)
+        elif needed is None or key in needed:
+            run_one(graph, graph_task, checkpoint_valid, owner, i, grads, &items_of, &owners,
+                    metadata_of, None)
         i -= 1
     graph_task.mark_as_completed_and_run_post_processing()
     if graph_task.exception_ is not None:

@@ -819,3 +819,66 @@ def test_pure_state_is_untouched_after_a_run():
     pure_owner_graph.OwnerGraph(parents, backward, mode="returns", num_inputs=num_inputs).backward(
         item_of(Sin(x).outputs()), np.ones(1))
     assert pure_state.get_current_graph_task() is None and pure_state.is_grad_enabled()
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_an_error_releases_the_gradients_still_waiting(core):
+    # The compiled walk keeps the InputBuffers in a C table (See
+    # pyengine/_owner_table.h), which must let them go when a backward
+    # raises, as the twin's dict does. Root's parents are [waiting,
+    # failing]: the reverse post-order runs failing first, while waiting's
+    # gradient sits in its buffer.
+    if core == "compiled" and compiled_owner_graph is None:
+        pytest.skip("no compiled build")
+    module = compiled_owner_graph if core == "compiled" else pure_owner_graph
+    import gc
+    import weakref
+
+    class Owner:
+        def __init__(self, name, parents=()):
+            self.name, self.parents = name, list(parents)
+
+    waiting, failing = Owner("waiting", [Owner("leaf")]), Owner("failing", [Owner("leaf")])
+    root = Owner("root", [waiting, failing])
+    sent = []  # a weak reference to the gradient root sends waiting
+
+    def vjp(owner, grads):
+        if owner is root:
+            gradient = np.full(2, 7.0)
+            sent.append(weakref.ref(gradient))
+            return [gradient, np.ones(2)]
+        if owner is failing:
+            assert sent[0]() is not None  # held, pending, by waiting's buffer
+            raise ValueError("failing's backward")
+        raise AssertionError("waiting runs after failing")
+
+    graph = module.OwnerGraph("parents", vjp, mode="returns", accumulate=lambda leaf, grad: None)
+    try:
+        graph.backward(root, np.ones(2))
+    except ValueError as error:
+        assert str(error) == "failing's backward"
+    else:
+        raise AssertionError("the backward did not raise")
+    gc.collect()
+    assert len(sent) == 1 and sent[0]() is None
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_a_post_hook_that_lengthens_its_list_gets_an_index_error(core):
+    # The compiled walk reads an owner's items from a C array (See
+    # pyengine/_owner_table.h): a gradient past them is the twin's
+    # IndexError on its tuple, not a read past the array.
+    if core == "compiled" and compiled_owner_graph is None:
+        pytest.skip("no compiled build")
+    module = compiled_owner_graph if core == "compiled" else pure_owner_graph
+    x = Value([1.0, 2.0])
+    y = Sin(x).outputs()
+
+    def post_hook(owner, outputs, grads):
+        outputs.append(None)  # no gradient: nothing to route, no error
+        outputs.append(np.ones(2))
+
+    graph = make_graph(module, post_hook=post_hook)
+    with pytest.raises(IndexError, match="tuple index out of range"):
+        graph.backward(item_of(y), np.ones(2))
+    assert x.grad is None

@@ -1,0 +1,148 @@
+// OwnerTable: for each owner an owner-graph walk in returns mode reached,
+// its slot count and its InputBuffer (pyengine/_owner_graph.pyx).
+//
+// The compiled twin of the walk's two dicts keyed by id(owner), ``slots``
+// and ``buffers`` (pyengine/_pure/owner_graph.py): keyed by the owner's
+// address instead, so that a lookup makes no int and calls no hash. The
+// addresses stay unique because the walk holds a reference to every owner
+// it reached (its ``held`` list) until it returns. Open addressing with
+// linear probing, as pyengine/_dependency_map.h; entries are never removed
+// (a buffer taken leaves its owner's entry, with no buffer).
+//
+// The table owns the buffers it holds: its destructor releases those left
+// (an error in the walk), so it must be destroyed with the GIL held.
+#pragma once
+
+#include <Python.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "_table_growth.h"
+
+struct pyengine_OwnerEntry {
+    PyObject *node = nullptr;    // the owner, borrowed (the walk holds it)
+    Py_ssize_t slots = 0;        // its slot count
+    PyObject *buffer = nullptr;  // owned: its InputBuffer, NULL before the first gradient
+};
+
+class pyengine_OwnerTable {
+  public:
+    pyengine_OwnerTable() : slots_(16), used_(0), moved_(0) {}
+
+    pyengine_OwnerTable(const pyengine_OwnerTable &) = delete;
+    pyengine_OwnerTable &operator=(const pyengine_OwnerTable &) = delete;
+
+    ~pyengine_OwnerTable() {
+        // Only slots_ owns buffers: a doubling in progress copied entries
+        // into larger_, and buffers are set only once the search (the only
+        // one to add entries) is over.
+        for (pyengine_OwnerEntry &entry : slots_) {
+            Py_XDECREF(entry.buffer);
+        }
+    }
+
+    // Whether the next new entry doubles the table: the search calls
+    // grow_step until it returns true, letting other threads run between
+    // the calls (pyengine/_table_growth.h).
+    bool full() const { return 2 * (used_ + 1) > slots_.size(); }
+
+    bool grow_step() {
+        return pyengine_grow_step(slots_, larger_, moved_,
+                                  [](std::vector<pyengine_OwnerEntry> &slots,
+                                     const pyengine_OwnerEntry &entry) {
+                                      find_slot(slots, entry.node) = entry;
+                                  });
+    }
+
+    // Add owner with its slot count (or set the count of one already in).
+    // The caller made room first (full, grow_step). Invalidates entries.
+    void add(PyObject *owner, Py_ssize_t slots) {
+        pyengine_OwnerEntry &entry = find_slot(slots_, owner);
+        if (entry.node == nullptr) {
+            entry.node = owner;
+            ++used_;
+        }
+        entry.slots = slots;
+    }
+
+    // owner's entry, or NULL where the walk did not reach it. Valid until
+    // the next add.
+    pyengine_OwnerEntry *find(PyObject *owner) {
+        pyengine_OwnerEntry &entry = find_slot(slots_, owner);
+        return entry.node == nullptr ? nullptr : &entry;
+    }
+
+  private:
+    static size_t hash(PyObject *node) {
+        // As DependencyMap's: See its hash in pyengine/_dependency_map.h.
+        return static_cast<size_t>(reinterpret_cast<uintptr_t>(node) >> 4);
+    }
+
+    static pyengine_OwnerEntry &find_slot(std::vector<pyengine_OwnerEntry> &slots,
+                                          PyObject *node) {
+        const size_t mask = slots.size() - 1;
+        size_t i = hash(node) & mask;
+        while (slots[i].node != nullptr && slots[i].node != node) {
+            i = (i + 1) & mask;
+        }
+        return slots[i];
+    }
+
+    std::vector<pyengine_OwnerEntry> slots_;  // a power of two in size
+    size_t used_;
+    // A doubling in progress: See pyengine_grow_step.
+    std::vector<pyengine_OwnerEntry> larger_;
+    size_t moved_;
+};
+
+
+// OwnerItems: the parent items of every owner a returns-mode walk reached,
+// in the search's post-order (an owner's index in its order), in one array:
+// the compiled twin of the twin's ``items_of``, a tuple per owner. Owns a
+// reference to each item (released by its destructor, with the GIL held).
+class pyengine_OwnerItems {
+  public:
+    pyengine_OwnerItems() : start_(1, 0) {}
+
+    pyengine_OwnerItems(const pyengine_OwnerItems &) = delete;
+    pyengine_OwnerItems &operator=(const pyengine_OwnerItems &) = delete;
+
+    ~pyengine_OwnerItems() {
+        for (PyObject *item : items_) {
+            Py_DECREF(item);
+        }
+    }
+
+    // The next owner's items: count references move in from first. Throws
+    // (std::bad_alloc) before any moved.
+    void append_owner(PyObject *const *first, size_t count) {
+        make_room(items_, count);
+        make_room(start_, 1);
+        items_.insert(items_.end(), first, first + count);
+        start_.push_back(items_.size());
+    }
+
+    size_t owners() const { return start_.size() - 1; }
+
+    // Borrowed: owner index's items, valid until the next append_owner.
+    PyObject **of(size_t index) { return items_.data() + start_[index]; }
+    Py_ssize_t count(size_t index) const {
+        return static_cast<Py_ssize_t>(start_[index + 1] - start_[index]);
+    }
+
+  private:
+    // Room for count more, doubling (reserve alone would allocate exactly,
+    // and copy the whole array at every owner).
+    template <typename T>
+    static void make_room(std::vector<T> &vector, size_t count) {
+        if (vector.size() + count > vector.capacity()) {
+            vector.reserve(std::max(2 * vector.capacity(), vector.size() + count));
+        }
+    }
+
+    std::vector<PyObject *> items_;
+    std::vector<size_t> start_;  // owner i's items are items_[start_[i]:start_[i + 1]]
+};
