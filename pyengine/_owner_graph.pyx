@@ -30,13 +30,13 @@ from pyengine._state cimport ThreadState, anomaly_check_nan, anomaly_enabled, pr
 
 from time import perf_counter_ns as _perf_counter_ns
 
-from pyengine._pure.owner_graph import (RETURNS, WRITES, OwnerRun, accumulate_grad, add_owner_note,
-                                        check_hook_result, check_nan, check_reader,
-                                        cycle_error, format_owner_error,
-                                        format_root_error, mark_needed, owner_name)
-from pyengine._pure.owner_graph import check_input_nr as check_input_nr_slow
-from pyengine._pure.owner_graph import count_slots as count_slots_slow
-from pyengine._pure.owner_graph import split_item as split_item_slow
+from pyengine._shared.owner_graph_checks import (RETURNS, WRITES, OwnerRun, accumulate_grad,
+                                                add_owner_note, check_hook_result, check_nan,
+                                                check_reader, cycle_error, format_owner_error,
+                                                format_root_error, mark_needed, owner_name)
+from pyengine._shared.owner_graph_checks import check_input_nr as check_input_nr_slow
+from pyengine._shared.owner_graph_checks import count_slots as count_slots_slow
+from pyengine._shared.owner_graph_checks import split_item as split_item_slow
 from pyengine._node import as_input_metadata
 from pyengine._shared.gradient_checks import validate_gradient
 

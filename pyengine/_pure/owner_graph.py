@@ -118,9 +118,11 @@ import time
 import numpy as np
 
 from .._shared.gradient_checks import validate_gradient
-from .._shared.hooks import add_note
-from .._shared.messages import MAX_INPUT_NR
-from ..backends import backend_of
+from .._shared.owner_graph_checks import (RETURNS, WRITES, OwnerRun, accumulate_grad,
+                                         add_owner_note, check_hook_result, check_input_nr,
+                                         check_nan, check_reader, count_slots, cycle_error,
+                                         format_owner_error, format_root_error, mark_needed,
+                                         owner_name, split_item)
 from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer
@@ -128,54 +130,18 @@ from .node import InputMetadata, as_input_metadata
 
 __all__ = ["OwnerGraph", "OwnerRun", "WRITES", "RETURNS", "check_reader", "cycle_error",
            "owner_graph_edge", "owner_name", "search", "run_owner_graph"]
-# The compiled twin imports the slow paths below it does not rewrite (the
-# errors' messages, accumulate_grad, mark_needed, OwnerRun).
-
-WRITES = "writes"
-RETURNS = "returns"
+# The checks, messages and slow paths both cores call (accumulate_grad,
+# mark_needed, OwnerRun, ...) are in pyengine/_shared/owner_graph_checks.py.
 
 # What the search knows of an owner it has seen (absent: not seen).
 _ON_PATH = 0  # its search is not finished
 _FINISHED = 1
 
 
-def owner_name(owner):
-    return type(owner).__name__
-
-
-def check_reader(what, reader):
-    """``reader`` if it is an attribute name or a callable; else TypeError."""
-    if isinstance(reader, str) or callable(reader):
-        return reader
-    raise TypeError(f"{what} must be a str (an attribute or method name) or a callable, "
-                    f"got {type(reader).__name__}")
-
-
 def _check_optional(what, value):
     if value is not None and not callable(value):
         raise TypeError(f"{what} must be a callable or None, got {type(value).__name__}")
     return value
-
-
-def cycle_error(owner, parents):
-    through = repr(parents) if isinstance(parents, str) else "its parents"
-    return RuntimeError(
-        f"the owner graph has a cycle: a {owner_name(owner)} is among its own "
-        f"descendants through {through}")
-
-
-class OwnerRun:
-    """What the profiler sees of one owner run: See Note [Owner graphs]."""
-
-    __slots__ = ("owner", "_sequence_nr")
-    _input_metadata = ()
-
-    def __init__(self, owner, sequence_nr):
-        self.owner = owner
-        self._sequence_nr = sequence_nr
-
-    def name(self):
-        return owner_name(self.owner)
 
 
 class OwnerGraph:
@@ -240,53 +206,11 @@ def is_builtin_collection(collection):
     return type(collection) in (set, tuple, list, frozenset)
 
 
-def split_item(item, holder):
-    """``(parent, input_nr)`` of a parent item of ``holder``, or None where
-    no gradient flows (None, or a pair whose owner is None)."""
-    if item is None:
-        return None
-    if type(item) is tuple:
-        if len(item) != 2 or not isinstance(item[1], int) or isinstance(item[1], bool):
-            raise TypeError(f"a parent item of a {owner_name(holder)} is a tuple of "
-                            f"{len(item)}: expected an owner, None, or a pair (owner, input_nr) "
-                            "with an int input_nr")
-        if item[0] is None:
-            return None
-        return item
-    return (item, 0)
-
-
-def count_slots(graph, owner):
-    """``num_inputs(owner)``, checked; 1 without ``num_inputs``."""
-    if graph.num_inputs is None:
-        return 1
-    count = graph.num_inputs(owner)
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise TypeError(f"num_inputs({owner_name(owner)}) must be an int of at least 1, "
-                        f"got {count!r}")
-    if count > MAX_INPUT_NR:
-        # See Note [Edge input_nr]: no list of a billion slots mid-backward.
-        raise ValueError(f"num_inputs({owner_name(owner)}) is {count}; at most {MAX_INPUT_NR} "
-                         "slots are allowed")
-    return count
-
-
 def read_metadata(graph, owner):
     """``metadata(owner)`` as the Node API reads ``input_metadata``: each
     entry an InputMetadata, None, a ``(shape, dtype[, device])`` tuple or a
     value to read them from."""
     return tuple([as_input_metadata(spec) for spec in graph.metadata(owner)])
-
-
-def check_input_nr(owner, input_nr, slots, where):
-    """That ``input_nr`` is a slot of ``owner``; ``where`` names the item in
-    the error (a str, or the owner whose parent item it is)."""
-    count = slots[id(owner)]
-    if not 0 <= input_nr < count:
-        if not isinstance(where, str):
-            where = f"a parent item of a {owner_name(where)}"
-        raise IndexError(f"{where} names slot {input_nr} of a {owner_name(owner)}, which has "
-                         f"{count} slot{'s' if count != 1 else ''}")
 
 
 def search(graph, root, order, is_leaf, items_of, slots, held, keep_items):
@@ -347,49 +271,6 @@ def reach_owner(graph, owner, seen, stack, order, is_leaf, items_of, slots, held
         return
     seen[id(owner)] = _ON_PATH
     stack.append([owner, items, 0])
-
-
-def mark_needed(order, is_leaf, items_of, wanted):
-    """The owners (by id) with a path to an owner in ``wanted`` (by id): in
-    the post-order every parent comes before its owner."""
-    needed = set()
-    for i in range(len(order)):
-        if is_leaf[i]:
-            continue
-        for item in items_of[i]:
-            pair = split_item(item, order[i])
-            if pair is not None and (id(pair[0]) in wanted or id(pair[0]) in needed):
-                needed.add(id(order[i]))
-                break
-    return needed
-
-
-def accumulate_grad(leaf, gradient):
-    """The default ``accumulate``: See Note [Owner graphs]."""
-    old = getattr(leaf, "grad", None)
-    if old is None:
-        leaf.grad = gradient
-    else:
-        backend = backend_of(old)
-        leaf.grad = old + gradient if backend is None else backend.add(old, gradient)
-
-
-def format_root_error(message):
-    return f"the root's gradient: {message}"
-
-
-def format_owner_error(owner):
-    name = owner_name(owner)
-    return lambda message: f"the backward of a {name}: {message}"
-
-
-def check_hook_result(owner, what, result, count):
-    """A hook's replacement gradients as a list of ``count``."""
-    if not isinstance(result, (list, tuple)) or len(result) != count:
-        got = f"{len(result)} values" if isinstance(result, (list, tuple)) else type(result).__name__
-        raise RuntimeError(f"{what} of a {owner_name(owner)} returned {got}; expected None or "
-                           f"a list of {count} gradients")
-    return list(result)
 
 
 def call_backward(graph, owner, grads):
@@ -481,15 +362,6 @@ def gradient_matches(metadata, grad):
             and grad.dtype == metadata.dtype and grad.shape == metadata.shape)
 
 
-def check_nan(owner, outputs):
-    """Anomaly mode's NaN check on the gradients an owner returned."""
-    for i in range(len(outputs)):
-        output = outputs[i]
-        if output is not None and backend_of(output).has_nan(output):
-            raise RuntimeError(f"the backward of a {owner_name(owner)} returned nan values in "
-                               f"its {i}th output.")
-
-
 def route_gradients(owner, outputs, items, buffers, slots):
     """Sum each gradient into its parent's InputBuffer, made on the first."""
     for i in range(len(outputs)):
@@ -501,10 +373,6 @@ def route_gradients(owner, outputs, items, buffers, slots):
         if buffer is None:
             buffer = buffers[id(parent)] = InputBuffer(slots[id(parent)])
         buffer.add(input_nr, grad, False)
-
-
-def add_owner_note(error, owner):
-    add_note(error, f"Error detected in the backward of a {owner_name(owner)} (an owner graph).")
 
 
 def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, items, buffers, slots,

@@ -9,7 +9,8 @@ anomaly mode's checks, post-accumulate-grad hooks), ``gradient_checks``
 ``device_threads`` (the per-device worker threads and where a node runs),
 ``node_streams`` (the stream a node records and the end-of-backward sync
 of the caller's streams), ``messages`` (the errors both cores raise, in
-the same words).
+the same words), ``owner_graph_checks`` (owner graphs' checks, messages
+and slow paths).
 
 Note [Slow paths are shared]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~

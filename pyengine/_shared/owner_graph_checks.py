@@ -1,0 +1,149 @@
+"""Owner graphs' checks, messages and slow paths, shared by both cores: the
+compiled walk (``pyengine/_owner_graph.pyx``) calls these where its own C
+checks do not pass, and the twin (``pyengine/_pure/owner_graph.py``) calls
+them always, so that both raise the same errors in the same words. The
+protocol and the walk are in those two modules: See Note [Owner graphs] in
+``pyengine/_pure/owner_graph.py``."""
+
+from ..backends import backend_of
+from .hooks import add_note
+from .messages import MAX_INPUT_NR
+
+__all__ = ["WRITES", "RETURNS", "OwnerRun", "accumulate_grad", "add_owner_note", "check_hook_result",
+           "check_input_nr", "check_nan", "check_reader", "count_slots", "cycle_error",
+           "format_owner_error", "format_root_error", "mark_needed", "owner_name", "split_item"]
+
+
+WRITES = "writes"
+RETURNS = "returns"
+
+
+def owner_name(owner):
+    return type(owner).__name__
+
+
+def check_reader(what, reader):
+    """``reader`` if it is an attribute name or a callable; else TypeError."""
+    if isinstance(reader, str) or callable(reader):
+        return reader
+    raise TypeError(f"{what} must be a str (an attribute or method name) or a callable, "
+                    f"got {type(reader).__name__}")
+
+
+def cycle_error(owner, parents):
+    through = repr(parents) if isinstance(parents, str) else "its parents"
+    return RuntimeError(
+        f"the owner graph has a cycle: a {owner_name(owner)} is among its own "
+        f"descendants through {through}")
+
+
+class OwnerRun:
+    """What the profiler sees of one owner run: See Note [Owner graphs]."""
+
+    __slots__ = ("owner", "_sequence_nr")
+    _input_metadata = ()
+
+    def __init__(self, owner, sequence_nr):
+        self.owner = owner
+        self._sequence_nr = sequence_nr
+
+    def name(self):
+        return owner_name(self.owner)
+
+
+def split_item(item, holder):
+    """``(parent, input_nr)`` of a parent item of ``holder``, or None where
+    no gradient flows (None, or a pair whose owner is None)."""
+    if item is None:
+        return None
+    if type(item) is tuple:
+        if len(item) != 2 or not isinstance(item[1], int) or isinstance(item[1], bool):
+            raise TypeError(f"a parent item of a {owner_name(holder)} is a tuple of "
+                            f"{len(item)}: expected an owner, None, or a pair (owner, input_nr) "
+                            "with an int input_nr")
+        if item[0] is None:
+            return None
+        return item
+    return (item, 0)
+
+
+def count_slots(graph, owner):
+    """``num_inputs(owner)``, checked; 1 without ``num_inputs``."""
+    if graph.num_inputs is None:
+        return 1
+    count = graph.num_inputs(owner)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise TypeError(f"num_inputs({owner_name(owner)}) must be an int of at least 1, "
+                        f"got {count!r}")
+    if count > MAX_INPUT_NR:
+        # See Note [Edge input_nr]: no list of a billion slots mid-backward.
+        raise ValueError(f"num_inputs({owner_name(owner)}) is {count}; at most {MAX_INPUT_NR} "
+                         "slots are allowed")
+    return count
+
+
+def check_input_nr(owner, input_nr, slots, where):
+    """That ``input_nr`` is a slot of ``owner``; ``where`` names the item in
+    the error (a str, or the owner whose parent item it is)."""
+    count = slots[id(owner)]
+    if not 0 <= input_nr < count:
+        if not isinstance(where, str):
+            where = f"a parent item of a {owner_name(where)}"
+        raise IndexError(f"{where} names slot {input_nr} of a {owner_name(owner)}, which has "
+                         f"{count} slot{'s' if count != 1 else ''}")
+
+
+def mark_needed(order, is_leaf, items_of, wanted):
+    """The owners (by id) with a path to an owner in ``wanted`` (by id): in
+    the post-order every parent comes before its owner."""
+    needed = set()
+    for i in range(len(order)):
+        if is_leaf[i]:
+            continue
+        for item in items_of[i]:
+            pair = split_item(item, order[i])
+            if pair is not None and (id(pair[0]) in wanted or id(pair[0]) in needed):
+                needed.add(id(order[i]))
+                break
+    return needed
+
+
+def accumulate_grad(leaf, gradient):
+    """The default ``accumulate``: See Note [Owner graphs]."""
+    old = getattr(leaf, "grad", None)
+    if old is None:
+        leaf.grad = gradient
+    else:
+        backend = backend_of(old)
+        leaf.grad = old + gradient if backend is None else backend.add(old, gradient)
+
+
+def format_root_error(message):
+    return f"the root's gradient: {message}"
+
+
+def format_owner_error(owner):
+    name = owner_name(owner)
+    return lambda message: f"the backward of a {name}: {message}"
+
+
+def check_hook_result(owner, what, result, count):
+    """A hook's replacement gradients as a list of ``count``."""
+    if not isinstance(result, (list, tuple)) or len(result) != count:
+        got = f"{len(result)} values" if isinstance(result, (list, tuple)) else type(result).__name__
+        raise RuntimeError(f"{what} of a {owner_name(owner)} returned {got}; expected None or "
+                           f"a list of {count} gradients")
+    return list(result)
+
+
+def check_nan(owner, outputs):
+    """Anomaly mode's NaN check on the gradients an owner returned."""
+    for i in range(len(outputs)):
+        output = outputs[i]
+        if output is not None and backend_of(output).has_nan(output):
+            raise RuntimeError(f"the backward of a {owner_name(owner)} returned nan values in "
+                               f"its {i}th output.")
+
+
+def add_owner_note(error, owner):
+    add_note(error, f"Error detected in the backward of a {owner_name(owner)} (an owner graph).")
