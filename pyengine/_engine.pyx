@@ -154,7 +154,7 @@ cdef inline int release_variables(NodeBase node) except -1:
 cdef object _IndexedGradient = IndexedGradient
 
 
-cdef inline bint has_indexed_gradient(list inputs) noexcept:
+cdef inline bint has_indexed(list inputs) noexcept:
     """The twin's ``has_indexed``: a type comparison per input."""
     cdef PyObject* indexed_type = <PyObject*>_IndexedGradient
     cdef Py_ssize_t i
@@ -179,7 +179,7 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple 
     (the shared ``densify_inputs``)."""
     if has_hooks(node):
         return _hooks.call_function(graph_task, node, inputs, next_edges, validate_outputs)
-    if has_indexed_gradient(inputs):
+    if has_indexed(inputs):
         densify_inputs(node, inputs)
     outputs = node.apply(inputs)
     if type(outputs) is not list:

@@ -78,6 +78,8 @@ import os
 import threading
 import time
 
+import numpy as np
+
 from .. import streams
 from ..device import CPU
 from . import state
@@ -88,7 +90,7 @@ from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
 from .._shared.messages import node_name, total_depth_message
 from .dependencies import compute_dependencies
 from .input_buffer import InputBuffer
-from .node import Edge, GradientFreeNodeBase, NodeBase
+from .node import Edge, NodeBase, on_cpu
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
 from .thread_pool import _ThreadPoolShared, add_thread_pool_task
 from .validate_outputs import validate_outputs
@@ -158,13 +160,31 @@ def release_variables(node):
     node._released = True
 
 
+def has_hooks(node):
+    return bool(node._tensor_pre_hooks or node._retains_grad_hooks or node._pre_hooks
+                or node._post_hooks)
+
+
 def call_function(graph_task, node, inputs, next_edges):
-    """Hooks, ``apply`` and ``validate_outputs`` against ``next_edges``, the
-    node's edges from before it ran (See Note [Next edges while a node
-    runs]): the shared ``call_function``, with this core's
-    ``validate_outputs``. The compiled core runs a node without hooks
-    itself, with the same result."""
-    return hooks.call_function(graph_task, node, inputs, next_edges, validate_outputs)
+    """A node without hooks: ``apply`` and ``validate_outputs`` against
+    ``next_edges``, the node's edges from before it ran (See Note [Next
+    edges while a node runs]), here. With hooks: the shared
+    ``call_function``, which runs them in PyTorch's order. IndexedGradients
+    are densified for a node that does not accept them (the shared
+    ``densify_inputs``)."""
+    if has_hooks(node):
+        return hooks.call_function(graph_task, node, inputs, next_edges, validate_outputs)
+    if hooks.has_indexed(inputs):
+        hooks.densify_inputs(node, inputs)
+    outputs = node.apply(inputs)
+    if type(outputs) is not list:
+        if not isinstance(outputs, (tuple, list)):
+            raise TypeError(f"Function {node_name(node)}.apply must return a tuple or list of "
+                            f"gradients, got {type(outputs).__name__}")
+        outputs = list(outputs)
+    validate_outputs(next_edges, outputs,
+                     lambda message: f"Function {node_name(node)} returned an {message}")
+    return outputs
 
 
 # -- the engine -------------------------------------------------------------
@@ -450,6 +470,14 @@ class Engine:
     def route(self, graph_task, node, gradients):
         """The queue ``node``'s task goes to: its device's worker, or, on the
         CPU or with multithreading disabled, the graph task's CPU queue."""
+        if not graph_task.multithreading:
+            return graph_task.cpu_ready_queue
+        if on_cpu(node._input_metadata):
+            for gradient in gradients:
+                if gradient is not None and type(gradient) is not np.ndarray:
+                    break
+            else:
+                return graph_task.cpu_ready_queue
         return self.ready_queue(graph_task, node_device(node, gradients))
 
     def ready_queue(self, graph_task, device):

@@ -16,7 +16,6 @@ import weakref
 import numpy as np
 
 from .. import backends
-from .. import streams
 from .._shared.hooks import call_post_accumulate_grad_hooks
 from .._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
                                 node_name, not_initialized_message)
@@ -327,7 +326,9 @@ class NodeBase:
         self._saved_values = None
         set_field(self, "_released_", False)
         set_field(self, "_metadata_", None)
-        self._stream = _creation_stream(self._input_metadata_)
+        self._stream = None
+        if not on_cpu(self._input_metadata_):
+            self._stream = _creation_stream(self._input_metadata_)
         set_field(self, "_initialized_", True)
         if state.is_anomaly_enabled():
             _record_forward_traceback(self)
@@ -360,7 +361,7 @@ class NodeBase:
     @_input_metadata.setter
     def _input_metadata(self, input_metadata):
         self._input_metadata_ = _check_input_metadata(input_metadata)
-        if self._stream is None:
+        if self._stream is None and not on_cpu(self._input_metadata_):
             self._stream = _creation_stream(self._input_metadata_)
 
     @_input_metadata.deleter
@@ -387,7 +388,7 @@ class NodeBase:
         """Append an input slot described by ``spec``; return its index."""
         # A new tuple: See Note [Shared empty input metadata].
         self._input_metadata_ = self._input_metadata_ + (as_input_metadata(spec),)
-        if self._stream is None:
+        if self._stream is None and not on_cpu(self._input_metadata_):
             self._stream = _creation_stream(self._input_metadata_)
         return len(self._input_metadata_) - 1
 
@@ -533,6 +534,44 @@ class GradientFreeNodeBase(NodeBase):
 # fresh array is seen as stealable.
 
 
+def on_cpu(input_metadata):
+    """Whether every input slot with metadata is on the CPU."""
+    for metadata in input_metadata:
+        if metadata is not None and not metadata.is_cpu:
+            return False
+    return True
+
+
+def copy_value(value):
+    if is_numpy_array(value):
+        return np.array(value, copy=True)  # the numpy backend's copy
+    return backend_of(value).copy(value)
+
+
+def add_arrays(grad, new_grad):
+    """The numpy backend's ``add`` of two numpy arrays: an array at every
+    rank (numpy's own sum of 0-d arrays is a scalar)."""
+    total = grad + new_grad
+    if type(total) is not np.ndarray:
+        total = np.asarray(total)
+    return total
+
+
+def add_in_place(grad, new_grad):
+    if is_numpy_array(grad) and type(new_grad) is np.ndarray:
+        if grad.flags.writeable:
+            grad += new_grad  # np.add(grad, new_grad, out=grad), the numpy backend's add_
+            return grad
+        return add_arrays(grad, new_grad)
+    return backend_of(grad).add_(grad, new_grad)
+
+
+def add_values(grad, new_grad):
+    if is_numpy_array(grad) and type(new_grad) is np.ndarray:
+        return add_arrays(grad, new_grad)
+    return backend_of(grad).add(grad, new_grad)
+
+
 class LeafState:
     """What pyengine keeps on a leaf tensor (a framework keeps it where it
     likes; :func:`pyengine.node.leaf_state` puts it in ``_pyengine_leaf``).
@@ -634,12 +673,12 @@ class AccumulateGradBase(NodeBase):
                 if old_grad is None:
                     # See Note [Stealing with post hooks].
                     if create_graph or not can_steal(new_grad, 1 if self._post_hooks else 0):
-                        new_grad = backend_of(new_grad).copy(new_grad)
+                        new_grad = copy_value(new_grad)
                     variable.grad = new_grad
                 elif old_grad is leaf_state.owned_grad() and not create_graph:
-                    variable.grad = backend_of(old_grad).add_(old_grad, new_grad)
+                    variable.grad = add_in_place(old_grad, new_grad)
                 else:
-                    variable.grad = backend_of(old_grad).add(old_grad, new_grad)
+                    variable.grad = add_values(old_grad, new_grad)
                 leaf_state.set_owned_grad(None if create_graph else variable.grad)
         hooks = leaf_state.post_accumulate_grad_hooks
         if hooks:
