@@ -532,7 +532,10 @@ cdef class Engine:
 
     cdef int evaluate_profiled(self, GraphTask graph_task, NodeBase node, list inputs) except -1:
         """evaluate_function, timed and reported to the profiler even if it fails."""
-        callback = <object>profiler()
+        cdef PyObject* listening = profiler()
+        if listening == NULL:  # stopped since thread_main looked
+            return self.evaluate_function(graph_task, node, inputs)
+        callback = <object>listening
         start = _perf_counter_ns()
         try:
             self.evaluate_function(graph_task, node, inputs)

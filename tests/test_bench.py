@@ -160,6 +160,10 @@ def test_torch_workloads_pass_their_oracle():
                 "grad-inputs:30"]:
         kind, _, size = key.partition(":")
         subjects._torch_build("view", kind, int(size)).run_checked()
+    for flavor in ("function", "mul"):  # a sample calls run() many times
+        workload = subjects._torch_build(flavor, "grad-inputs", 30)
+        workload.run_checked()
+        workload.run_checked()
     with pytest.raises(subjects.Unsupported):
         subjects._torch_build("view", "apply-floor", 10)
     with pytest.raises(subjects.Unsupported):

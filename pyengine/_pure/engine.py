@@ -327,12 +327,10 @@ class Engine:
                     local_graph_task.can_checkpoint() and state.is_checkpoint_valid())
                 try:
                     if not local_graph_task.has_error:
-                        profiler = state.profiler()
-                        if profiler is None:
+                        if state.profiler() is None:
                             self.evaluate_function(local_graph_task, task.node, task.inputs)
                         else:
-                            self.evaluate_profiled(profiler, local_graph_task, task.node,
-                                                   task.inputs)
+                            self.evaluate_profiled(local_graph_task, task.node, task.inputs)
                 except BaseException as error:
                     if state.is_anomaly_enabled():
                         add_anomaly_note(error, task.node)
@@ -372,13 +370,16 @@ class Engine:
         if graph_task is not None and graph_task.has_error:
             queue.discard_graph_task(graph_task)
 
-    def evaluate_profiled(self, profiler, graph_task, node, inputs):
+    def evaluate_profiled(self, graph_task, node, inputs):
         """evaluate_function, timed and reported to the profiler even if it fails."""
+        callback = state.profiler()
+        if callback is None:  # stopped since thread_main looked
+            return self.evaluate_function(graph_task, node, inputs)
         start = time.perf_counter_ns()
         try:
             self.evaluate_function(graph_task, node, inputs)
         finally:
-            profiler(node, start, time.perf_counter_ns())
+            callback(node, start, time.perf_counter_ns())
 
     def evaluate_function(self, graph_task, node, inputs):
         """Run one node on ``inputs`` (its InputBuffer's list of gradients) and

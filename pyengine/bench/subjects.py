@@ -330,9 +330,11 @@ def _torch_build(flavor, kind, size):
 
     if kind in ("grad-fixed", "grad-inputs"):
         result = [None]
+        # y * 1.0 saves its operand, which a grad call frees unless retained.
+        retain = flavor == "mul"
 
         def run():
-            result[0] = torch.autograd.grad((root,), (x,), (grad,))
+            result[0] = torch.autograd.grad((root,), (x,), (grad,), retain_graph=retain)
 
         def check():
             expect_equal(f"torch grad, {size}-node chain", result[0][0].numpy(), expected)
