@@ -177,13 +177,8 @@ def call_function(graph_task, node, inputs, next_edges):
     if hooks.has_indexed(inputs):
         hooks.densify_inputs(node, inputs)
     outputs = node.apply(inputs)
-    if type(outputs) is not list:
-        if not isinstance(outputs, (tuple, list)):
-            raise TypeError(f"Function {node_name(node)}.apply must return a tuple or list of "
-                            f"gradients, got {type(outputs).__name__}")
-        outputs = list(outputs)
-    validate_outputs(next_edges, outputs,
-                     lambda message: f"Function {node_name(node)} returned an {message}")
+    outputs = hooks.outputs_as_list(node, outputs)
+    validate_outputs(next_edges, outputs, hooks.returned_error_format(node))
     return outputs
 
 

@@ -121,6 +121,22 @@ def densify_inputs(node, grads):
             grads[i] = grad.to_dense()
 
 
+def outputs_as_list(node, outputs):
+    """What ``node.apply`` returned, as a list (a tuple is copied); anything
+    else is a TypeError naming the node."""
+    if type(outputs) is not list:
+        if not isinstance(outputs, (tuple, list)):
+            raise TypeError(f"Function {node_name(node)}.apply must return a tuple or list of "
+                            f"gradients, got {type(outputs).__name__}")
+        outputs = list(outputs)
+    return outputs
+
+
+def returned_error_format(node):
+    """``validate_outputs``' ``format_error`` for the gradients ``node`` returned."""
+    return lambda message: f"Function {node_name(node)} returned an {message}"
+
+
 def call_function(graph_task, node, grads, next_edges, validate_outputs):
     """Hooks and ``apply`` on ``grads`` (the node's InputBuffer's list), in
     PyTorch's order: tensor pre-hooks, retains-grad hooks, node pre-hooks,
@@ -145,13 +161,8 @@ def call_function(graph_task, node, grads, next_edges, validate_outputs):
     had_post_hooks = bool(node._post_hooks)
     # apply may edit the list it gets; post-hooks must see the inputs unchanged.
     outputs = node.apply(list(grads) if had_post_hooks else grads)
-    if type(outputs) is not list:
-        if not isinstance(outputs, (tuple, list)):
-            raise TypeError(f"Function {node_name(node)}.apply must return a tuple or list of "
-                            f"gradients, got {type(outputs).__name__}")
-        outputs = list(outputs)
-    validate_outputs(next_edges, outputs,
-                     lambda message: f"Function {node_name(node)} returned an {message}")
+    outputs = outputs_as_list(node, outputs)
+    validate_outputs(next_edges, outputs, returned_error_format(node))
     post_hooks = node._post_hooks if had_post_hooks else None
     if post_hooks:
         grad_outputs = tuple(grads)
