@@ -352,6 +352,9 @@ cdef class Engine:
                 # PyTorch's ThreadLocalStateGuard.
                 previous = thread[0]
                 thread.current_graph_task = record.graph_task
+                # See Note [Queries a running node makes] in pyengine/_shared/task_queries.py.
+                thread.current_node = record.node
+                thread.current_node_graph_task = record.graph_task
                 thread.grad_enabled = local_graph_task.grad_mode
                 # ANDed with the enclosing task's: See Note [Checkpoint valid
                 # in nested backward] in pyengine/_pure/state.py.

@@ -10,12 +10,14 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_FromVoidPtr
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
+from cython.operator cimport dereference as deref
 from libc.stdint cimport int32_t
 from libcpp.mutex cimport mutex, unique_lock
 from libcpp.deque cimport deque
+from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
-from pyengine._graph_task cimport ExecInfoEntry, ExecInfoMap, NodePtr
+from pyengine._graph_task cimport ExecInfoEntry, ExecInfoMap, InputBufferPtr, NodePtr
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
 from pyengine._node cimport Edge, NodeBase
@@ -24,6 +26,7 @@ from pyengine._state cimport ThreadState, thread_state
 
 from pyengine import streams as _streams
 from pyengine._shared import node_streams as _node_streams
+from pyengine._shared import task_queries as _task_queries
 from pyengine._shared.messages import not_ready_message
 
 # The stream runtimes by device type. The same dict as streams._runtimes,
@@ -209,6 +212,28 @@ cdef class GraphTask:
     def find_exec_info(self, node):
         """A copy of ``node``'s entry of exec_info, or None."""
         return self.exec_info_copy(<NodePtr>node)
+
+    # -- what a running node asks: Node.task_should_compute_output and
+    # Node.task_buffered_gradient (See Note [Queries a running node makes]
+    # in pyengine/_shared/task_queries.py) --
+
+    def should_execute(self, node):
+        """Whether ``node`` runs or captures in this task: every node does
+        without exec_info."""
+        return self.exec_info_.empty() or self.exec_info_.should_execute(<NodePtr>node)
+
+    def buffered_gradient(self, node, Py_ssize_t input_nr):
+        """A copy of what ``node``'s InputBuffer in not_ready holds at
+        ``input_nr``, made under the mutex; None where it holds nothing."""
+        cdef unordered_map[NodePtr, InputBufferPtr].iterator found
+        lock_releasing_gil(self.mutex_)
+        try:
+            found = self.not_ready_.find(<NodePtr>node)
+            if found == self.not_ready_.end():
+                return None
+            return _task_queries.buffered_copy((<object>deref(found).second).buffer, input_nr)
+        finally:
+            self.mutex_.unlock()
 
     cdef ExecInfo exec_info_copy(self, NodePtr node):
         cdef const ExecInfoEntry* entry = self.exec_info_.find(node)

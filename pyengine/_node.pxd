@@ -35,6 +35,11 @@ cdef class NodeBase:
     # made; immutable after construction. See Note [Overriding release variables]
     # in pyengine/_pure/node.py.
     cdef readonly bint _overrides_release_variables
+    # The node's class's gradient_policy when the node was made, checked:
+    # one of the two str constants of pyengine/_shared/gradient_checks.py,
+    # compared by identity; immutable after construction. See Note
+    # [Gradient policy] in pyengine/_pure/node.py.
+    cdef readonly str _gradient_policy
     cdef public object _stream
     cdef public dict _metadata
     cdef readonly bint _initialized

@@ -18,7 +18,7 @@ from cpython.tuple cimport PyTuple_GET_SIZE
 from cpython.weakref cimport PyWeakref_GET_OBJECT, PyWeakref_NewRef
 from libc.stdint cimport uint64_t, UINT64_MAX
 
-from pyengine._state cimport anomaly_enabled, thread_state
+from pyengine._state cimport ThreadState, anomaly_enabled, thread_state
 
 from _thread import allocate_lock as _allocate_lock
 
@@ -29,10 +29,13 @@ from pyengine.backends import backend_of
 from pyengine.device import CPU
 from pyengine.indexed import IndexedGradient
 
+from pyengine._shared import task_queries as _task_queries
+from pyengine._shared.gradient_checks import EXACT, REDUCE, checked_gradient_policy
 from pyengine._shared.hooks import call_post_accumulate_grad_hooks
 from pyengine._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
                                        node_name, not_initialized_message)
 from pyengine._shared.node_streams import _creation_stream
+from pyengine._state import get_current_node
 
 cnp.import_array()
 
@@ -189,10 +192,34 @@ cdef tuple _check_input_metadata(input_metadata):
     return input_metadata
 
 
+cdef object _REDUCE = REDUCE
+cdef object _EXACT = EXACT
+
+
+def gradient_policy_owner(node):
+    """Who a bad ``gradient_policy`` belongs to, for its error."""
+    return f"Node class {type(node).__qualname__}"
+
+
+cdef object running_graph_task(NodeBase node, str query):
+    """The graph task running ``node`` on this thread, read from the
+    thread state; RuntimeError where none does. See Note [Queries a
+    running node makes] in pyengine/_shared/task_queries.py."""
+    cdef ThreadState* thread = thread_state()
+    if (thread.current_node == <PyObject*>node and thread.current_graph_task != NULL
+            and thread.current_node_graph_task == thread.current_graph_task):
+        return <object>thread.current_graph_task
+    raise RuntimeError(_task_queries.not_running_message(node, query, get_current_node()))
+
+
 # trashcan: dropping a long chain of nodes must not recurse in C.
 @cython.trashcan(True)
 cdef class NodeBase:
     """The per-node state the engine reads; see :class:`pyengine.Node`."""
+
+    # Read from the node's class when the node is made: See Note [Gradient
+    # policy] in the twin.
+    gradient_policy = REDUCE
 
     def __cinit__(self, *args, **kwargs):
         self._next_edges = ()
@@ -214,6 +241,12 @@ cdef class NodeBase:
         # See Note [Overriding release variables] in the twin.
         self._overrides_release_variables = (
             getattr(type(self), "release_variables") is not _base_release_variables)
+        # See Note [Gradient policy] in the twin.
+        policy = getattr(type(self), "gradient_policy", _REDUCE)
+        if policy is _REDUCE or policy is _EXACT:
+            self._gradient_policy = <str>policy
+        else:
+            self._gradient_policy = checked_gradient_policy(policy, gradient_policy_owner(self))
         if not on_cpu(self._input_metadata):
             self._stream = _creation_stream(self._input_metadata)
         self._initialized = True
@@ -292,6 +325,24 @@ cdef class NodeBase:
 
     def apply(self, grads):
         raise NotImplementedError(f"{type(self).__name__} must override apply(grads)")
+
+    def task_should_compute_output(self, output_edge_index):
+        """Whether the gradient ``apply`` returns for next edge
+        ``output_edge_index`` will be used: False for a missing edge or one
+        into a node that ``grad(inputs=)`` / ``backward(inputs=)`` prunes.
+        Only while the engine runs this node; see the twin's docstring and
+        Note [Queries a running node makes] in pyengine/_shared/task_queries.py."""
+        return _task_queries.should_compute_output(
+            self, running_graph_task(self, "task_should_compute_output"), output_edge_index)
+
+    def task_buffered_gradient(self, output_edge_index):
+        """A copy of the sum that the InputBuffer of next edge
+        ``output_edge_index``'s node holds so far at that edge's slot, or
+        None. Only while the engine runs this node; see the twin's
+        docstring and Note [Queries a running node makes] in
+        pyengine/_shared/task_queries.py."""
+        return _task_queries.buffered_gradient(
+            self, running_graph_task(self, "task_buffered_gradient"), output_edge_index)
 
     cpdef release_variables(self):
         """Drop what the node saved for backward. Override it in a subclass to

@@ -9,6 +9,8 @@ cdef extern from "_thread_state.h":
         bint checkpoint_valid
         PyObject* current_graph_task
         bint multithreading_enabled
+        PyObject* current_node
+        PyObject* current_node_graph_task
 
 cdef ThreadState* thread_state() noexcept nogil
 cdef PyObject* profiler() noexcept nogil

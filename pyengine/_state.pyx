@@ -86,3 +86,14 @@ def set_multithreading_enabled(enabled):
 def get_current_graph_task():
     graph_task = pyengine_thread_state.current_graph_task
     return None if graph_task == NULL else <object>graph_task
+
+
+def get_current_node():
+    """The node the engine runs on this thread under the current graph
+    task, or None: See Note [Queries a running node makes] in
+    pyengine/_shared/task_queries.py."""
+    cdef ThreadState* thread = &pyengine_thread_state
+    if (thread.current_node == NULL or thread.current_graph_task == NULL
+            or thread.current_node_graph_task != thread.current_graph_task):
+        return None
+    return <object>thread.current_node

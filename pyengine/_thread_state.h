@@ -15,4 +15,10 @@ struct pyengine_ThreadState {
     PyObject *current_graph_task;
     // Whether device work goes to device threads (else all on the caller).
     int multithreading_enabled;
+    // Borrowed: the node the engine runs on this thread and the graph task
+    // running it, or NULL. A query of a running node answers only while
+    // the latter is current_graph_task: See Note [Queries a running node
+    // makes] in pyengine/_shared/task_queries.py.
+    PyObject *current_node;
+    PyObject *current_node_graph_task;
 };

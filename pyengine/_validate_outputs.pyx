@@ -5,8 +5,12 @@ node. A numpy gradient whose dtype, shape and device are its slot's passes
 in C (``numpy_gradient_matches``, inlined where it is cimported), as does
 any value a backend handles for a slot without metadata; everything else
 (broadcast reductions, casts, moves, other value types, errors in PyTorch's
-words) goes through the shared ``validate_gradient``. See Note [Slow paths
-are shared]. Twin: ``pyengine/_pure/validate_outputs.py``.
+words) goes through the shared ``validate_gradient``, or, for a node whose
+``gradient_policy`` is ``"exact"``, ``validate_gradient_exact``: the fast
+path is the same for both policies, since a gradient that takes it needs
+nothing reduced, cast or moved (See Note [Gradient policy] in
+pyengine/_pure/node.py). See Note [Slow paths are shared]. Twin:
+``pyengine/_pure/validate_outputs.py``.
 """
 
 from cpython.dict cimport PyDict_GetItem
@@ -16,10 +20,11 @@ from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
 cimport numpy as cnp
 
-from pyengine._node cimport Edge, InputMetadata
+from pyengine._node cimport Edge, InputMetadata, NodeBase
 
 from pyengine import backends as _backends
-from pyengine._shared.gradient_checks import validate_gradient
+from pyengine._shared.gradient_checks import (EXACT, checked_gradient_policy, validate_gradient,
+                                               validate_gradient_exact)
 from pyengine._shared.messages import node_name
 
 cnp.import_array()
@@ -51,12 +56,17 @@ cdef inline bint known_value_type(object value_type) noexcept:
     return backend != NULL and backend != <PyObject*>None
 
 
+cdef object _EXACT = EXACT
+
+
 cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
-                               object node) except -1:
+                               object node, bint exact=False) except -1:
     """See the twin's ``validate_outputs``; ``grads`` is edited in place.
     ``format_error`` None: the gradients ``node`` returned, worded as
     PyTorch words them (``NodeErrorFormat(node)``, made only for a gradient
-    that needs the slow path: the engine calls this for every node)."""
+    that needs the slow path: the engine calls this for every node).
+    ``exact``, or a ``node`` whose ``gradient_policy`` is ``"exact"``: the
+    slow path is ``validate_gradient_exact``."""
     cdef Py_ssize_t num_edges = PyTuple_GET_SIZE(edges)
     cdef tuple slots
     if PyList_GET_SIZE(grads) != num_edges:
@@ -81,7 +91,10 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
                 continue
         elif numpy_gradient_matches(<InputMetadata>metadata, grad):
             continue
-        grads[i] = validate_gradient(i, grad, metadata, error_format(format_error, node))
+        if exact or (node is not None and (<NodeBase>node)._gradient_policy is _EXACT):
+            grads[i] = validate_gradient_exact(i, grad, metadata, error_format(format_error, node))
+        else:
+            grads[i] = validate_gradient(i, grad, metadata, error_format(format_error, node))
     return 0
 
 
@@ -89,11 +102,12 @@ cdef object error_format(object format_error, object node):
     return NodeErrorFormat(node) if format_error is None else format_error
 
 
-def validate_outputs(edges, list grads, format_error):
+def validate_outputs(edges, list grads, format_error, gradient_policy="reduce"):
     """Check and fix ``grads`` against ``edges``; see the twin's docstring."""
+    cdef bint exact = checked_gradient_policy(gradient_policy, "validate_outputs") is _EXACT
     edges = tuple(edges)
     # Only a caller from Python: the engine passes a node's checked edges.
     for i, edge in enumerate(edges):
         if edge is not None and not isinstance(edge, Edge):
             raise TypeError(f"edges[{i}] must be an Edge or None, got {type(edge).__name__}")
-    validate_outputs_impl(edges, grads, format_error, None)
+    validate_outputs_impl(edges, grads, format_error, None, exact)

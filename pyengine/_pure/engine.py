@@ -178,7 +178,7 @@ def call_function(graph_task, node, inputs, next_edges):
         hooks.densify_inputs(node, inputs)
     outputs = node.apply(inputs)
     outputs = hooks.outputs_as_list(node, outputs)
-    validate_outputs(next_edges, outputs, hooks.returned_error_format(node))
+    validate_outputs(next_edges, outputs, hooks.returned_error_format(node), node._gradient_policy)
     return outputs
 
 
@@ -314,6 +314,8 @@ class Engine:
                     # A wake-up task: loop back and look at graph_task again.
                     continue
                 previous_graph_task = state.set_current_graph_task(local_graph_task)
+                # See Note [Queries a running node makes] in pyengine/_shared/task_queries.py.
+                previous_node = state.set_current_node(task.node, local_graph_task)
                 previous_grad_mode = state.is_grad_enabled()
                 state.set_grad_enabled(local_graph_task.grad_mode)
                 # ANDed with the enclosing task's: See Note [Checkpoint valid
@@ -333,7 +335,9 @@ class Engine:
                 finally:
                     state.swap_checkpoint_valid(previous_checkpoint_valid)
                     state.set_grad_enabled(previous_grad_mode)
+                    state.set_current_node(*previous_node)
                     state.set_current_graph_task(previous_graph_task)
+                    previous_node = None
                 # Drop the task's references before the graph task may complete.
                 del task
                 local_graph_task.decrement_outstanding_tasks()

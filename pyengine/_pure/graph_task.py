@@ -7,7 +7,7 @@ its caller has read its result; NodeTasks point back to it.
 import threading
 
 from .. import streams
-from .._shared import node_streams
+from .._shared import node_streams, task_queries
 from .._shared.messages import not_ready_message
 from . import state
 from .ready_queue import is_main_thread, wait_honouring_signals
@@ -113,6 +113,27 @@ class GraphTask:
     def find_exec_info(self, node):
         """``node``'s entry of exec_info, or None."""
         return self.exec_info.get(id(node))
+
+    # -- what a running node asks: Node.task_should_compute_output and
+    # Node.task_buffered_gradient (See Note [Queries a running node makes]
+    # in pyengine/_shared/task_queries.py) --
+
+    def should_execute(self, node):
+        """Whether ``node`` runs or captures in this task: every node does
+        without exec_info."""
+        if not self.exec_info:
+            return True
+        info = self.exec_info.get(id(node))
+        return info is not None and info.should_execute()
+
+    def buffered_gradient(self, node, input_nr):
+        """A copy of what ``node``'s InputBuffer in not_ready holds at
+        ``input_nr``, made under the mutex; None where it holds nothing."""
+        with self.mutex:
+            input_buffer = self.not_ready.get(id(node))
+            if input_buffer is None:
+                return None
+            return task_queries.buffered_copy(input_buffer.buffer, input_nr)
 
     # -- execution plan ---------------------------------------------------
 

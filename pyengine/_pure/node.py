@@ -16,6 +16,8 @@ import weakref
 import numpy as np
 
 from .. import backends
+from .._shared import task_queries
+from .._shared.gradient_checks import EXACT, REDUCE, checked_gradient_policy
 from .._shared.hooks import call_post_accumulate_grad_hooks
 from .._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
                                 node_name, not_initialized_message)
@@ -213,7 +215,7 @@ def _check_input_metadata(input_metadata):
 #   fresh one until the subclass sets its own), as the compiled ``apply``
 #   reads it in C;
 # - read only: ``_sequence_nr``, ``_initialized``,
-#   ``_overrides_release_variables``, a GradientFreeNode's
+#   ``_overrides_release_variables``, ``_gradient_policy``, a GradientFreeNode's
 #   ``owner`` and ``method``, a LeafState's ``lock``, every field of an Edge
 #   and of an InputMetadata (AttributeError when written). An Edge checks
 #   its node and input_nr in ``__new__`` (no Edge without a node exists),
@@ -287,6 +289,9 @@ class NodeBase:
       _stream: the stream current at creation on a device, else None.
       _metadata: None or a dict, created on first access.
       _initialized: set by ``__init__``; the engine refuses a node without it.
+      _gradient_policy: the class's ``gradient_policy`` when the node was
+        made, checked; immutable after construction (See Note [Gradient
+        policy]).
     """
 
     # The fields Python code may not write as it likes live in slots with a
@@ -295,13 +300,18 @@ class NodeBase:
     __slots__ = (
         "_next_edges_", "_input_metadata_", "_sequence_nr_", "_pre_hooks_", "_post_hooks_",
         "_tensor_pre_hooks_", "_retains_grad_hooks_", "_saved_values", "_released_",
-        "_overrides_release_variables_", "_stream", "_metadata_", "_initialized_", "__weakref__", "__dict__",
+        "_overrides_release_variables_", "_stream", "_metadata_", "_initialized_", "_gradient_policy_",
+        "__weakref__", "__dict__",
     )
+
+    # Read from the node's class when the node is made: See Note [Gradient policy].
+    gradient_policy = REDUCE
 
     _sequence_nr = _read_only_field("_sequence_nr", "_sequence_nr_")
     _initialized = _read_only_field("_initialized", "_initialized_")
     _overrides_release_variables = _read_only_field("_overrides_release_variables",
                                                     "_overrides_release_variables_")
+    _gradient_policy = _read_only_field("_gradient_policy", "_gradient_policy_")
     _pre_hooks = _checked_field("_pre_hooks", "_pre_hooks_", _not_list, "list")
     _post_hooks = _checked_field("_post_hooks", "_post_hooks_", _not_list, "list")
     _tensor_pre_hooks = _checked_field("_tensor_pre_hooks", "_tensor_pre_hooks_", _not_list, "list")
@@ -319,6 +329,12 @@ class NodeBase:
         # See Note [Overriding release variables].
         set_field(self, "_overrides_release_variables_",
                   type(self).release_variables is not NodeBase.release_variables)
+        # See Note [Gradient policy].
+        policy = getattr(type(self), "gradient_policy", REDUCE)
+        if policy is REDUCE or policy is EXACT:
+            set_field(self, "_gradient_policy_", policy)
+        else:
+            set_field(self, "_gradient_policy_", checked_gradient_policy(policy, gradient_policy_owner(self)))
         set_field(self, "_pre_hooks_", None)
         set_field(self, "_post_hooks_", None)
         set_field(self, "_tensor_pre_hooks_", None)
@@ -405,12 +421,78 @@ class NodeBase:
     def apply(self, grads):
         raise NotImplementedError(f"{type(self).__name__} must override apply(grads)")
 
+    def task_should_compute_output(self, output_edge_index):
+        """Whether the gradient ``apply`` returns for next edge
+        ``output_edge_index`` will be used, as PyTorch's Node method: False
+        for a missing edge (None) or an edge into a node that
+        ``grad(inputs=)`` / ``backward(inputs=)`` prunes (it neither runs
+        nor captures), True otherwise. Call it from the node's ``apply`` or
+        hooks while the engine runs this node: anywhere else it raises
+        RuntimeError; an index outside the node's next edges raises
+        IndexError. See Note [Queries a running node makes] in
+        ``pyengine/_shared/task_queries.py``."""
+        return task_queries.should_compute_output(
+            self, running_graph_task(self, "task_should_compute_output"), output_edge_index)
+
+    def task_buffered_gradient(self, output_edge_index):
+        """What the InputBuffer of the node that next edge
+        ``output_edge_index`` leads to has summed so far at that edge's
+        ``input_nr``: the gradients the producers that ran before this
+        node sent there, in the engine's order, as a copy this caller
+        owns; None where nothing arrived yet, the edge is None, or the node
+        it leads to has a single producer (this one). Only while the engine
+        runs this node, as ``task_should_compute_output``. See Note
+        [Queries a running node makes] in ``pyengine/_shared/task_queries.py``."""
+        return task_queries.buffered_gradient(
+            self, running_graph_task(self, "task_buffered_gradient"), output_edge_index)
+
     def release_variables(self):
         """Drop what the node saved for backward. Override it in a subclass to
         free more: the engine calls the method of the node's class, as C++
         calls a virtual method, where the class overrode it when the node was
         made. See Note [Overriding release variables]."""
         self._saved_values = None
+
+
+def gradient_policy_owner(node):
+    """Who a bad ``gradient_policy`` belongs to, for its error."""
+    return f"Node class {type(node).__qualname__}"
+
+
+def running_graph_task(node, query):
+    """The graph task running ``node`` on this thread, read from the thread
+    state; RuntimeError where none does. See Note [Queries a running node
+    makes] in ``pyengine/_shared/task_queries.py``."""
+    running_node = state.get_current_node()
+    if running_node is node:
+        return state.get_current_graph_task()
+    raise RuntimeError(task_queries.not_running_message(node, query, running_node))
+
+
+# Note [Gradient policy]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# validate_outputs checks the gradients a node returns by one of two
+# rules, chosen by the node's class attribute ``gradient_policy``:
+#
+# - ``"reduce"`` (NodeBase's, the default): PyTorch's. A gradient whose
+#   shape broadcasts to its slot's is summed to it, a dtype is cast by
+#   PyTorch's rule, a 0-d gradient is moved to the slot's device;
+# - ``"exact"``: Chainer's. The gradient must have its slot's shape, dtype
+#   and device already (an integer gradient into a slot of that very
+#   integer dtype is fine); any mismatch is an error naming the node, the
+#   index, expected and got (``validate_gradient_exact`` in
+#   ``pyengine/_shared/gradient_checks.py``).
+#
+# The class attribute is read, and checked (TypeError for a value that is
+# not a str, ValueError for another str, naming the class), when a node is
+# made, and kept in the node's read-only ``_gradient_policy``, one of the
+# two str constants, which the compiled core compares by identity: Python
+# code cannot change the rule under a node afterwards (setting the class
+# attribute later affects nodes made later), nor hand the compiled core a
+# value it did not check. Both policies share validate_outputs' fast path:
+# a numpy gradient of its slot's very dtype and shape on the CPU passes
+# either rule as it is; only the slow path looks at the policy. A slot
+# without metadata takes any value a backend handles, under both.
 
 
 # Note [Overriding release variables]

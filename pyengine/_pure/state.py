@@ -30,6 +30,11 @@ class _ThreadState(threading.local):
     checkpoint_valid = True
     # Whether device work goes to device threads (else all on the caller).
     multithreading_enabled = True
+    # The node the engine runs on this thread and the graph task running
+    # it: See Note [Queries a running node makes] in
+    # pyengine/_shared/task_queries.py.
+    current_node = None
+    current_node_graph_task = None
 
 
 _thread_state = _ThreadState()
@@ -108,4 +113,24 @@ def set_current_graph_task(graph_task):
     """Make ``graph_task`` current on this thread; return the previous one."""
     previous = _thread_state.current_graph_task
     _thread_state.current_graph_task = graph_task
+    return previous
+
+
+def get_current_node():
+    """The node the engine runs on this thread under the current graph
+    task, or None: See Note [Queries a running node makes] in
+    pyengine/_shared/task_queries.py."""
+    thread = _thread_state
+    if thread.current_graph_task is None or thread.current_node_graph_task is not thread.current_graph_task:
+        return None
+    return thread.current_node
+
+
+def set_current_node(node, graph_task):
+    """Record that the engine runs ``node`` of ``graph_task`` on this thread
+    (None, None: none); return the previous pair."""
+    thread = _thread_state
+    previous = (thread.current_node, thread.current_node_graph_task)
+    thread.current_node = node
+    thread.current_node_graph_task = graph_task
     return previous

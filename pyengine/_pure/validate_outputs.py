@@ -3,22 +3,28 @@
 Twin of ``pyengine/_validate_outputs.pyx``. Both cores call the shared
 :func:`validate_gradient` for a gradient (the compiled core only for one
 that is not a numpy array of the right shape, dtype and device, which it
-checks in C), so that the slow path is written once. See Note [Slow paths
-are shared].
+checks in C), or :func:`validate_gradient_exact` for a node whose
+``gradient_policy`` is ``"exact"`` (See Note [Gradient policy] in
+``pyengine/_pure/node.py``), so that the slow path is written once. See
+Note [Slow paths are shared].
 """
 
-from .._shared.gradient_checks import validate_gradient
+from .._shared.gradient_checks import EXACT, checked_gradient_policy, validate_gradient, validate_gradient_exact
 
 
-def validate_outputs(edges, grads, format_error):
+def validate_outputs(edges, grads, format_error, gradient_policy="reduce"):
     """Check and fix ``grads`` (a list, edited in place) against ``edges``.
 
-    For each gradient that flows along an edge into a slot with metadata:
-    reduce a broadcast shape with ``sum_to``, cast to the slot's dtype (as
-    PyTorch: any real gradient to a real slot, a floating one to any slot),
-    move a 0-d value to the slot's device; any other mismatch raises with
-    ``format_error(message)``, naming the index, expected and got.
+    For each gradient that flows along an edge into a slot with metadata,
+    under ``gradient_policy="reduce"`` (PyTorch's rule): reduce a broadcast
+    shape with ``sum_to``, cast to the slot's dtype (as PyTorch: any real
+    gradient to a real slot, a floating one to any slot), move a 0-d value
+    to the slot's device; under ``"exact"`` (Chainer's rule) the gradient
+    must have the slot's shape, dtype and device already. Any other
+    mismatch raises with ``format_error(message)``, naming the index,
+    expected and got.
     """
+    exact = checked_gradient_policy(gradient_policy, "validate_outputs") is EXACT
     if len(grads) != len(edges):
         raise RuntimeError(format_error(
             f"invalid number of gradients - expected {len(edges)}, but got {len(grads)}"))
@@ -28,4 +34,7 @@ def validate_outputs(edges, grads, format_error):
             continue
         all_metadata = edge.node._input_metadata
         metadata = all_metadata[edge.input_nr] if edge.input_nr < len(all_metadata) else None
-        grads[i] = validate_gradient(i, grad, metadata, format_error)
+        if exact:
+            grads[i] = validate_gradient_exact(i, grad, metadata, format_error)
+        else:
+            grads[i] = validate_gradient(i, grad, metadata, format_error)

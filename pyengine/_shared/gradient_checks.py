@@ -11,6 +11,27 @@ errors, in PyTorch's words, are written once.
 
 from ..backends import backend_of, is_expandable_to
 
+# The values of ``gradient_policy``: the compiled core keeps one of these
+# very objects in a node's C field and compares by identity.
+REDUCE = "reduce"
+EXACT = "exact"
+GRADIENT_POLICIES = (REDUCE, EXACT)
+
+
+def checked_gradient_policy(policy, owner):
+    """``policy`` as one of GRADIENT_POLICIES (the constant itself);
+    ``owner`` names where it was read, for the error: TypeError for a value
+    that is not a str, ValueError for another str."""
+    if policy is REDUCE or policy is EXACT:
+        return policy
+    if not isinstance(policy, str):
+        raise TypeError(f"{owner}: gradient_policy must be a str, 'reduce' or 'exact', got "
+                        f"{type(policy).__name__}")
+    for known in GRADIENT_POLICIES:
+        if str.__eq__(policy, known):
+            return known
+    raise ValueError(f"{owner}: gradient_policy must be 'reduce' or 'exact', got {policy!r}")
+
 
 def validate_gradient(i, grad, metadata, format_error):
     """Gradient ``i`` checked against its slot's ``metadata`` (None: only
