@@ -188,7 +188,7 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple 
                             f"of gradients, got {type(outputs).__name__}")
         outputs = list(outputs)
     cdef list checked = <list>outputs
-    validate_outputs_impl(next_edges, checked, None, node)
+    validate_outputs_impl(next_edges, checked, None, node, False)
     return checked
 
 
@@ -242,7 +242,7 @@ cdef class Engine:
             for i, output in enumerate(output_edges):
                 if not isinstance(output, Edge):
                     raise TypeError(f"outputs[{i}] must be an Edge, got {type(output).__name__}")
-        validate_outputs_impl(root_edges, root_grads, plain_error_format, None)
+        validate_outputs_impl(root_edges, root_grads, plain_error_format, None, False)
 
         cdef WorkerState worker = get_worker_state()
         if worker.local_ready_queue is None:

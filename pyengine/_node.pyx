@@ -242,7 +242,8 @@ cdef class NodeBase:
         self._overrides_release_variables = (
             getattr(type(self), "release_variables") is not _base_release_variables)
         # See Note [Gradient policy] in the twin.
-        policy = getattr(type(self), "gradient_policy", _REDUCE)
+        # NodeBase defines it, and its class dict cannot be changed.
+        policy = type(self).gradient_policy
         if policy is _REDUCE or policy is _EXACT:
             self._gradient_policy = <str>policy
         else:

@@ -36,4 +36,4 @@ cdef inline bint numpy_fields_match(PyObject* expected_dtype, const vector[cnp.n
 
 
 cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
-                               object node, bint exact=*) except -1
+                               object node, bint exact) except -1

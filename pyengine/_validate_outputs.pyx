@@ -60,13 +60,13 @@ cdef object _EXACT = EXACT
 
 
 cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
-                               object node, bint exact=False) except -1:
+                               object node, bint exact) except -1:
     """See the twin's ``validate_outputs``; ``grads`` is edited in place.
     ``format_error`` None: the gradients ``node`` returned, worded as
     PyTorch words them (``NodeErrorFormat(node)``, made only for a gradient
     that needs the slow path: the engine calls this for every node).
-    ``exact``, or a ``node`` whose ``gradient_policy`` is ``"exact"``: the
-    slow path is ``validate_gradient_exact``."""
+    ``exact``, or a ``node`` whose ``gradient_policy`` is ``"exact"`` (read
+    only on the slow path): the slow path is ``validate_gradient_exact``."""
     cdef Py_ssize_t num_edges = PyTuple_GET_SIZE(edges)
     cdef tuple slots
     if PyList_GET_SIZE(grads) != num_edges:

@@ -117,6 +117,22 @@ class Node(NodeBase):
     method the class already had takes effect at once. See Note
     [Overriding release variables] in ``pyengine/_pure/node.py``.
 
+    While the engine runs the node (in ``apply`` or a hook),
+    ``task_should_compute_output(i)`` says whether next edge ``i``'s
+    gradient will be used (PyTorch's method: False for a None edge or one
+    that ``grad(inputs=)`` / ``backward(inputs=)`` prunes), and
+    ``task_buffered_gradient(i)`` returns a copy of what the node edge
+    ``i`` leads to has summed so far at that slot, or None; elsewhere both
+    raise RuntimeError. See Note [Queries a running node makes] in
+    ``pyengine/_shared/task_queries.py``.
+
+    ``gradient_policy``: ``"reduce"`` (the default, PyTorch's rule: a
+    broadcast gradient is summed to its slot's shape, a dtype cast) or
+    ``"exact"`` (Chainer's: the gradients ``apply`` returns must already
+    have their slots' shapes, dtypes and devices). Read from the class, and
+    checked, when a node is made. See Note [Gradient policy] in
+    ``pyengine/_pure/node.py``.
+
     ``accepts_indexed_gradients``: a class that sets it True gets
     :class:`pyengine.IndexedGradient` inputs as they are; for any other, the
     engine densifies them before ``apply`` (its hooks still see them
