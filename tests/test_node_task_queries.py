@@ -356,6 +356,59 @@ def test_reentrant_backward_answers_for_each_task():
     np.testing.assert_array_equal(outer_y.grad, [1.0, 1.0])
 
 
+def test_reentrant_backward_on_a_pool_thread(engine_with_depth):
+    """Past max_recursion_depth the nested task runs on a pool thread: its
+    node answers there, and the outer node answers again once it is back."""
+    engine_with_depth(0)
+    nested_log = {}
+    outer_answers = []
+    x = leaf(np.ones(2))
+
+    class Outer(Node):
+        def apply(self, grads):
+            a, b, c = leaf(np.ones(2)), leaf(np.ones(2)), leaf(np.ones(2))
+            inner = mix([a, b, c], "inner", nested_log)
+            pyengine.backward(inner, np.ones(2), inputs=[a, c])
+            np.testing.assert_array_equal(c.grad, [1.0, 1.0])
+            assert b.grad is None
+            outer_answers.append(self.task_should_compute_output(0))
+            return [grads[0]]
+
+    out = T(np.ones(2))
+    out.grad_fn = Outer([pyengine.gradient_edge(x)], [out.data])
+    out.requires_grad = True
+    pyengine.backward(out, np.ones(2))
+    assert nested_log == {"inner": [True, False, True]}
+    assert outer_answers == [True]
+
+
+def test_from_an_owner_graph_walk_in_a_node_is_an_error():
+    """An owner graph's walk makes its own graph task current and runs no
+    Node: the node whose apply started it cannot ask from an owner's
+    backward (See Note [Queries a running node makes])."""
+    errors = []
+
+    class Value:
+        def __init__(self, parents=()):
+            self._prev = parents
+
+        def _backward(self):
+            try:
+                node.task_should_compute_output(0)
+            except RuntimeError as error:
+                errors.append(str(error))
+
+    def ask(node):
+        pyengine.OwnerGraph("_prev", "_backward").backward(Value((Value(),)))
+        return node.task_should_compute_output(0)
+
+    x = leaf(np.ones(2))
+    node = Asker([pyengine.gradient_edge(x)], [((2,), np.float64)], ask=ask)
+    run(node)
+    assert len(errors) == 1 and "no node runs on this thread" in errors[0]
+    assert node.answers == [True]
+
+
 # -- threads -----------------------------------------------------------------------------------
 
 def test_each_thread_sees_its_own_graph_task():

@@ -337,7 +337,6 @@ class Engine:
                     state.set_grad_enabled(previous_grad_mode)
                     state.set_current_node(*previous_node)
                     state.set_current_graph_task(previous_graph_task)
-                    previous_node = None
                 # Drop the task's references before the graph task may complete.
                 del task
                 local_graph_task.decrement_outstanding_tasks()

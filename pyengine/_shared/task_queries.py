@@ -75,7 +75,7 @@ def buffered_copy(buffer, input_nr):
     """A copy of ``buffer[input_nr]`` (an InputBuffer's list, read under its
     graph task's mutex), made by the value's backend; None for an empty
     slot or one beyond the list."""
-    if buffer is None or input_nr >= len(buffer):
+    if buffer is None or not 0 <= input_nr < len(buffer):
         return None
     value = buffer[input_nr]
     if value is None:
