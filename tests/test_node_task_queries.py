@@ -452,6 +452,32 @@ def test_each_thread_sees_its_own_graph_task():
     np.testing.assert_array_equal(q.grad, [1.0, 1.0])
 
 
+def test_a_node_on_a_device_thread_asks_its_graph_task():
+    """A node on a fake device runs on that device's worker thread, which
+    has its own thread state: the query answers there for the caller's
+    graph task."""
+    from pyengine import fake_device
+
+    device = fake_device.device(0)
+    p, q = leaf(np.ones(3)), leaf(np.ones(3))
+    seen = []
+
+    class OnDevice(Node):
+        def apply(self, grads):
+            seen.append((threading.current_thread().name,
+                         [self.task_should_compute_output(i) for i in range(2)]))
+            host = grads[0].numpy() * 2.0
+            return [host, host]
+
+    node = OnDevice([pyengine.gradient_edge(p), pyengine.gradient_edge(q)],
+                    [pyengine.InputMetadata((3,), np.float64, device)])
+    (grad_q,) = pyengine.get_default_engine().execute(
+        [Edge(node, 0)], [fake_device.to_fake(np.ones(3), device)], False, False, False,
+        [pyengine.gradient_edge(q)])
+    assert seen == [("pyengine-fake:0", [False, True])]
+    np.testing.assert_array_equal(grad_q, [2.0, 2.0, 2.0])
+
+
 # -- the buffered sum --------------------------------------------------------------------------
 
 class Sink(Node):
