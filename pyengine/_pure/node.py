@@ -330,7 +330,7 @@ class NodeBase:
         set_field(self, "_overrides_release_variables_",
                   type(self).release_variables is not NodeBase.release_variables)
         # See Note [Gradient policy].
-        policy = getattr(type(self), "gradient_policy", REDUCE)
+        policy = type(self).gradient_policy
         if policy is REDUCE or policy is EXACT:
             set_field(self, "_gradient_policy_", policy)
         else:
