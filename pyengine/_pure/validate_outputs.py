@@ -9,7 +9,8 @@ checks in C), or :func:`validate_gradient_exact` for a node whose
 Note [Slow paths are shared].
 """
 
-from .._shared.gradient_checks import EXACT, checked_gradient_policy, validate_gradient, validate_gradient_exact
+from .._shared.gradient_checks import (EXACT, checked_gradient_policy, validate_gradient,
+                                       validate_gradient_exact)
 
 
 def validate_outputs(edges, grads, format_error, gradient_policy="reduce"):
