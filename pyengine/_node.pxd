@@ -39,7 +39,6 @@ cdef class NodeBase:
     # one of the two str constants of pyengine/_shared/gradient_checks.py,
     # compared by identity; immutable after construction. See Note
     # [Gradient policy] in pyengine/_pure/node.py.
-    cdef readonly str _gradient_policy
     cdef public object _stream
     cdef public dict _metadata
     cdef readonly bint _initialized

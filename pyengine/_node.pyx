@@ -30,7 +30,7 @@ from pyengine.device import CPU
 from pyengine.indexed import IndexedGradient
 
 from pyengine._shared import task_queries as _task_queries
-from pyengine._shared.gradient_checks import EXACT, REDUCE, checked_gradient_policy
+from pyengine._shared.gradient_checks import REDUCE, gradient_policy_of
 from pyengine._shared.hooks import call_post_accumulate_grad_hooks
 from pyengine._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
                                        node_name, not_initialized_message)
@@ -192,15 +192,6 @@ cdef tuple _check_input_metadata(input_metadata):
     return input_metadata
 
 
-cdef object _REDUCE = REDUCE
-cdef object _EXACT = EXACT
-
-
-def gradient_policy_owner(node):
-    """Who a bad ``gradient_policy`` belongs to, for its error."""
-    return f"Node class {type(node).__qualname__}"
-
-
 cdef object running_graph_task(NodeBase node, str query):
     """The graph task running ``node`` on this thread, read from the
     thread state; RuntimeError where none does. See Note [Queries a
@@ -217,9 +208,15 @@ cdef object running_graph_task(NodeBase node, str query):
 cdef class NodeBase:
     """The per-node state the engine reads; see :class:`pyengine.Node`."""
 
-    # Read from the node's class when the node is made: See Note [Gradient
-    # policy] in the twin.
+    # Read from the node's class when a gradient takes validate_outputs'
+    # slow path: See Note [Gradient policy] in the twin.
     gradient_policy = REDUCE
+
+    @property
+    def _gradient_policy(self):
+        """The class's ``gradient_policy``, checked (See Note [Gradient
+        policy] in the twin)."""
+        return gradient_policy_of(self)
 
     def __cinit__(self, *args, **kwargs):
         self._next_edges = ()
@@ -241,13 +238,6 @@ cdef class NodeBase:
         # See Note [Overriding release variables] in the twin.
         self._overrides_release_variables = (
             getattr(type(self), "release_variables") is not _base_release_variables)
-        # See Note [Gradient policy] in the twin.
-        # NodeBase defines it, and its class dict cannot be changed.
-        policy = type(self).gradient_policy
-        if policy is _REDUCE or policy is _EXACT:
-            self._gradient_policy = <str>policy
-        else:
-            self._gradient_policy = checked_gradient_policy(policy, gradient_policy_owner(self))
         if not on_cpu(self._input_metadata):
             self._stream = _creation_stream(self._input_metadata)
         self._initialized = True

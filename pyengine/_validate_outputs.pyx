@@ -24,7 +24,7 @@ from pyengine._node cimport Edge, InputMetadata, NodeBase
 
 from pyengine import backends as _backends
 from pyengine._shared.gradient_checks import (EXACT, checked_gradient_policy, validate_gradient,
-                                               validate_gradient_exact)
+                                               validate_gradient_exact, validate_node_gradient)
 from pyengine._shared.messages import node_name
 
 cnp.import_array()
@@ -65,8 +65,9 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
     ``format_error`` None: the gradients ``node`` returned, worded as
     PyTorch words them (``NodeErrorFormat(node)``, made only for a gradient
     that needs the slow path: the engine calls this for every node).
-    ``exact``, or a ``node`` whose ``gradient_policy`` is ``"exact"`` (read
-    only on the slow path): the slow path is ``validate_gradient_exact``."""
+    The slow path: ``validate_gradient_exact`` where ``exact``, else, with
+    a ``node``, ``validate_node_gradient`` (its class's ``gradient_policy``,
+    read only there), else ``validate_gradient``."""
     cdef Py_ssize_t num_edges = PyTuple_GET_SIZE(edges)
     cdef tuple slots
     if PyList_GET_SIZE(grads) != num_edges:
@@ -91,8 +92,11 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
                 continue
         elif numpy_gradient_matches(<InputMetadata>metadata, grad):
             continue
-        if exact or (node is not None and (<NodeBase>node)._gradient_policy is _EXACT):
+        if exact:
             grads[i] = validate_gradient_exact(i, grad, metadata, error_format(format_error, node))
+        elif node is not None:
+            grads[i] = validate_node_gradient(i, grad, metadata, error_format(format_error, node),
+                                              node)
         else:
             grads[i] = validate_gradient(i, grad, metadata, error_format(format_error, node))
     return 0
@@ -102,7 +106,7 @@ cdef object error_format(object format_error, object node):
     return NodeErrorFormat(node) if format_error is None else format_error
 
 
-def validate_outputs(edges, list grads, format_error, gradient_policy="reduce"):
+def validate_outputs(edges, list grads, format_error, gradient_policy="reduce", node=None):
     """Check and fix ``grads`` against ``edges``; see the twin's docstring."""
     cdef bint exact = checked_gradient_policy(gradient_policy, "validate_outputs") is _EXACT
     edges = tuple(edges)
@@ -110,4 +114,6 @@ def validate_outputs(edges, list grads, format_error, gradient_policy="reduce"):
     for i, edge in enumerate(edges):
         if edge is not None and not isinstance(edge, Edge):
             raise TypeError(f"edges[{i}] must be an Edge or None, got {type(edge).__name__}")
-    validate_outputs_impl(edges, grads, format_error, None, exact)
+    if node is not None and not isinstance(node, NodeBase):
+        raise TypeError(f"node must be a Node or None, got {type(node).__name__}")
+    validate_outputs_impl(edges, grads, format_error, node, exact)

@@ -42,6 +42,7 @@ from ._core import (
     LeafState,
     NodeBase,
 )
+from ._shared.gradient_checks import checked_gradient_policy
 
 __all__ = ["Node", "GradientFreeNode", "Edge", "InputMetadata", "AccumulateGrad", "RemovableHandle",
            "translate_owner_graph"]
@@ -129,9 +130,11 @@ class Node(NodeBase):
     ``gradient_policy``: ``"reduce"`` (the default, PyTorch's rule: a
     broadcast gradient is summed to its slot's shape, a dtype cast) or
     ``"exact"`` (Chainer's: the gradients ``apply`` returns must already
-    have their slots' shapes, dtypes and devices). Read from the class, and
-    checked, when a node is made. See Note [Gradient policy] in
-    ``pyengine/_pure/node.py``.
+    have their slots' shapes, dtypes and devices). Checked when a class
+    that sets it is made, and read from the class (checked again) only
+    where a gradient is not already its slot's numpy array: a value set on
+    the class later applies to its nodes at once. See Note [Gradient
+    policy] in ``pyengine/_pure/node.py``.
 
     ``accepts_indexed_gradients``: a class that sets it True gets
     :class:`pyengine.IndexedGradient` inputs as they are; for any other, the
@@ -141,6 +144,13 @@ class Node(NodeBase):
     """
 
     accepts_indexed_gradients = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A bad policy fails where the class is made, not at its first
+        # mismatched gradient: See Note [Gradient policy].
+        if "gradient_policy" in cls.__dict__:
+            checked_gradient_policy(cls.gradient_policy, f"Node class {cls.__qualname__}")
 
     def name(self) -> str:
         return type(self).__name__

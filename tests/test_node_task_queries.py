@@ -678,21 +678,42 @@ def test_exact_names_the_index_of_the_bad_gradient():
         run(node)
 
 
-@pytest.mark.parametrize("policy, error, words", [
+BAD_POLICIES = [
     ("sum", ValueError, "gradient_policy must be 'reduce' or 'exact', got 'sum'"),
     ("Exact", ValueError, "gradient_policy must be 'reduce' or 'exact', got 'Exact'"),
     (None, TypeError, "gradient_policy must be a str, 'reduce' or 'exact', got NoneType"),
     (1, TypeError, "gradient_policy must be a str, 'reduce' or 'exact', got int"),
     (b"exact", TypeError, "gradient_policy must be a str, 'reduce' or 'exact', got bytes"),
-])
-def test_bad_policy_is_refused_when_the_node_is_made_naming_the_class(policy, error, words):
-    class Bad(Node):
+]
+
+
+@pytest.mark.parametrize("policy, error, words", BAD_POLICIES)
+def test_bad_policy_is_refused_when_the_class_is_made_naming_it(policy, error, words):
+    with pytest.raises(error) as raised:
+        class Bad(Node):
+            gradient_policy = policy
+    assert str(raised.value).endswith(f".Bad: {words}")
+    assert str(raised.value).startswith("Node class ")
+
+
+@pytest.mark.parametrize("policy, error, words", BAD_POLICIES)
+def test_bad_policy_set_later_is_refused_where_it_is_read_naming_the_class(policy, error, words):
+    sink = Sink([((2,), np.float64)])
+
+    class Bad(Returns):
         pass
 
+    good = Bad([Edge(sink, 0)], np.ones(2))
+    mismatched = Bad([Edge(sink, 0)], np.ones((3, 2)))
     Bad.gradient_policy = policy
+    # The fast path reads no policy: a gradient that is its slot's array passes.
+    run(good)
+    np.testing.assert_array_equal(sink.received[-1][0], np.ones(2))
     with pytest.raises(error) as raised:
-        Bad()
+        run(mismatched)
     assert str(raised.value) == f"Node class {Bad.__qualname__}: {words}"
+    with pytest.raises(error):
+        mismatched._gradient_policy
 
 
 def test_a_str_subclass_equal_to_a_policy_is_that_policy():
@@ -706,27 +727,29 @@ def test_a_str_subclass_equal_to_a_policy_is_that_policy():
     assert node._gradient_policy == "exact" and type(node._gradient_policy) is str
 
 
-def test_policy_is_read_when_the_node_is_made():
+def test_policy_is_the_class_s_when_a_gradient_is_checked():
     class Changing(Returns):
         gradient_policy = "exact"
 
-    before = Changing([None], None)
+    node = Changing([None], None)
+    assert node._gradient_policy == "exact"
     Changing.gradient_policy = "reduce"
-    after = Changing([None], None)
-    assert (before._gradient_policy, after._gradient_policy) == ("exact", "reduce")
-    # An instance attribute is not the class's: the node keeps its policy.
-    before.gradient_policy = "reduce"
-    assert before._gradient_policy == "exact"
+    assert node._gradient_policy == "reduce"
+    # An instance attribute is not the class's, and the field is read-only.
+    node.gradient_policy = "exact"
+    assert node._gradient_policy == "reduce"
     with pytest.raises(AttributeError):
-        before._gradient_policy = "reduce"
-    # Nothing is read again when the node runs: the class now says
-    # "reduce", yet the node made under "exact" rejects a broadcast.
+        node._gradient_policy = "exact"
+    # The class's value when the node runs decides: made under "reduce",
+    # run under "exact", a broadcast is rejected; and back.
     sink = Sink([((2,), np.float64)])
+    made_reduce = Changing([Edge(sink, 0)], np.ones((3, 2)))
     Changing.gradient_policy = "exact"
-    made_exact = Changing([Edge(sink, 0)], np.ones((3, 2)))
-    Changing.gradient_policy = "reduce"
     with pytest.raises(RuntimeError, match=r"got shape \(3, 2\) but expected shape \(2,\)"):
-        run(made_exact)
+        run(made_reduce)
+    Changing.gradient_policy = "reduce"
+    run(Changing([Edge(sink, 0)], np.ones((3, 2))))
+    np.testing.assert_array_equal(sink.received[-1][0], [3.0, 3.0])
 
 
 def test_validate_outputs_takes_a_policy():

@@ -178,7 +178,7 @@ def call_function(graph_task, node, inputs, next_edges):
         hooks.densify_inputs(node, inputs)
     outputs = node.apply(inputs)
     outputs = hooks.outputs_as_list(node, outputs)
-    validate_outputs(next_edges, outputs, hooks.returned_error_format(node), node._gradient_policy)
+    validate_outputs(next_edges, outputs, hooks.returned_error_format(node), node=node)
     return outputs
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import backends
 from .._shared import task_queries
-from .._shared.gradient_checks import EXACT, REDUCE, checked_gradient_policy
+from .._shared.gradient_checks import REDUCE, gradient_policy_of
 from .._shared.hooks import call_post_accumulate_grad_hooks
 from .._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
                                 node_name, not_initialized_message)
@@ -289,9 +289,8 @@ class NodeBase:
       _stream: the stream current at creation on a device, else None.
       _metadata: None or a dict, created on first access.
       _initialized: set by ``__init__``; the engine refuses a node without it.
-      _gradient_policy: the class's ``gradient_policy`` when the node was
-        made, checked; immutable after construction (See Note [Gradient
-        policy]).
+      _gradient_policy: the class's ``gradient_policy``, checked, read when
+        asked (See Note [Gradient policy]).
     """
 
     # The fields Python code may not write as it likes live in slots with a
@@ -300,18 +299,24 @@ class NodeBase:
     __slots__ = (
         "_next_edges_", "_input_metadata_", "_sequence_nr_", "_pre_hooks_", "_post_hooks_",
         "_tensor_pre_hooks_", "_retains_grad_hooks_", "_saved_values", "_released_",
-        "_overrides_release_variables_", "_stream", "_metadata_", "_initialized_", "_gradient_policy_",
+        "_overrides_release_variables_", "_stream", "_metadata_", "_initialized_",
         "__weakref__", "__dict__",
     )
 
-    # Read from the node's class when the node is made: See Note [Gradient policy].
+    # Read from the node's class when a gradient takes validate_outputs' slow
+    # path: See Note [Gradient policy].
     gradient_policy = REDUCE
 
     _sequence_nr = _read_only_field("_sequence_nr", "_sequence_nr_")
     _initialized = _read_only_field("_initialized", "_initialized_")
     _overrides_release_variables = _read_only_field("_overrides_release_variables",
                                                     "_overrides_release_variables_")
-    _gradient_policy = _read_only_field("_gradient_policy", "_gradient_policy_")
+
+    @property
+    def _gradient_policy(self):
+        """The class's ``gradient_policy``, checked (See Note [Gradient policy])."""
+        return gradient_policy_of(self)
+
     _pre_hooks = _checked_field("_pre_hooks", "_pre_hooks_", _not_list, "list")
     _post_hooks = _checked_field("_post_hooks", "_post_hooks_", _not_list, "list")
     _tensor_pre_hooks = _checked_field("_tensor_pre_hooks", "_tensor_pre_hooks_", _not_list, "list")
@@ -329,12 +334,6 @@ class NodeBase:
         # See Note [Overriding release variables].
         set_field(self, "_overrides_release_variables_",
                   type(self).release_variables is not NodeBase.release_variables)
-        # See Note [Gradient policy].
-        policy = type(self).gradient_policy
-        if policy is REDUCE or policy is EXACT:
-            set_field(self, "_gradient_policy_", policy)
-        else:
-            set_field(self, "_gradient_policy_", checked_gradient_policy(policy, gradient_policy_owner(self)))
         set_field(self, "_pre_hooks_", None)
         set_field(self, "_post_hooks_", None)
         set_field(self, "_tensor_pre_hooks_", None)
@@ -454,11 +453,6 @@ class NodeBase:
         self._saved_values = None
 
 
-def gradient_policy_owner(node):
-    """Who a bad ``gradient_policy`` belongs to, for its error."""
-    return f"Node class {type(node).__qualname__}"
-
-
 def running_graph_task(node, query):
     """The graph task running ``node`` on this thread, read from the thread
     state; RuntimeError where none does. See Note [Queries a running node
@@ -483,16 +477,17 @@ def running_graph_task(node, query):
 #   index, expected and got (``validate_gradient_exact`` in
 #   ``pyengine/_shared/gradient_checks.py``).
 #
-# The class attribute is read, and checked (TypeError for a value that is
-# not a str, ValueError for another str, naming the class), when a node is
-# made, and kept in the node's read-only ``_gradient_policy``, one of the
-# two str constants, which the compiled core compares by identity: Python
-# code cannot change the rule under a node afterwards (setting the class
-# attribute later affects nodes made later), nor hand the compiled core a
-# value it did not check. Both policies share validate_outputs' fast path:
-# a numpy gradient of its slot's very dtype and shape on the CPU passes
-# either rule as it is; only the slow path looks at the policy. A slot
-# without metadata takes any value a backend handles, under both.
+# Both policies share validate_outputs' fast path: a numpy gradient of its
+# slot's very dtype and shape on the CPU passes either rule as it is. So
+# the policy is read, from the node's class, only where a gradient takes
+# the slow path (``gradient_policy_of``), and checked there (TypeError for
+# a value that is not a str, ValueError for another str, naming the class)
+# before the compiled core compares it by identity with the two constants:
+# making a node costs nothing for it, and Python code cannot hand the core
+# a value it did not check. ``Node.__init_subclass__`` checks a class's own
+# value when the class is made, so a typo fails early; a value set on the
+# class later is checked where it is read. A slot without metadata takes
+# any value a backend handles, under both.
 
 
 # Note [Overriding release variables]

@@ -10,10 +10,11 @@ Note [Slow paths are shared].
 """
 
 from .._shared.gradient_checks import (EXACT, checked_gradient_policy, validate_gradient,
-                                       validate_gradient_exact)
+                                       validate_gradient_exact, validate_node_gradient)
+from .node import NodeBase
 
 
-def validate_outputs(edges, grads, format_error, gradient_policy="reduce"):
+def validate_outputs(edges, grads, format_error, gradient_policy="reduce", node=None):
     """Check and fix ``grads`` (a list, edited in place) against ``edges``.
 
     For each gradient that flows along an edge into a slot with metadata,
@@ -23,9 +24,13 @@ def validate_outputs(edges, grads, format_error, gradient_policy="reduce"):
     to the slot's device; under ``"exact"`` (Chainer's rule) the gradient
     must have the slot's shape, dtype and device already. Any other
     mismatch raises with ``format_error(message)``, naming the index,
-    expected and got.
+    expected and got. With ``node`` (the gradients it returned) and the
+    default policy, the rule is ``node``'s class's ``gradient_policy``,
+    read only for a gradient that is not already its slot's value.
     """
     exact = checked_gradient_policy(gradient_policy, "validate_outputs") is EXACT
+    if node is not None and not isinstance(node, NodeBase):
+        raise TypeError(f"node must be a Node or None, got {type(node).__name__}")
     if len(grads) != len(edges):
         raise RuntimeError(format_error(
             f"invalid number of gradients - expected {len(edges)}, but got {len(grads)}"))
@@ -37,5 +42,7 @@ def validate_outputs(edges, grads, format_error, gradient_policy="reduce"):
         metadata = all_metadata[edge.input_nr] if edge.input_nr < len(all_metadata) else None
         if exact:
             grads[i] = validate_gradient_exact(i, grad, metadata, format_error)
+        elif node is not None:
+            grads[i] = validate_node_gradient(i, grad, metadata, format_error, node)
         else:
             grads[i] = validate_gradient(i, grad, metadata, format_error)

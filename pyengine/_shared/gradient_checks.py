@@ -11,8 +11,8 @@ errors, in PyTorch's words, are written once.
 
 from ..backends import backend_of, is_expandable_to
 
-# The values of ``gradient_policy``: the compiled core keeps one of these
-# very objects in a node's C field and compares by identity.
+# The values of ``gradient_policy``: checked_gradient_policy returns one of
+# these very objects, which the compiled core compares by identity.
 REDUCE = "reduce"
 EXACT = "exact"
 GRADIENT_POLICIES = (REDUCE, EXACT)
@@ -31,6 +31,17 @@ def checked_gradient_policy(policy, owner):
         if str.__eq__(policy, known):
             return known
     raise ValueError(f"{owner}: gradient_policy must be 'reduce' or 'exact', got {policy!r}")
+
+
+def gradient_policy_of(node):
+    """The ``gradient_policy`` of ``node``'s class, checked: read only
+    where a gradient takes validate_outputs' slow path (See Note [Gradient
+    policy] in ``pyengine/_pure/node.py``)."""
+    node_class = type(node)
+    policy = node_class.gradient_policy
+    if policy is REDUCE or policy is EXACT:
+        return policy
+    return checked_gradient_policy(policy, f"Node class {node_class.__qualname__}")
 
 
 def validate_gradient(i, grad, metadata, format_error):
@@ -97,3 +108,21 @@ def validate_gradient_exact(i, grad, metadata, format_error):
             f"invalid gradient at index {i} - expected device {metadata.device} but got {device} "
             "(gradient_policy='exact' moves no gradient)"))
     return grad
+
+
+def validate_node_gradient(i, grad, metadata, format_error, node):
+    """Gradient ``i`` that ``node`` returned, checked by its class's
+    ``gradient_policy``: ``validate_gradient`` or
+    ``validate_gradient_exact``. The policy is read only for a gradient
+    that is not already its slot's value (shape, dtype and device), which
+    both rules pass as it is (See Note [Gradient policy] in
+    ``pyengine/_pure/node.py``)."""
+    if metadata is not None:
+        backend = backend_of(grad)
+        if backend is not None and not (
+                tuple(backend.shape(grad)) == metadata.shape
+                and backend.dtype(grad) == metadata.dtype
+                and backend.device(grad) == metadata.device):
+            if gradient_policy_of(node) is EXACT:
+                return validate_gradient_exact(i, grad, metadata, format_error)
+    return validate_gradient(i, grad, metadata, format_error)

@@ -162,7 +162,7 @@ def call_function(graph_task, node, grads, next_edges, validate_outputs):
     # apply may edit the list it gets; post-hooks must see the inputs unchanged.
     outputs = node.apply(list(grads) if had_post_hooks else grads)
     outputs = outputs_as_list(node, outputs)
-    validate_outputs(next_edges, outputs, returned_error_format(node), node._gradient_policy)
+    validate_outputs(next_edges, outputs, returned_error_format(node), node=node)
     post_hooks = node._post_hooks if had_post_hooks else None
     if post_hooks:
         grad_outputs = tuple(grads)
