@@ -89,10 +89,19 @@ cdef class WorkerState:
     cdef ReadyQueue local_ready_queue
     # Whether this thread runs signal handlers: See Note [Waits honour signals].
     cdef bint on_main_thread
+    # The last task this thread queued, when it is for local_ready_queue:
+    # held back until the thread pops. See Note [The next task skips the
+    # queue] in pyengine/_pure/engine.py.
+    cdef NodeTaskRecord next_task
+    cdef bint has_next_task
 
     def __cinit__(self):
         self.worker_device = NO_DEVICE
         self.on_main_thread = is_main_thread()
+
+    def __dealloc__(self):
+        if self.has_next_task:
+            release_record(&self.next_task)
 
 
 _thread_local = threading.local()
@@ -297,6 +306,7 @@ cdef class Engine:
             # See Note [CPU work runs on the caller].
             worker.worker_device = CPU_DEVICE
             graph_task.owner = CPU_DEVICE
+            flush_next_task(worker)
             push_task(queue, graph_task, graph_root, inputs)
             try:
                 self.thread_main(worker, graph_task)
@@ -309,6 +319,7 @@ cdef class Engine:
                 raise RecursionError(total_depth_message(graph_task.reentrant_depth,
                                                          self.max_total_depth))
             graph_task.owner = worker.worker_device
+            flush_next_task(worker)
             push_task(queue, graph_task, graph_root, inputs)
             if worker.current_depth >= self.max_recursion_depth:
                 add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
@@ -337,7 +348,12 @@ cdef class Engine:
         cdef bint on_main_thread = graph_task is not None and worker.on_main_thread
         try:
             while graph_task is None or not graph_task.future_completed_.load():
-                if not queue.try_pop_record(&record):
+                if worker.has_next_task:
+                    # See Note [The next task skips the queue].
+                    worker.has_next_task = False
+                    record = worker.next_task
+                    queue.push_pop_record(&record)
+                elif not queue.try_pop_record(&record):
                     with nogil:
                         queue.pop_record(&record, on_main_thread)
                 if record.is_shutdown:
@@ -361,11 +377,11 @@ cdef class Engine:
                     if not local_graph_task.has_error_.load():
                         # One check per node when nobody profiles.
                         if profiler() == NULL:
-                            self.evaluate_function(local_graph_task, <NodeBase>record.node,
-                                                   <list>record.inputs)
+                            self.evaluate_function(worker, local_graph_task,
+                                                   <NodeBase>record.node, <list>record.inputs)
                         else:
-                            self.evaluate_profiled(local_graph_task, <NodeBase>record.node,
-                                                   <list>record.inputs)
+                            self.evaluate_profiled(worker, local_graph_task,
+                                                   <NodeBase>record.node, <list>record.inputs)
                 except BaseException as error:
                     if anomaly_enabled():
                         _hooks.add_anomaly_note(error, <object>record.node)
@@ -390,6 +406,7 @@ cdef class Engine:
                         # The owner may sleep in pop(): wake it up. A wake-up
                         # holds no graph task, so that one left in the queue of
                         # an owner that has gone keeps nothing alive.
+                        flush_next_task(worker)
                         self.ready_queue_by_index(local_graph_task.cpu_ready_queue,
                                                   local_graph_task.owner).push_record(
                             make_record(None, None, None, 0, 0))
@@ -399,17 +416,22 @@ cdef class Engine:
         except BaseException as error:
             # A wait interrupted (See Note [Waits honour signals]), or an error
             # outside any node: the graph task this loop drives ends with it.
+            flush_next_task(worker)
             if graph_task is not None:
                 cancel_graph_task(graph_task, error)
             raise
+        # A task held back for the loop goes to the queue, as if never held.
+        flush_next_task(worker)
         if graph_task is not None and graph_task.has_error_.load():
             queue.discard_graph_task_records(graph_task)
         return 0
 
-    cdef int evaluate_function(self, GraphTask graph_task, NodeBase node,
+    cdef int evaluate_function(self, WorkerState worker, GraphTask graph_task, NodeBase node,
                                list inputs) except -1:
         """Run one node on ``inputs`` (its InputBuffer's list of gradients) and
-        pass its gradients on to the nodes they flow into."""
+        pass its gradients on to the nodes they flow into. ``worker``: this
+        thread's state, which holds back the last task queued for this
+        thread (See Note [The next task skips the queue])."""
         cdef const ExecInfoEntry* info
         cdef bint needed
         cdef Py_ssize_t captures
@@ -503,8 +525,8 @@ cdef class Engine:
                         gradients = single_gradient(
                             PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
                             gradient)
-                        push_task(self.route(graph_task, next_node, gradients), graph_task,
-                                  next_node, gradients)
+                        queue_task(worker, self.route(graph_task, next_node, gradients),
+                                   graph_task, next_node, gradients)
                         continue
                     # A buffer even for a None gradient, as the twin's: See
                     # Note [Gradients left in not ready] in pyengine/_pure/graph_task.py.
@@ -524,21 +546,22 @@ cdef class Engine:
                 else:
                     input_buffer.add(edge.input_nr, gradient, grad_mode)
                 if is_ready:
-                    push_task(self.route(graph_task, next_node, input_buffer.buffer), graph_task,
-                              next_node, input_buffer.buffer)
+                    queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
+                               graph_task, next_node, input_buffer.buffer)
         finally:
             graph_task.mutex_.unlock()
         return 0
 
-    cdef int evaluate_profiled(self, GraphTask graph_task, NodeBase node, list inputs) except -1:
+    cdef int evaluate_profiled(self, WorkerState worker, GraphTask graph_task, NodeBase node,
+                               list inputs) except -1:
         """evaluate_function, timed and reported to the profiler even if it fails."""
         cdef PyObject* listening = profiler()
         if listening == NULL:  # stopped since thread_main looked
-            return self.evaluate_function(graph_task, node, inputs)
+            return self.evaluate_function(worker, graph_task, node, inputs)
         callback = <object>listening
         start = _perf_counter_ns()
         try:
-            self.evaluate_function(graph_task, node, inputs)
+            self.evaluate_function(worker, graph_task, node, inputs)
         finally:
             callback(node, start, _perf_counter_ns())
         return 0
@@ -640,6 +663,30 @@ cdef inline void push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node
     graph_task.outstanding_tasks_.fetch_add(1)
     queue.push_record(make_record(graph_task, node, inputs, graph_task.reentrant_depth,
                                   node._sequence_nr))
+
+
+cdef inline void queue_task(WorkerState worker, ReadyQueue queue, GraphTask graph_task,
+                            NodeBase node, list inputs) noexcept:
+    """push_task for a task a running node made ready: one for this thread's
+    own queue is held back in ``worker.next_task`` until the thread pops; a
+    task held before it is pushed first. See Note [The next task skips the
+    queue] in ``pyengine/_pure/engine.py``."""
+    flush_next_task(worker)
+    if queue is not worker.local_ready_queue:
+        push_task(queue, graph_task, node, inputs)
+        return
+    graph_task.outstanding_tasks_.fetch_add(1)
+    worker.next_task = make_record(graph_task, node, inputs, graph_task.reentrant_depth,
+                                   node._sequence_nr)
+    worker.has_next_task = True
+
+
+cdef inline void flush_next_task(WorkerState worker) noexcept:
+    """Push the task ``worker`` holds back, if any, onto its queue, where it
+    would have been all along."""
+    if worker.has_next_task:
+        worker.has_next_task = False
+        worker.local_ready_queue.push_record(worker.next_task)
 
 
 cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, object gradient,
