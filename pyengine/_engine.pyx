@@ -27,9 +27,9 @@ deadlocks.
 
 cimport cython
 cimport numpy as cnp
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.list cimport PyList_CheckExact, PyList_GET_ITEM, PyList_GET_SIZE, PyList_SET_ITEM
 from cpython.object cimport PyObject, Py_TYPE
-from cpython.ref cimport Py_DECREF, Py_INCREF
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_REFCNT
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
 
@@ -94,6 +94,10 @@ cdef class WorkerState:
     # queue] in pyengine/_pure/engine.py.
     cdef NodeTaskRecord next_task
     cdef bint has_next_task
+    # A gradients list a task left that nothing else refers to, for the
+    # next single_gradient. See Note [Reusing a task's gradients list] in
+    # pyengine/_pure/engine.py.
+    cdef list spare_list
 
     def __cinit__(self):
         self.worker_device = NO_DEVICE
@@ -389,6 +393,7 @@ cdef class Engine:
                 finally:
                     thread[0] = previous
                     # Drop the task's references before the graph task may complete.
+                    keep_spare_list(worker, &record)
                     release_record(&record)
                 local_graph_task.outstanding_tasks_.fetch_sub(1)
                 if (worker.worker_device != local_graph_task.owner
@@ -523,7 +528,7 @@ cdef class Engine:
                         # Its only gradient: what InputBuffer's first add
                         # would hold, without the InputBuffer.
                         gradients = single_gradient(
-                            PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
+                            worker, PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
                             gradient)
                         queue_task(worker, self.route(graph_task, next_node, gradients),
                                    graph_task, next_node, gradients)
@@ -700,15 +705,65 @@ cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, ob
     return 0
 
 
-cdef list single_gradient(Py_ssize_t num_inputs, Py_ssize_t input_nr, object gradient):
+cdef list single_gradient(WorkerState worker, Py_ssize_t num_inputs, Py_ssize_t input_nr,
+                          object gradient):
     """``num_inputs`` slots, all None but ``input_nr``, which holds
     ``gradient``: what an InputBuffer holds after that one add (which grows
-    it to fit a gradient beyond its slots, but not a None)."""
-    if gradient is None:
-        return [None] * num_inputs
-    cdef list gradients = [None] * (num_inputs if input_nr < num_inputs else input_nr + 1)
-    gradients[input_nr] = gradient
+    it to fit a gradient beyond its slots, but not a None). In the list
+    ``worker`` keeps spare when it has that size."""
+    cdef Py_ssize_t size = (num_inputs if gradient is None or input_nr < num_inputs
+                            else input_nr + 1)
+    cdef list gradients = take_spare_list(worker, size)
+    if gradients is None:
+        gradients = [None] * size
+    if gradient is not None:
+        # The slot holds None (either list): replace it, dropping that reference.
+        Py_INCREF(gradient)
+        Py_DECREF(<object>PyList_GET_ITEM(gradients, input_nr))
+        PyList_SET_ITEM(gradients, input_nr, gradient)
     return gradients
+
+
+cdef inline list take_spare_list(WorkerState worker, Py_ssize_t size):
+    """The list ``worker`` keeps spare, if it has ``size`` slots and nothing
+    else refers to it now; None otherwise. The spare is given up either way.
+    See Note [Reusing a task's gradients list] in pyengine/_pure/engine.py."""
+    cdef list spare = worker.spare_list
+    if spare is None:
+        return None
+    worker.spare_list = None
+    # Ours alone: ``spare`` is its one reference.
+    if PyList_GET_SIZE(spare) != size or Py_REFCNT(spare) != 1:
+        return None
+    return spare
+
+
+cdef void keep_spare_list(WorkerState worker, NodeTaskRecord* record) noexcept:
+    """Keep the gradients list of a task that ran, its slots set to None, in
+    ``worker`` for the next ``single_gradient``, when nothing but the record
+    refers to it and ``worker`` keeps none yet; the record lets go of it.
+    Needs the GIL. See Note [Reusing a task's gradients list] in
+    pyengine/_pure/engine.py."""
+    cdef PyObject* inputs = record.inputs
+    if (worker.spare_list is not None or inputs == NULL or not PyList_CheckExact(<object>inputs)
+            or Py_REFCNT(<object>inputs) != 1):
+        return
+    cdef PyObject* item
+    cdef Py_ssize_t i = 0
+    # Dropping a gradient may run Python code (a __del__), which may take
+    # references or change the list: each step looks again.
+    while i < PyList_GET_SIZE(<object>inputs):
+        item = PyList_GET_ITEM(<object>inputs, i)
+        i += 1
+        if item != <PyObject*>None:
+            Py_INCREF(None)
+            PyList_SET_ITEM(<object>inputs, i - 1, None)
+            Py_DECREF(<object>item)
+    if worker.spare_list is None and Py_REFCNT(<object>inputs) == 1:
+        worker.spare_list = <list>inputs
+        # The record's reference; worker.spare_list holds its own.
+        record.inputs = NULL
+        Py_DECREF(<object>inputs)
 
 
 cdef inline bint _should_execute(const ExecInfoMap& exec_info, PyObject* node) noexcept nogil:

@@ -84,6 +84,22 @@ thread itself pops its own queue while it runs a loop on it (a pool
 thread serves a caller's queue while the caller waits in ``apply``), so
 no thread waits for a task held back.
 
+Note [Reusing a task's gradients list]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A node whose one gradient flows into a node with no other edge into it
+hands that node a new list (``single_gradient``), and the list the node
+itself ran on is freed once it ran: on a chain, one list made and one
+freed per node. So when a task has run and nothing but the task refers
+to its list (the node did not keep it, return it, or let anything else
+take it: its reference count says so, a count that no other thread can
+raise while this one holds the GIL), ``keep_spare_list`` sets its slots
+to None and keeps it in the thread's ``WorkerState.spare_list``, and the
+next ``single_gradient`` of that size takes it instead of a new list
+(``take_spare_list``), after looking at the count again: anything that
+took a reference meanwhile (``gc.get_objects``) keeps the list, and the
+engine makes a new one. A node's ``apply`` receives a list that is its
+own for as long as it runs, as before; one it keeps is never reused.
+
 Note [Checking execute's arguments]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``execute`` checks all of its arguments before it makes a graph task: each
@@ -96,6 +112,7 @@ the wrong type as an Edge.
 
 import atexit
 import os
+import sys
 import threading
 import time
 
@@ -142,6 +159,9 @@ class WorkerState(threading.local):
     # The last task this thread queued, when it is for local_ready_queue:
     # held back until the thread pops. See Note [The next task skips the queue].
     next_task = None
+    # A gradients list a task left that nothing else refers to, for the next
+    # single_gradient. See Note [Reusing a task's gradients list].
+    spare_list = None
 
     def __init__(self):
         # Whether this thread runs signal handlers: See Note [Waits honour signals].
@@ -368,6 +388,7 @@ class Engine:
                     state.set_grad_enabled(previous_grad_mode)
                     state.set_current_graph_task(previous_graph_task)
                 # Drop the task's references before the graph task may complete.
+                keep_spare_list(worker, task)
                 del task
                 local_graph_task.decrement_outstanding_tasks()
                 owner = local_graph_task.owner
@@ -479,7 +500,7 @@ class Engine:
                     if not streamed and is_ready:
                         # Its only gradient: what InputBuffer's first add
                         # would hold, without the InputBuffer.
-                        gradients = single_gradient(len(next_node._input_metadata),
+                        gradients = single_gradient(worker, len(next_node._input_metadata),
                                                     edge.input_nr, output)
                         queue_task(worker, self.route(graph_task, next_node, gradients),
                                    graph_task, next_node, gradients)
@@ -615,15 +636,52 @@ def flush_next_task(worker):
         worker.local_ready_queue.push(task, increment_outstanding_tasks=False)
 
 
-def single_gradient(num_inputs, input_nr, gradient):
+def single_gradient(worker, num_inputs, input_nr, gradient):
     """``num_inputs`` slots, all None but ``input_nr``, which holds
     ``gradient``: what an InputBuffer holds after that one add (which grows
-    it to fit a gradient beyond its slots, but not a None)."""
-    if gradient is None:
-        return [None] * num_inputs
-    gradients = [None] * (num_inputs if input_nr < num_inputs else input_nr + 1)
-    gradients[input_nr] = gradient
+    it to fit a gradient beyond its slots, but not a None). In the list
+    ``worker`` keeps spare when it has that size."""
+    size = num_inputs if gradient is None or input_nr < num_inputs else input_nr + 1
+    gradients = take_spare_list(worker, size)
+    if gradients is None:
+        gradients = [None] * size
+    if gradient is not None:
+        gradients[input_nr] = gradient
     return gradients
+
+
+def take_spare_list(worker, size):
+    """The list ``worker`` keeps spare, if it has ``size`` slots and nothing
+    else refers to it now; None otherwise. The spare is given up either way.
+    See Note [Reusing a task's gradients list]."""
+    spare = worker.spare_list
+    if spare is None:
+        return None
+    worker.spare_list = None
+    # Ours alone: the references are ``spare`` and getrefcount's argument.
+    if len(spare) != size or sys.getrefcount(spare) != 2:
+        return None
+    return spare
+
+
+def keep_spare_list(worker, task):
+    """Keep the gradients list of a task that ran, its slots set to None, in
+    ``worker`` for the next ``single_gradient``, when nothing but the task
+    refers to it and ``worker`` keeps none yet. See Note [Reusing a task's
+    gradients list]."""
+    inputs = task.inputs
+    # The task's reference, ``inputs`` and getrefcount's argument.
+    if worker.spare_list is not None or type(inputs) is not list or sys.getrefcount(inputs) != 3:
+        return
+    # Dropping a gradient may run Python code (a __del__), which may take
+    # references or change the list: each step looks again.
+    i = 0
+    while i < len(inputs):
+        i += 1
+        if inputs[i - 1] is not None:
+            inputs[i - 1] = None
+    if worker.spare_list is None and sys.getrefcount(inputs) == 3:
+        worker.spare_list = inputs
 
 
 def _should_execute(exec_info, key):
