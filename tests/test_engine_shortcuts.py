@@ -112,3 +112,45 @@ def test_several_ready_children_run_in_sequence_nr_order():
     # Sequence numbers: a < b < d < c < root. d was made before c but only
     # becomes ready when c has run; it then outranks a and b.
     assert log == ["root", "c", "d", "b", "a"]
+
+
+class Rewire(Node):
+    """Gives ``target`` one more next edge, into ``extra``, then passes its gradient on."""
+
+    def __init__(self, target, extra, next_edges):
+        super().__init__(next_edges=next_edges, input_metadata=(InputMetadata(SHAPE, np.float64),))
+        self.target = target
+        self.extra = extra
+
+    def apply(self, grads):
+        self.target.next_edges = tuple(self.target.next_edges) + (Edge(self.extra, 0),)
+        return [grads[0]]
+
+
+def test_an_error_after_a_child_was_held_leaves_nothing_behind():
+    # root -> b -> c -> leaf. While root runs it gives b an edge into x,
+    # which compute_dependencies never counted: b makes c ready (the task
+    # held back for the next pop), then fails on x ("dependency not found",
+    # as in PyTorch). c must never run, and nothing may keep it afterwards.
+    import gc
+    import weakref
+
+    log = []
+    leaf = Leaf()
+    c = Log("c", log, next_edges=(pyengine.gradient_edge(leaf),))
+    x = Log("x", log)
+    b = Log("b", log, next_edges=(Edge(c, 0),))
+    root = Rewire(b, x, next_edges=(Edge(b, 0),))
+    with pytest.raises(RuntimeError, match="dependency not found for"):
+        pyengine.get_default_engine().execute([Edge(root, 0)], [np.ones(SHAPE)], False, False,
+                                              True)
+    assert log == ["b"] and leaf.grad is None
+    c_alive = weakref.ref(c)
+    del c, b, root
+    gc.collect()
+    assert c_alive() is None, "a task of the failed backward still holds its node"
+    # Another backward on this thread runs as usual, and still not c.
+    other_leaf, other_edge, _ = chain(Same, 3)
+    pyengine.get_default_engine().execute([other_edge], [np.ones(SHAPE)], False, False, True)
+    np.testing.assert_array_equal(other_leaf.grad, np.ones(SHAPE))
+    assert log == ["b"]
