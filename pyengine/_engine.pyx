@@ -27,9 +27,9 @@ deadlocks.
 
 cimport cython
 cimport numpy as cnp
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.list cimport PyList_CheckExact, PyList_GET_ITEM, PyList_GET_SIZE, PyList_SET_ITEM
 from cpython.object cimport PyObject, Py_TYPE
-from cpython.ref cimport Py_DECREF, Py_INCREF
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_REFCNT
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
 
@@ -89,10 +89,23 @@ cdef class WorkerState:
     cdef ReadyQueue local_ready_queue
     # Whether this thread runs signal handlers: See Note [Waits honour signals].
     cdef bint on_main_thread
+    # The last task this thread queued, when it is for local_ready_queue:
+    # held back until the thread pops. See Note [The next task skips the
+    # queue] in pyengine/_pure/engine.py.
+    cdef NodeTaskRecord next_task
+    cdef bint has_next_task
+    # A gradients list a task left that nothing else refers to, for the
+    # next single_gradient. See Note [Reusing a task's gradients list] in
+    # pyengine/_pure/engine.py.
+    cdef list spare_list
 
     def __cinit__(self):
         self.worker_device = NO_DEVICE
         self.on_main_thread = is_main_thread()
+
+    def __dealloc__(self):
+        if self.has_next_task:
+            release_record(&self.next_task)
 
 
 _thread_local = threading.local()
@@ -297,6 +310,7 @@ cdef class Engine:
             # See Note [CPU work runs on the caller].
             worker.worker_device = CPU_DEVICE
             graph_task.owner = CPU_DEVICE
+            flush_next_task(worker)
             push_task(queue, graph_task, graph_root, inputs)
             try:
                 self.thread_main(worker, graph_task)
@@ -309,6 +323,7 @@ cdef class Engine:
                 raise RecursionError(total_depth_message(graph_task.reentrant_depth,
                                                          self.max_total_depth))
             graph_task.owner = worker.worker_device
+            flush_next_task(worker)
             push_task(queue, graph_task, graph_root, inputs)
             if worker.current_depth >= self.max_recursion_depth:
                 add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
@@ -337,7 +352,12 @@ cdef class Engine:
         cdef bint on_main_thread = graph_task is not None and worker.on_main_thread
         try:
             while graph_task is None or not graph_task.future_completed_.load():
-                if not queue.try_pop_record(&record):
+                if worker.has_next_task:
+                    # See Note [The next task skips the queue].
+                    worker.has_next_task = False
+                    record = worker.next_task
+                    queue.push_pop_record(&record)
+                elif not queue.try_pop_record(&record):
                     with nogil:
                         queue.pop_record(&record, on_main_thread)
                 if record.is_shutdown:
@@ -364,11 +384,11 @@ cdef class Engine:
                     if not local_graph_task.has_error_.load():
                         # One check per node when nobody profiles.
                         if profiler() == NULL:
-                            self.evaluate_function(local_graph_task, <NodeBase>record.node,
-                                                   <list>record.inputs)
+                            self.evaluate_function(worker, local_graph_task,
+                                                   <NodeBase>record.node, <list>record.inputs)
                         else:
-                            self.evaluate_profiled(local_graph_task, <NodeBase>record.node,
-                                                   <list>record.inputs)
+                            self.evaluate_profiled(worker, local_graph_task,
+                                                   <NodeBase>record.node, <list>record.inputs)
                 except BaseException as error:
                     if anomaly_enabled():
                         _hooks.add_anomaly_note(error, <object>record.node)
@@ -376,6 +396,7 @@ cdef class Engine:
                 finally:
                     thread[0] = previous
                     # Drop the task's references before the graph task may complete.
+                    keep_spare_list(worker, &record)
                     release_record(&record)
                 local_graph_task.outstanding_tasks_.fetch_sub(1)
                 if (worker.worker_device != local_graph_task.owner
@@ -393,6 +414,7 @@ cdef class Engine:
                         # The owner may sleep in pop(): wake it up. A wake-up
                         # holds no graph task, so that one left in the queue of
                         # an owner that has gone keeps nothing alive.
+                        flush_next_task(worker)
                         self.ready_queue_by_index(local_graph_task.cpu_ready_queue,
                                                   local_graph_task.owner).push_record(
                             make_record(None, None, None, 0, 0))
@@ -402,17 +424,22 @@ cdef class Engine:
         except BaseException as error:
             # A wait interrupted (See Note [Waits honour signals]), or an error
             # outside any node: the graph task this loop drives ends with it.
+            flush_next_task(worker)
             if graph_task is not None:
                 cancel_graph_task(graph_task, error)
             raise
+        # A task held back for the loop goes to the queue, as if never held.
+        flush_next_task(worker)
         if graph_task is not None and graph_task.has_error_.load():
             queue.discard_graph_task_records(graph_task)
         return 0
 
-    cdef int evaluate_function(self, GraphTask graph_task, NodeBase node,
+    cdef int evaluate_function(self, WorkerState worker, GraphTask graph_task, NodeBase node,
                                list inputs) except -1:
         """Run one node on ``inputs`` (its InputBuffer's list of gradients) and
-        pass its gradients on to the nodes they flow into."""
+        pass its gradients on to the nodes they flow into. ``worker``: this
+        thread's state, which holds back the last task queued for this
+        thread (See Note [The next task skips the queue])."""
         cdef const ExecInfoEntry* info
         cdef bint needed
         cdef Py_ssize_t captures
@@ -504,10 +531,10 @@ cdef class Engine:
                         # Its only gradient: what InputBuffer's first add
                         # would hold, without the InputBuffer.
                         gradients = single_gradient(
-                            PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
+                            worker, PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
                             gradient)
-                        push_task(self.route(graph_task, next_node, gradients), graph_task,
-                                  next_node, gradients)
+                        queue_task(worker, self.route(graph_task, next_node, gradients),
+                                   graph_task, next_node, gradients)
                         continue
                     # A buffer even for a None gradient, as the twin's: See
                     # Note [Gradients left in not ready] in pyengine/_pure/graph_task.py.
@@ -527,21 +554,22 @@ cdef class Engine:
                 else:
                     input_buffer.add(edge.input_nr, gradient, grad_mode)
                 if is_ready:
-                    push_task(self.route(graph_task, next_node, input_buffer.buffer), graph_task,
-                              next_node, input_buffer.buffer)
+                    queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
+                               graph_task, next_node, input_buffer.buffer)
         finally:
             graph_task.mutex_.unlock()
         return 0
 
-    cdef int evaluate_profiled(self, GraphTask graph_task, NodeBase node, list inputs) except -1:
+    cdef int evaluate_profiled(self, WorkerState worker, GraphTask graph_task, NodeBase node,
+                               list inputs) except -1:
         """evaluate_function, timed and reported to the profiler even if it fails."""
         cdef PyObject* listening = profiler()
         if listening == NULL:  # stopped since thread_main looked
-            return self.evaluate_function(graph_task, node, inputs)
+            return self.evaluate_function(worker, graph_task, node, inputs)
         callback = <object>listening
         start = _perf_counter_ns()
         try:
-            self.evaluate_function(graph_task, node, inputs)
+            self.evaluate_function(worker, graph_task, node, inputs)
         finally:
             callback(node, start, _perf_counter_ns())
         return 0
@@ -645,6 +673,30 @@ cdef inline void push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node
                                   node._sequence_nr))
 
 
+cdef inline void queue_task(WorkerState worker, ReadyQueue queue, GraphTask graph_task,
+                            NodeBase node, list inputs) noexcept:
+    """push_task for a task a running node made ready: one for this thread's
+    own queue is held back in ``worker.next_task`` until the thread pops; a
+    task held before it is pushed first. See Note [The next task skips the
+    queue] in ``pyengine/_pure/engine.py``."""
+    flush_next_task(worker)
+    if queue is not worker.local_ready_queue:
+        push_task(queue, graph_task, node, inputs)
+        return
+    graph_task.outstanding_tasks_.fetch_add(1)
+    worker.next_task = make_record(graph_task, node, inputs, graph_task.reentrant_depth,
+                                   node._sequence_nr)
+    worker.has_next_task = True
+
+
+cdef inline void flush_next_task(WorkerState worker) noexcept:
+    """Push the task ``worker`` holds back, if any, onto its queue, where it
+    would have been all along."""
+    if worker.has_next_task:
+        worker.has_next_task = False
+        worker.local_ready_queue.push_record(worker.next_task)
+
+
 cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, object gradient,
                                bint grad_mode, object producer_stream,
                                object consumer_stream) except -1:
@@ -656,15 +708,65 @@ cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, ob
     return 0
 
 
-cdef list single_gradient(Py_ssize_t num_inputs, Py_ssize_t input_nr, object gradient):
+cdef list single_gradient(WorkerState worker, Py_ssize_t num_inputs, Py_ssize_t input_nr,
+                          object gradient):
     """``num_inputs`` slots, all None but ``input_nr``, which holds
     ``gradient``: what an InputBuffer holds after that one add (which grows
-    it to fit a gradient beyond its slots, but not a None)."""
-    if gradient is None:
-        return [None] * num_inputs
-    cdef list gradients = [None] * (num_inputs if input_nr < num_inputs else input_nr + 1)
-    gradients[input_nr] = gradient
+    it to fit a gradient beyond its slots, but not a None). In the list
+    ``worker`` keeps spare when it has that size."""
+    cdef Py_ssize_t size = (num_inputs if gradient is None or input_nr < num_inputs
+                            else input_nr + 1)
+    cdef list gradients = take_spare_list(worker, size)
+    if gradients is None:
+        gradients = [None] * size
+    if gradient is not None:
+        # The slot holds None (either list): replace it, dropping that reference.
+        Py_INCREF(gradient)
+        Py_DECREF(<object>PyList_GET_ITEM(gradients, input_nr))
+        PyList_SET_ITEM(gradients, input_nr, gradient)
     return gradients
+
+
+cdef inline list take_spare_list(WorkerState worker, Py_ssize_t size):
+    """The list ``worker`` keeps spare, if it has ``size`` slots and nothing
+    else refers to it now; None otherwise. The spare is given up either way.
+    See Note [Reusing a task's gradients list] in pyengine/_pure/engine.py."""
+    cdef list spare = worker.spare_list
+    if spare is None:
+        return None
+    worker.spare_list = None
+    # Ours alone: ``spare`` is its one reference.
+    if PyList_GET_SIZE(spare) != size or Py_REFCNT(spare) != 1:
+        return None
+    return spare
+
+
+cdef void keep_spare_list(WorkerState worker, NodeTaskRecord* record) noexcept:
+    """Keep the gradients list of a task that ran, its slots set to None, in
+    ``worker`` for the next ``single_gradient``, when nothing but the record
+    refers to it and ``worker`` keeps none yet; the record lets go of it.
+    Needs the GIL. See Note [Reusing a task's gradients list] in
+    pyengine/_pure/engine.py."""
+    cdef PyObject* inputs = record.inputs
+    if (worker.spare_list is not None or inputs == NULL or not PyList_CheckExact(<object>inputs)
+            or Py_REFCNT(<object>inputs) != 1):
+        return
+    cdef PyObject* item
+    cdef Py_ssize_t i = 0
+    # Dropping a gradient may run Python code (a __del__), which may take
+    # references or change the list: each step looks again.
+    while i < PyList_GET_SIZE(<object>inputs):
+        item = PyList_GET_ITEM(<object>inputs, i)
+        i += 1
+        if item != <PyObject*>None:
+            Py_INCREF(None)
+            PyList_SET_ITEM(<object>inputs, i - 1, None)
+            Py_DECREF(<object>item)
+    if worker.spare_list is None and Py_REFCNT(<object>inputs) == 1:
+        worker.spare_list = <list>inputs
+        # The record's reference; worker.spare_list holds its own.
+        record.inputs = NULL
+        Py_DECREF(<object>inputs)
 
 
 cdef inline bint _should_execute(const ExecInfoMap& exec_info, PyObject* node) noexcept nogil:

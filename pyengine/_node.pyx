@@ -14,7 +14,7 @@ cimport numpy as cnp
 from cpython.number cimport PyNumber_Add, PyNumber_Index, PyNumber_InPlaceAdd
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_REFCNT
-from cpython.tuple cimport PyTuple_GET_SIZE
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.weakref cimport PyWeakref_GET_OBJECT, PyWeakref_NewRef
 from libc.stdint cimport uint64_t, UINT64_MAX
 
@@ -168,9 +168,14 @@ cdef Py_ssize_t _check_input_nr(NodeBase node, object input_nr) except -1:
 
 cdef bint on_cpu(tuple input_metadata) noexcept:
     """Whether every input slot with metadata is on the CPU."""
-    for metadata in input_metadata:
+    cdef PyObject* metadata
+    if input_metadata is None:
+        return True
+    # Borrowed items: the tuple holds them while this loop runs no Python code.
+    for i in range(PyTuple_GET_SIZE(input_metadata)):
+        metadata = PyTuple_GET_ITEM(input_metadata, i)
         # The tuple was checked when set: See Note [Fields Python code can write].
-        if metadata is not None and not (<InputMetadata>metadata).is_cpu:
+        if metadata != <PyObject*>None and not (<InputMetadata>metadata).is_cpu:
             return False
     return True
 

@@ -3,6 +3,7 @@
 
 from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
+from libcpp.atomic cimport atomic
 from libcpp.condition_variable cimport condition_variable
 from libcpp.mutex cimport mutex
 from libcpp.vector cimport vector
@@ -47,8 +48,12 @@ cdef class ReadyQueue:
     cdef vector[NodeTaskRecord] heap
     cdef mutex mutex_
     cdef condition_variable not_empty
+    # The heap's size: written under mutex_, read without it by
+    # push_pop_record.
+    cdef atomic[size_t] queued
 
     cdef void push_record(self, NodeTaskRecord record) noexcept
+    cdef void push_pop_record(self, NodeTaskRecord* record) noexcept
     cdef int pop_record(self, NodeTaskRecord* record, bint on_main_thread) except -1 nogil
     cdef bint try_pop_record(self, NodeTaskRecord* record) noexcept nogil
     cdef Py_ssize_t discard_graph_task_records(self, object graph_task) except -1

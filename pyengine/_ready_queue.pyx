@@ -69,6 +69,19 @@ cdef class NodeTask:
         return cls(None, None, None, is_shutdown=True)
 
 
+cdef NodeTask task_of_record(NodeTaskRecord* record):
+    """A popped record as a NodeTask, the record's references released."""
+    cdef NodeTask task = NodeTask.__new__(NodeTask)
+    task.graph_task = <object>record.graph_task if record.graph_task != NULL else None
+    task.node = <object>record.node if record.node != NULL else None
+    task.inputs = <object>record.inputs if record.inputs != NULL else None
+    task.is_shutdown = record.is_shutdown
+    task.reentrant_depth = record.reentrant_depth
+    task.sequence_nr = record.sequence_nr
+    release_record(record)
+    return task
+
+
 @cython.final
 cdef class ReadyQueue:
     """A priority queue of tasks under a mutex and a condition variable."""
@@ -83,8 +96,24 @@ cdef class ReadyQueue:
         never blocks with it: See Note [Locks and the GIL])."""
         lock_releasing_gil(self.mutex_)
         heap_push(self.heap, record)
+        self.queued.store(self.heap.size())
         self.mutex_.unlock()
         self.not_empty.notify_one()
+
+    cdef void push_pop_record(self, NodeTaskRecord* record) noexcept:
+        """Queue ``*record`` and pop the next record into it, in one step:
+        what ``push_record`` and then a pop give, with no other push or pop
+        between them. While nothing is queued that is ``*record`` itself,
+        and it takes no lock: a push another thread makes at that moment
+        comes after this pop. Needs the GIL. See Note [The next task skips
+        the queue] in ``pyengine/_pure/engine.py``."""
+        if self.queued.load() == 0:
+            return
+        lock_releasing_gil(self.mutex_)
+        if not self.heap.empty():
+            heap_push(self.heap, record[0])
+            record[0] = heap_pop(self.heap)
+        self.mutex_.unlock()
 
     cdef int pop_record(self, NodeTaskRecord* record, bint on_main_thread) except -1 nogil:
         """Pop the next record into ``record``, its references now the
@@ -96,6 +125,7 @@ cdef class ReadyQueue:
         while self.heap.empty():
             wait_honouring_signals(self.not_empty, lock, on_main_thread)
         record[0] = heap_pop(self.heap)
+        self.queued.store(self.heap.size())
         return 0
 
     cdef bint try_pop_record(self, NodeTaskRecord* record) noexcept nogil:
@@ -107,6 +137,7 @@ cdef class ReadyQueue:
             self.mutex_.unlock()
             return False
         record[0] = heap_pop(self.heap)
+        self.queued.store(self.heap.size())
         self.mutex_.unlock()
         return True
 
@@ -122,6 +153,7 @@ cdef class ReadyQueue:
                 kept.push_back(self.heap[i])
         self.heap.swap(kept)
         make_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
+        self.queued.store(self.heap.size())
         self.mutex_.unlock()
         # Release outside the lock: dropping a reference can run arbitrary code.
         for i in range(dropped.size()):
@@ -138,6 +170,24 @@ cdef class ReadyQueue:
         record.is_shutdown = task.is_shutdown
         self.push_record(record)
 
+    def push_pop(self, NodeTask task, increment_outstanding_tasks=True):
+        """What ``push(task)`` and then ``pop()`` return, in one step, never
+        waiting: ``task`` itself while nothing is queued."""
+        if increment_outstanding_tasks and task.node is not None:
+            task.graph_task.increment_outstanding_tasks()
+        cdef NodeTaskRecord record = make_record(task.graph_task, task.node, task.inputs,
+                                                 task.reentrant_depth, task.sequence_nr)
+        record.is_shutdown = task.is_shutdown
+        cdef NodeTaskRecord pushed = record
+        self.push_pop_record(&record)
+        if (record.node == pushed.node and record.inputs == pushed.inputs
+                and record.graph_task == pushed.graph_task
+                and record.is_shutdown == pushed.is_shutdown):
+            # Its own task back (or one no pop could tell from it).
+            release_record(&record)
+            return task
+        return task_of_record(&record)
+
     def push_shutdown(self):
         cdef NodeTaskRecord record = make_record(None, None, None, 0, 0)
         record.is_shutdown = True
@@ -150,17 +200,9 @@ cdef class ReadyQueue:
         nothing popped (See Note [Waits honour signals])."""
         cdef NodeTaskRecord record
         cdef bint main = is_main_thread() if on_main_thread is None else on_main_thread
-        cdef NodeTask task = NodeTask.__new__(NodeTask)
         with nogil:
             self.pop_record(&record, main)
-        task.graph_task = <object>record.graph_task if record.graph_task != NULL else None
-        task.node = <object>record.node if record.node != NULL else None
-        task.inputs = <object>record.inputs if record.inputs != NULL else None
-        task.is_shutdown = record.is_shutdown
-        task.reentrant_depth = record.reentrant_depth
-        task.sequence_nr = record.sequence_nr
-        release_record(&record)
-        return task
+        return task_of_record(&record)
 
     def discard_graph_task(self, graph_task):
         """Drop every queued task of ``graph_task`` (after it failed); return how many."""

@@ -93,7 +93,10 @@ class World:
         # The same operations, for tests/std_priority_queue.cpp.
         self.oracle_ops = []
 
-    def push(self, op):
+    def push(self, op, then_pop=False):
+        """Push the task ``op`` describes; with ``then_pop``, pop at once in
+        the same step (``ReadyQueue.push_pop``, the engine's Note [The next
+        task skips the queue]) and return the push number popped."""
         number = self.pushes
         self.pushes += 1
         kind = op[0]
@@ -111,14 +114,23 @@ class World:
                 sequence_nr = SEQUENCE_NRS[op[2]]
                 task = self.module.NodeTask(graph_task, self.nodes[op[2]], number)
                 rank = (2, -depth, -sequence_nr)
-        self.queue.push(task, increment_outstanding_tasks=False)
         self.queued[number] = (rank, group)
         self.oracle_ops.append(f"push {number} {group} {int(kind == 'shutdown')} "
                                f"{int(kind == 'node')} {depth} {sequence_nr}")
+        if not then_pop:
+            self.queue.push(task, increment_outstanding_tasks=False)
+            return None
+        was_empty = len(self.queue) == 0
+        popped_task = self.queue.push_pop(task, increment_outstanding_tasks=False)
+        if was_empty:
+            assert popped_task is task, "push_pop on an empty queue returns its own task"
+        return self._popped(popped_task.inputs)
 
     def pop(self):
         """Pop a task, check it against the comparator, return its push number."""
-        number = self.queue.pop().inputs
+        return self._popped(self.queue.pop().inputs)
+
+    def _popped(self, number):
         rank, _ = self.queued.pop(number)
         assert all(rank <= other for other, _ in self.queued.values()), \
             "a task popped while one that runs strictly before it was queued"
@@ -141,6 +153,8 @@ class World:
             if op[0] == "pop":
                 if self.queued:
                     popped.append(self.pop())
+            elif op[0] == "push_pop":
+                popped.append(self.push(op[1], then_pop=True))
             elif op[0] == "discard":
                 self.discard(op[1])
             else:
@@ -157,7 +171,8 @@ GROUP = st.integers(0, len(DEPTHS) - 1)
 NODE_PUSH = st.tuples(st.just("node"), GROUP, st.integers(0, len(SEQUENCE_NRS) - 1))
 PUSH = st.one_of(NODE_PUSH, NODE_PUSH, st.tuples(st.just("wakeup"), GROUP),
                  st.just(("shutdown",)))
-OPS = st.lists(st.one_of(PUSH, PUSH, PUSH, st.just(("pop",)), st.tuples(st.just("discard"), GROUP)),
+OPS = st.lists(st.one_of(PUSH, PUSH, PUSH, st.just(("pop",)), st.tuples(st.just("discard"), GROUP),
+                         st.tuples(st.just("push_pop"), PUSH)),
                max_size=60)
 
 
@@ -285,6 +300,16 @@ HAND_WORKED = [
         # len 2; s0 moves up: [s0 _]; s1 moves up past it (compare(s0, s1)):
         # [s1 s0]. Pop s1, pop s0.
         [("shutdown",)] * 3, [2, 1, 0], id="shutdowns-last-in-first-out"),
+    pytest.param(
+        # push_pop is a push and a pop in one step: [t0 t1], push t2 (no
+        # move): [t0 t1 t2]; pop t0: t2 leaves, len 2; t1 moves up, t2 fills
+        # the hole: [t1 t2]. Pop t1, pop t2.
+        _ties(2) + [("push_pop", ("node", 0, 4))], [0, 1, 2], id="push-pop-among-ties"),
+    pytest.param(
+        # On an empty queue push_pop hands back its own task; then x (a
+        # higher sequence_nr) pushed into [t1] pops first.
+        [("push_pop", ("node", 0, 4)), ("node", 0, 4), ("push_pop", ("node", 0, 9))], [0, 2, 1],
+        id="push-pop-empty-then-higher"),
 ]
 
 

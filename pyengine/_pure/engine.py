@@ -63,6 +63,43 @@ were taken from the edges before the backward started; an edge a node
 gains into a node outside them is the error "dependency not found", as in
 PyTorch.
 
+Note [The next task skips the queue]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A running node that makes a child ready for the thread's own queue (on a
+CPU chain, every node) does not push it: ``queue_task`` holds the task
+back in the thread's ``WorkerState.next_task``, and ``thread_main``, where
+it would pop next, hands it to ``ReadyQueue.push_pop`` instead: with
+nothing queued that is the task itself, with no lock, no heap and no wake-up
+(PyTorch pushes and pops); else it is pushed and the front popped under
+one lock. The order is that of pushing every task: a held task is always
+the last task the thread queued, anywhere, because any other push the
+thread makes (``queue_task`` for another child or another device's queue,
+a root in ``execute_with_graph_task``, a wake-up) pushes the held one
+first, and it is pushed when the loop ends (its graph task completed or
+failed, Ctrl-C), before the queue's tasks of a failed task are discarded.
+Between the hold and the pop, the thread runs no node and pops nothing; a
+push another thread makes meanwhile lands as if made just after the pop,
+which is one of the orders the threads' race allows anyway. Only the
+thread itself pops its own queue while it runs a loop on it (a pool
+thread serves a caller's queue while the caller waits in ``apply``), so
+no thread waits for a task held back.
+
+Note [Reusing a task's gradients list]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A node whose one gradient flows into a node with no other edge into it
+hands that node a new list (``single_gradient``), and the list the node
+itself ran on is freed once it ran: on a chain, one list made and one
+freed per node. So when a task has run and nothing but the task refers
+to its list (the node did not keep it, return it, or let anything else
+take it: its reference count says so, a count that no other thread can
+raise while this one holds the GIL), ``keep_spare_list`` sets its slots
+to None and keeps it in the thread's ``WorkerState.spare_list``, and the
+next ``single_gradient`` of that size takes it instead of a new list
+(``take_spare_list``), after looking at the count again: anything that
+took a reference meanwhile (``gc.get_objects``) keeps the list, and the
+engine makes a new one. A node's ``apply`` receives a list that is its
+own for as long as it runs, as before; one it keeps is never reused.
+
 Note [Checking execute's arguments]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``execute`` checks all of its arguments before it makes a graph task: each
@@ -75,6 +112,7 @@ the wrong type as an Edge.
 
 import atexit
 import os
+import sys
 import threading
 import time
 
@@ -118,6 +156,12 @@ class WorkerState(threading.local):
     # Reentrant levels in all, on this thread and the threads that handed off to it.
     total_depth = 0
     local_ready_queue = None
+    # The last task this thread queued, when it is for local_ready_queue:
+    # held back until the thread pops. See Note [The next task skips the queue].
+    next_task = None
+    # A gradients list a task left that nothing else refers to, for the next
+    # single_gradient. See Note [Reusing a task's gradients list].
+    spare_list = None
 
     def __init__(self):
         # Whether this thread runs signal handlers: See Note [Waits honour signals].
@@ -271,6 +315,7 @@ class Engine:
             # See Note [CPU work runs on the caller].
             worker.worker_device = CPU_DEVICE
             graph_task.owner = CPU_DEVICE
+            flush_next_task(worker)
             queue.push(NodeTask(graph_task, graph_root, input_buffer.buffer))
             try:
                 self.thread_main(graph_task)
@@ -283,6 +328,7 @@ class Engine:
                 raise RecursionError(total_depth_message(graph_task.reentrant_depth,
                                                          self.max_total_depth))
             graph_task.owner = worker.worker_device
+            flush_next_task(worker)
             queue.push(NodeTask(graph_task, graph_root, input_buffer.buffer))
             if worker.current_depth >= self.max_recursion_depth:
                 add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
@@ -306,7 +352,12 @@ class Engine:
         on_main_thread = graph_task is not None and worker.on_main_thread
         try:
             while graph_task is None or not graph_task.future_completed:
-                task = queue.pop(on_main_thread)
+                if worker.next_task is not None:
+                    # See Note [The next task skips the queue].
+                    task, worker.next_task = worker.next_task, None
+                    task = queue.push_pop(task, increment_outstanding_tasks=False)
+                else:
+                    task = queue.pop(on_main_thread)
                 if task.is_shutdown:
                     break
                 local_graph_task = task.graph_task
@@ -325,9 +376,11 @@ class Engine:
                 try:
                     if not local_graph_task.has_error:
                         if state.profiler() is None:
-                            self.evaluate_function(local_graph_task, task.node, task.inputs)
+                            self.evaluate_function(worker, local_graph_task, task.node,
+                                                   task.inputs)
                         else:
-                            self.evaluate_profiled(local_graph_task, task.node, task.inputs)
+                            self.evaluate_profiled(worker, local_graph_task, task.node,
+                                                   task.inputs)
                 except BaseException as error:
                     if state.is_anomaly_enabled():
                         add_anomaly_note(error, task.node)
@@ -338,6 +391,7 @@ class Engine:
                     state.set_current_node(*previous_node)
                     state.set_current_graph_task(previous_graph_task)
                 # Drop the task's references before the graph task may complete.
+                keep_spare_list(worker, task)
                 del task
                 local_graph_task.decrement_outstanding_tasks()
                 owner = local_graph_task.owner
@@ -354,6 +408,7 @@ class Engine:
                         # The owner may sleep in pop(): wake it up. A wake-up
                         # holds no graph task, so that one left in the queue of
                         # an owner that has gone keeps nothing alive.
+                        flush_next_task(worker)
                         self.ready_queue_by_index(local_graph_task.cpu_ready_queue, owner).push(
                             NodeTask(None, None, None))
                 # Let go of the task now: a worker about to sleep in pop() must not
@@ -362,26 +417,31 @@ class Engine:
         except BaseException as error:
             # A wait interrupted (See Note [Waits honour signals]), or an error
             # outside any node: the graph task this loop drives ends with it.
+            flush_next_task(worker)
             if graph_task is not None:
                 cancel_graph_task(graph_task, error)
             raise
+        # A task held back for the loop goes to the queue, as if never held.
+        flush_next_task(worker)
         if graph_task is not None and graph_task.has_error:
             queue.discard_graph_task(graph_task)
 
-    def evaluate_profiled(self, graph_task, node, inputs):
+    def evaluate_profiled(self, worker, graph_task, node, inputs):
         """evaluate_function, timed and reported to the profiler even if it fails."""
         callback = state.profiler()
         if callback is None:  # stopped since thread_main looked
-            return self.evaluate_function(graph_task, node, inputs)
+            return self.evaluate_function(worker, graph_task, node, inputs)
         start = time.perf_counter_ns()
         try:
-            self.evaluate_function(graph_task, node, inputs)
+            self.evaluate_function(worker, graph_task, node, inputs)
         finally:
             callback(node, start, time.perf_counter_ns())
 
-    def evaluate_function(self, graph_task, node, inputs):
+    def evaluate_function(self, worker, graph_task, node, inputs):
         """Run one node on ``inputs`` (its InputBuffer's list of gradients) and
-        pass its gradients on to the nodes they flow into."""
+        pass its gradients on to the nodes they flow into. ``worker``: this
+        thread's state, which holds back the last task queued for this
+        thread (See Note [The next task skips the queue])."""
         exec_info = graph_task.exec_info
         if exec_info:
             info = exec_info.get(id(node))
@@ -443,17 +503,17 @@ class Engine:
                     if not streamed and is_ready:
                         # Its only gradient: what InputBuffer's first add
                         # would hold, without the InputBuffer.
-                        gradients = single_gradient(len(next_node._input_metadata),
+                        gradients = single_gradient(worker, len(next_node._input_metadata),
                                                     edge.input_nr, output)
-                        push_task(self.route(graph_task, next_node, gradients), graph_task,
-                                  next_node, gradients)
+                        queue_task(worker, self.route(graph_task, next_node, gradients),
+                                   graph_task, next_node, gradients)
                         continue
                     input_buffer = InputBuffer(len(next_node._input_metadata))
                     accumulate_on_streams(input_buffer, edge.input_nr, output, grad_mode,
                                           producer_stream, next_node._stream)
                     if is_ready:
-                        push_task(self.route(graph_task, next_node, input_buffer.buffer), graph_task,
-                                  next_node, input_buffer.buffer)
+                        queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
+                                   graph_task, next_node, input_buffer.buffer)
                     else:
                         not_ready[key] = input_buffer
                 else:
@@ -461,8 +521,8 @@ class Engine:
                                           producer_stream, next_node._stream)
                     if is_ready:
                         del not_ready[key]
-                        push_task(self.route(graph_task, next_node, input_buffer.buffer), graph_task,
-                                  next_node, input_buffer.buffer)
+                        queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
+                                   graph_task, next_node, input_buffer.buffer)
 
     # -- devices --
 
@@ -558,15 +618,73 @@ def push_task(queue, graph_task, node, inputs):
     queue.push(NodeTask(graph_task, node, inputs))
 
 
-def single_gradient(num_inputs, input_nr, gradient):
+def queue_task(worker, queue, graph_task, node, inputs):
+    """push_task for a task a running node made ready: one for this thread's
+    own queue is held back in ``worker.next_task`` until the thread pops; a
+    task held before it is pushed first. See Note [The next task skips the
+    queue]."""
+    flush_next_task(worker)
+    if queue is not worker.local_ready_queue:
+        push_task(queue, graph_task, node, inputs)
+        return
+    graph_task.increment_outstanding_tasks()
+    worker.next_task = NodeTask(graph_task, node, inputs)
+
+
+def flush_next_task(worker):
+    """Push the task ``worker`` holds back, if any, onto its queue, where it
+    would have been all along."""
+    if worker.next_task is not None:
+        task, worker.next_task = worker.next_task, None
+        worker.local_ready_queue.push(task, increment_outstanding_tasks=False)
+
+
+def single_gradient(worker, num_inputs, input_nr, gradient):
     """``num_inputs`` slots, all None but ``input_nr``, which holds
     ``gradient``: what an InputBuffer holds after that one add (which grows
-    it to fit a gradient beyond its slots, but not a None)."""
-    if gradient is None:
-        return [None] * num_inputs
-    gradients = [None] * (num_inputs if input_nr < num_inputs else input_nr + 1)
-    gradients[input_nr] = gradient
+    it to fit a gradient beyond its slots, but not a None). In the list
+    ``worker`` keeps spare when it has that size."""
+    size = num_inputs if gradient is None or input_nr < num_inputs else input_nr + 1
+    gradients = take_spare_list(worker, size)
+    if gradients is None:
+        gradients = [None] * size
+    if gradient is not None:
+        gradients[input_nr] = gradient
     return gradients
+
+
+def take_spare_list(worker, size):
+    """The list ``worker`` keeps spare, if it has ``size`` slots and nothing
+    else refers to it now; None otherwise. The spare is given up either way.
+    See Note [Reusing a task's gradients list]."""
+    spare = worker.spare_list
+    if spare is None:
+        return None
+    worker.spare_list = None
+    # Ours alone: the references are ``spare`` and getrefcount's argument.
+    if len(spare) != size or sys.getrefcount(spare) != 2:
+        return None
+    return spare
+
+
+def keep_spare_list(worker, task):
+    """Keep the gradients list of a task that ran, its slots set to None, in
+    ``worker`` for the next ``single_gradient``, when nothing but the task
+    refers to it and ``worker`` keeps none yet. See Note [Reusing a task's
+    gradients list]."""
+    inputs = task.inputs
+    # The task's reference, ``inputs`` and getrefcount's argument.
+    if worker.spare_list is not None or type(inputs) is not list or sys.getrefcount(inputs) != 3:
+        return
+    # Dropping a gradient may run Python code (a __del__), which may take
+    # references or change the list: each step looks again.
+    i = 0
+    while i < len(inputs):
+        i += 1
+        if inputs[i - 1] is not None:
+            inputs[i - 1] = None
+    if worker.spare_list is None and sys.getrefcount(inputs) == 3:
+        worker.spare_list = inputs
 
 
 def _should_execute(exec_info, key):

@@ -205,6 +205,21 @@ class ReadyQueue:
             heap_push(self._heap, task)
             self._not_empty.notify()
 
+    def push_pop(self, task, increment_outstanding_tasks=True):
+        """What ``push(task)`` and then ``pop()`` return, in one step, never
+        waiting: ``task`` itself while nothing is queued, without the lock (a
+        push another thread makes at that moment comes after this pop). See
+        Note [The next task skips the queue] in ``pyengine/_pure/engine.py``."""
+        if increment_outstanding_tasks and task.node is not None:
+            task.graph_task.increment_outstanding_tasks()
+        if not self._heap:
+            return task
+        with self._not_empty:
+            if not self._heap:
+                return task
+            heap_push(self._heap, task)
+            return heap_pop(self._heap)
+
     def push_shutdown(self):
         self.push(NodeTask.shutdown())
 
