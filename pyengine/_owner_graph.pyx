@@ -34,7 +34,8 @@ from pyengine._shared.owner_graph_checks import (EXACT, REDUCE, RETURNS, WRITES,
                                                 accumulate_grad, add_owner_note,
                                                 check_hook_result, check_nan, check_options,
                                                 check_reader, cycle_error, format_owner_error,
-                                                format_root_error, mark_needed, owner_name)
+                                                format_root_error, mark_needed, owner_name,
+                                                read_returned)
 from pyengine._shared.owner_graph_checks import check_input_nr as check_input_nr_slow
 from pyengine._shared.owner_graph_checks import count_slots as count_slots_slow
 from pyengine._shared.owner_graph_checks import split_item as split_item_slow
@@ -105,11 +106,13 @@ cdef class OwnerGraph:
     cdef readonly bint should_compute_output
     cdef readonly str gradient_policy
     cdef readonly bint accumulates
+    cdef readonly bint unpack_grads
+    cdef readonly object dense_gradient
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
                  post_hook=None, should_compute_output=False, gradient_policy=REDUCE,
-                 accumulates=False):
+                 accumulates=False, unpack_grads=False, dense_gradient=None):
         self.parents = check_reader("parents", parents)
         self.backward_ = check_reader("backward", backward)
         if mode != WRITES and mode != RETURNS:
@@ -118,7 +121,7 @@ cdef class OwnerGraph:
         self.returns = mode == RETURNS
         if not self.returns:
             for what, value in (("num_inputs", num_inputs), ("metadata", metadata),
-                                ("accumulate", accumulate)):
+                                ("accumulate", accumulate), ("dense_gradient", dense_gradient)):
                 if value is not None:
                     raise TypeError(f"{what} is for mode={RETURNS!r}: in mode={WRITES!r} "
                                     "the owners write their parents' gradients themselves")
@@ -130,9 +133,11 @@ cdef class OwnerGraph:
         self.pre_hook = _check_optional("pre_hook", pre_hook)
         self.post_hook = _check_optional("post_hook", post_hook)
         self.gradient_policy = check_options(self.returns, should_compute_output,
-                                             gradient_policy, accumulates)
+                                             gradient_policy, accumulates, unpack_grads)
         self.should_compute_output = should_compute_output
         self.accumulates = accumulates
+        self.unpack_grads = unpack_grads
+        self.dense_gradient = _check_optional("dense_gradient", dense_gradient)
 
     def backward(self, root, grad=None):
         """Run backward from ``root`` (an owner, or a pair ``(owner,
@@ -339,12 +344,31 @@ cdef object call_backward(OwnerGraph graph, object owner, list grads, tuple extr
         else:
             PyObject_CallOneArg(backward, owner)
         return None
+    if graph.unpack_grads:
+        if extra is None and len(grads) == 1:
+            # One gradient, as autograd's vjp(g) takes it: no tuple of arguments.
+            return (PyObject_CallMethodOneArg(owner, backward, grads[0]) if type(backward) is str
+                    else backward(owner, grads[0]))
+        extra = () if extra is None else extra
+        return (getattr(owner, <str>backward)(*grads, *extra) if type(backward) is str
+                else backward(owner, *grads, *extra))
     if extra is not None:
         return (getattr(owner, <str>backward)(grads, *extra) if type(backward) is str
                 else backward(owner, grads, *extra))
     outputs = (PyObject_CallMethodOneArg(owner, backward, grads) if type(backward) is str
                else backward(owner, grads))
     return outputs
+
+
+cdef int dense_grads(OwnerGraph graph, list grads) except -1:
+    """``dense_gradient`` applied, in place, to each of ``grads`` that is a
+    value but not a numpy array (See Note [Owner graphs])."""
+    cdef Py_ssize_t k
+    for k in range(len(grads)):
+        grad = grads[k]
+        if grad is not None and type(grad) is not cnp.ndarray:
+            grads[k] = graph.dense_gradient(grad)
+    return 0
 
 
 cdef tuple should_compute_outputs(object owner, PyObject** items, Py_ssize_t n_items,
@@ -407,6 +431,8 @@ cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** i
                 raise TypeError(f"pre_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
             grads = check_hook_result(owner, "pre_hook", result, len(grads))
+    if graph.dense_gradient is not None:
+        dense_grads(graph, grads)
     cdef tuple extra = None
     if graph.should_compute_output or graph.accumulates:
         extra = ()
@@ -422,13 +448,8 @@ cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** i
                 raise TypeError(f"post_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
         return 0
-    if not isinstance(outputs, (list, tuple)):
-        raise TypeError(f"the backward of a {owner_name(owner)} returned "
-                        f"{type(outputs).__name__}; expected a list or tuple of {n_items} "
-                        "gradients, one per parent item")
-    if len(outputs) != n_items:
-        raise RuntimeError(f"the backward of a {owner_name(owner)} returned {len(outputs)} "
-                           f"gradients; expected {n_items}, one per parent item")
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != n_items:
+        outputs = read_returned(owner, outputs, n_items)  # a generator, or an error
     cdef list checked = list(outputs)
     check_outputs(graph, owner, checked, items, n_items, owners, metadata_of)
     if graph.post_hook is not None:

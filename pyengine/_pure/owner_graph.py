@@ -31,7 +31,8 @@ owner of it, with no pyengine Node made at forward or at backward.
   - ``"returns"`` (DeZero, Chainer, autograd): called with the owner's
     gradients (a list, one per slot, summed in the core's InputBuffer;
     None where none arrived), it returns one gradient per parent item, in
-    order. Each is checked (a value of a registered backend; against
+    order (a list or a tuple, or a generator, read once: autograd's vjps of
+    more than two arguments return one). Each is checked (a value of a registered backend; against
     ``metadata(parent)[input_nr]`` by validate_outputs' rules when the
     framework gives ``metadata``), then summed into the parent's slot.
     ``num_inputs(owner)`` (default 1) is an owner's number of slots. A leaf
@@ -69,6 +70,18 @@ owner of it, with no pyengine Node made at forward or at backward.
     buffer forgets that it owned a sum it handed out, so the engine never
     writes into a value a backward was given (See Note [InputBuffer
     ownership] in ``pyengine/_pure/input_buffer.py``).
+
+  Two more shape the call itself. ``unpack_grads=True`` passes the owner's
+  gradients as positional arguments instead of one list,
+  ``backward(owner, *grads[, should_compute_output][, buffered])`` or
+  ``owner.<backward>(*grads, ...)``: DeZero's ``backward(*gys)`` and
+  autograd's ``vjp(g)`` are then the backward itself, with no Python
+  function of the adapter's around each call. ``dense_gradient(value)``
+  (optional) is applied to each gradient a backward is about to get (after
+  ``pre_hook``) that is not a numpy array; its result is what the backward
+  gets (autograd makes its sparse gradients dense before a vjp sees them).
+  A leaf's ``accumulate`` and ``grad(inputs=)``'s captures get the sums as
+  they are.
 
 The search. From the root, a depth-first search reads each owner's items
 once, in their iteration order, into a snapshot of its own when it first
@@ -152,7 +165,7 @@ from .._shared.owner_graph_checks import (EXACT, REDUCE, RETURNS, WRITES, OwnerR
                                          check_input_nr, check_nan, check_options, check_reader,
                                          count_slots, cycle_error,
                                          format_owner_error, format_root_error, mark_needed,
-                                         owner_name, split_item)
+                                         owner_name, read_returned, split_item)
 from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer
@@ -184,12 +197,13 @@ class OwnerGraph:
 
     __slots__ = ("parents", "backward_", "mode", "returns", "num_inputs", "metadata",
                  "accumulate", "visit", "needs_no_gradient", "pre_hook", "post_hook",
-                 "should_compute_output", "gradient_policy", "accumulates")
+                 "should_compute_output", "gradient_policy", "accumulates", "unpack_grads",
+                 "dense_gradient")
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
                  post_hook=None, should_compute_output=False, gradient_policy=REDUCE,
-                 accumulates=False):
+                 accumulates=False, unpack_grads=False, dense_gradient=None):
         self.parents = check_reader("parents", parents)
         self.backward_ = check_reader("backward", backward)
         if mode != WRITES and mode != RETURNS:
@@ -198,7 +212,7 @@ class OwnerGraph:
         self.returns = mode == RETURNS
         if not self.returns:
             for what, value in (("num_inputs", num_inputs), ("metadata", metadata),
-                                ("accumulate", accumulate)):
+                                ("accumulate", accumulate), ("dense_gradient", dense_gradient)):
                 if value is not None:
                     raise TypeError(f"{what} is for mode={RETURNS!r}: in mode={WRITES!r} "
                                     "the owners write their parents' gradients themselves")
@@ -210,9 +224,11 @@ class OwnerGraph:
         self.pre_hook = _check_optional("pre_hook", pre_hook)
         self.post_hook = _check_optional("post_hook", post_hook)
         self.gradient_policy = check_options(self.returns, should_compute_output,
-                                             gradient_policy, accumulates)
+                                             gradient_policy, accumulates, unpack_grads)
         self.should_compute_output = should_compute_output
         self.accumulates = accumulates
+        self.unpack_grads = unpack_grads
+        self.dense_gradient = _check_optional("dense_gradient", dense_gradient)
 
     def backward(self, root, grad=None):
         """Run backward from ``root`` (an owner, or a pair ``(owner,
@@ -320,11 +336,24 @@ def call_backward(graph, owner, grads, extra):
         else:
             backward(owner)
         return None
+    if graph.unpack_grads:
+        extra = () if extra is None else extra
+        return (getattr(owner, backward)(*grads, *extra) if type(backward) is str
+                else backward(owner, *grads, *extra))
     if extra is not None:
         return (getattr(owner, backward)(grads, *extra) if type(backward) is str
                 else backward(owner, grads, *extra))
     outputs = getattr(owner, backward)(grads) if type(backward) is str else backward(owner, grads)
     return outputs
+
+
+def dense_grads(graph, grads):
+    """``dense_gradient`` applied, in place, to each of ``grads`` that is a
+    value but not a numpy array (See Note [Owner graphs])."""
+    for k in range(len(grads)):
+        grad = grads[k]
+        if grad is not None and type(grad) is not np.ndarray:
+            grads[k] = graph.dense_gradient(grad)
 
 
 def should_compute_outputs(owner, items, slots, exec_info):
@@ -374,6 +403,8 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec
                 raise TypeError(f"pre_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
             grads = check_hook_result(owner, "pre_hook", result, len(grads))
+    if graph.dense_gradient is not None:
+        dense_grads(graph, grads)
     extra = None
     if graph.should_compute_output or graph.accumulates:
         extra = ()
@@ -389,14 +420,7 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec
                 raise TypeError(f"post_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
         return
-    if not isinstance(outputs, (list, tuple)):
-        raise TypeError(f"the backward of a {owner_name(owner)} returned "
-                        f"{type(outputs).__name__}; expected a list or tuple of {len(items)} "
-                        "gradients, one per parent item")
-    if len(outputs) != len(items):
-        raise RuntimeError(f"the backward of a {owner_name(owner)} returned {len(outputs)} "
-                           f"gradients; expected {len(items)}, one per parent item")
-    outputs = list(outputs)
+    outputs = list(read_returned(owner, outputs, len(items)))
     check_outputs(graph, owner, outputs, items, slots, metadata_of)
     if graph.post_hook is not None:
         result = graph.post_hook(owner, outputs, grads)

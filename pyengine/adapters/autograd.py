@@ -224,17 +224,6 @@ _BACKEND = AutogradBackend()
 
 # -- the backward pass ----------------------------------------------------------------------
 
-def _vjp(node, grads, sparse_types=sparse_object_types, tuple=tuple, type=type):
-    """The owner graph's backward: the node's vjp on its summed gradient
-    (made dense, as ``_dense``), one gradient per parent. It runs once per
-    node: the defaults bind globals as locals, and ``_dense`` is inlined."""
-    g = grads[0]
-    if type(g) in sparse_types:
-        g = sparse_add(vspace(g), None, g)
-    ingrads = node.vjp(g)
-    return ingrads if type(ingrads) is tuple else tuple(ingrads)
-
-
 # Each thread's backward passes under way, innermost last: a one-item list
 # each, which the leaf's accumulate fills. A vjp may run a backward pass of
 # its own (reentrant), which finishes before its caller's leaf is reached.
@@ -245,7 +234,12 @@ def _accumulate(leaf, gradient):
     _results.stack[-1].append(gradient)
 
 
-_GRAPH = pyengine.OwnerGraph("parents", _vjp, mode="returns", accumulate=_accumulate)
+# Each node's own vjp is its backward, called from the core as node.vjp(g)
+# (unpack_grads: one gradient, no list and no Python function around it);
+# dense_gradient makes a sparse gradient dense before a vjp sees it, and the
+# core reads the generator some vjps return.
+_GRAPH = pyengine.OwnerGraph("parents", "vjp", mode="returns", accumulate=_accumulate,
+                             unpack_grads=True, dense_gradient=_dense)
 
 
 def backward_pass(g, end_node):
