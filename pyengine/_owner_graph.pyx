@@ -69,6 +69,7 @@ cdef extern from "Python.h":
     object PyObject_CallMethodOneArg(object obj, object name, object arg)
     object PyObject_CallOneArg(object callable, object arg)
     bint PyTuple_CheckExact(object obj)
+    bint PyList_CheckExact(object obj)
     bint PyLong_Check(object obj)
     bint PyBool_Check(object obj)
     # On the arena's owned pointers, without a reference per use.
@@ -450,24 +451,32 @@ cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** i
         return 0
     if not isinstance(outputs, (list, tuple)) or len(outputs) != n_items:
         outputs = read_returned(owner, outputs, n_items)  # a generator, or an error
-    cdef list checked = list(outputs)
-    check_outputs(graph, owner, checked, items, n_items, owners, metadata_of)
+    # A tuple is read as it is (no Python code can change it); a list is
+    # copied. check_outputs copies a tuple it must change.
+    checked = check_outputs(graph, owner,
+                            outputs if PyTuple_CheckExact(outputs) else list(outputs),
+                            items, n_items, owners, metadata_of)
     if graph.post_hook is not None:
+        if not PyList_CheckExact(checked):
+            checked = list(checked)
         result = graph.post_hook(owner, checked, grads)
         if result is not None:
-            checked = check_hook_result(owner, "post_hook", result, n_items)
-            check_outputs(graph, owner, checked, items, n_items, owners, metadata_of)
+            checked = check_outputs(graph, owner,
+                                    check_hook_result(owner, "post_hook", result, n_items),
+                                    items, n_items, owners, metadata_of)
     if anomaly_enabled() and anomaly_check_nan():
         check_nan(owner, checked)
     route_gradients(owner, checked, items, n_items, owners)
     return 0
 
 
-cdef int check_outputs(OwnerGraph graph, object owner, list outputs, PyObject** items,
-                       Py_ssize_t n_items, OwnerTable* owners, dict metadata_of) except -1:
+cdef object check_outputs(OwnerGraph graph, object owner, object outputs, PyObject** items,
+                          Py_ssize_t n_items, OwnerTable* owners, dict metadata_of):
     """validate_outputs for an owner: a gradient for a parent that gets none
     is dropped; the others are values, checked against the parent's
-    metadata where the framework gives it."""
+    metadata where the framework gives it. ``outputs`` is a list (changed
+    in place) or a tuple (copied into a list at the first change); returns
+    the checked gradients."""
     cdef PyObject* parent
     cdef Py_ssize_t input_nr
     cdef Py_ssize_t i
@@ -480,6 +489,8 @@ cdef int check_outputs(OwnerGraph graph, object owner, list outputs, PyObject** 
             raise IndexError("tuple index out of range")  # the twin's items[i]
         if (not split_item(<object>items[i], owner, &parent, &input_nr)
                 or owners.find(parent) == NULL):
+            if not PyList_CheckExact(outputs):
+                outputs = list(outputs)
             outputs[i] = None
             continue
         metadata = None
@@ -494,10 +505,12 @@ cdef int check_outputs(OwnerGraph graph, object owner, list outputs, PyObject** 
             continue
         if format_error is None:
             format_error = format_owner_error(owner)
+        if not PyList_CheckExact(outputs):
+            outputs = list(outputs)
         outputs[i] = (validate_gradient_exact(i, grad, metadata, format_error)
                       if graph.gradient_policy == EXACT
                       else validate_gradient(i, grad, metadata, format_error))
-    return 0
+    return outputs
 
 
 cdef inline bint gradient_matches(object metadata, object grad) noexcept:
@@ -509,7 +522,7 @@ cdef inline bint gradient_matches(object metadata, object grad) noexcept:
     return type(metadata) is InputMetadata and numpy_gradient_matches(<InputMetadata>metadata, grad)
 
 
-cdef int route_gradients(object owner, list outputs, PyObject** items, Py_ssize_t n_items,
+cdef int route_gradients(object owner, object outputs, PyObject** items, Py_ssize_t n_items,
                          OwnerTable* owners) except -1:
     """Sum each gradient into its parent's InputBuffer, made on the first
     (check_outputs dropped the gradients of parents not in the table)."""

@@ -420,13 +420,20 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec
                 raise TypeError(f"post_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
         return
-    outputs = list(read_returned(owner, outputs, len(items)))
-    check_outputs(graph, owner, outputs, items, slots, metadata_of)
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != len(items):
+        outputs = read_returned(owner, outputs, len(items))  # a generator, or an error
+    # A tuple is read as it is (no Python code can change it); a list is
+    # copied. check_outputs copies a tuple it must change.
+    outputs = check_outputs(graph, owner, outputs if type(outputs) is tuple else list(outputs),
+                            items, slots, metadata_of)
     if graph.post_hook is not None:
+        if type(outputs) is not list:
+            outputs = list(outputs)
         result = graph.post_hook(owner, outputs, grads)
         if result is not None:
-            outputs = check_hook_result(owner, "post_hook", result, len(items))
-            check_outputs(graph, owner, outputs, items, slots, metadata_of)
+            outputs = check_outputs(graph, owner,
+                                    check_hook_result(owner, "post_hook", result, len(items)),
+                                    items, slots, metadata_of)
     if state.is_anomaly_enabled() and state.is_anomaly_check_nan_enabled():
         check_nan(owner, outputs)
     route_gradients(owner, outputs, items, buffers, slots)
@@ -435,7 +442,9 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec
 def check_outputs(graph, owner, outputs, items, slots, metadata_of):
     """validate_outputs for an owner: a gradient for a parent that gets none
     is dropped; the others are values, checked against the parent's
-    metadata where the framework gives it."""
+    metadata where the framework gives it. ``outputs`` is a list (changed
+    in place) or a tuple (copied into a list at the first change); returns
+    the checked gradients."""
     format_error = None
     for i in range(len(outputs)):
         grad = outputs[i]
@@ -443,6 +452,8 @@ def check_outputs(graph, owner, outputs, items, slots, metadata_of):
             continue
         pair = split_item(items[i], owner)
         if pair is None or id(pair[0]) not in slots:
+            if type(outputs) is not list:
+                outputs = list(outputs)
             outputs[i] = None
             continue
         metadata = None
@@ -456,9 +467,12 @@ def check_outputs(graph, owner, outputs, items, slots, metadata_of):
             continue
         if format_error is None:
             format_error = format_owner_error(owner)
+        if type(outputs) is not list:
+            outputs = list(outputs)
         outputs[i] = (validate_gradient_exact(i, grad, metadata, format_error)
                       if graph.gradient_policy == EXACT
                       else validate_gradient(i, grad, metadata, format_error))
+    return outputs
 
 
 def gradient_matches(metadata, grad):

@@ -60,11 +60,11 @@ What differs from native autograd, by design of the engine:
   ``vjp(g)`` is made dense before the end node's vjp sees it (autograd
   would pass the SparseObject itself, which most vjps reject).
 - While installed, numpy arrays' backend is :class:`AutogradNumpyBackend`
-  for every user of pyengine in the process: numpy sums give the same
-  values, but the numpy fast paths of both cores (InputBuffer sums,
-  validate_outputs, AccumulateGrad) step aside for the backend's methods
-  (See Note [Replacing the numpy backend] in ``pyengine/backends.py``),
-  which costs autograd's own numpy sums a Python call each; and tuples,
+  for every user of pyengine in the process: it is numpy's own for two
+  numpy arrays, so it keeps the numpy fast paths of both cores on
+  (``numpy_fast_paths``: See Note [Replacing the numpy backend] in
+  ``pyengine/backends.py``) where the backend it wraps is the built-in
+  one, and only sums with a Box or a sparse gradient go through it; tuples,
   lists, dicts, floats and complex numbers are accepted as gradient values
   (with autograd's addition) instead of being refused. The owner-graph
   protocol sums with the backend of the gradient already in a slot, and a
@@ -93,7 +93,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 import pyengine
 from pyengine.adapters import Patches
-from pyengine.backends import ArrayBackend, NumpyBackend, backend_of
+from pyengine.backends import NUMPY, ArrayBackend, NumpyBackend, backend_of
 from pyengine.device import CPU
 
 __all__ = ["install", "uninstall", "is_installed", "installed", "backward_pass",
@@ -205,6 +205,9 @@ class AutogradNumpyBackend(NumpyBackend):
 
     def __init__(self, previous):
         self.previous = previous
+        # For two numpy arrays this is previous's: the fast paths of both
+        # cores may stay on where previous is the built-in backend.
+        self.numpy_fast_paths = previous is NUMPY or previous.numpy_fast_paths is True
 
     def add(self, a, b):
         if isinstance(b, _AUTOGRAD_VALUES):
