@@ -51,6 +51,7 @@ cdef extern from "_owner_table.h":
         PyObject* node
         Py_ssize_t slots
         PyObject* buffer  # owned, or NULL
+        PyObject* gradient  # owned, or NULL: a one-slot owner's only gradient so far
     cppclass OwnerTable "pyengine_OwnerTable":
         OwnerTable()
         bint full()
@@ -292,7 +293,7 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
             if parent_state != SEARCH_FINISHED:
                 reach_owner(graph, <object>parent, slot, seen, stack, arena, order, is_leaf,
                             items_of, owners, held, keep_items)
-            if graph.returns:
+            if graph.returns and input_nr != 0:  # every owner has slot 0
                 check_input_nr(<object>parent, input_nr, owners, holder)
     finally:
         # What an error (a cycle, an attribute, Ctrl-C) left.
@@ -407,7 +408,12 @@ cdef tuple take_buffered(object owner, PyObject** items, Py_ssize_t n_items, Own
         value = None
         if split_item(<object>items[i], owner, &parent, &input_nr):
             entry = owners.find(parent)
-            if entry != NULL and entry.buffer != NULL:
+            if entry != NULL and entry.gradient != NULL:
+                if input_nr == 0:
+                    value = <object>entry.gradient
+                    decref(entry.gradient)
+                    entry.gradient = NULL
+            elif entry != NULL and entry.buffer != NULL:
                 buffer = <InputBuffer>entry.buffer
                 # Python code can reach an InputBuffer and write its buffer.
                 if buffer.buffer is not None and input_nr < len(buffer.buffer):
@@ -544,9 +550,21 @@ cdef int route_gradients(object owner, object outputs, PyObject** items, Py_ssiz
         if entry == NULL:
             raise KeyError(id(<object>parent))  # as the twin's slots[id(parent)]
         if entry.buffer == NULL:
+            if entry.slots == 1 and entry.gradient == NULL:
+                # Held as it is, as an InputBuffer holds a first gradient:
+                # See Note [Owner graphs].
+                Py_INCREF(grad)
+                entry.gradient = <PyObject*>grad
+                continue
             buffer = new_input_buffer(entry.slots)
             Py_INCREF(buffer)
             entry.buffer = <PyObject*>buffer
+            if entry.gradient != NULL:
+                # The second gradient: the first moves into the new buffer.
+                first = <object>entry.gradient
+                decref(entry.gradient)
+                entry.gradient = NULL
+                buffer.add(0, first, False)
         else:
             buffer = <InputBuffer>entry.buffer
         buffer.add(input_nr, grad, False)
@@ -703,13 +721,18 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
             continue
         # The twin's buffers.pop(id(owner), None): the reference moves out.
         entry = owners.find(order[i])
-        if entry == NULL or entry.buffer == NULL:
+        if entry == NULL or (entry.buffer == NULL and entry.gradient == NULL):
             i -= 1
             continue
-        buffer = <InputBuffer>entry.buffer
-        decref(entry.buffer)
-        entry.buffer = NULL
-        grads = buffer.buffer
+        if entry.gradient != NULL:
+            grads = [<object>entry.gradient]
+            decref(entry.gradient)
+            entry.gradient = NULL
+        else:
+            buffer = <InputBuffer>entry.buffer
+            decref(entry.buffer)
+            entry.buffer = NULL
+            grads = buffer.buffer
         key = address(order[i]) if wanted is not None or needed is not None else None
         if wanted is not None and key in wanted:
             for k, (input_owner, input_nr) in enumerate(inputs):

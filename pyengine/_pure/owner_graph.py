@@ -41,6 +41,11 @@ owner of it, with no pyengine Node made at forward or at backward.
     out of place (the first gradient is stored as it is and never written
     into). An owner at which no gradient arrived (all its slots None) does
     not run and passes None on: its backward need not handle that case.
+    A one-slot owner's first gradient is held as it is, with no
+    InputBuffer (one would hold it as it is too); the second makes the
+    buffer, the first added before it, so the sums and their ownership are
+    the InputBuffer's (See Note [InputBuffer ownership] in
+    ``pyengine/_pure/input_buffer.py``).
 
   Three options of returns mode change what the backward gets and what its
   gradients mean (issue 18; a Node has the same three):
@@ -303,7 +308,7 @@ def search(graph, root, order, is_leaf, items_of, slots, held, keep_items):
                         keep_items)
         elif parent_state == _ON_PATH:
             raise cycle_error(parent, parents)
-        if returns:
+        if returns and pair[1] != 0:  # every owner has slot 0
             check_input_nr(parent, pair[1], slots, frame[0])
 
 
@@ -382,7 +387,11 @@ def take_buffered(owner, items, buffers, slots):
         value = None
         if pair is not None and id(pair[0]) in slots:
             buffer = buffers.get(id(pair[0]))
-            if buffer is not None and pair[1] < len(buffer.buffer):
+            if type(buffer) is tuple:
+                if pair[1] == 0:
+                    value = buffer[0]
+                    del buffers[id(pair[0])]
+            elif buffer is not None and pair[1] < len(buffer.buffer):
                 value = buffer.buffer[pair[1]]
                 buffer.buffer[pair[1]] = None
                 owned = buffer._owned
@@ -494,7 +503,17 @@ def route_gradients(owner, outputs, items, buffers, slots):
         parent, input_nr = split_item(items[i], owner)
         buffer = buffers.get(id(parent))
         if buffer is None:
+            if slots[id(parent)] == 1:
+                # Held as it is, as an InputBuffer holds a first gradient:
+                # See Note [Owner graphs].
+                buffers[id(parent)] = (grad,)
+                continue
             buffer = buffers[id(parent)] = InputBuffer(slots[id(parent)])
+        elif type(buffer) is tuple:
+            # The second gradient: the first moves into the new buffer.
+            first = buffer[0]
+            buffer = buffers[id(parent)] = InputBuffer(1)
+            buffer.add(0, first, False)
         buffer.add(input_nr, grad, False)
 
 
@@ -627,7 +646,7 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
         if buffer is None:
             i -= 1
             continue
-        grads = buffer.buffer
+        grads = [buffer[0]] if type(buffer) is tuple else buffer.buffer
         if wanted is not None and id(owner) in wanted:
             for k, (input_owner, input_nr) in enumerate(inputs):
                 if input_owner is owner and input_nr < len(grads):
