@@ -46,6 +46,9 @@ __all__ = ["OwnerGraph", "run_owner_graph"]
 
 cnp.import_array()
 
+cdef extern from "_table_growth.h":
+    size_t TABLE_GROWTH_STEP "pyengine_TABLE_GROWTH_STEP"
+
 cdef extern from "_owner_table.h":
     cdef struct OwnerEntry "pyengine_OwnerEntry":
         PyObject* node
@@ -56,6 +59,7 @@ cdef extern from "_owner_table.h":
         OwnerTable()
         bint full()
         bint grow_step()
+        void reserve(size_t count)
         void add(PyObject* owner, Py_ssize_t slots)
         OwnerEntry* find(PyObject* owner)
     cppclass OwnerItems "pyengine_OwnerItems":
@@ -110,6 +114,9 @@ cdef class OwnerGraph:
     cdef readonly bint accumulates
     cdef readonly bint unpack_grads
     cdef readonly object dense_gradient
+    # The number of owners the last walk reached: the next one sizes its
+    # table and vectors by it (a hint; written under the GIL).
+    cdef size_t owners_hint
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
@@ -232,7 +239,8 @@ cdef int read_parents(object parents, object owner, vector[PyObject*]& arena) ex
 
 
 cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[char]& is_leaf,
-                OwnerItems* items_of, OwnerTable* owners, list held, bint keep_items) except -1:
+                OwnerItems* items_of, OwnerTable* owners, list held, bint keep_items,
+                size_t expected) except -1:
     """Append to ``order`` the owners under ``root`` in the depth-first
     post-order of Note [Owner graphs] (borrowed: ``held`` keeps every owner
     seen alive, so that no address is reused), with ``is_leaf`` beside it,
@@ -254,6 +262,15 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     cdef SearchState parent_state
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     cdef size_t i, slot
+    # Sized as the last walk of this graph (no more than a table step): no
+    # doubling on a graph run again.
+    expected = min(expected, <size_t>TABLE_GROWTH_STEP)
+    stack.reserve(expected)
+    arena.reserve(expected)
+    order.reserve(expected)
+    is_leaf.reserve(expected)
+    if graph.returns:
+        owners.reserve(expected)
     try:
         slot = seen.enter(<PyObject*>root)
         reach_owner(graph, root, slot, seen, stack, arena, order, is_leaf, items_of, owners, held,
@@ -648,7 +665,9 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
     cdef OwnerTable owners
     cdef OwnerEntry* entry
     cdef list held = []
-    search(graph, root_owner, order, is_leaf, &items_of, &owners, held, returns)
+    search(graph, root_owner, order, is_leaf, &items_of, &owners, held, returns,
+           graph.owners_hint)
+    graph.owners_hint = order.size()
     cdef Py_ssize_t i, k
     if returns:
         check_input_nr(root_owner, root_nr, &owners, "the root")

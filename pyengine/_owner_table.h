@@ -48,6 +48,22 @@ class pyengine_OwnerTable {
         }
     }
 
+    // On a new table: room for count entries without a doubling, but no
+    // more than pyengine_TABLE_GROWTH_STEP slots, so that zeroing them
+    // stays a fraction of a millisecond (pyengine/_table_growth.h).
+    void reserve(size_t count) {
+        if (used_ != 0) {
+            return;
+        }
+        size_t size = slots_.size();
+        while (2 * (count + 1) > size && size < pyengine_TABLE_GROWTH_STEP) {
+            size *= 2;
+        }
+        if (size != slots_.size()) {
+            slots_.assign(size, pyengine_OwnerEntry());
+        }
+    }
+
     // Whether the next new entry doubles the table: the search calls
     // grow_step until it returns true, letting other threads run between
     // the calls (pyengine/_table_growth.h).
