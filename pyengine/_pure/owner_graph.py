@@ -119,7 +119,9 @@ post-order needs no dependency counts and no ready queue, and:
   the cyclic GC frees each graph, and every tracked object made per value
   makes the GC's collections both more frequent and longer
   (``benchmarks/RESULTS.md`` has the figures). Its search keeps each
-  owner's snapshot in one C array used as a stack. In returns mode it keeps
+  owner's snapshot in one C array used as a stack, sized (with its table
+  and the order) by the previous walk of the same OwnerGraph, so that a
+  graph run again doubles no table. In returns mode it keeps
   a tuple per owner (the items, to route the gradients), a slot count and
   an InputBuffer per owner a gradient reaches.
 
