@@ -31,7 +31,8 @@ owner of it, with no pyengine Node made at forward or at backward.
   - ``"returns"`` (DeZero, Chainer, autograd): called with the owner's
     gradients (a list, one per slot, summed in the core's InputBuffer;
     None where none arrived), it returns one gradient per parent item, in
-    order. Each is checked (a value of a registered backend; against
+    order (a list or a tuple, or a generator, read once: autograd's vjps of
+    more than two arguments return one). Each is checked (a value of a registered backend; against
     ``metadata(parent)[input_nr]`` by validate_outputs' rules when the
     framework gives ``metadata``), then summed into the parent's slot.
     ``num_inputs(owner)`` (default 1) is an owner's number of slots. A leaf
@@ -40,6 +41,52 @@ owner of it, with no pyengine Node made at forward or at backward.
     out of place (the first gradient is stored as it is and never written
     into). An owner at which no gradient arrived (all its slots None) does
     not run and passes None on: its backward need not handle that case.
+    A one-slot owner's first gradient is held as it is, with no
+    InputBuffer (one would hold it as it is too); the second makes the
+    buffer, the first added before it, so the sums and their ownership are
+    the InputBuffer's (See Note [InputBuffer ownership] in
+    ``pyengine/_pure/input_buffer.py``).
+
+  Three options of returns mode change what the backward gets and what its
+  gradients mean (issue 18; a Node has the same three):
+
+  - ``should_compute_output=True``: the backward is called as
+    ``backward(owner, grads, should_compute_output)``, a tuple of bools,
+    one per parent item: False for a None item, for a parent
+    ``needs_no_gradient`` refused, and, under ``grad(inputs=)``, for a
+    parent that neither runs nor captures (no path to an input); True
+    elsewhere (PyTorch's ``task_should_compute_output``). A gradient
+    computed where it is False is dropped anyway, so a backward may skip it
+    and return None there.
+  - ``gradient_policy``: ``"reduce"`` (the default) checks returned
+    gradients by PyTorch's ``validate_outputs`` (a broadcast gradient summed
+    to the slot's shape, a dtype cast, a 0-dim gradient moved);
+    ``"exact"`` by Chainer's rule (``validate_gradient_exact``): shape,
+    dtype and device must already be the slot's, else an error naming the
+    owner, the index, expected and got. The root's gradient is checked by
+    the same policy (Chainer checks a gradient set on a variable too).
+  - ``accumulates=True`` (Chainer's ``backward_accumulate``): one more
+    argument after the optional tuple above, a tuple with, per parent item,
+    the sum the parent's InputBuffer holds so far at that slot (None where
+    none), taken out of the buffer; what the backward returns replaces it
+    (a None returned leaves the slot empty). A parent named by two items
+    gets its sum at the first and None at the second, whose gradient is
+    then added, as Chainer pops each input's gradient list once. The
+    buffer forgets that it owned a sum it handed out, so the engine never
+    writes into a value a backward was given (See Note [InputBuffer
+    ownership] in ``pyengine/_pure/input_buffer.py``).
+
+  Two more shape the call itself. ``unpack_grads=True`` passes the owner's
+  gradients as positional arguments instead of one list,
+  ``backward(owner, *grads[, should_compute_output][, buffered])`` or
+  ``owner.<backward>(*grads, ...)``: DeZero's ``backward(*gys)`` and
+  autograd's ``vjp(g)`` are then the backward itself, with no Python
+  function of the adapter's around each call. ``dense_gradient(value)``
+  (optional) is applied to each gradient a backward is about to get (after
+  ``pre_hook``) that is not a numpy array; its result is what the backward
+  gets (autograd makes its sparse gradients dense before a vjp sees them).
+  A leaf's ``accumulate`` and ``grad(inputs=)``'s captures get the sums as
+  they are.
 
 The search. From the root, a depth-first search reads each owner's items
 once, in their iteration order, into a snapshot of its own when it first
@@ -72,7 +119,9 @@ post-order needs no dependency counts and no ready queue, and:
   the cyclic GC frees each graph, and every tracked object made per value
   makes the GC's collections both more frequent and longer
   (``benchmarks/RESULTS.md`` has the figures). Its search keeps each
-  owner's snapshot in one C array used as a stack. In returns mode it keeps
+  owner's snapshot in one C array used as a stack, sized (with its table
+  and the order) by the previous walk of the same OwnerGraph, so that a
+  graph run again doubles no table. In returns mode it keeps
   a tuple per owner (the items, to route the gradients), a slot count and
   an InputBuffer per owner a gradient reaches.
 
@@ -117,12 +166,13 @@ import time
 
 import numpy as np
 
-from .._shared.gradient_checks import validate_gradient
-from .._shared.owner_graph_checks import (RETURNS, WRITES, OwnerRun, accumulate_grad,
-                                         add_owner_note, check_hook_result, check_input_nr,
-                                         check_nan, check_reader, count_slots, cycle_error,
+from .._shared.gradient_checks import validate_gradient, validate_gradient_exact
+from .._shared.owner_graph_checks import (EXACT, REDUCE, RETURNS, WRITES, OwnerRun,
+                                         accumulate_grad, add_owner_note, check_hook_result,
+                                         check_input_nr, check_nan, check_options, check_reader,
+                                         count_slots, cycle_error,
                                          format_owner_error, format_root_error, mark_needed,
-                                         owner_name, split_item)
+                                         owner_name, read_returned, split_item)
 from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer
@@ -153,11 +203,14 @@ class OwnerGraph:
     one whose backward returns its parents' gradients."""
 
     __slots__ = ("parents", "backward_", "mode", "returns", "num_inputs", "metadata",
-                 "accumulate", "visit", "needs_no_gradient", "pre_hook", "post_hook")
+                 "accumulate", "visit", "needs_no_gradient", "pre_hook", "post_hook",
+                 "should_compute_output", "gradient_policy", "accumulates", "unpack_grads",
+                 "dense_gradient")
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
-                 post_hook=None):
+                 post_hook=None, should_compute_output=False, gradient_policy=REDUCE,
+                 accumulates=False, unpack_grads=False, dense_gradient=None):
         self.parents = check_reader("parents", parents)
         self.backward_ = check_reader("backward", backward)
         if mode != WRITES and mode != RETURNS:
@@ -166,7 +219,7 @@ class OwnerGraph:
         self.returns = mode == RETURNS
         if not self.returns:
             for what, value in (("num_inputs", num_inputs), ("metadata", metadata),
-                                ("accumulate", accumulate)):
+                                ("accumulate", accumulate), ("dense_gradient", dense_gradient)):
                 if value is not None:
                     raise TypeError(f"{what} is for mode={RETURNS!r}: in mode={WRITES!r} "
                                     "the owners write their parents' gradients themselves")
@@ -177,6 +230,12 @@ class OwnerGraph:
         self.needs_no_gradient = _check_optional("needs_no_gradient", needs_no_gradient)
         self.pre_hook = _check_optional("pre_hook", pre_hook)
         self.post_hook = _check_optional("post_hook", post_hook)
+        self.gradient_policy = check_options(self.returns, should_compute_output,
+                                             gradient_policy, accumulates, unpack_grads)
+        self.should_compute_output = should_compute_output
+        self.accumulates = accumulates
+        self.unpack_grads = unpack_grads
+        self.dense_gradient = _check_optional("dense_gradient", dense_gradient)
 
     def backward(self, root, grad=None):
         """Run backward from ``root`` (an owner, or a pair ``(owner,
@@ -251,7 +310,7 @@ def search(graph, root, order, is_leaf, items_of, slots, held, keep_items):
                         keep_items)
         elif parent_state == _ON_PATH:
             raise cycle_error(parent, parents)
-        if returns:
+        if returns and pair[1] != 0:  # every owner has slot 0
             check_input_nr(parent, pair[1], slots, frame[0])
 
 
@@ -273,9 +332,10 @@ def reach_owner(graph, owner, seen, stack, order, is_leaf, items_of, slots, held
     stack.append([owner, items, 0])
 
 
-def call_backward(graph, owner, grads):
+def call_backward(graph, owner, grads, extra):
     """The owner's backward (See Note [Owner graphs]); in returns mode its
-    gradients, checked in number."""
+    gradients, with ``extra`` (the should_compute_output and buffered
+    tuples its options ask for) after ``grads``."""
     backward = graph.backward_
     if not graph.returns:
         if type(backward) is str:
@@ -283,11 +343,67 @@ def call_backward(graph, owner, grads):
         else:
             backward(owner)
         return None
+    if graph.unpack_grads:
+        extra = () if extra is None else extra
+        return (getattr(owner, backward)(*grads, *extra) if type(backward) is str
+                else backward(owner, *grads, *extra))
+    if extra is not None:
+        return (getattr(owner, backward)(grads, *extra) if type(backward) is str
+                else backward(owner, grads, *extra))
     outputs = getattr(owner, backward)(grads) if type(backward) is str else backward(owner, grads)
     return outputs
 
 
-def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of):
+def dense_grads(graph, grads):
+    """``dense_gradient`` applied, in place, to each of ``grads`` that is a
+    value but not a numpy array (See Note [Owner graphs])."""
+    for k in range(len(grads)):
+        grad = grads[k]
+        if grad is not None and type(grad) is not np.ndarray:
+            grads[k] = graph.dense_gradient(grad)
+
+
+def should_compute_outputs(owner, items, slots, exec_info):
+    """One bool per parent item of ``owner``: whether a gradient there is
+    used, that is, the item names a parent the search reached (not None,
+    not refused by ``needs_no_gradient``) and, under ``grad(inputs=)``
+    (``exec_info``: the ids of the owners that run or capture), one that
+    runs or captures. See Note [Owner graphs]."""
+    result = []
+    for item in items:
+        pair = split_item(item, owner)
+        result.append(pair is not None and id(pair[0]) in slots
+                      and (exec_info is None or id(pair[0]) in exec_info))
+    return tuple(result)
+
+
+def take_buffered(owner, items, buffers, slots):
+    """One value per parent item of ``owner``: the sum its parent's
+    InputBuffer holds so far at that slot, taken out of the buffer (None
+    where there is none, or where an earlier item took it), so that what
+    the backward returns replaces it (``accumulates``: See Note [Owner
+    graphs]). The buffer no longer owns a value it gave away."""
+    result = []
+    for item in items:
+        pair = split_item(item, owner)
+        value = None
+        if pair is not None and id(pair[0]) in slots:
+            buffer = buffers.get(id(pair[0]))
+            if type(buffer) is tuple:
+                if pair[1] == 0:
+                    value = buffer[0]
+                    del buffers[id(pair[0])]
+            elif buffer is not None and pair[1] < len(buffer.buffer):
+                value = buffer.buffer[pair[1]]
+                buffer.buffer[pair[1]] = None
+                owned = buffer._owned
+                if owned is not None and pair[1] < len(owned):
+                    owned[pair[1]] = None
+        result.append(value)
+    return tuple(result)
+
+
+def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec_info):
     """Run one owner's hooks and backward; in returns mode check its
     gradients and sum them into its parents' InputBuffers."""
     returns = graph.returns
@@ -298,7 +414,16 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of):
                 raise TypeError(f"pre_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
             grads = check_hook_result(owner, "pre_hook", result, len(grads))
-    outputs = call_backward(graph, owner, grads)
+    if graph.dense_gradient is not None:
+        dense_grads(graph, grads)
+    extra = None
+    if graph.should_compute_output or graph.accumulates:
+        extra = ()
+        if graph.should_compute_output:
+            extra += (should_compute_outputs(owner, items, slots, exec_info),)
+        if graph.accumulates:
+            extra += (take_buffered(owner, items, buffers, slots),)
+    outputs = call_backward(graph, owner, grads, extra)
     if not returns:
         if graph.post_hook is not None:
             result = graph.post_hook(owner, [], [])
@@ -306,20 +431,20 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of):
                 raise TypeError(f"post_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
         return
-    if not isinstance(outputs, (list, tuple)):
-        raise TypeError(f"the backward of a {owner_name(owner)} returned "
-                        f"{type(outputs).__name__}; expected a list or tuple of {len(items)} "
-                        "gradients, one per parent item")
-    if len(outputs) != len(items):
-        raise RuntimeError(f"the backward of a {owner_name(owner)} returned {len(outputs)} "
-                           f"gradients; expected {len(items)}, one per parent item")
-    outputs = list(outputs)
-    check_outputs(graph, owner, outputs, items, slots, metadata_of)
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != len(items):
+        outputs = read_returned(owner, outputs, len(items))  # a generator, or an error
+    # A tuple is read as it is (no Python code can change it); a list is
+    # copied. check_outputs copies a tuple it must change.
+    outputs = check_outputs(graph, owner, outputs if type(outputs) is tuple else list(outputs),
+                            items, slots, metadata_of)
     if graph.post_hook is not None:
+        if type(outputs) is not list:
+            outputs = list(outputs)
         result = graph.post_hook(owner, outputs, grads)
         if result is not None:
-            outputs = check_hook_result(owner, "post_hook", result, len(items))
-            check_outputs(graph, owner, outputs, items, slots, metadata_of)
+            outputs = check_outputs(graph, owner,
+                                    check_hook_result(owner, "post_hook", result, len(items)),
+                                    items, slots, metadata_of)
     if state.is_anomaly_enabled() and state.is_anomaly_check_nan_enabled():
         check_nan(owner, outputs)
     route_gradients(owner, outputs, items, buffers, slots)
@@ -328,7 +453,9 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of):
 def check_outputs(graph, owner, outputs, items, slots, metadata_of):
     """validate_outputs for an owner: a gradient for a parent that gets none
     is dropped; the others are values, checked against the parent's
-    metadata where the framework gives it."""
+    metadata where the framework gives it. ``outputs`` is a list (changed
+    in place) or a tuple (copied into a list at the first change); returns
+    the checked gradients."""
     format_error = None
     for i in range(len(outputs)):
         grad = outputs[i]
@@ -336,6 +463,8 @@ def check_outputs(graph, owner, outputs, items, slots, metadata_of):
             continue
         pair = split_item(items[i], owner)
         if pair is None or id(pair[0]) not in slots:
+            if type(outputs) is not list:
+                outputs = list(outputs)
             outputs[i] = None
             continue
         metadata = None
@@ -349,7 +478,12 @@ def check_outputs(graph, owner, outputs, items, slots, metadata_of):
             continue
         if format_error is None:
             format_error = format_owner_error(owner)
-        outputs[i] = validate_gradient(i, grad, metadata, format_error)
+        if type(outputs) is not list:
+            outputs = list(outputs)
+        outputs[i] = (validate_gradient_exact(i, grad, metadata, format_error)
+                      if graph.gradient_policy == EXACT
+                      else validate_gradient(i, grad, metadata, format_error))
+    return outputs
 
 
 def gradient_matches(metadata, grad):
@@ -371,12 +505,22 @@ def route_gradients(owner, outputs, items, buffers, slots):
         parent, input_nr = split_item(items[i], owner)
         buffer = buffers.get(id(parent))
         if buffer is None:
+            if slots[id(parent)] == 1:
+                # Held as it is, as an InputBuffer holds a first gradient:
+                # See Note [Owner graphs].
+                buffers[id(parent)] = (grad,)
+                continue
             buffer = buffers[id(parent)] = InputBuffer(slots[id(parent)])
+        elif type(buffer) is tuple:
+            # The second gradient: the first moves into the new buffer.
+            first = buffer[0]
+            buffer = buffers[id(parent)] = InputBuffer(1)
+            buffer.add(0, first, False)
         buffer.add(input_nr, grad, False)
 
 
 def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, items, buffers, slots,
-            metadata_of, accumulate):
+            metadata_of, accumulate, exec_info):
     """Run one owner (``accumulate``: a leaf's gradient) as a node of
     ``graph_task`` runs: its thread state, its profiler event, its anomaly
     note."""
@@ -390,7 +534,7 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
         if accumulate is not None:
             accumulate(owner, grads[0] if len(grads) == 1 else grads)
         else:
-            evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of)
+            evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec_info)
     except BaseException as error:
         if state.is_anomaly_enabled():
             add_owner_note(error, owner)
@@ -461,13 +605,17 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
     buffers, metadata_of = {}, {}
     captured = [None] * len(inputs) if inputs is not None else None
     needed = mark_needed(order, is_leaf, items_of, wanted) if inputs is not None else None
+    # The owners that run or capture under grad(inputs=), for should_compute_output.
+    exec_info = needed | wanted if needed is not None and graph.should_compute_output else None
     if returns:
         metadata = None
         if graph.metadata is not None:
             all_metadata = metadata_of[id(root_owner)] = read_metadata(graph, root_owner)
             if root_nr < len(all_metadata):
                 metadata = all_metadata[root_nr]
-        grad = validate_gradient(0, grad, metadata, format_root_error)
+        grad = (validate_gradient_exact(0, grad, metadata, format_root_error)
+                if graph.gradient_policy == EXACT
+                else validate_gradient(0, grad, metadata, format_root_error))
         buffers[id(root_owner)] = InputBuffer(slots[id(root_owner)])
         buffers[id(root_owner)].add(root_nr, grad, False)
     accumulate = graph.accumulate if graph.accumulate is not None else accumulate_grad
@@ -492,14 +640,15 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
         owner = order[i]
         if not returns:
             if not is_leaf[i]:
-                run_one(graph, graph_task, True, owner, i, None, None, None, None, None, None)
+                run_one(graph, graph_task, True, owner, i, None, None, None, None, None, None,
+                        None)
             i -= 1
             continue
         buffer = buffers.pop(id(owner), None)
         if buffer is None:
             i -= 1
             continue
-        grads = buffer.buffer
+        grads = [buffer[0]] if type(buffer) is tuple else buffer.buffer
         if wanted is not None and id(owner) in wanted:
             for k, (input_owner, input_nr) in enumerate(inputs):
                 if input_owner is owner and input_nr < len(grads):
@@ -507,10 +656,10 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
         if is_leaf[i]:
             if inputs is None:
                 run_one(graph, graph_task, True, owner, i, grads, None, None, None, None,
-                        accumulate)
+                        accumulate, None)
         elif needed is None or id(owner) in needed:
             run_one(graph, graph_task, checkpoint_valid, owner, i, grads, items_of[i], buffers,
-                    slots, metadata_of, None)
+                    slots, metadata_of, None, exec_info)
         i -= 1
     graph_task.mark_as_completed_and_run_post_processing()
     if graph_task.exception is not None:
