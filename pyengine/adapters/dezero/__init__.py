@@ -96,7 +96,10 @@ from .nodes import (
     _on_calling_thread,
     _output_nr,
 )
+from .owner_backward import NeedsNodes, backward_on_owner_graph, nodes_needed
 from .variable_backend import VariableBackend, _ones_like
+
+_is_anomaly_enabled = pyengine.is_anomaly_enabled
 
 __all__ = [
     "install",
@@ -153,7 +156,8 @@ def _function_call(self, *inputs):
             output.set_creator(self)
         self.inputs = variables
         self.outputs = [weakref.ref(output) for output in outputs]
-        self._pyengine_node = _make_node(self, variables, constants, len(outputs))
+        if _is_anomaly_enabled():
+            self._pyengine_node = _make_node(self, variables, constants, len(outputs))
 
     return outputs if len(outputs) > 1 else outputs[0]
 
@@ -183,9 +187,26 @@ def _variable_backward(self, retain_grad=False, create_graph=False):
         # A leaf: nothing runs. DeZero seeds .grad, then fails on None.outputs.
         self.grad = seed
         return
-    root = Edge(_node_of(creator), _output_nr(creator, self))
     # The seed enters through the engine, not through .grad: See Note
     # [DeZero's Variable.grad is the buffer] in ``pyengine/adapters/dezero/nodes.py``.
+    if not nodes_needed(create_graph):
+        # DeZero's own graph, read as an owner graph: See Note [DeZero as an
+        # owner graph] in ``pyengine/adapters/dezero/owner_backward.py``.
+        self.grad = None
+        previous_config = Config.enable_backprop
+        Config.enable_backprop = False
+        try:
+            backward_on_owner_graph(self, seed, retain_grad)
+            return
+        except NeedsNodes:
+            pass  # raised by the search, before any backward ran: on nodes, below
+        except BaseException:
+            if self.grad is None:
+                self.grad = seed
+            raise
+        finally:
+            Config.enable_backprop = previous_config
+    root = Edge(_node_of(creator), _output_nr(creator, self))
     self.grad = None
     previous_config = Config.enable_backprop
     mode = _dezero_backward.set(bool(retain_grad))

@@ -87,6 +87,23 @@ _is_grad_enabled = _core.is_grad_enabled
 # reentrant backward nested deeper than the engine's inline limit moves to a
 # pool thread; DeZero code never nests backward calls.)
 
+# How many FunctionNodes and DeZeroAccumulateGrads are alive: while there
+# are none, Variable.backward runs on DeZero's own graph (See Note [DeZero
+# as an owner graph] in ``pyengine/adapters/dezero/owner_backward.py``).
+_live_nodes_lock = threading.Lock()
+_live_nodes = [0]
+
+
+def _node_made():
+    with _live_nodes_lock:
+        _live_nodes[0] += 1
+
+
+def _node_freed():
+    with _live_nodes_lock:
+        _live_nodes[0] -= 1
+
+
 # Per thread: None while no backward follows DeZero's Variable.backward
 # (in ``grad()``, PyTorch's semantics), else that call's ``retain_grad``
 # (Note [DeZero's Variable.grad is the buffer]). Set by Variable.backward
@@ -156,6 +173,10 @@ class FunctionNode(Node):
         self._num_outputs = num_outputs
         self._cut = None
         self._common = num_outputs == 1
+        _node_made()
+
+    def __del__(self):
+        _node_freed()
 
     def name(self) -> str:
         return self._name
@@ -363,6 +384,10 @@ class DeZeroAccumulateGrad(AccumulateGrad):
         self.variable = variable
         self.leaf_state = _leaf_state(variable)
         self._tensor_pre_hooks = self.leaf_state.tensor_pre_hooks
+        _node_made()
+
+    def __del__(self):
+        _node_freed()
 
     def apply(self, grads):
         new_grad = grads[0]
@@ -434,11 +459,17 @@ class RowLookupNode(FunctionNode):
         gys = self._incoming(function, grads, None)
         if gys is None:
             return [None]
-        gy = gys[0].data if isinstance(gys[0], Variable) else gys[0]
-        shape = function.inputs[0].shape
-        xp = _array_module(gy)
-        rows = xp.asarray(function.slices).reshape(-1)
-        return [IndexedGradient(rows, gy.reshape((rows.shape[0],) + tuple(shape[1:])), shape)]
+        return [_row_gradient(function, gys[0])]
+
+
+def _row_gradient(function, gy):
+    """The gradient of a row lookup ``function`` (See ``_is_row_lookup``)
+    for ``gy``, as an IndexedGradient."""
+    gy = gy.data if isinstance(gy, Variable) else gy
+    shape = function.inputs[0].shape
+    xp = _array_module(gy)
+    rows = xp.asarray(function.slices).reshape(-1)
+    return IndexedGradient(rows, gy.reshape((rows.shape[0],) + tuple(shape[1:])), shape)
 
 
 def _is_row_lookup(function, inputs, edges):
@@ -446,10 +477,20 @@ def _is_row_lookup(function, inputs, edges):
     consumer that takes an indexed gradient as DeZero's ``.grad`` allows)."""
     if type(function) is not GetItem or len(edges) != 1 or edges[0] is None:
         return False
+    return type(edges[0].node) is DeZeroAccumulateGrad and _indexes_rows(function, inputs[0])
+
+
+def _is_row_lookup_of_leaf(function):
+    """``_is_row_lookup`` read from DeZero's graph alone: a GetItem (the
+    caller checks the type) of rows of a Variable without a creator."""
+    inputs = function.inputs
+    return len(inputs) == 1 and inputs[0].creator is None and _indexes_rows(function, inputs[0])
+
+
+def _indexes_rows(function, variable):
     rows = function.slices
-    return (type(edges[0].node) is DeZeroAccumulateGrad and getattr(rows, "dtype", None) is not None
-            and not isinstance(rows, np.generic) and rows.dtype.kind in "iu"
-            and len(inputs[0].shape) >= 1)
+    return (getattr(rows, "dtype", None) is not None and not isinstance(rows, np.generic)
+            and rows.dtype.kind in "iu" and len(variable.shape) >= 1)
 
 
 def _make_node(function, inputs, constants, num_outputs):
