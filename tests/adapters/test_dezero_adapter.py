@@ -537,6 +537,18 @@ def test_a_live_node_sends_backward_to_nodes_until_it_is_freed(monkeypatch):
         np.testing.assert_allclose(x.grad.data, np.exp([1.0, 2.0]))
 
 
+def test_a_second_backward_from_the_same_function_runs_on_nodes(monkeypatch):
+    runs = _owner_runs(monkeypatch)
+    with pyengine_dezero.installed():
+        x = Variable(np.array([1.0, 2.0]))
+        y = F.sum(F.sin(x) * x)
+        y.backward()
+        assert len(runs) == 1 and not hasattr(y.creator, "_pyengine_node")
+        y.backward()  # DeZero adds into x.grad again
+        assert len(runs) == 1 and isinstance(y.creator._pyengine_node, pyengine.Node)
+    np.testing.assert_allclose(x.grad.data, 2 * (np.cos([1.0, 2.0]) * [1.0, 2.0] + np.sin([1.0, 2.0])))
+
+
 def test_create_graph_and_anomaly_mode_run_on_nodes(monkeypatch):
     runs = _owner_runs(monkeypatch)
     with pyengine_dezero.installed(), warnings.catch_warnings():

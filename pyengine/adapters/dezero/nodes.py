@@ -165,6 +165,7 @@ class FunctionNode(Node):
                  "_common")
 
     def __init__(self, function, next_edges, constants=(), num_outputs=1):
+        _node_made()  # first: __del__ runs even if __init__ fails
         super().__init__(next_edges=next_edges)
         self._function = weakref.ref(function)
         self._name = type(function).__name__ + "Backward"
@@ -173,7 +174,6 @@ class FunctionNode(Node):
         self._num_outputs = num_outputs
         self._cut = None
         self._common = num_outputs == 1
-        _node_made()
 
     def __del__(self):
         _node_freed()
@@ -379,12 +379,12 @@ class DeZeroAccumulateGrad(AccumulateGrad):
         # Not AccumulateGrad.__init__, which reads input metadata from the
         # value (See Note [No input metadata]) and keeps the LeafState on the
         # variable (See Note [Copying a graph]). The rest is what it sets.
+        _node_made()  # first: __del__ runs even if __init__ fails
         Node.__init__(self, next_edges=(), input_metadata=(None,))
         _core.set_sequence_nr(self, _core.ACCUMULATE_GRAD_SEQUENCE_NR)
         self.variable = variable
         self.leaf_state = _leaf_state(variable)
         self._tensor_pre_hooks = self.leaf_state.tensor_pre_hooks
-        _node_made()
 
     def __del__(self):
         _node_freed()

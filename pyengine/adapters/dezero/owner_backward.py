@@ -55,7 +55,13 @@ from .variable_backend import _add
 # backward) or have unchained outputs (Note [Unchain]). Nodes live only
 # while something holds them (``grad_fn``, a hook, a graph differentiated
 # with ``create_graph`` or by ``grad()``), so a training loop that uses none
-# of these makes none and runs every backward here. Both routes compute the
+# of these makes none and runs every backward here. A graph differentiated
+# again from the same Function gets nodes at that second backward: reading
+# DeZero's graph costs the walk a Python call per Function (``_parents``)
+# and a check of each returned Variable, more than a node costs the engine,
+# so when backward repeats on one graph, nodes made once (kept on the
+# Functions, as when they were made at forward) pay back; one backward per
+# graph (a training step) makes none. Both routes compute the
 # same ``.grad`` fields; the order differs (reverse depth-first post-order
 # here, sequence numbers there), so sums of three or more gradients may
 # differ in the last bits.
@@ -77,32 +83,33 @@ def _leaves_have_hooks():
     return False
 
 
-def nodes_needed(create_graph):
-    """Whether this backward must run on the adapter's nodes (See Note
-    [DeZero as an owner graph])."""
+# The Functions a backward on the owner graph started from (weakly).
+_roots_run = weakref.WeakSet()
+
+
+def nodes_needed(create_graph, creator):
+    """Whether this backward, from an output of ``creator``, runs on the
+    adapter's nodes (See Note [DeZero as an owner graph])."""
     return (create_graph or _live_nodes[0] > 0 or _core.is_anomaly_enabled()
-            or (len(_hooked_leaves) > 0 and _leaves_have_hooks()))
+            or (len(_hooked_leaves) > 0 and _leaves_have_hooks()) or creator in _roots_run)
 
 
 class NeedsNodes(Exception):
-    """Raised by the search when it meets a Function with several outputs:
-    the backward then runs on nodes (See Note [DeZero as an owner graph])."""
+    """Raised by the search when it reaches a Function with several outputs,
+    before any backward ran: that backward then runs on nodes (See Note
+    [DeZero as an owner graph])."""
 
 
-def _parents(owner, Variable=Variable, len=len):
-    """A Function's parent items; None for a leaf Variable."""
-    if isinstance(owner, Variable):
+def _parents(owner, len=len):
+    """A Function's parent items; None for a leaf Variable (which has no
+    ``inputs``)."""
+    try:
+        inputs = owner.inputs
+    except AttributeError:
         return None
-    items = []
-    for variable in owner.inputs:
-        creator = variable.creator
-        if creator is None:
-            items.append(variable)
-        elif len(creator.outputs) == 1:
-            items.append(creator)
-        else:
-            raise NeedsNodes
-    return items
+    if len(owner.outputs) != 1:
+        raise NeedsNodes
+    return [variable if (creator := variable.creator) is None else creator for variable in inputs]
 
 
 def _backward(retain_grad):
@@ -158,7 +165,8 @@ def backward_on_owner_graph(variable, seed, retain_grad):
     """Run backward from ``variable`` (which has a creator) with gradient
     ``seed``, in DeZero's mode, on the owner graph. The caller sets
     ``Config.enable_backprop`` off and clears ``variable.grad``."""
+    # _parents raises NeedsNodes for a Function with several outputs, the
+    # root's creator included.
     creator = variable.creator
-    if len(creator.outputs) != 1:
-        raise NeedsNodes
     _GRAPHS[bool(retain_grad)].backward(creator, seed)
+    _roots_run.add(creator)
