@@ -22,8 +22,8 @@ pytest.importorskip("dezero")
 
 import dezero  # noqa: E402
 import dezero.core  # noqa: E402
-import dezero.functions_conv  # noqa: E402
 import dezero.functions as F  # noqa: E402
+import dezero.functions_conv  # noqa: E402
 import dezero.optimizers as O  # noqa: E402
 import dezero_cases  # noqa: E402
 from dezero import Function, Variable  # noqa: E402

@@ -9,8 +9,13 @@ What this module owns:
 - The leaves' LeafStates (``_leaf_states``, keyed weakly by the Variable)
   and their accumulators (``_grad_accumulator``).
 - Building nodes: ``_make_node`` for one forward call (called by the
-  patched ``Function.__call__``), ``_build_nodes`` for a graph recorded
-  before ``install()``, ``_node_of`` for a Function's node.
+  patched ``Function.__call__`` under anomaly mode), ``_build_nodes`` for a
+  graph that has none yet (made when a backward needs nodes: See Note
+  [DeZero as an owner graph] in ``pyengine/adapters/dezero/owner_backward.py``),
+  ``_node_of`` for a Function's node.
+- How many of these nodes are alive (``_live_nodes``), and the row lookup
+  tests and gradient the owner graph shares (``_is_row_lookup_of_leaf``,
+  ``_row_gradient``).
 - The per-call state the nodes run under: ``_dezero_backward`` (DeZero's or
   PyTorch's semantics for ``.grad``) and ``_on_calling_thread``.
 """
@@ -27,8 +32,8 @@ from dezero.core import Config, Variable
 from dezero.functions import GetItem
 
 from ... import _core
-from ...indexed import IndexedGradient
 from ..._shared.hooks import call_post_accumulate_grad_hooks
+from ...indexed import IndexedGradient
 from ...node import RELEASED_ERROR, AccumulateGrad, Edge, LeafState, Node
 from .variable_backend import _add, _array_module
 
