@@ -24,8 +24,8 @@ disturb the figures less.
 What is timed:
 
 - *backward*: ``y.backward()`` on a graph built, for each engine, before
-  any sample (with the adapter installed for pyengine: DeZero's nodes are
-  made in forward; micrograd's graph is read at backward); the leaves'
+  any sample (with the adapter installed for pyengine; DeZero's and
+  micrograd's graphs are read at backward); the leaves'
   ``.grad`` is cleared before each sample.
   The graphs are then frozen out of the cyclic GC (``gc.freeze()``), and
   ``gc.collect()`` runs before each sample; the GC stays enabled while
@@ -286,68 +286,50 @@ def dezero_benchmarks():
                     dezero.Config.enable_backprop = previous
         return sample
 
+    # The owner graph's backward of a chain Function (DeZero's mode, Config
+    # off), `-gy` included, called directly: the rest is the walk's. And the
+    # walk alone: DeZero's graph read by the adapter's parents, a
+    # pass-through backward, Variable gradients (See Note [DeZero as an
+    # owner graph] in pyengine/adapters/dezero/owner_backward.py).
     import pyengine
-    from pyengine import _core
+    from pyengine.adapters.dezero import owner_backward
 
-    class Pass(pyengine.Node):
-        def apply(self, grads):
-            return grads
-
-    edge = pyengine.Edge(adapter.DeZeroAccumulateGrad(Variable(np.ones(3))), 0)
-    for _ in range(CHAIN):
-        edge = pyengine.Edge(Pass(next_edges=[edge]), 0)
-    # For scale, the same chain with numpy gradients and input metadata: the
-    # compiled core's fast path, which Variables without metadata miss.
-    numpy_leaf = pyengine.AccumulateGrad(Variable(np.ones(3)))
-    numpy_edge = pyengine.Edge(numpy_leaf, 0)
-    for _ in range(CHAIN):
-        numpy_edge = pyengine.Edge(Pass(next_edges=[numpy_edge], input_metadata=[((3,), np.float64)]), 0)
-
-    def engine_only(root, grad):
-        def sample():
-            previous = _core.is_multithreading_enabled()
-            _core.set_multithreading_enabled(False)  # as Variable.backward runs
-            try:
-                numpy_leaf.variable.grad = None
-                gc.collect()
-                return timed(lambda: pyengine.get_default_engine().execute([root], [grad], True, False,
-                                                                             True))
-            finally:
-                _core.set_multithreading_enabled(previous)
-        return sample
-
-    # A chain node's apply as the engine calls it in Variable.backward (DeZero's
-    # mode, Config and grad mode off), `-gy` included: the rest is bookkeeping.
-    chain_nodes = []
-    function = graphs_by_name["DeZero chain 10k, backward"]["pyengine"][1].creator
+    chain_x, chain_root = graphs_by_name["DeZero chain 10k, backward"]["pyengine"]
+    chain_functions = []
+    function = chain_root.creator
     while function is not None:
-        chain_nodes.append(function._pyengine_node)
+        chain_functions.append(function)
         function = function.inputs[0].creator
+    function_backward = owner_backward._backward(False)
 
-    def apply_each():
-        for node in chain_nodes:
-            node.apply([gradient])  # dropped at once, as the engine drops it
+    def backward_each():
+        for function in chain_functions:
+            function_backward(function, [gradient])  # dropped at once, as the walk drops it
 
-    def apply_only():
-        with adapter.installed(), pyengine.no_grad():
-            mode = adapter._dezero_backward.set(False)
+    def backward_only():
+        with adapter.installed():
             previous = dezero.Config.enable_backprop
             dezero.Config.enable_backprop = False
             try:
-                return timed(apply_each)
+                return timed(backward_each)
             finally:
                 dezero.Config.enable_backprop = previous
-                adapter._dezero_backward.reset(mode)
+
+    pass_through = pyengine.OwnerGraph(owner_backward._parents, lambda function, grads: grads,
+                                       mode="returns", accumulate=owner_backward._accumulate)
+
+    def walk_only():
+        chain_x.grad = None
+        gc.collect()
+        return timed(lambda: pass_through.backward(chain_root.creator, gradient))
 
     components = [
         Component("DeZero chain: `-gy` with DeZero's Function.__call__", formula("native"), CHAIN),
         Component("DeZero chain: `-gy` with the adapter's Function.__call__", formula("pyengine"), CHAIN),
-        Component("DeZero chain: a node's apply (its `-gy` included), called directly", apply_only,
-                  CHAIN),
-        Component("DeZero chain: engine alone (pass-through nodes, Variable gradients)",
-                  engine_only(edge, gradient), CHAIN),
-        Component("for scale: the same with numpy gradients and input metadata",
-                  engine_only(numpy_edge, np.ones(3)), CHAIN),
+        Component("DeZero chain: the owner graph's backward of a Function (its `-gy` included), "
+                  "called directly", backward_only, CHAIN),
+        Component("DeZero chain: the owner-graph walk alone (pass-through backward, Variable "
+                  "gradients)", walk_only, CHAIN),
     ]
     return benchmarks, components
 

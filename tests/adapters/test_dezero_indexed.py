@@ -48,7 +48,7 @@ def test_a_row_lookup_of_a_leaf_makes_an_indexed_gradient():
     seen = []
     with pyengine_dezero.installed():
         e = table[np.array([1, 1, 3])]
-        node = e.creator._pyengine_node
+        node = pyengine_dezero.grad_fn(e)  # made now: backward then runs on nodes
         assert type(node) is nodes.RowLookupNode
         node.register_hook(lambda grad_inputs, grad_outputs: seen.append(grad_inputs[0]))
         F.sum(e * 2.0).backward()
@@ -56,12 +56,33 @@ def test_a_row_lookup_of_a_leaf_makes_an_indexed_gradient():
     np.testing.assert_array_equal(table.grad.data, [[0, 0], [4, 4], [0, 0], [2, 2], [0, 0]])
 
 
+def test_the_owner_graph_sends_row_gradients_indexed(monkeypatch):
+    """Without nodes (See Note [DeZero as an owner graph]) a row lookup of a
+    leaf still returns an IndexedGradient, made dense once, at the leaf."""
+    densified = []
+    to_dense = pyengine.IndexedGradient.to_dense
+
+    def counting_to_dense(self):
+        densified.append(self.shape)
+        return to_dense(self)
+
+    monkeypatch.setattr(pyengine.IndexedGradient, "to_dense", counting_to_dense)
+    table = Variable(np.ones((5, 2)))
+    with pyengine_dezero.installed():
+        loss = F.sum(table[np.array([1, 1, 3])] * 2.0) + F.sum(table[np.array([4])])
+        assert nodes._live_nodes[0] == 0
+        loss.backward()
+    assert densified == [(5, 2)]
+    assert type(table.grad) is Variable and type(table.grad.data) is np.ndarray
+    np.testing.assert_array_equal(table.grad.data, [[0, 0], [4, 4], [0, 0], [2, 2], [1, 1]])
+
+
 def test_lookups_that_are_not_rows_of_a_leaf_stay_dense():
     table = Variable(np.ones((5, 2)))
     with pyengine_dezero.installed():
         mid = table * 3.0
-        assert type(mid[np.array([0])].creator._pyengine_node) is nodes.FunctionNode
-        assert type(table[1:3].creator._pyengine_node) is nodes.FunctionNode
+        assert type(pyengine_dezero.grad_fn(mid[np.array([0])])) is nodes.FunctionNode
+        assert type(pyengine_dezero.grad_fn(table[1:3])) is nodes.FunctionNode
         y = mid[np.array([0, 0])]
         F.sum(y).backward()
     np.testing.assert_array_equal(table.grad.data, [[6, 6], [0, 0], [0, 0], [0, 0], [0, 0]])

@@ -9,14 +9,36 @@ same objects back; ``installed()`` is the context manager. Installing twice
 is harmless. Only ``dezero.core`` is patched: ``dezero.core_simple`` (the
 book's steps 23-32) keeps its own engine.
 
+How ``Variable.backward`` runs. DeZero records its own graph (``creator``,
+``inputs``, ``outputs``), so ``Variable.backward`` reads it when it runs, as
+a ``pyengine.OwnerGraph`` in returns mode: nothing is made at forward, and
+a training step makes no pyengine object per Function. What needs pyengine
+nodes gets them, made from DeZero's graph at the first backward that needs
+them (or by ``grad_fn``): ``create_graph=True``, anomaly mode (nodes are then
+made at forward, to keep the forward traceback), ``grad()``, hooks
+(``register_hook``, ``register_post_accumulate_grad_hook``, node hooks on
+``grad_fn(y)``), a Function with several outputs, a second backward from
+the same Function (nodes then pay back), and any backward while an adapter
+node is still alive. Both routes give the same ``.grad`` fields.
+See Note [DeZero as an owner graph] in
+``pyengine/adapters/dezero/owner_backward.py``.
+
+``Function.__call__`` computes what DeZero's computes, in shorter steps for
+the common cases (it runs for every forward op and every op of every
+backward formula), and makes a node only under anomaly mode.
+``benchmarks/RESULTS.md`` (the adapters section) measures it against
+DeZero's own ``Function.__call__``.
+
 What this package owns, and where:
 
 - This module: ``install``/``uninstall`` and the patched DeZero methods
   (``Function.__call__``, ``Variable.backward``, ``Variable.unchain``).
+- ``owner_backward``: the owner graph over DeZero's graph, and which
+  backward runs on it (``nodes_needed``).
 - ``nodes``: :class:`FunctionNode`, the Node of one call of a DeZero
-  ``Function``, made by the patched ``Function.__call__`` where DeZero links
-  the graph, so its ``sequence_nr`` is stamped in forward order. Its
-  ``apply`` calls the Function's own ``backward`` on DeZero Variables. And
+  ``Function``, made from DeZero's graph when a backward needs nodes
+  (``sequence_nr`` in forward order: producers first). Its ``apply`` calls
+  the Function's own ``backward`` on DeZero Variables. And
   :class:`DeZeroAccumulateGrad`, the sink of a leaf Variable, with DeZero's
   accumulation (``x.grad = gx`` or ``x.grad + gx``).
 - ``variable_backend``: :class:`VariableBackend`, the value backend for
@@ -26,8 +48,8 @@ What this package owns, and where:
 - ``autograd_api``: ``grad``, ``register_hook``,
   ``register_post_accumulate_grad_hook`` and ``grad_fn``, pyengine's API for
   DeZero Variables. Anomaly mode (``pyengine.detect_anomaly``) works as is:
-  nodes made under it keep the forward traceback, and the NaN check reads
-  Variables.
+  Functions called under it get nodes that keep the forward traceback, and
+  the NaN check reads Variables.
 
 Where DeZero and PyTorch differ, ``Variable.backward`` keeps DeZero's
 semantics, so that results and ``.grad`` fields are DeZero's own; the
@@ -55,10 +77,15 @@ functions above keep PyTorch's:
   and then fails on ``None.outputs``).
 - A Function none of whose outputs received a gradient is not called
   (DeZero would call ``backward(None)`` and fail).
-- Nodes run in pyengine's order (dependency counting, then the later
-  ``sequence_nr`` first), not DeZero's (highest ``generation`` first). Both
-  are topological orders: where three or more gradients meet, their sum may
+- Functions run in pyengine's order, not DeZero's (highest ``generation``
+  first): on the owner graph the reverse of a depth-first post-order, on
+  nodes dependency counting, then the later ``sequence_nr`` first. All are
+  topological orders: where three or more gradients meet, their sum may
   differ from DeZero's in the last bits.
+- ``Variable.unchain`` cuts the graph where DeZero cuts it: the owner graph
+  reads ``creator`` when backward runs, as DeZero does, and a node made
+  before the cut learns of it (Note [Unchain] in
+  ``pyengine/adapters/dezero/nodes.py``).
 - DeZero's ``Config`` is process-global, so DeZero backward formulas run on
   the thread that called ``backward``/``grad``. See Note [DeZero runs on the
   caller's thread] in ``pyengine/adapters/dezero/nodes.py``.
@@ -96,7 +123,10 @@ from .nodes import (
     _on_calling_thread,
     _output_nr,
 )
+from .owner_backward import NeedsNodes, backward_on_owner_graph, nodes_needed
 from .variable_backend import VariableBackend, _ones_like
+
+_is_anomaly_enabled = pyengine.is_anomaly_enabled
 
 __all__ = [
     "install",
@@ -121,10 +151,11 @@ Config = _dezero_core.Config
 
 def _function_call(self, *inputs):
     """DeZero's ``Function.__call__`` with the same steps (``as_variable``,
-    ``forward``, ``Variable(as_array(y))``, the links), plus the
-    FunctionNode, made where DeZero links the graph. It runs for every
-    Function call, backward formulas included, so the common cases take
-    short paths that compute exactly what DeZero's lines compute."""
+    ``forward``, ``Variable(as_array(y))``, the links), and under anomaly
+    mode the FunctionNode, made where DeZero links the graph (it keeps the
+    forward traceback). It runs for every Function call, backward formulas
+    included, so the common cases take short paths that compute exactly
+    what DeZero's lines compute."""
     constants = None
     if len(inputs) == 1:
         if not isinstance(inputs[0], Variable):
@@ -153,7 +184,8 @@ def _function_call(self, *inputs):
             output.set_creator(self)
         self.inputs = variables
         self.outputs = [weakref.ref(output) for output in outputs]
-        self._pyengine_node = _make_node(self, variables, constants, len(outputs))
+        if _is_anomaly_enabled():
+            self._pyengine_node = _make_node(self, variables, constants, len(outputs))
 
     return outputs if len(outputs) > 1 else outputs[0]
 
@@ -183,9 +215,26 @@ def _variable_backward(self, retain_grad=False, create_graph=False):
         # A leaf: nothing runs. DeZero seeds .grad, then fails on None.outputs.
         self.grad = seed
         return
-    root = Edge(_node_of(creator), _output_nr(creator, self))
     # The seed enters through the engine, not through .grad: See Note
     # [DeZero's Variable.grad is the buffer] in ``pyengine/adapters/dezero/nodes.py``.
+    if not nodes_needed(create_graph, creator):
+        # DeZero's own graph, read as an owner graph: See Note [DeZero as an
+        # owner graph] in ``pyengine/adapters/dezero/owner_backward.py``.
+        self.grad = None
+        previous_config = Config.enable_backprop
+        Config.enable_backprop = False
+        try:
+            backward_on_owner_graph(self, seed, retain_grad)
+            return
+        except NeedsNodes:
+            pass  # raised by the search, before any backward ran: on nodes, below
+        except BaseException:
+            if self.grad is None:
+                self.grad = seed
+            raise
+        finally:
+            Config.enable_backprop = previous_config
+    root = Edge(_node_of(creator), _output_nr(creator, self))
     self.grad = None
     previous_config = Config.enable_backprop
     mode = _dezero_backward.set(bool(retain_grad))

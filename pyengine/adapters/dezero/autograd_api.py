@@ -21,6 +21,7 @@ from .nodes import (
     _on_calling_thread,
     _output_nr,
 )
+from .owner_backward import leaf_hooked
 from .variable_backend import _ones_like
 
 
@@ -162,11 +163,17 @@ def register_hook(variable, hook):
     ``variable`` is computed (for a leaf: summed, before it is accumulated),
     as ``torch.Tensor.register_hook``. Returns a handle with ``remove()``.
     A replacement must keep the gradient's shape, dtype and device."""
-    return pyengine.register_tensor_hook(_view(variable, "variable"), hook)
+    view = _view(variable, "variable")
+    if variable.creator is None:
+        leaf_hooked(variable)
+    return pyengine.register_tensor_hook(view, hook)
 
 
 def register_post_accumulate_grad_hook(variable, hook):
     """``hook(variable)`` runs after a gradient was accumulated into the
     leaf ``variable.grad``. Returns a handle with ``remove()``."""
     # DeZeroAccumulateGrad calls the hook with the Variable itself.
-    return pyengine.register_post_accumulate_grad_hook(_view(variable, "variable"), hook)
+    view = _view(variable, "variable")
+    if variable.creator is None:
+        leaf_hooked(variable)
+    return pyengine.register_post_accumulate_grad_hook(view, hook)

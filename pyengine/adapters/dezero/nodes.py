@@ -9,8 +9,13 @@ What this module owns:
 - The leaves' LeafStates (``_leaf_states``, keyed weakly by the Variable)
   and their accumulators (``_grad_accumulator``).
 - Building nodes: ``_make_node`` for one forward call (called by the
-  patched ``Function.__call__``), ``_build_nodes`` for a graph recorded
-  before ``install()``, ``_node_of`` for a Function's node.
+  patched ``Function.__call__`` under anomaly mode), ``_build_nodes`` for a
+  graph that has none yet (made when a backward needs nodes: See Note
+  [DeZero as an owner graph] in ``pyengine/adapters/dezero/owner_backward.py``),
+  ``_node_of`` for a Function's node.
+- How many of these nodes are alive (``_live_nodes``), and the row lookup
+  tests and gradient the owner graph shares (``_is_row_lookup_of_leaf``,
+  ``_row_gradient``).
 - The per-call state the nodes run under: ``_dezero_backward`` (DeZero's or
   PyTorch's semantics for ``.grad``) and ``_on_calling_thread``.
 """
@@ -27,8 +32,8 @@ from dezero.core import Config, Variable
 from dezero.functions import GetItem
 
 from ... import _core
-from ...indexed import IndexedGradient
 from ..._shared.hooks import call_post_accumulate_grad_hooks
+from ...indexed import IndexedGradient
 from ...node import RELEASED_ERROR, AccumulateGrad, Edge, LeafState, Node
 from .variable_backend import _add, _array_module
 
@@ -86,6 +91,23 @@ _is_grad_enabled = _core.is_grad_enabled
 # [DeZero's Variable.grad is the buffer] visible to every node of the call. (A
 # reentrant backward nested deeper than the engine's inline limit moves to a
 # pool thread; DeZero code never nests backward calls.)
+
+# How many FunctionNodes and DeZeroAccumulateGrads are alive: while there
+# are none, Variable.backward runs on DeZero's own graph (See Note [DeZero
+# as an owner graph] in ``pyengine/adapters/dezero/owner_backward.py``).
+_live_nodes_lock = threading.Lock()
+_live_nodes = [0]
+
+
+def _node_made():
+    with _live_nodes_lock:
+        _live_nodes[0] += 1
+
+
+def _node_freed():
+    with _live_nodes_lock:
+        _live_nodes[0] -= 1
+
 
 # Per thread: None while no backward follows DeZero's Variable.backward
 # (in ``grad()``, PyTorch's semantics), else that call's ``retain_grad``
@@ -148,6 +170,7 @@ class FunctionNode(Node):
                  "_common")
 
     def __init__(self, function, next_edges, constants=(), num_outputs=1):
+        _node_made()  # first: __del__ runs even if __init__ fails
         super().__init__(next_edges=next_edges)
         self._function = weakref.ref(function)
         self._name = type(function).__name__ + "Backward"
@@ -156,6 +179,9 @@ class FunctionNode(Node):
         self._num_outputs = num_outputs
         self._cut = None
         self._common = num_outputs == 1
+
+    def __del__(self):
+        _node_freed()
 
     def name(self) -> str:
         return self._name
@@ -358,11 +384,15 @@ class DeZeroAccumulateGrad(AccumulateGrad):
         # Not AccumulateGrad.__init__, which reads input metadata from the
         # value (See Note [No input metadata]) and keeps the LeafState on the
         # variable (See Note [Copying a graph]). The rest is what it sets.
+        _node_made()  # first: __del__ runs even if __init__ fails
         Node.__init__(self, next_edges=(), input_metadata=(None,))
         _core.set_sequence_nr(self, _core.ACCUMULATE_GRAD_SEQUENCE_NR)
         self.variable = variable
         self.leaf_state = _leaf_state(variable)
         self._tensor_pre_hooks = self.leaf_state.tensor_pre_hooks
+
+    def __del__(self):
+        _node_freed()
 
     def apply(self, grads):
         new_grad = grads[0]
@@ -434,11 +464,17 @@ class RowLookupNode(FunctionNode):
         gys = self._incoming(function, grads, None)
         if gys is None:
             return [None]
-        gy = gys[0].data if isinstance(gys[0], Variable) else gys[0]
-        shape = function.inputs[0].shape
-        xp = _array_module(gy)
-        rows = xp.asarray(function.slices).reshape(-1)
-        return [IndexedGradient(rows, gy.reshape((rows.shape[0],) + tuple(shape[1:])), shape)]
+        return [_row_gradient(function, gys[0])]
+
+
+def _row_gradient(function, gy):
+    """The gradient of a row lookup ``function`` (See ``_is_row_lookup``)
+    for ``gy``, as an IndexedGradient."""
+    gy = gy.data if isinstance(gy, Variable) else gy
+    shape = function.inputs[0].shape
+    xp = _array_module(gy)
+    rows = xp.asarray(function.slices).reshape(-1)
+    return IndexedGradient(rows, gy.reshape((rows.shape[0],) + tuple(shape[1:])), shape)
 
 
 def _is_row_lookup(function, inputs, edges):
@@ -446,10 +482,20 @@ def _is_row_lookup(function, inputs, edges):
     consumer that takes an indexed gradient as DeZero's ``.grad`` allows)."""
     if type(function) is not GetItem or len(edges) != 1 or edges[0] is None:
         return False
+    return type(edges[0].node) is DeZeroAccumulateGrad and _indexes_rows(function, inputs[0])
+
+
+def _is_row_lookup_of_leaf(function):
+    """``_is_row_lookup`` read from DeZero's graph alone: a GetItem (the
+    caller checks the type) of rows of a Variable without a creator."""
+    inputs = function.inputs
+    return len(inputs) == 1 and inputs[0].creator is None and _indexes_rows(function, inputs[0])
+
+
+def _indexes_rows(function, variable):
     rows = function.slices
-    return (type(edges[0].node) is DeZeroAccumulateGrad and getattr(rows, "dtype", None) is not None
-            and not isinstance(rows, np.generic) and rows.dtype.kind in "iu"
-            and len(inputs[0].shape) >= 1)
+    return (getattr(rows, "dtype", None) is not None and not isinstance(rows, np.generic)
+            and rows.dtype.kind in "iu" and len(variable.shape) >= 1)
 
 
 def _make_node(function, inputs, constants, num_outputs):
