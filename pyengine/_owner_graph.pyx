@@ -25,7 +25,7 @@ from pyengine._graph_task cimport (SEARCH_FINISHED, SEARCH_ON_PATH, DependencyMa
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._node cimport InputMetadata
-from pyengine._validate_outputs cimport numpy_gradient_matches
+from pyengine._validate_outputs cimport known_value_type, numpy_gradient_matches
 from pyengine._state cimport ThreadState, anomaly_check_nan, anomaly_enabled, profiler, thread_state
 
 from time import perf_counter_ns as _perf_counter_ns
@@ -537,11 +537,11 @@ cdef object check_outputs(OwnerGraph graph, object owner, object outputs, PyObje
 
 
 cdef inline bint gradient_matches(object metadata, object grad) noexcept:
-    """A numpy gradient that validate_gradient would return as it is: any
-    numpy array where there is no metadata, else one whose dtype, shape and
-    device are the slot's."""
+    """A gradient that validate_gradient would return as it is: a value of
+    a type a backend was found for where there is no metadata, else a numpy
+    array whose dtype, shape and device are the slot's."""
     if metadata is None:
-        return type(grad) is cnp.ndarray
+        return known_value_type(type(grad))
     return type(metadata) is InputMetadata and numpy_gradient_matches(<InputMetadata>metadata, grad)
 
 

@@ -35,5 +35,8 @@ cdef inline bint numpy_fields_match(PyObject* expected_dtype, const vector[cnp.n
     return ndim == 0 or memcmp(dims, expected_dims.data(), ndim * sizeof(cnp.npy_intp)) == 0
 
 
+cdef bint known_value_type(object value_type) noexcept
+
+
 cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
                                object node, bint exact) except -1

@@ -49,7 +49,9 @@ def plain_error_format(message):
 cdef dict _backend_cache = _backends._backend_cache
 
 
-cdef inline bint known_value_type(object value_type) noexcept:
+cdef bint known_value_type(object value_type) noexcept:
+    """A type ``backend_of`` has already resolved to a backend: a value of it
+    passes a slot without metadata as it is."""
     if value_type is cnp.ndarray:
         return True
     cdef PyObject* backend = PyDict_GetItem(_backend_cache, value_type)

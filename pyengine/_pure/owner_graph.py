@@ -177,6 +177,7 @@ from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer
 from .node import InputMetadata, as_input_metadata
+from .validate_outputs import known_value_type
 
 __all__ = ["OwnerGraph", "OwnerRun", "WRITES", "RETURNS", "check_reader", "cycle_error",
            "owner_graph_edge", "owner_name", "search", "run_owner_graph"]
@@ -487,11 +488,11 @@ def check_outputs(graph, owner, outputs, items, slots, metadata_of):
 
 
 def gradient_matches(metadata, grad):
-    """A numpy gradient that validate_gradient would return as it is: any
-    numpy array where there is no metadata, else one whose dtype, shape and
-    device are the slot's."""
+    """A gradient that validate_gradient would return as it is: a value of
+    a type a backend was found for where there is no metadata, else a numpy
+    array whose dtype, shape and device are the slot's."""
     if metadata is None:
-        return type(grad) is np.ndarray
+        return known_value_type(type(grad))
     return (type(metadata) is InputMetadata and type(grad) is np.ndarray and metadata.is_cpu
             and grad.dtype == metadata.dtype and grad.shape == metadata.shape)
 

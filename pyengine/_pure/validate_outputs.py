@@ -9,6 +9,9 @@ checks in C), or :func:`validate_gradient_exact` for a node whose
 Note [Slow paths are shared].
 """
 
+import numpy as np
+
+from .. import backends
 from .._shared.gradient_checks import (EXACT, checked_gradient_policy, validate_gradient,
                                        validate_gradient_exact, validate_node_gradient)
 from .node import NodeBase
@@ -46,3 +49,9 @@ def validate_outputs(edges, grads, format_error, gradient_policy="reduce", node=
             grads[i] = validate_node_gradient(i, grad, metadata, format_error, node)
         else:
             grads[i] = validate_gradient(i, grad, metadata, format_error)
+
+
+def known_value_type(value_type):
+    """A type ``backend_of`` has already resolved to a backend (its cache):
+    a value of it passes a slot without metadata as it is."""
+    return value_type is np.ndarray or backends._backend_cache.get(value_type) is not None
