@@ -17,6 +17,9 @@ class OwnerGraph:
     needs_no_gradient: Callable[[Any], bool] | None
     pre_hook: Callable[[Any, list[Any]], Any] | None
     post_hook: Callable[[Any, list[Any], list[Any]], Any] | None
+    should_compute_output: bool
+    gradient_policy: str
+    accumulates: bool
     def __init__(self, parents: _Reader, backward: _Reader, *, mode: str = ...,
                  num_inputs: Callable[[Any], int] | None = ...,
                  metadata: Callable[[Any], Any] | None = ...,
@@ -24,7 +27,9 @@ class OwnerGraph:
                  visit: Callable[[Any], Any] | None = ...,
                  needs_no_gradient: Callable[[Any], bool] | None = ...,
                  pre_hook: Callable[[Any, list[Any]], Any] | None = ...,
-                 post_hook: Callable[[Any, list[Any], list[Any]], Any] | None = ...) -> None: ...
+                 post_hook: Callable[[Any, list[Any], list[Any]], Any] | None = ...,
+                 should_compute_output: bool = ..., gradient_policy: str = ...,
+                 accumulates: bool = ...) -> None: ...
     def backward(self, root: Any, grad: Any = ...) -> None: ...
     def grad(self, root: Any, grad: Any, inputs: Iterable[Any],
              allow_unused: bool = ...) -> list[Any]: ...

@@ -30,15 +30,16 @@ from pyengine._state cimport ThreadState, anomaly_check_nan, anomaly_enabled, pr
 
 from time import perf_counter_ns as _perf_counter_ns
 
-from pyengine._shared.owner_graph_checks import (RETURNS, WRITES, OwnerRun, accumulate_grad,
-                                                add_owner_note, check_hook_result, check_nan,
+from pyengine._shared.owner_graph_checks import (EXACT, REDUCE, RETURNS, WRITES, OwnerRun,
+                                                accumulate_grad, add_owner_note,
+                                                check_hook_result, check_nan, check_options,
                                                 check_reader, cycle_error, format_owner_error,
                                                 format_root_error, mark_needed, owner_name)
 from pyengine._shared.owner_graph_checks import check_input_nr as check_input_nr_slow
 from pyengine._shared.owner_graph_checks import count_slots as count_slots_slow
 from pyengine._shared.owner_graph_checks import split_item as split_item_slow
 from pyengine._node import as_input_metadata
-from pyengine._shared.gradient_checks import validate_gradient
+from pyengine._shared.gradient_checks import validate_gradient, validate_gradient_exact
 
 __all__ = ["OwnerGraph", "run_owner_graph"]
 
@@ -101,10 +102,14 @@ cdef class OwnerGraph:
     cdef readonly object needs_no_gradient
     cdef readonly object pre_hook
     cdef readonly object post_hook
+    cdef readonly bint should_compute_output
+    cdef readonly str gradient_policy
+    cdef readonly bint accumulates
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
-                 post_hook=None):
+                 post_hook=None, should_compute_output=False, gradient_policy=REDUCE,
+                 accumulates=False):
         self.parents = check_reader("parents", parents)
         self.backward_ = check_reader("backward", backward)
         if mode != WRITES and mode != RETURNS:
@@ -124,6 +129,10 @@ cdef class OwnerGraph:
         self.needs_no_gradient = _check_optional("needs_no_gradient", needs_no_gradient)
         self.pre_hook = _check_optional("pre_hook", pre_hook)
         self.post_hook = _check_optional("post_hook", post_hook)
+        self.gradient_policy = check_options(self.returns, should_compute_output,
+                                             gradient_policy, accumulates)
+        self.should_compute_output = should_compute_output
+        self.accumulates = accumulates
 
     def backward(self, root, grad=None):
         """Run backward from ``root`` (an owner, or a pair ``(owner,
@@ -319,9 +328,10 @@ cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, DependencyMap&
     return 0
 
 
-cdef object call_backward(OwnerGraph graph, object owner, list grads):
+cdef object call_backward(OwnerGraph graph, object owner, list grads, tuple extra):
     """The owner's backward (See Note [Owner graphs]); in returns mode its
-    gradients, checked in number."""
+    gradients, with ``extra`` (the should_compute_output and buffered
+    tuples its options ask for) after ``grads``."""
     cdef object backward = graph.backward_
     if not graph.returns:
         if type(backward) is str:
@@ -329,14 +339,64 @@ cdef object call_backward(OwnerGraph graph, object owner, list grads):
         else:
             PyObject_CallOneArg(backward, owner)
         return None
+    if extra is not None:
+        return (getattr(owner, <str>backward)(grads, *extra) if type(backward) is str
+                else backward(owner, grads, *extra))
     outputs = (PyObject_CallMethodOneArg(owner, backward, grads) if type(backward) is str
                else backward(owner, grads))
     return outputs
 
 
+cdef tuple should_compute_outputs(object owner, PyObject** items, Py_ssize_t n_items,
+                                  OwnerTable* owners, object exec_info):
+    """One bool per parent item of ``owner``: whether a gradient there is
+    used, that is, the item names a parent the search reached (not None,
+    not refused by ``needs_no_gradient``) and, under ``grad(inputs=)``
+    (``exec_info``: the ids of the owners that run or capture), one that
+    runs or captures. See Note [Owner graphs]."""
+    cdef PyObject* parent
+    cdef Py_ssize_t input_nr
+    cdef Py_ssize_t i
+    cdef list result = []
+    for i in range(n_items):
+        result.append(bool(split_item(<object>items[i], owner, &parent, &input_nr)
+                           and owners.find(parent) != NULL
+                           and (exec_info is None
+                                or address(<void*>parent) in <set>exec_info)))
+    return tuple(result)
+
+
+cdef tuple take_buffered(object owner, PyObject** items, Py_ssize_t n_items, OwnerTable* owners):
+    """One value per parent item of ``owner``: the sum its parent's
+    InputBuffer holds so far at that slot, taken out of the buffer (None
+    where there is none, or where an earlier item took it), so that what
+    the backward returns replaces it (``accumulates``: See Note [Owner
+    graphs]). The buffer no longer owns a value it gave away."""
+    cdef PyObject* parent
+    cdef Py_ssize_t input_nr
+    cdef Py_ssize_t i
+    cdef OwnerEntry* entry
+    cdef InputBuffer buffer
+    cdef list result = []
+    for i in range(n_items):
+        value = None
+        if split_item(<object>items[i], owner, &parent, &input_nr):
+            entry = owners.find(parent)
+            if entry != NULL and entry.buffer != NULL:
+                buffer = <InputBuffer>entry.buffer
+                # Python code can reach an InputBuffer and write its buffer.
+                if buffer.buffer is not None and input_nr < len(buffer.buffer):
+                    value = buffer.buffer[input_nr]
+                    buffer.buffer[input_nr] = None
+                    if buffer._owned is not None and input_nr < len(buffer._owned):
+                        buffer._owned[input_nr] = None
+        result.append(value)
+    return tuple(result)
+
+
 cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** items,
                         Py_ssize_t n_items,
-                        OwnerTable* owners, dict metadata_of) except -1:
+                        OwnerTable* owners, dict metadata_of, object exec_info) except -1:
     """Run one owner's hooks and backward; in returns mode check its
     gradients and sum them into its parents' InputBuffers."""
     cdef bint returns = graph.returns
@@ -347,7 +407,14 @@ cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** i
                 raise TypeError(f"pre_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
             grads = check_hook_result(owner, "pre_hook", result, len(grads))
-    outputs = call_backward(graph, owner, grads)
+    cdef tuple extra = None
+    if graph.should_compute_output or graph.accumulates:
+        extra = ()
+        if graph.should_compute_output:
+            extra += (should_compute_outputs(owner, items, n_items, owners, exec_info),)
+        if graph.accumulates:
+            extra += (take_buffered(owner, items, n_items, owners),)
+    outputs = call_backward(graph, owner, grads, extra)
     if not returns:
         if graph.post_hook is not None:
             result = graph.post_hook(owner, [], [])
@@ -406,7 +473,9 @@ cdef int check_outputs(OwnerGraph graph, object owner, list outputs, PyObject** 
             continue
         if format_error is None:
             format_error = format_owner_error(owner)
-        outputs[i] = validate_gradient(i, grad, metadata, format_error)
+        outputs[i] = (validate_gradient_exact(i, grad, metadata, format_error)
+                      if graph.gradient_policy == EXACT
+                      else validate_gradient(i, grad, metadata, format_error))
     return 0
 
 
@@ -452,7 +521,7 @@ cdef int route_gradients(object owner, list outputs, PyObject** items, Py_ssize_
 
 cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, object owner,
                  Py_ssize_t sequence_nr, list grads, OwnerItems* items_of, OwnerTable* owners,
-                 dict metadata_of, object accumulate) except -1:
+                 dict metadata_of, object accumulate, object exec_info) except -1:
     """Run one owner (``accumulate``: a leaf's gradient) as a node of
     ``graph_task`` runs: its thread state, its profiler event, its anomaly
     note."""
@@ -470,9 +539,9 @@ cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, 
         else:
             if <size_t>sequence_nr < items_of.owners():
                 evaluate_owner(graph, owner, grads, items_of.of(sequence_nr),
-                               items_of.count(sequence_nr), owners, metadata_of)
+                               items_of.count(sequence_nr), owners, metadata_of, exec_info)
             else:  # writes mode keeps no items
-                evaluate_owner(graph, owner, grads, NULL, 0, owners, metadata_of)
+                evaluate_owner(graph, owner, grads, NULL, 0, owners, metadata_of, exec_info)
     except BaseException as error:
         if anomaly_enabled():
             add_owner_note(error, owner)
@@ -557,6 +626,8 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
         needed = mark_needed(order_list, is_leaf_list,
                              [tuple([<object>items_of.of(i)[k] for k in range(items_of.count(i))])
                               for i in range(<Py_ssize_t>order.size())], wanted)
+    # The owners that run or capture under grad(inputs=), for should_compute_output.
+    exec_info = needed | wanted if needed is not None and graph.should_compute_output else None
     cdef InputBuffer buffer
     if returns:
         metadata = None
@@ -564,7 +635,9 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
             all_metadata = metadata_of[id(root_owner)] = read_metadata(graph, root_owner)
             if root_nr < len(all_metadata):
                 metadata = all_metadata[root_nr]
-        grad = validate_gradient(0, grad, metadata, format_root_error)
+        grad = (validate_gradient_exact(0, grad, metadata, format_root_error)
+                if graph.gradient_policy == EXACT
+                else validate_gradient(0, grad, metadata, format_root_error))
         entry = owners.find(<PyObject*>root_owner)
         buffer = new_input_buffer(entry.slots)
         Py_INCREF(buffer)
@@ -590,7 +663,8 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
         owner = <object>order[i]
         if not returns:
             if not is_leaf[i]:
-                run_one(graph, graph_task, True, owner, i, None, &items_of, &owners, None, None)
+                run_one(graph, graph_task, True, owner, i, None, &items_of, &owners, None, None,
+                        None)
             i -= 1
             continue
         # The twin's buffers.pop(id(owner), None): the reference moves out.
@@ -610,10 +684,10 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
         if is_leaf[i]:
             if inputs is None:
                 run_one(graph, graph_task, True, owner, i, grads, &items_of, &owners, None,
-                        accumulate)
+                        accumulate, None)
         elif needed is None or key in needed:
             run_one(graph, graph_task, checkpoint_valid, owner, i, grads, &items_of, &owners,
-                    metadata_of, None)
+                    metadata_of, None, exec_info)
         i -= 1
     graph_task.mark_as_completed_and_run_post_processing()
     if graph_task.exception_ is not None:

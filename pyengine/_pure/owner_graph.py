@@ -41,6 +41,35 @@ owner of it, with no pyengine Node made at forward or at backward.
     into). An owner at which no gradient arrived (all its slots None) does
     not run and passes None on: its backward need not handle that case.
 
+  Three options of returns mode change what the backward gets and what its
+  gradients mean (issue 18; a Node has the same three):
+
+  - ``should_compute_output=True``: the backward is called as
+    ``backward(owner, grads, should_compute_output)``, a tuple of bools,
+    one per parent item: False for a None item, for a parent
+    ``needs_no_gradient`` refused, and, under ``grad(inputs=)``, for a
+    parent that neither runs nor captures (no path to an input); True
+    elsewhere (PyTorch's ``task_should_compute_output``). A gradient
+    computed where it is False is dropped anyway, so a backward may skip it
+    and return None there.
+  - ``gradient_policy``: ``"reduce"`` (the default) checks returned
+    gradients by PyTorch's ``validate_outputs`` (a broadcast gradient summed
+    to the slot's shape, a dtype cast, a 0-dim gradient moved);
+    ``"exact"`` by Chainer's rule (``validate_gradient_exact``): shape,
+    dtype and device must already be the slot's, else an error naming the
+    owner, the index, expected and got. The root's gradient is checked by
+    the same policy (Chainer checks a gradient set on a variable too).
+  - ``accumulates=True`` (Chainer's ``backward_accumulate``): one more
+    argument after the optional tuple above, a tuple with, per parent item,
+    the sum the parent's InputBuffer holds so far at that slot (None where
+    none), taken out of the buffer; what the backward returns replaces it
+    (a None returned leaves the slot empty). A parent named by two items
+    gets its sum at the first and None at the second, whose gradient is
+    then added, as Chainer pops each input's gradient list once. The
+    buffer forgets that it owned a sum it handed out, so the engine never
+    writes into a value a backward was given (See Note [InputBuffer
+    ownership] in ``pyengine/_pure/input_buffer.py``).
+
 The search. From the root, a depth-first search reads each owner's items
 once, in their iteration order, into a snapshot of its own when it first
 reaches the owner (so a collection edited while the search runs changes
@@ -117,10 +146,11 @@ import time
 
 import numpy as np
 
-from .._shared.gradient_checks import validate_gradient
-from .._shared.owner_graph_checks import (RETURNS, WRITES, OwnerRun, accumulate_grad,
-                                         add_owner_note, check_hook_result, check_input_nr,
-                                         check_nan, check_reader, count_slots, cycle_error,
+from .._shared.gradient_checks import validate_gradient, validate_gradient_exact
+from .._shared.owner_graph_checks import (EXACT, REDUCE, RETURNS, WRITES, OwnerRun,
+                                         accumulate_grad, add_owner_note, check_hook_result,
+                                         check_input_nr, check_nan, check_options, check_reader,
+                                         count_slots, cycle_error,
                                          format_owner_error, format_root_error, mark_needed,
                                          owner_name, split_item)
 from . import state
@@ -153,11 +183,13 @@ class OwnerGraph:
     one whose backward returns its parents' gradients."""
 
     __slots__ = ("parents", "backward_", "mode", "returns", "num_inputs", "metadata",
-                 "accumulate", "visit", "needs_no_gradient", "pre_hook", "post_hook")
+                 "accumulate", "visit", "needs_no_gradient", "pre_hook", "post_hook",
+                 "should_compute_output", "gradient_policy", "accumulates")
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
-                 post_hook=None):
+                 post_hook=None, should_compute_output=False, gradient_policy=REDUCE,
+                 accumulates=False):
         self.parents = check_reader("parents", parents)
         self.backward_ = check_reader("backward", backward)
         if mode != WRITES and mode != RETURNS:
@@ -177,6 +209,10 @@ class OwnerGraph:
         self.needs_no_gradient = _check_optional("needs_no_gradient", needs_no_gradient)
         self.pre_hook = _check_optional("pre_hook", pre_hook)
         self.post_hook = _check_optional("post_hook", post_hook)
+        self.gradient_policy = check_options(self.returns, should_compute_output,
+                                             gradient_policy, accumulates)
+        self.should_compute_output = should_compute_output
+        self.accumulates = accumulates
 
     def backward(self, root, grad=None):
         """Run backward from ``root`` (an owner, or a pair ``(owner,
@@ -273,9 +309,10 @@ def reach_owner(graph, owner, seen, stack, order, is_leaf, items_of, slots, held
     stack.append([owner, items, 0])
 
 
-def call_backward(graph, owner, grads):
+def call_backward(graph, owner, grads, extra):
     """The owner's backward (See Note [Owner graphs]); in returns mode its
-    gradients, checked in number."""
+    gradients, with ``extra`` (the should_compute_output and buffered
+    tuples its options ask for) after ``grads``."""
     backward = graph.backward_
     if not graph.returns:
         if type(backward) is str:
@@ -283,11 +320,50 @@ def call_backward(graph, owner, grads):
         else:
             backward(owner)
         return None
+    if extra is not None:
+        return (getattr(owner, backward)(grads, *extra) if type(backward) is str
+                else backward(owner, grads, *extra))
     outputs = getattr(owner, backward)(grads) if type(backward) is str else backward(owner, grads)
     return outputs
 
 
-def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of):
+def should_compute_outputs(owner, items, slots, exec_info):
+    """One bool per parent item of ``owner``: whether a gradient there is
+    used, that is, the item names a parent the search reached (not None,
+    not refused by ``needs_no_gradient``) and, under ``grad(inputs=)``
+    (``exec_info``: the ids of the owners that run or capture), one that
+    runs or captures. See Note [Owner graphs]."""
+    result = []
+    for item in items:
+        pair = split_item(item, owner)
+        result.append(pair is not None and id(pair[0]) in slots
+                      and (exec_info is None or id(pair[0]) in exec_info))
+    return tuple(result)
+
+
+def take_buffered(owner, items, buffers, slots):
+    """One value per parent item of ``owner``: the sum its parent's
+    InputBuffer holds so far at that slot, taken out of the buffer (None
+    where there is none, or where an earlier item took it), so that what
+    the backward returns replaces it (``accumulates``: See Note [Owner
+    graphs]). The buffer no longer owns a value it gave away."""
+    result = []
+    for item in items:
+        pair = split_item(item, owner)
+        value = None
+        if pair is not None and id(pair[0]) in slots:
+            buffer = buffers.get(id(pair[0]))
+            if buffer is not None and pair[1] < len(buffer.buffer):
+                value = buffer.buffer[pair[1]]
+                buffer.buffer[pair[1]] = None
+                owned = buffer._owned
+                if owned is not None and pair[1] < len(owned):
+                    owned[pair[1]] = None
+        result.append(value)
+    return tuple(result)
+
+
+def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec_info):
     """Run one owner's hooks and backward; in returns mode check its
     gradients and sum them into its parents' InputBuffers."""
     returns = graph.returns
@@ -298,7 +374,14 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of):
                 raise TypeError(f"pre_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
             grads = check_hook_result(owner, "pre_hook", result, len(grads))
-    outputs = call_backward(graph, owner, grads)
+    extra = None
+    if graph.should_compute_output or graph.accumulates:
+        extra = ()
+        if graph.should_compute_output:
+            extra += (should_compute_outputs(owner, items, slots, exec_info),)
+        if graph.accumulates:
+            extra += (take_buffered(owner, items, buffers, slots),)
+    outputs = call_backward(graph, owner, grads, extra)
     if not returns:
         if graph.post_hook is not None:
             result = graph.post_hook(owner, [], [])
@@ -349,7 +432,9 @@ def check_outputs(graph, owner, outputs, items, slots, metadata_of):
             continue
         if format_error is None:
             format_error = format_owner_error(owner)
-        outputs[i] = validate_gradient(i, grad, metadata, format_error)
+        outputs[i] = (validate_gradient_exact(i, grad, metadata, format_error)
+                      if graph.gradient_policy == EXACT
+                      else validate_gradient(i, grad, metadata, format_error))
 
 
 def gradient_matches(metadata, grad):
@@ -376,7 +461,7 @@ def route_gradients(owner, outputs, items, buffers, slots):
 
 
 def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, items, buffers, slots,
-            metadata_of, accumulate):
+            metadata_of, accumulate, exec_info):
     """Run one owner (``accumulate``: a leaf's gradient) as a node of
     ``graph_task`` runs: its thread state, its profiler event, its anomaly
     note."""
@@ -390,7 +475,7 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
         if accumulate is not None:
             accumulate(owner, grads[0] if len(grads) == 1 else grads)
         else:
-            evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of)
+            evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec_info)
     except BaseException as error:
         if state.is_anomaly_enabled():
             add_owner_note(error, owner)
@@ -461,13 +546,17 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
     buffers, metadata_of = {}, {}
     captured = [None] * len(inputs) if inputs is not None else None
     needed = mark_needed(order, is_leaf, items_of, wanted) if inputs is not None else None
+    # The owners that run or capture under grad(inputs=), for should_compute_output.
+    exec_info = needed | wanted if needed is not None and graph.should_compute_output else None
     if returns:
         metadata = None
         if graph.metadata is not None:
             all_metadata = metadata_of[id(root_owner)] = read_metadata(graph, root_owner)
             if root_nr < len(all_metadata):
                 metadata = all_metadata[root_nr]
-        grad = validate_gradient(0, grad, metadata, format_root_error)
+        grad = (validate_gradient_exact(0, grad, metadata, format_root_error)
+                if graph.gradient_policy == EXACT
+                else validate_gradient(0, grad, metadata, format_root_error))
         buffers[id(root_owner)] = InputBuffer(slots[id(root_owner)])
         buffers[id(root_owner)].add(root_nr, grad, False)
     accumulate = graph.accumulate if graph.accumulate is not None else accumulate_grad
@@ -492,7 +581,8 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
         owner = order[i]
         if not returns:
             if not is_leaf[i]:
-                run_one(graph, graph_task, True, owner, i, None, None, None, None, None, None)
+                run_one(graph, graph_task, True, owner, i, None, None, None, None, None, None,
+                        None)
             i -= 1
             continue
         buffer = buffers.pop(id(owner), None)
@@ -507,10 +597,10 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
         if is_leaf[i]:
             if inputs is None:
                 run_one(graph, graph_task, True, owner, i, grads, None, None, None, None,
-                        accumulate)
+                        accumulate, None)
         elif needed is None or id(owner) in needed:
             run_one(graph, graph_task, checkpoint_valid, owner, i, grads, items_of[i], buffers,
-                    slots, metadata_of, None)
+                    slots, metadata_of, None, exec_info)
         i -= 1
     graph_task.mark_as_completed_and_run_post_processing()
     if graph_task.exception is not None:

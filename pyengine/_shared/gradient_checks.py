@@ -1,6 +1,8 @@
-"""The slow check of one gradient against the metadata of the slot it flows
-into: ``validate_gradient``, what ``validate_outputs`` does for a gradient
-that is not already a numpy array of the slot's shape, dtype and device.
+"""The slow checks of one gradient against the metadata of the slot it flows
+into, for a gradient that is not already a numpy array of the slot's
+shape, dtype and device: ``validate_gradient`` (``gradient_policy="reduce"``,
+PyTorch's ``validate_outputs``) and ``validate_gradient_exact``
+(``gradient_policy="exact"``, Chainer's rule).
 
 Shared by the compiled core and the twin (See Note [Slow paths are
 shared]): broadcast reductions, casts, moves, other value types and the
@@ -43,4 +45,34 @@ def validate_gradient(i, grad, metadata, format_error):
             raise RuntimeError(format_error(
                 f"invalid gradient at index {i} - expected device {metadata.device} but got {device}"))
         grad = backend.to_device(grad, metadata.device)
+    return grad
+
+
+def validate_gradient_exact(i, grad, metadata, format_error):
+    """Gradient ``i`` checked against its slot's ``metadata`` by Chainer's
+    rule (``gradient_policy="exact"``): a value that already has the slot's
+    shape, dtype and device, returned as it is; nothing is reduced, cast or
+    moved. An integer dtype passes only where the slot's dtype is that very
+    dtype. Without metadata, only that it is a value."""
+    backend = backend_of(grad)
+    if backend is None:
+        raise TypeError(format_error(
+            f"invalid gradient at index {i} - expected an array, but got {type(grad).__name__}"))
+    if metadata is None:
+        return grad
+    shape = tuple(backend.shape(grad))
+    if shape != metadata.shape:
+        raise RuntimeError(format_error(
+            f"invalid gradient at index {i} - got shape {shape} but expected shape "
+            f"{metadata.shape} (gradient_policy='exact' reduces no broadcast)"))
+    dtype = backend.dtype(grad)
+    if dtype != metadata.dtype:
+        raise RuntimeError(format_error(
+            f"invalid gradient at index {i} - expected dtype {metadata.dtype} but got {dtype} "
+            "(gradient_policy='exact' casts no gradient)"))
+    device = backend.device(grad)
+    if device != metadata.device:
+        raise RuntimeError(format_error(
+            f"invalid gradient at index {i} - expected device {metadata.device} but got {device} "
+            "(gradient_policy='exact' moves no gradient)"))
     return grad

@@ -9,13 +9,17 @@ from ..backends import backend_of
 from .hooks import add_note
 from .messages import MAX_INPUT_NR
 
-__all__ = ["WRITES", "RETURNS", "OwnerRun", "accumulate_grad", "add_owner_note", "check_hook_result",
-           "check_input_nr", "check_nan", "check_reader", "count_slots", "cycle_error",
+__all__ = ["WRITES", "RETURNS", "REDUCE", "EXACT", "OwnerRun", "accumulate_grad", "add_owner_note",
+           "check_hook_result", "check_input_nr", "check_nan", "check_options", "check_reader",
+           "count_slots", "cycle_error",
            "format_owner_error", "format_root_error", "mark_needed", "owner_name", "split_item"]
 
 
 WRITES = "writes"
 RETURNS = "returns"
+# gradient_policy: PyTorch's validate_outputs, or Chainer's exact check.
+REDUCE = "reduce"
+EXACT = "exact"
 
 
 def owner_name(owner):
@@ -28,6 +32,27 @@ def check_reader(what, reader):
         return reader
     raise TypeError(f"{what} must be a str (an attribute or method name) or a callable, "
                     f"got {type(reader).__name__}")
+
+
+def check_options(returns, should_compute_output, gradient_policy, accumulates):
+    """The returns-mode options of an OwnerGraph, checked: See Note [Owner
+    graphs]. Both flags must be bools, so that the compiled core reads
+    exactly what the twin reads."""
+    for what, flag in (("should_compute_output", should_compute_output),
+                       ("accumulates", accumulates)):
+        if type(flag) is not bool:
+            raise TypeError(f"{what} must be a bool, got {type(flag).__name__}")
+    if gradient_policy != REDUCE and gradient_policy != EXACT:
+        raise ValueError(f"gradient_policy must be {REDUCE!r} or {EXACT!r}, "
+                         f"got {gradient_policy!r}")
+    if not returns:
+        for what, value in (("should_compute_output", should_compute_output),
+                            ("gradient_policy", gradient_policy == EXACT),
+                            ("accumulates", accumulates)):
+            if value:
+                raise TypeError(f"{what} is for mode={RETURNS!r}: in mode={WRITES!r} the "
+                                "owners write their parents' gradients themselves")
+    return str(gradient_policy)
 
 
 def cycle_error(owner, parents):
