@@ -165,18 +165,15 @@ def _parents(owner):
     return items
 
 
-def _required_parents(owner):
-    """Under chainer.grad: the inputs on a path to an ``inputs`` Variable
-    (``grad_required``, Chainer's own pruning)."""
+def _all_parents(owner):
+    """Under chainer.grad: every input; ``should_compute_output`` then says
+    which are on a path to an ``inputs`` Variable (Chainer's
+    ``grad_required``), an input that does not require grad included."""
     if type(owner) is VariableNode:
         return ()
     if type(owner) is _Outputs:
         return owner.items
-    grad_required = _runs.stack[-1].grad_required
-    items = []
-    for x in owner.inputs:
-        items.append(_item_of(x) if x in grad_required else None)
-    return items
+    return [_item_of(x) for x in owner.inputs]
 
 
 def _num_inputs(owner):
@@ -189,20 +186,17 @@ class _Run:
     """What one backward call knows, read by the owners' callbacks: Chainer
     reads it once per backward."""
 
-    __slots__ = ("retain_grad", "loss_scale", "is_debug", "base_hooks", "grad_required",
-                 "loads_leaves")
+    __slots__ = ("retain_grad", "loss_scale", "is_debug", "base_hooks", "is_grad")
 
-    def __init__(self, retain_grad, loss_scale, grad_required):
+    def __init__(self, retain_grad, loss_scale, is_grad):
         self.retain_grad = retain_grad
         self.loss_scale = loss_scale
         self.is_debug = chainer.is_debug()
         self.base_hooks = chainer.get_function_hooks().values()
-        # chainer.grad: the VariableNodes on a path to an input; None under
-        # backward, where every input that requires grad is a target.
-        self.grad_required = grad_required
-        # backward's GradTable reads a leaf's grad_var into its sum;
-        # chainer.grad's does not.
-        self.loads_leaves = grad_required is None
+        # chainer.grad (True) or backward: backward's GradTable reads a
+        # leaf's grad_var into its sum and chainer.grad's does not; they
+        # store retained gradients at different times.
+        self.is_grad = is_grad
 
 
 # Each thread's backward calls under way, innermost last (F.forget runs one
@@ -219,6 +213,13 @@ def _is_cpu(arrays):
         if array is not None and type(array) is not np.ndarray:
             return False
     return True
+
+
+def _has_none(values):
+    for value in values:
+        if value is None:
+            return True
+    return False
 
 
 def _load_leaf_grad(node):
@@ -245,33 +246,35 @@ def _check_gradient(func, node, grad):
     _chainer_variable._check_grad_type(func, node, True, array)
 
 
-def _run_function(func, grads):
+def _run_function(func, grads, should_compute_output, buffered):
     """The owner graph's backward: one step of Chainer's loop for ``func``,
-    given its output gradients; one gradient (or None) per input."""
+    given its output gradients, which inputs are targets, and the sums
+    their gradient lists hold so far; the new sums, one per input (See
+    Note [Chainer as an owner graph])."""
     if type(func) is _Outputs:
         return func.grads
     run = _runs.stack[-1]
     inputs = func.inputs
     outputs = func.outputs
-    out_grad = list(grads)
-    for k in range(len(out_grad)):
-        if out_grad[k] is None:
-            # Chainer's legacy rule: an output no gradient reached gives the
-            # grad_var its Variable holds, taken off it.
-            y = outputs[k]()
-            if y is not None and y.creator_node is not None and run.loads_leaves:
-                out_grad[k] = _load_leaf_grad(y)
-    out_grad = tuple(out_grad)
-    grad_required = run.grad_required
-    if grad_required is None:
-        target_input_indexes = tuple([i for i in range(len(inputs)) if inputs[i].requires_grad])
+    loads_leaves = not run.is_grad
+    # (Variables refuse ==, so no ``None in grads``.)
+    if loads_leaves and len(grads) > 1 and _has_none(grads):
+        out_grad = list(grads)
+        for k in range(len(out_grad)):
+            if out_grad[k] is None:
+                # Chainer's legacy rule: an output no gradient reached gives
+                # the grad_var its Variable holds, taken off it.
+                y = outputs[k]()
+                if y is not None and y.creator_node is not None:
+                    out_grad[k] = _load_leaf_grad(y)
+        out_grad = tuple(out_grad)
     else:
-        if run.retain_grad:
-            _retain(outputs, out_grad, run, True)
-        target_input_indexes = tuple([i for i in range(len(inputs))
-                                      if inputs[i] in grad_required])
+        out_grad = tuple(grads)
+    if run.is_grad and run.retain_grad:
+        _retain(outputs, out_grad, run, True)
+    target_input_indexes = tuple([i for i in range(len(inputs)) if should_compute_output[i]])
     if not target_input_indexes:
-        return [None] * len(inputs)
+        return buffered
 
     in_data = [x.data for x in inputs]
     out_grad_array = [None if g is None else g.raw_array for g in out_grad]
@@ -281,14 +284,19 @@ def _run_function(func, grads):
         hooks = local_hooks.values()
     else:
         hooks = run.base_hooks
+    # Chainer's gradient lists: the sum so far, or (backward, a leaf met for
+    # the first time) the grad_var the leaf already holds.
     in_grad = {}
     for i in target_input_indexes:
         x = inputs[i]
         if x not in in_grad:
-            old = _load_leaf_grad(x) if run.loads_leaves and x.creator_node is None else None
+            old = buffered[i]
+            if old is None and loads_leaves and x.creator_node is None:
+                old = _load_leaf_grad(x)
             in_grad[x] = [] if old is None else [old]
-    device_arrays = in_data + out_grad_array if grad_required is None else in_data
-    if _is_cpu(device_arrays) and not hooks:
+    device_arrays = in_data if run.is_grad else in_data + out_grad_array
+    if not hooks and _is_cpu(device_arrays):
+        # using_device of the CPU is a context that does nothing.
         _backprop_utils.backprop_step(func, target_input_indexes, out_grad, in_grad,
                                       run.is_debug)
     else:
@@ -299,17 +307,16 @@ def _run_function(func, grads):
                                           run.is_debug)
             for hook in hooks:
                 hook.backward_postprocess(func, tuple(in_data), tuple(out_grad_array))
-    if grad_required is None and run.retain_grad:
+    if not run.is_grad and run.retain_grad:
         _retain(outputs, out_grad, run, False)
 
-    result = [None] * len(inputs)
+    result = list(buffered)
     for i in target_input_indexes:
-        x = inputs[i]
-        gx = in_grad.pop(x, None)
+        gx = in_grad.pop(inputs[i], None)
         if not gx:
             continue
         for gx_elem in gx:
-            _check_gradient(func, x, gx_elem)
+            _check_gradient(func, inputs[i], gx_elem)
         # lazy_grad_sum leaves several: See the module docstring.
         result[i] = gx[0] if len(gx) == 1 else F.add(*gx)
     return result
@@ -345,18 +352,21 @@ def _accumulate(leaf, grad):
     var._loss_scale = _runs.stack[-1].loss_scale
 
 
+# See Note [Chainer as an owner graph].
 _GRAPH = pyengine.OwnerGraph(_parents, _run_function, mode="returns", num_inputs=_num_inputs,
-                             accumulate=_accumulate)
-_GRAD_GRAPH = pyengine.OwnerGraph(_required_parents, _run_function, mode="returns",
-                                  num_inputs=_num_inputs)
+                             accumulate=_accumulate, should_compute_output=True,
+                             accumulates=True, gradient_policy="exact")
+_GRAD_GRAPH = pyengine.OwnerGraph(_all_parents, _run_function, mode="returns",
+                                  num_inputs=_num_inputs, should_compute_output=True,
+                                  accumulates=True, gradient_policy="exact")
 
 
 @contextlib.contextmanager
-def _running(retain_grad, loss_scale, grad_required):
+def _running(retain_grad, loss_scale, is_grad):
     stack = getattr(_runs, "stack", None)
     if stack is None:
         stack = _runs.stack = []
-    stack.append(_Run(retain_grad, loss_scale, grad_required))
+    stack.append(_Run(retain_grad, loss_scale, is_grad))
     try:
         yield
     finally:
@@ -401,44 +411,8 @@ def backprop_to_all(outputs, retain_grad, loss_scale):
     root, grad = _root_of(pairs)
     if root is None:
         return
-    with _running(retain_grad, loss_scale, None):
+    with _running(retain_grad, loss_scale, False):
         _GRAPH.backward(root, grad)
-
-
-def _grad_required(outputs, inputs):
-    """The VariableNodes on a path from an input to an output, by
-    ``chainer.grad``'s own two searches (iterative)."""
-    candidate_funcs = [v.creator_node for v in outputs if v.creator_node is not None]
-    visited_funcs = set()
-    forward_graph = {}
-    while candidate_funcs:
-        func = candidate_funcs.pop()
-        if func in visited_funcs:
-            continue
-        visited_funcs.add(func)
-        for x in func.inputs:
-            x._check_old_style_gradient()
-            if not x.requires_grad:
-                continue
-            forward_graph.setdefault(x, []).append(func)
-            creator = x.creator_node
-            if creator is not None and creator not in visited_funcs:
-                candidate_funcs.append(creator)
-    candidate_vars = [x.node for x in inputs]
-    visited_funcs = set()
-    grad_required = set()
-    while candidate_vars:
-        x = candidate_vars.pop()
-        grad_required.add(x)
-        for func in forward_graph.get(x, ()):
-            if func in visited_funcs:
-                continue
-            visited_funcs.add(func)
-            for y_ref in func.outputs:
-                y = y_ref()
-                if y is not None and y in forward_graph:
-                    candidate_vars.append(y)
-    return grad_required
 
 
 def grad(outputs, inputs, grad_outputs=None, grad_inputs=None, set_grad=False,
@@ -471,7 +445,6 @@ def grad(outputs, inputs, grad_outputs=None, grad_inputs=None, set_grad=False,
                              f"{len(grad_inputs)}")
     for v in outputs:
         v.node._check_old_style_gradient()
-    grad_required = _grad_required(outputs, inputs)
 
     if grad_outputs is None:
         grad_outputs = (None,) * len(outputs)
@@ -490,7 +463,7 @@ def grad(outputs, inputs, grad_outputs=None, grad_inputs=None, set_grad=False,
             result = [None] * len(inputs)
         else:
             wanted = [item for item in input_items if item is not None]
-            with _running(retain_grad, loss_scale, grad_required):
+            with _running(retain_grad, loss_scale, True):
                 captured = iter(_GRAD_GRAPH.grad(root, seed, wanted, allow_unused=True))
             result = [None if item is None else next(captured) for item in input_items]
         if grad_inputs is not None:
