@@ -154,14 +154,25 @@ def _item_of(node):
 
 
 def _parents(owner):
-    """Under backward: every input that requires grad."""
+    """Under backward: every input that requires grad. (VariableNode's
+    ``requires_grad`` and ``creator_node`` properties return these fields;
+    this runs once per function, so it reads them directly.)"""
     if type(owner) is VariableNode:
         return ()
     if type(owner) is _Outputs:
         return owner.items
     items = []
     for x in owner.inputs:
-        items.append(_item_of(x) if x.requires_grad else None)
+        if not x._requires_grad:
+            items.append(None)
+            continue
+        creator = x._creator_node
+        if creator is None:
+            items.append(x)
+        elif len(creator.outputs) == 1:
+            items.append((creator, 0))
+        else:
+            items.append(_item_of(x))
     return items
 
 
@@ -186,7 +197,7 @@ class _Run:
     """What one backward call knows, read by the owners' callbacks: Chainer
     reads it once per backward."""
 
-    __slots__ = ("retain_grad", "loss_scale", "is_debug", "base_hooks", "is_grad")
+    __slots__ = ("retain_grad", "loss_scale", "is_debug", "base_hooks", "is_grad", "plain")
 
     def __init__(self, retain_grad, loss_scale, is_grad):
         self.retain_grad = retain_grad
@@ -197,6 +208,10 @@ class _Run:
         # leaf's grad_var into its sum and chainer.grad's does not; they
         # store retained gradients at different times.
         self.is_grad = is_grad
+        # No global hook, no debug mode, no gradient to store after a step:
+        # a function may take _backward_step.
+        self.plain = (not self.base_hooks and not self.is_debug
+                      and (is_grad or not retain_grad))
 
 
 # Each thread's backward calls under way, innermost last (F.forget runs one
@@ -255,35 +270,15 @@ def _run_function(func, grads, should_compute_output, buffered):
         return func.grads
     run = _runs.stack[-1]
     inputs = func.inputs
-    outputs = func.outputs
-    loads_leaves = not run.is_grad
-    # (Variables refuse ==, so no ``None in grads``.)
-    if loads_leaves and len(grads) > 1 and _has_none(grads):
-        out_grad = list(grads)
-        for k in range(len(out_grad)):
-            if out_grad[k] is None:
-                # Chainer's legacy rule: an output no gradient reached gives
-                # the grad_var its Variable holds, taken off it.
-                y = outputs[k]()
-                if y is not None and y.creator_node is not None:
-                    out_grad[k] = _load_leaf_grad(y)
-        out_grad = tuple(out_grad)
+    if len(grads) == 1:
+        out_grad = (grads[0],)
     else:
-        out_grad = tuple(grads)
+        out_grad = _output_gradients(func, grads, run)
     if run.is_grad and run.retain_grad:
-        _retain(outputs, out_grad, run, True)
+        _retain(func.outputs, out_grad, run, True)
     target_input_indexes = tuple([i for i in range(len(inputs)) if should_compute_output[i]])
     if not target_input_indexes:
         return buffered
-
-    in_data = [x.data for x in inputs]
-    out_grad_array = [None if g is None else g.raw_array for g in out_grad]
-    if func._n_local_function_hooks != 0:
-        local_hooks = dict(chainer.get_function_hooks())
-        local_hooks.update(func.local_function_hooks)
-        hooks = local_hooks.values()
-    else:
-        hooks = run.base_hooks
     # Chainer's gradient lists: the sum so far, or (backward, a leaf met for
     # the first time) the grad_var the leaf already holds.
     in_grad = {}
@@ -291,9 +286,22 @@ def _run_function(func, grads, should_compute_output, buffered):
         x = inputs[i]
         if x not in in_grad:
             old = buffered[i]
-            if old is None and loads_leaves and x.creator_node is None:
+            if old is None and not run.is_grad and x._creator_node is None:
                 old = _load_leaf_grad(x)
             in_grad[x] = [] if old is None else [old]
+    if (run.plain and len(target_input_indexes) == 1 and func._local_function_hooks is None
+            and _on_cpu(inputs, out_grad)
+            and func.backward_accumulate.__code__ is _BASE_BACKWARD_ACCUMULATE_CODE):
+        return _backward_step(func, target_input_indexes, out_grad, in_grad, buffered)
+
+    in_data = [x._data for x in inputs]  # VariableNode.data returns _data
+    out_grad_array = [None if g is None else g.raw_array for g in out_grad]
+    if func._n_local_function_hooks != 0:
+        local_hooks = dict(chainer.get_function_hooks())
+        local_hooks.update(func.local_function_hooks)
+        hooks = local_hooks.values()
+    else:
+        hooks = run.base_hooks
     device_arrays = in_data if run.is_grad else in_data + out_grad_array
     if not hooks and _is_cpu(device_arrays):
         # using_device of the CPU is a context that does nothing.
@@ -308,7 +316,7 @@ def _run_function(func, grads, should_compute_output, buffered):
             for hook in hooks:
                 hook.backward_postprocess(func, tuple(in_data), tuple(out_grad_array))
     if not run.is_grad and run.retain_grad:
-        _retain(outputs, out_grad, run, False)
+        _retain(func.outputs, out_grad, run, False)
 
     result = list(buffered)
     for i in target_input_indexes:
@@ -319,6 +327,68 @@ def _run_function(func, grads, should_compute_output, buffered):
             _check_gradient(func, inputs[i], gx_elem)
         # lazy_grad_sum leaves several: See the module docstring.
         result[i] = gx[0] if len(gx) == 1 else F.add(*gx)
+    return result
+
+
+def _output_gradients(func, grads, run):
+    """The output gradients of a function with several outputs; under
+    backward, Chainer's legacy rule: an output no gradient reached gives the
+    grad_var its Variable holds, taken off it."""
+    out_grad = list(grads)
+    if not run.is_grad:
+        outputs = func.outputs
+        for k in range(len(out_grad)):
+            if out_grad[k] is None:
+                y = outputs[k]()
+                if y is not None and y._creator_node is not None:
+                    out_grad[k] = _load_leaf_grad(y)
+    return tuple(out_grad)
+
+
+def _on_cpu(inputs, out_grad):
+    """Whether every array Chainer would pick a device from is numpy's (or
+    absent), so that its ``using_device`` would do nothing."""
+    for x in inputs:
+        if x._data is not None and type(x._data) is not np.ndarray:
+            return False
+    for g in out_grad:
+        if g is not None and type(g.raw_array) is not np.ndarray:
+            return False
+    return True
+
+
+_BASE_BACKWARD_ACCUMULATE_CODE = FunctionNode.backward_accumulate.__code__
+
+
+def _backward_step(func, target_input_indexes, out_grad, in_grad, buffered):
+    """``backprop_step`` for one target input and a plain ``backward``, with
+    no hook, on the CPU, out of debug mode (what most functions are): the
+    same calls, checks and errors, without the lists."""
+    try:
+        gxs = func.backward(target_input_indexes, out_grad)
+    except Exception as error:
+        _backprop_utils._reraise_with_stack(func, error)
+    i = target_input_indexes[0]
+    len_gxs = len(gxs)
+    if len_gxs == len(func.inputs):
+        gx = gxs[i]
+    elif len_gxs == 1:
+        gx = gxs[0]
+    else:
+        message = "number of gradients returned from backward is incorrect: "
+        if len(func.inputs) == 1:
+            message += f"{len_gxs} != expected {len(func.inputs)}"
+        else:
+            message += f"{len_gxs} != expected {len(func.inputs)} or 1"
+        raise ValueError(func._get_error_message(message))
+    x = func.inputs[i]
+    old, = in_grad[x] or (None,)
+    result = list(buffered)
+    if gx is None or gx.raw_array is None:
+        result[i] = old
+        return result
+    _check_gradient(func, x, gx)
+    result[i] = gx if old is None else F.add(old, gx)
     return result
 
 
@@ -361,14 +431,17 @@ _GRAD_GRAPH = pyengine.OwnerGraph(_all_parents, _run_function, mode="returns",
                                   accumulates=True, gradient_policy="exact")
 
 
-@contextlib.contextmanager
-def _running(retain_grad, loss_scale, is_grad):
+def _run_graph(graph, root, grad, inputs, retain_grad, loss_scale, is_grad):
+    """``graph.backward(root, grad)`` (or ``graph.grad`` with ``inputs``)
+    with this call's _Run innermost on the thread's stack."""
     stack = getattr(_runs, "stack", None)
     if stack is None:
         stack = _runs.stack = []
     stack.append(_Run(retain_grad, loss_scale, is_grad))
     try:
-        yield
+        if inputs is None:
+            return graph.backward(root, grad)
+        return graph.grad(root, grad, inputs, allow_unused=True)
     finally:
         stack.pop()
 
@@ -411,8 +484,7 @@ def backprop_to_all(outputs, retain_grad, loss_scale):
     root, grad = _root_of(pairs)
     if root is None:
         return
-    with _running(retain_grad, loss_scale, False):
-        _GRAPH.backward(root, grad)
+    _run_graph(_GRAPH, root, grad, None, retain_grad, loss_scale, False)
 
 
 def grad(outputs, inputs, grad_outputs=None, grad_inputs=None, set_grad=False,
@@ -463,8 +535,8 @@ def grad(outputs, inputs, grad_outputs=None, grad_inputs=None, set_grad=False,
             result = [None] * len(inputs)
         else:
             wanted = [item for item in input_items if item is not None]
-            with _running(retain_grad, loss_scale, True):
-                captured = iter(_GRAD_GRAPH.grad(root, seed, wanted, allow_unused=True))
+            captured = iter(_run_graph(_GRAD_GRAPH, root, seed, wanted, retain_grad, loss_scale,
+                                       True))
             result = [None if item is None else next(captured) for item in input_items]
         if grad_inputs is not None:
             for k, gx in enumerate(grad_inputs):
