@@ -62,10 +62,6 @@ What differs from Chainer's engine:
 - A leaf's ``.grad`` is written when the engine reaches the leaf (after
   every function that feeds it has run), not all at once when the backward
   ends.
-- ``Variable.backward`` on a non-leaf with no gradient at all (not a
-  scalar and no ``grad`` set): Chainer calls the creator's backward with a
-  None gradient, which most functions reject with an unrelated error; the
-  adapter raises a TypeError that says the gradient is missing.
 
 Each backward is one owner-graph run on the calling thread; ``F.forget``'s
 backward runs its own backward from inside a function, reentrantly, one
@@ -287,6 +283,7 @@ def _run_function(func, grads, should_compute_output, buffered):
         if x not in in_grad:
             old = buffered[i]
             if old is None and not run.is_grad and x._creator_node is None:
+                x._check_old_style_gradient()
                 old = _load_leaf_grad(x)
             in_grad[x] = [] if old is None else [old]
     if (run.plain and len(target_input_indexes) == 1 and func._local_function_hooks is None
@@ -295,7 +292,7 @@ def _run_function(func, grads, should_compute_output, buffered):
         return _backward_step(func, target_input_indexes, out_grad, in_grad, buffered)
 
     in_data = [x._data for x in inputs]  # VariableNode.data returns _data
-    out_grad_array = [None if g is None else g.raw_array for g in out_grad]
+    out_grad_array = [None if g is None else _array_of(g) for g in out_grad]
     if func._n_local_function_hooks != 0:
         local_hooks = dict(chainer.get_function_hooks())
         local_hooks.update(func.local_function_hooks)
@@ -352,9 +349,15 @@ def _on_cpu(inputs, out_grad):
         if x._data is not None and type(x._data) is not np.ndarray:
             return False
     for g in out_grad:
-        if g is not None and type(g.raw_array) is not np.ndarray:
+        if g is not None and type(_array_of(g)) is not np.ndarray:
             return False
     return True
+
+
+def _array_of(grad):
+    """The array of a gradient: a Variable's, or the array itself
+    (``chainer.grad`` takes arrays as ``grad_outputs`` too)."""
+    return grad.raw_array if isinstance(grad, Variable) else grad
 
 
 _BASE_BACKWARD_ACCUMULATE_CODE = FunctionNode.backward_accumulate.__code__
@@ -466,12 +469,13 @@ def backprop_to_all(outputs, retain_grad, loss_scale):
     ``outputs`` are ``(VariableNode, gradient Variable)`` pairs."""
     pairs = []
     for node, grad in outputs:
+        if node._creator_node is None:
+            # Chainer's gradient table reads a leaf output's own grad_var.
+            node._check_old_style_gradient()
         if grad is None:
-            if node.creator_node is not None:
-                raise TypeError(
-                    f"pyengine.adapters.chainer: backward from a {node.creator_node.label} "
-                    "output with no gradient: set its grad (Chainer starts with ones only "
-                    "for a scalar)")
+            if node._creator_node is not None:
+                pairs += _first_step_without_gradient(node, retain_grad, loss_scale)
+                continue
             # A leaf with no gradient: Chainer sets its grad to None.
             var = node.get_variable_or_none()
             if var is not None:
@@ -485,6 +489,27 @@ def backprop_to_all(outputs, retain_grad, loss_scale):
     if root is None:
         return
     _run_graph(_GRAPH, root, grad, None, retain_grad, loss_scale, False)
+
+
+def _first_step_without_gradient(node, retain_grad, loss_scale):
+    """A root with no gradient at all (``Variable.backward`` of a non-scalar
+    with no ``grad``): Chainer still runs its creator's step, with None
+    gradients, and most functions raise there; what a function returns
+    instead flows on: ``(input node, gradient)`` pairs."""
+    func = node._creator_node
+    items = _parents(func)
+    should_compute_output = tuple([item is not None for item in items])
+    stack = getattr(_runs, "stack", None)
+    if stack is None:
+        stack = _runs.stack = []
+    stack.append(_Run(retain_grad, loss_scale, False))
+    try:
+        gxs = _run_function(func, [None] * len(func.outputs), should_compute_output,
+                            (None,) * len(items))
+    finally:
+        stack.pop()
+    return [(func.inputs[i], gxs[i]) for i in range(len(items))
+            if items[i] is not None and gxs[i] is not None]
 
 
 def grad(outputs, inputs, grad_outputs=None, grad_inputs=None, set_grad=False,
@@ -528,6 +553,10 @@ def grad(outputs, inputs, grad_outputs=None, grad_inputs=None, set_grad=False,
                 if loss_scale is not None:
                     gy.data *= loss_scale
         pairs.append((y.node, gy))
+    if grad_inputs is not None:
+        # Chainer's gradient table starts with them: they are summed into
+        # the inputs' gradients and flow on from there.
+        pairs += [(x.node, gx) for x, gx in zip(inputs, grad_inputs) if gx is not None]
     root, seed = _root_of(pairs)
     input_items = [_item_of(x.node) for x in inputs]
     with chainer.using_config("enable_backprop", enable_double_backprop):
@@ -538,10 +567,14 @@ def grad(outputs, inputs, grad_outputs=None, grad_inputs=None, set_grad=False,
             captured = iter(_run_graph(_GRAD_GRAPH, root, seed, wanted, retain_grad, loss_scale,
                                        True))
             result = [None if item is None else next(captured) for item in input_items]
-        if grad_inputs is not None:
-            for k, gx in enumerate(grad_inputs):
-                if gx is not None:
-                    result[k] = gx if result[k] is None else F.add(gx, result[k])
+    if retain_grad:
+        # Chainer runs the creator of an input even where it is on no path
+        # to an input, and stores the input's gradient then; the engine
+        # captures it without running the creator.
+        for x, gx in zip(inputs, result):
+            if x.creator_node is not None:
+                x.grad_var = gx
+                x._loss_scale = loss_scale
     if set_grad:
         for x, gx in zip(inputs, result):
             x.grad_var = gx

@@ -192,11 +192,31 @@ def test_backward_from_a_leaf_sets_its_gradient():
     assert_same(native, ours)
 
 
-def test_a_non_scalar_root_without_a_gradient_is_an_error():
-    x = chainer.Variable(np.ones(3))
-    with pyengine_chainer.installed():
-        with pytest.raises(TypeError, match="no gradient"):
-            (x * 2.0).backward()
+def test_a_non_scalar_root_without_a_gradient_runs_its_creator_with_none():
+    """Chainer calls the root's creator with a None gradient; MulConstant's
+    backward then fails on it, the same way on both engines."""
+    def program():
+        x = chainer.Variable(np.ones(3))
+        (x * 2.0).backward()
+    native, ours = chainer_error(program)
+    assert native == ours
+
+
+class IgnoresItsGradient(chainer.FunctionNode):
+    def forward(self, inputs):
+        return inputs[0] * 2,
+
+    def backward(self, indexes, grad_outputs):
+        return chainer.Variable(np.full(3, 5.0)),
+
+
+def test_a_root_without_a_gradient_whose_creator_gives_one_anyway():
+    def program():
+        x = chainer.Variable(np.ones(3))
+        y, = IgnoresItsGradient().apply((F.sin(x),))
+        y.backward()
+        return x.grad
+    check(program)
 
 
 def test_a_deep_chain():
