@@ -62,6 +62,11 @@ What differs from Chainer's engine:
 - A leaf's ``.grad`` is written when the engine reaches the leaf (after
   every function that feeds it has run), not all at once when the backward
   ends.
+- ``chainer.grad(..., retain_grad=True)``: Chainer also runs the creator of
+  an output that is on no path to an ``inputs`` Variable (only to store its
+  output gradients); the engine does not run it, so such an output keeps
+  its old ``grad``. An ``inputs`` Variable's own gradient is stored, as in
+  Chainer.
 
 Each backward is one owner-graph run on the calling thread; ``F.forget``'s
 backward runs its own backward from inside a function, reentrantly, one
@@ -117,10 +122,20 @@ _ORIGINAL_GRAD = _function_node.grad
 # theirs and whose "backward" returns their gradients.
 #
 # Gradients reach the engine as Chainer Variables and are summed by the
-# InputBuffer with ChainerVariableBackend.add (``F.add``). The engine gives
-# no metadata and so checks nothing but that a gradient is a value: the
-# checks are Chainer's own, made by ``_run_function`` as Chainer's loop
-# makes them, with Chainer's messages.
+# InputBuffer with ChainerVariableBackend.add (``F.add``). Chainer's gradient
+# table is the InputBuffer: ``accumulates=True`` hands each function the sums
+# its inputs' slots hold so far (Chainer's gradient lists, what
+# ``backward_accumulate`` gets as ``grad_inputs``), and what the function
+# step returns replaces them, so every sum is the ``F.add`` Chainer makes.
+# ``should_compute_output=True`` gives ``target_input_indexes``: under
+# backward the inputs that require grad (the others are None items), under
+# ``chainer.grad`` those on a path to an input (Chainer's ``grad_required``).
+# ``gradient_policy="exact"`` (Chainer's rule: no broadcast reduced, no dtype
+# cast, integer gradients allowed) applies to what the engine checks: no
+# metadata is given, because ``_run_function`` already makes Chainer's own
+# check (``_check_grad_type``, with Chainer's errors, TypeError or
+# ValueError) on every gradient, and metadata would check each twice, a
+# Python call each.
 
 
 class _Outputs:
