@@ -230,22 +230,11 @@ class _Run:
 _runs = threading.local()
 
 
-def _current_run():
-    return _runs.stack[-1]
-
-
 def _is_cpu(arrays):
     for array in arrays:
         if array is not None and type(array) is not np.ndarray:
             return False
     return True
-
-
-def _has_none(values):
-    for value in values:
-        if value is None:
-            return True
-    return False
 
 
 def _load_leaf_grad(node):
