@@ -20,6 +20,8 @@ class OwnerGraph:
     should_compute_output: bool
     gradient_policy: str
     accumulates: bool
+    unpack_grads: bool
+    dense_gradient: Callable[[Any], Any] | None
     def __init__(self, parents: _Reader, backward: _Reader, *, mode: str = ...,
                  num_inputs: Callable[[Any], int] | None = ...,
                  metadata: Callable[[Any], Any] | None = ...,
@@ -29,7 +31,8 @@ class OwnerGraph:
                  pre_hook: Callable[[Any, list[Any]], Any] | None = ...,
                  post_hook: Callable[[Any, list[Any], list[Any]], Any] | None = ...,
                  should_compute_output: bool = ..., gradient_policy: str = ...,
-                 accumulates: bool = ...) -> None: ...
+                 accumulates: bool = ..., unpack_grads: bool = ...,
+                 dense_gradient: Callable[[Any], Any] | None = ...) -> None: ...
     def backward(self, root: Any, grad: Any = ...) -> None: ...
     def grad(self, root: Any, grad: Any, inputs: Iterable[Any],
              allow_unused: bool = ...) -> list[Any]: ...

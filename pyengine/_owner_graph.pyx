@@ -34,7 +34,8 @@ from pyengine._shared.owner_graph_checks import (EXACT, REDUCE, RETURNS, WRITES,
                                                 accumulate_grad, add_owner_note,
                                                 check_hook_result, check_nan, check_options,
                                                 check_reader, cycle_error, format_owner_error,
-                                                format_root_error, mark_needed, owner_name)
+                                                format_root_error, mark_needed, owner_name,
+                                                read_returned)
 from pyengine._shared.owner_graph_checks import check_input_nr as check_input_nr_slow
 from pyengine._shared.owner_graph_checks import count_slots as count_slots_slow
 from pyengine._shared.owner_graph_checks import split_item as split_item_slow
@@ -45,15 +46,20 @@ __all__ = ["OwnerGraph", "run_owner_graph"]
 
 cnp.import_array()
 
+cdef extern from "_table_growth.h":
+    size_t TABLE_GROWTH_STEP "pyengine_TABLE_GROWTH_STEP"
+
 cdef extern from "_owner_table.h":
     cdef struct OwnerEntry "pyengine_OwnerEntry":
         PyObject* node
         Py_ssize_t slots
         PyObject* buffer  # owned, or NULL
+        PyObject* gradient  # owned, or NULL: a one-slot owner's only gradient so far
     cppclass OwnerTable "pyengine_OwnerTable":
         OwnerTable()
         bint full()
         bint grow_step()
+        void reserve(size_t count)
         void add(PyObject* owner, Py_ssize_t slots)
         OwnerEntry* find(PyObject* owner)
     cppclass OwnerItems "pyengine_OwnerItems":
@@ -68,6 +74,7 @@ cdef extern from "Python.h":
     object PyObject_CallMethodOneArg(object obj, object name, object arg)
     object PyObject_CallOneArg(object callable, object arg)
     bint PyTuple_CheckExact(object obj)
+    bint PyList_CheckExact(object obj)
     bint PyLong_Check(object obj)
     bint PyBool_Check(object obj)
     # On the arena's owned pointers, without a reference per use.
@@ -105,11 +112,16 @@ cdef class OwnerGraph:
     cdef readonly bint should_compute_output
     cdef readonly str gradient_policy
     cdef readonly bint accumulates
+    cdef readonly bint unpack_grads
+    cdef readonly object dense_gradient
+    # The number of owners the last walk reached: the next one sizes its
+    # table and vectors by it (a hint; written under the GIL).
+    cdef size_t owners_hint
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
                  post_hook=None, should_compute_output=False, gradient_policy=REDUCE,
-                 accumulates=False):
+                 accumulates=False, unpack_grads=False, dense_gradient=None):
         self.parents = check_reader("parents", parents)
         self.backward_ = check_reader("backward", backward)
         if mode != WRITES and mode != RETURNS:
@@ -118,7 +130,7 @@ cdef class OwnerGraph:
         self.returns = mode == RETURNS
         if not self.returns:
             for what, value in (("num_inputs", num_inputs), ("metadata", metadata),
-                                ("accumulate", accumulate)):
+                                ("accumulate", accumulate), ("dense_gradient", dense_gradient)):
                 if value is not None:
                     raise TypeError(f"{what} is for mode={RETURNS!r}: in mode={WRITES!r} "
                                     "the owners write their parents' gradients themselves")
@@ -130,9 +142,11 @@ cdef class OwnerGraph:
         self.pre_hook = _check_optional("pre_hook", pre_hook)
         self.post_hook = _check_optional("post_hook", post_hook)
         self.gradient_policy = check_options(self.returns, should_compute_output,
-                                             gradient_policy, accumulates)
+                                             gradient_policy, accumulates, unpack_grads)
         self.should_compute_output = should_compute_output
         self.accumulates = accumulates
+        self.unpack_grads = unpack_grads
+        self.dense_gradient = _check_optional("dense_gradient", dense_gradient)
 
     def backward(self, root, grad=None):
         """Run backward from ``root`` (an owner, or a pair ``(owner,
@@ -225,7 +239,8 @@ cdef int read_parents(object parents, object owner, vector[PyObject*]& arena) ex
 
 
 cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[char]& is_leaf,
-                OwnerItems* items_of, OwnerTable* owners, list held, bint keep_items) except -1:
+                OwnerItems* items_of, OwnerTable* owners, list held, bint keep_items,
+                size_t expected) except -1:
     """Append to ``order`` the owners under ``root`` in the depth-first
     post-order of Note [Owner graphs] (borrowed: ``held`` keeps every owner
     seen alive, so that no address is reused), with ``is_leaf`` beside it,
@@ -247,6 +262,15 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     cdef SearchState parent_state
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     cdef size_t i, slot
+    # Sized as the last walk of this graph (no more than a table step): no
+    # doubling on a graph run again.
+    expected = min(expected, <size_t>TABLE_GROWTH_STEP)
+    stack.reserve(expected)
+    arena.reserve(expected)
+    order.reserve(expected)
+    is_leaf.reserve(expected)
+    if graph.returns:
+        owners.reserve(expected)
     try:
         slot = seen.enter(<PyObject*>root)
         reach_owner(graph, root, slot, seen, stack, arena, order, is_leaf, items_of, owners, held,
@@ -286,7 +310,7 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
             if parent_state != SEARCH_FINISHED:
                 reach_owner(graph, <object>parent, slot, seen, stack, arena, order, is_leaf,
                             items_of, owners, held, keep_items)
-            if graph.returns:
+            if graph.returns and input_nr != 0:  # every owner has slot 0
                 check_input_nr(<object>parent, input_nr, owners, holder)
     finally:
         # What an error (a cycle, an attribute, Ctrl-C) left.
@@ -339,12 +363,31 @@ cdef object call_backward(OwnerGraph graph, object owner, list grads, tuple extr
         else:
             PyObject_CallOneArg(backward, owner)
         return None
+    if graph.unpack_grads:
+        if extra is None and len(grads) == 1:
+            # One gradient, as autograd's vjp(g) takes it: no tuple of arguments.
+            return (PyObject_CallMethodOneArg(owner, backward, grads[0]) if type(backward) is str
+                    else backward(owner, grads[0]))
+        extra = () if extra is None else extra
+        return (getattr(owner, <str>backward)(*grads, *extra) if type(backward) is str
+                else backward(owner, *grads, *extra))
     if extra is not None:
         return (getattr(owner, <str>backward)(grads, *extra) if type(backward) is str
                 else backward(owner, grads, *extra))
     outputs = (PyObject_CallMethodOneArg(owner, backward, grads) if type(backward) is str
                else backward(owner, grads))
     return outputs
+
+
+cdef int dense_grads(OwnerGraph graph, list grads) except -1:
+    """``dense_gradient`` applied, in place, to each of ``grads`` that is a
+    value but not a numpy array (See Note [Owner graphs])."""
+    cdef Py_ssize_t k
+    for k in range(len(grads)):
+        grad = grads[k]
+        if grad is not None and type(grad) is not cnp.ndarray:
+            grads[k] = graph.dense_gradient(grad)
+    return 0
 
 
 cdef tuple should_compute_outputs(object owner, PyObject** items, Py_ssize_t n_items,
@@ -382,7 +425,12 @@ cdef tuple take_buffered(object owner, PyObject** items, Py_ssize_t n_items, Own
         value = None
         if split_item(<object>items[i], owner, &parent, &input_nr):
             entry = owners.find(parent)
-            if entry != NULL and entry.buffer != NULL:
+            if entry != NULL and entry.gradient != NULL:
+                if input_nr == 0:
+                    value = <object>entry.gradient
+                    decref(entry.gradient)
+                    entry.gradient = NULL
+            elif entry != NULL and entry.buffer != NULL:
                 buffer = <InputBuffer>entry.buffer
                 # Python code can reach an InputBuffer and write its buffer.
                 if buffer.buffer is not None and input_nr < len(buffer.buffer):
@@ -407,6 +455,8 @@ cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** i
                 raise TypeError(f"pre_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
             grads = check_hook_result(owner, "pre_hook", result, len(grads))
+    if graph.dense_gradient is not None:
+        dense_grads(graph, grads)
     cdef tuple extra = None
     if graph.should_compute_output or graph.accumulates:
         extra = ()
@@ -422,31 +472,34 @@ cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** i
                 raise TypeError(f"post_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
         return 0
-    if not isinstance(outputs, (list, tuple)):
-        raise TypeError(f"the backward of a {owner_name(owner)} returned "
-                        f"{type(outputs).__name__}; expected a list or tuple of {n_items} "
-                        "gradients, one per parent item")
-    if len(outputs) != n_items:
-        raise RuntimeError(f"the backward of a {owner_name(owner)} returned {len(outputs)} "
-                           f"gradients; expected {n_items}, one per parent item")
-    cdef list checked = list(outputs)
-    check_outputs(graph, owner, checked, items, n_items, owners, metadata_of)
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != n_items:
+        outputs = read_returned(owner, outputs, n_items)  # a generator, or an error
+    # A tuple is read as it is (no Python code can change it); a list is
+    # copied. check_outputs copies a tuple it must change.
+    checked = check_outputs(graph, owner,
+                            outputs if PyTuple_CheckExact(outputs) else list(outputs),
+                            items, n_items, owners, metadata_of)
     if graph.post_hook is not None:
+        if not PyList_CheckExact(checked):
+            checked = list(checked)
         result = graph.post_hook(owner, checked, grads)
         if result is not None:
-            checked = check_hook_result(owner, "post_hook", result, n_items)
-            check_outputs(graph, owner, checked, items, n_items, owners, metadata_of)
+            checked = check_outputs(graph, owner,
+                                    check_hook_result(owner, "post_hook", result, n_items),
+                                    items, n_items, owners, metadata_of)
     if anomaly_enabled() and anomaly_check_nan():
         check_nan(owner, checked)
     route_gradients(owner, checked, items, n_items, owners)
     return 0
 
 
-cdef int check_outputs(OwnerGraph graph, object owner, list outputs, PyObject** items,
-                       Py_ssize_t n_items, OwnerTable* owners, dict metadata_of) except -1:
+cdef object check_outputs(OwnerGraph graph, object owner, object outputs, PyObject** items,
+                          Py_ssize_t n_items, OwnerTable* owners, dict metadata_of):
     """validate_outputs for an owner: a gradient for a parent that gets none
     is dropped; the others are values, checked against the parent's
-    metadata where the framework gives it."""
+    metadata where the framework gives it. ``outputs`` is a list (changed
+    in place) or a tuple (copied into a list at the first change); returns
+    the checked gradients."""
     cdef PyObject* parent
     cdef Py_ssize_t input_nr
     cdef Py_ssize_t i
@@ -459,6 +512,8 @@ cdef int check_outputs(OwnerGraph graph, object owner, list outputs, PyObject** 
             raise IndexError("tuple index out of range")  # the twin's items[i]
         if (not split_item(<object>items[i], owner, &parent, &input_nr)
                 or owners.find(parent) == NULL):
+            if not PyList_CheckExact(outputs):
+                outputs = list(outputs)
             outputs[i] = None
             continue
         metadata = None
@@ -473,10 +528,12 @@ cdef int check_outputs(OwnerGraph graph, object owner, list outputs, PyObject** 
             continue
         if format_error is None:
             format_error = format_owner_error(owner)
+        if not PyList_CheckExact(outputs):
+            outputs = list(outputs)
         outputs[i] = (validate_gradient_exact(i, grad, metadata, format_error)
                       if graph.gradient_policy == EXACT
                       else validate_gradient(i, grad, metadata, format_error))
-    return 0
+    return outputs
 
 
 cdef inline bint gradient_matches(object metadata, object grad) noexcept:
@@ -488,7 +545,7 @@ cdef inline bint gradient_matches(object metadata, object grad) noexcept:
     return type(metadata) is InputMetadata and numpy_gradient_matches(<InputMetadata>metadata, grad)
 
 
-cdef int route_gradients(object owner, list outputs, PyObject** items, Py_ssize_t n_items,
+cdef int route_gradients(object owner, object outputs, PyObject** items, Py_ssize_t n_items,
                          OwnerTable* owners) except -1:
     """Sum each gradient into its parent's InputBuffer, made on the first
     (check_outputs dropped the gradients of parents not in the table)."""
@@ -510,9 +567,21 @@ cdef int route_gradients(object owner, list outputs, PyObject** items, Py_ssize_
         if entry == NULL:
             raise KeyError(id(<object>parent))  # as the twin's slots[id(parent)]
         if entry.buffer == NULL:
+            if entry.slots == 1 and entry.gradient == NULL:
+                # Held as it is, as an InputBuffer holds a first gradient:
+                # See Note [Owner graphs].
+                Py_INCREF(grad)
+                entry.gradient = <PyObject*>grad
+                continue
             buffer = new_input_buffer(entry.slots)
             Py_INCREF(buffer)
             entry.buffer = <PyObject*>buffer
+            if entry.gradient != NULL:
+                # The second gradient: the first moves into the new buffer.
+                first = <object>entry.gradient
+                decref(entry.gradient)
+                entry.gradient = NULL
+                buffer.add(0, first, False)
         else:
             buffer = <InputBuffer>entry.buffer
         buffer.add(input_nr, grad, False)
@@ -596,7 +665,9 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
     cdef OwnerTable owners
     cdef OwnerEntry* entry
     cdef list held = []
-    search(graph, root_owner, order, is_leaf, &items_of, &owners, held, returns)
+    search(graph, root_owner, order, is_leaf, &items_of, &owners, held, returns,
+           graph.owners_hint)
+    graph.owners_hint = order.size()
     cdef Py_ssize_t i, k
     if returns:
         check_input_nr(root_owner, root_nr, &owners, "the root")
@@ -669,13 +740,18 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
             continue
         # The twin's buffers.pop(id(owner), None): the reference moves out.
         entry = owners.find(order[i])
-        if entry == NULL or entry.buffer == NULL:
+        if entry == NULL or (entry.buffer == NULL and entry.gradient == NULL):
             i -= 1
             continue
-        buffer = <InputBuffer>entry.buffer
-        decref(entry.buffer)
-        entry.buffer = NULL
-        grads = buffer.buffer
+        if entry.gradient != NULL:
+            grads = [<object>entry.gradient]
+            decref(entry.gradient)
+            entry.gradient = NULL
+        else:
+            buffer = <InputBuffer>entry.buffer
+            decref(entry.buffer)
+            entry.buffer = NULL
+            grads = buffer.buffer
         key = address(order[i]) if wanted is not None or needed is not None else None
         if wanted is not None and key in wanted:
             for k, (input_owner, input_nr) in enumerate(inputs):

@@ -9,7 +9,7 @@
 // linear probing, as pyengine/_dependency_map.h; entries are never removed
 // (a buffer taken leaves its owner's entry, with no buffer).
 //
-// The table owns the buffers it holds: its destructor releases those left
+// The table owns the buffers and gradients it holds: its destructor releases those left
 // (an error in the walk), so it must be destroyed with the GIL held.
 #pragma once
 
@@ -26,6 +26,9 @@ struct pyengine_OwnerEntry {
     PyObject *node = nullptr;    // the owner, borrowed (the walk holds it)
     Py_ssize_t slots = 0;        // its slot count
     PyObject *buffer = nullptr;  // owned: its InputBuffer, NULL before the first gradient
+    // owned: a one-slot owner's only gradient so far, held without an
+    // InputBuffer (the twin's one-item tuple in ``buffers``); NULL otherwise.
+    PyObject *gradient = nullptr;
 };
 
 class pyengine_OwnerTable {
@@ -41,6 +44,23 @@ class pyengine_OwnerTable {
         // one to add entries) is over.
         for (pyengine_OwnerEntry &entry : slots_) {
             Py_XDECREF(entry.buffer);
+            Py_XDECREF(entry.gradient);
+        }
+    }
+
+    // On a new table: room for count entries without a doubling, but no
+    // more than pyengine_TABLE_GROWTH_STEP slots, so that zeroing them
+    // stays a fraction of a millisecond (pyengine/_table_growth.h).
+    void reserve(size_t count) {
+        if (used_ != 0) {
+            return;
+        }
+        size_t size = slots_.size();
+        while (2 * (count + 1) > size && size < pyengine_TABLE_GROWTH_STEP) {
+            size *= 2;
+        }
+        if (size != slots_.size()) {
+            slots_.assign(size, pyengine_OwnerEntry());
         }
     }
 

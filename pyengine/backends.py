@@ -31,7 +31,9 @@ copies and sums. The numpy fast paths (the compiled core's, and the twin's
 counterpart of each) are taken only for a value that ``is_numpy_array``
 (pyengine/_pure/node.py, pyengine/_node.pyx): an exact ndarray while
 ``numpy_backend_is_builtin``, which ``register_backend`` keeps up to date
-(the backend found for ``np.ndarray`` is the built-in ``NUMPY``). The
+(the backend found for ``np.ndarray`` is the built-in ``NUMPY``, or one
+whose ``numpy_fast_paths`` is True: it sums, checks and copies exact numpy
+arrays as ``NUMPY`` does, and differs only for other operands). The
 compiled core keeps a C copy of that flag, which register_backend's (and
 unregister_backend's) listener refreshes, so that the check costs no
 dictionary lookup. Routing (``node_device``) still takes a numpy array to be
@@ -64,6 +66,11 @@ class ArrayBackend:
     """
 
     name = "abstract"
+    # True on a backend registered for np.ndarray that does for exact numpy
+    # arrays what the built-in NUMPY does (it differs only for operands of
+    # other types), so that the numpy fast paths stay on while it is
+    # registered: See Note [Replacing the numpy backend].
+    numpy_fast_paths = False
 
     def shape(self, value) -> tuple:
         raise NotImplementedError
@@ -318,7 +325,9 @@ def unregister_backend(value_type: type) -> ArrayBackend | None:
 def _registrations_changed():
     global numpy_backend_is_builtin
     _backend_cache.clear()
-    numpy_backend_is_builtin = _find_backend(np.ndarray) is NUMPY
+    found = _find_backend(np.ndarray)
+    numpy_backend_is_builtin = found is NUMPY or (found is not None
+                                                  and found.numpy_fast_paths is True)
     for listener in _registration_listeners:
         listener()
 

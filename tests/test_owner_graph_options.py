@@ -409,3 +409,137 @@ def test_both_cores_agree_with_every_option(seed, policy):
     pure = run_with_options(pure_owner_graph, seed, policy)
     assert compiled == pure
     assert len(compiled[0]) > 10
+
+
+# -- unpack_grads, dense_gradient, generators ---------------------------------------------------------
+
+
+def test_unpack_grads_passes_each_gradient_as_an_argument():
+    x = Value([0.5, -1.0, 2.0])
+    double, square = Split(x).outputs()
+    y = Add(double, Mul(square, double).outputs()).outputs()
+    seen = []
+
+    def unpacked(owner, *args):
+        seen.append((type(owner).__name__, len(args)))
+        return owner.vjp(list(args))
+
+    graph = pyengine.OwnerGraph(parents, unpacked, mode="returns", num_inputs=num_inputs,
+                                unpack_grads=True)
+    assert graph.unpack_grads is True
+    graph.backward(item_of(y), np.ones(3))
+    np.testing.assert_allclose(x.grad, 2 + 6 * x.data ** 2, rtol=1e-12)  # y = 2x + 2x^3
+    assert sorted(seen) == [("Add", 1), ("Mul", 1), ("Split", 2)]
+
+
+def test_unpack_grads_through_a_method_name_with_the_other_options(monkeypatch):
+    def vjp_unpacked(self, *args):
+        *grads, should_compute_output, buffered = args
+        self.seen = (len(grads), should_compute_output, buffered)
+        outputs = self.vjp(grads)
+        return [g if b is None else g + b for g, b in zip(outputs, buffered)]
+
+    monkeypatch.setattr(Function, "vjp_unpacked", vjp_unpacked, raising=False)
+    x = Value([0.5, -1.0, 2.0])
+    split = Split(x)
+    double, square = split.outputs()
+    y = Add(double, Mul(square, double).outputs()).outputs()
+    pyengine.OwnerGraph(parents, "vjp_unpacked", mode="returns", num_inputs=num_inputs,
+                        unpack_grads=True, should_compute_output=True,
+                        accumulates=True).backward(item_of(y), np.ones(3))
+    np.testing.assert_allclose(x.grad, 2 + 6 * x.data ** 2, rtol=1e-12)
+    assert split.seen == (2, (True,), (None,))
+
+
+def to_fake(value):
+    return fd.to_fake(value, fd.device(0))
+
+
+def test_dense_gradient_sees_each_non_numpy_gradient_before_a_backward():
+    # sin(x) * w with Mul returning fake-device gradients: Sin must get numpy.
+    class FakeMul(Mul):
+        def backward(self, grad):
+            return tuple(to_fake(g) for g in super().backward(grad))
+
+    x, w = Value([0.5, -1.0, 2.0]), Value([1.5, 2.0, -1.0])
+    y = FakeMul(Sin(x).outputs(), w).outputs()
+    received, densified = [], []
+
+    def backward(owner, grads):
+        received.extend(type(g).__name__ for g in grads)
+        return owner.vjp(grads)
+
+    def dense(value):
+        densified.append(type(value).__name__)
+        return value.numpy()
+
+    pyengine.OwnerGraph(parents, backward, mode="returns", num_inputs=num_inputs,
+                        dense_gradient=dense).backward(item_of(y), np.ones(3))
+    assert received == ["ndarray", "ndarray"] and densified == ["FakeArray"]
+    np.testing.assert_allclose(x.grad, w.data * np.cos(x.data), rtol=1e-12)
+    # A leaf's sum is accumulate's: not densified.
+    assert isinstance(w.grad, fd.FakeArray)
+    np.testing.assert_allclose(w.grad.numpy(), np.sin(x.data), rtol=1e-12)
+
+
+def test_a_generator_is_read_as_the_returned_gradients():
+    x, w = Value([0.5, -1.0, 2.0]), Value([1.5, 2.0, -1.0])
+    y = Mul(Sin(x).outputs(), w).outputs()
+
+    def generating(owner, grads):
+        return (g for g in owner.vjp(grads))
+
+    pyengine.OwnerGraph(parents, generating, mode="returns",
+                        num_inputs=num_inputs).backward(item_of(y), np.ones(3))
+    np.testing.assert_allclose(x.grad, w.data * np.cos(x.data), rtol=1e-12)
+    np.testing.assert_allclose(w.grad, np.sin(x.data), rtol=1e-12)
+
+    def short(owner, grads):
+        return (g for g in owner.vjp(grads)[:1])
+
+    with pytest.raises(RuntimeError, match="the backward of a Mul returned 1 gradients; expected 2"):
+        pyengine.OwnerGraph(parents, short, mode="returns",
+                            num_inputs=num_inputs).backward(item_of(y), np.ones(3))
+
+
+@pytest.mark.parametrize("option, error, match", [
+    (dict(unpack_grads=True), TypeError, "unpack_grads is for mode='returns'"),
+    (dict(dense_gradient=len), TypeError, "dense_gradient is for mode='returns'"),
+])
+def test_writes_mode_refuses_unpacking_and_densifying(option, error, match):
+    with pytest.raises(error, match=match):
+        pyengine.OwnerGraph("_prev", "_backward", **option)
+    with pytest.raises(TypeError, match="unpack_grads must be a bool, got int"):
+        make_graph(unpack_grads=1)
+    with pytest.raises(TypeError, match="dense_gradient must be a callable or None, got int"):
+        make_graph(dense_gradient=1)
+
+
+def run_unpacked(core, seed):
+    program = random_program(seed, size=30)
+    leaves, values = build(program)
+    log = []
+
+    def backward(owner, *grads):
+        log.append((type(owner).__name__, len(grads),
+                    [None if g is None else type(g).__name__ for g in grads]))
+        return (to_fake(g) for g in owner.vjp(list(grads)))
+
+    graph = core.OwnerGraph(parents, backward, mode="returns", num_inputs=num_inputs,
+                            unpack_grads=True, dense_gradient=lambda value: value.numpy())
+    graph.backward(item_of(values[-1]), np.ones(3))
+    return log, [None if leaf.grad is None else leaf.grad.numpy().tolist() for leaf in leaves]
+
+
+@needs_compiled
+@pytest.mark.parametrize("seed", range(4))
+def test_both_cores_agree_unpacked(seed, torch):
+    compiled = run_unpacked(compiled_owner_graph, seed)
+    pure = run_unpacked(pure_owner_graph, seed)
+    assert compiled == pure
+    expected = torch_grads(torch, random_program(seed, size=30))
+    for got, e in zip(compiled[1], expected):
+        if e is None:
+            assert got is None
+        else:
+            np.testing.assert_allclose(got, e, rtol=1e-12, atol=1e-12)

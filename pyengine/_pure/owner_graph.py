@@ -31,7 +31,8 @@ owner of it, with no pyengine Node made at forward or at backward.
   - ``"returns"`` (DeZero, Chainer, autograd): called with the owner's
     gradients (a list, one per slot, summed in the core's InputBuffer;
     None where none arrived), it returns one gradient per parent item, in
-    order. Each is checked (a value of a registered backend; against
+    order (a list or a tuple, or a generator, read once: autograd's vjps of
+    more than two arguments return one). Each is checked (a value of a registered backend; against
     ``metadata(parent)[input_nr]`` by validate_outputs' rules when the
     framework gives ``metadata``), then summed into the parent's slot.
     ``num_inputs(owner)`` (default 1) is an owner's number of slots. A leaf
@@ -40,6 +41,11 @@ owner of it, with no pyengine Node made at forward or at backward.
     out of place (the first gradient is stored as it is and never written
     into). An owner at which no gradient arrived (all its slots None) does
     not run and passes None on: its backward need not handle that case.
+    A one-slot owner's first gradient is held as it is, with no
+    InputBuffer (one would hold it as it is too); the second makes the
+    buffer, the first added before it, so the sums and their ownership are
+    the InputBuffer's (See Note [InputBuffer ownership] in
+    ``pyengine/_pure/input_buffer.py``).
 
   Three options of returns mode change what the backward gets and what its
   gradients mean (issue 18; a Node has the same three):
@@ -69,6 +75,18 @@ owner of it, with no pyengine Node made at forward or at backward.
     buffer forgets that it owned a sum it handed out, so the engine never
     writes into a value a backward was given (See Note [InputBuffer
     ownership] in ``pyengine/_pure/input_buffer.py``).
+
+  Two more shape the call itself. ``unpack_grads=True`` passes the owner's
+  gradients as positional arguments instead of one list,
+  ``backward(owner, *grads[, should_compute_output][, buffered])`` or
+  ``owner.<backward>(*grads, ...)``: DeZero's ``backward(*gys)`` and
+  autograd's ``vjp(g)`` are then the backward itself, with no Python
+  function of the adapter's around each call. ``dense_gradient(value)``
+  (optional) is applied to each gradient a backward is about to get (after
+  ``pre_hook``) that is not a numpy array; its result is what the backward
+  gets (autograd makes its sparse gradients dense before a vjp sees them).
+  A leaf's ``accumulate`` and ``grad(inputs=)``'s captures get the sums as
+  they are.
 
 The search. From the root, a depth-first search reads each owner's items
 once, in their iteration order, into a snapshot of its own when it first
@@ -101,7 +119,9 @@ post-order needs no dependency counts and no ready queue, and:
   the cyclic GC frees each graph, and every tracked object made per value
   makes the GC's collections both more frequent and longer
   (``benchmarks/RESULTS.md`` has the figures). Its search keeps each
-  owner's snapshot in one C array used as a stack. In returns mode it keeps
+  owner's snapshot in one C array used as a stack, sized (with its table
+  and the order) by the previous walk of the same OwnerGraph, so that a
+  graph run again doubles no table. In returns mode it keeps
   a tuple per owner (the items, to route the gradients), a slot count and
   an InputBuffer per owner a gradient reaches.
 
@@ -152,7 +172,7 @@ from .._shared.owner_graph_checks import (EXACT, REDUCE, RETURNS, WRITES, OwnerR
                                          check_input_nr, check_nan, check_options, check_reader,
                                          count_slots, cycle_error,
                                          format_owner_error, format_root_error, mark_needed,
-                                         owner_name, split_item)
+                                         owner_name, read_returned, split_item)
 from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer
@@ -184,12 +204,13 @@ class OwnerGraph:
 
     __slots__ = ("parents", "backward_", "mode", "returns", "num_inputs", "metadata",
                  "accumulate", "visit", "needs_no_gradient", "pre_hook", "post_hook",
-                 "should_compute_output", "gradient_policy", "accumulates")
+                 "should_compute_output", "gradient_policy", "accumulates", "unpack_grads",
+                 "dense_gradient")
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
                  post_hook=None, should_compute_output=False, gradient_policy=REDUCE,
-                 accumulates=False):
+                 accumulates=False, unpack_grads=False, dense_gradient=None):
         self.parents = check_reader("parents", parents)
         self.backward_ = check_reader("backward", backward)
         if mode != WRITES and mode != RETURNS:
@@ -198,7 +219,7 @@ class OwnerGraph:
         self.returns = mode == RETURNS
         if not self.returns:
             for what, value in (("num_inputs", num_inputs), ("metadata", metadata),
-                                ("accumulate", accumulate)):
+                                ("accumulate", accumulate), ("dense_gradient", dense_gradient)):
                 if value is not None:
                     raise TypeError(f"{what} is for mode={RETURNS!r}: in mode={WRITES!r} "
                                     "the owners write their parents' gradients themselves")
@@ -210,9 +231,11 @@ class OwnerGraph:
         self.pre_hook = _check_optional("pre_hook", pre_hook)
         self.post_hook = _check_optional("post_hook", post_hook)
         self.gradient_policy = check_options(self.returns, should_compute_output,
-                                             gradient_policy, accumulates)
+                                             gradient_policy, accumulates, unpack_grads)
         self.should_compute_output = should_compute_output
         self.accumulates = accumulates
+        self.unpack_grads = unpack_grads
+        self.dense_gradient = _check_optional("dense_gradient", dense_gradient)
 
     def backward(self, root, grad=None):
         """Run backward from ``root`` (an owner, or a pair ``(owner,
@@ -287,7 +310,7 @@ def search(graph, root, order, is_leaf, items_of, slots, held, keep_items):
                         keep_items)
         elif parent_state == _ON_PATH:
             raise cycle_error(parent, parents)
-        if returns:
+        if returns and pair[1] != 0:  # every owner has slot 0
             check_input_nr(parent, pair[1], slots, frame[0])
 
 
@@ -320,11 +343,24 @@ def call_backward(graph, owner, grads, extra):
         else:
             backward(owner)
         return None
+    if graph.unpack_grads:
+        extra = () if extra is None else extra
+        return (getattr(owner, backward)(*grads, *extra) if type(backward) is str
+                else backward(owner, *grads, *extra))
     if extra is not None:
         return (getattr(owner, backward)(grads, *extra) if type(backward) is str
                 else backward(owner, grads, *extra))
     outputs = getattr(owner, backward)(grads) if type(backward) is str else backward(owner, grads)
     return outputs
+
+
+def dense_grads(graph, grads):
+    """``dense_gradient`` applied, in place, to each of ``grads`` that is a
+    value but not a numpy array (See Note [Owner graphs])."""
+    for k in range(len(grads)):
+        grad = grads[k]
+        if grad is not None and type(grad) is not np.ndarray:
+            grads[k] = graph.dense_gradient(grad)
 
 
 def should_compute_outputs(owner, items, slots, exec_info):
@@ -353,7 +389,11 @@ def take_buffered(owner, items, buffers, slots):
         value = None
         if pair is not None and id(pair[0]) in slots:
             buffer = buffers.get(id(pair[0]))
-            if buffer is not None and pair[1] < len(buffer.buffer):
+            if type(buffer) is tuple:
+                if pair[1] == 0:
+                    value = buffer[0]
+                    del buffers[id(pair[0])]
+            elif buffer is not None and pair[1] < len(buffer.buffer):
                 value = buffer.buffer[pair[1]]
                 buffer.buffer[pair[1]] = None
                 owned = buffer._owned
@@ -374,6 +414,8 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec
                 raise TypeError(f"pre_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
             grads = check_hook_result(owner, "pre_hook", result, len(grads))
+    if graph.dense_gradient is not None:
+        dense_grads(graph, grads)
     extra = None
     if graph.should_compute_output or graph.accumulates:
         extra = ()
@@ -389,20 +431,20 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec
                 raise TypeError(f"post_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
         return
-    if not isinstance(outputs, (list, tuple)):
-        raise TypeError(f"the backward of a {owner_name(owner)} returned "
-                        f"{type(outputs).__name__}; expected a list or tuple of {len(items)} "
-                        "gradients, one per parent item")
-    if len(outputs) != len(items):
-        raise RuntimeError(f"the backward of a {owner_name(owner)} returned {len(outputs)} "
-                           f"gradients; expected {len(items)}, one per parent item")
-    outputs = list(outputs)
-    check_outputs(graph, owner, outputs, items, slots, metadata_of)
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != len(items):
+        outputs = read_returned(owner, outputs, len(items))  # a generator, or an error
+    # A tuple is read as it is (no Python code can change it); a list is
+    # copied. check_outputs copies a tuple it must change.
+    outputs = check_outputs(graph, owner, outputs if type(outputs) is tuple else list(outputs),
+                            items, slots, metadata_of)
     if graph.post_hook is not None:
+        if type(outputs) is not list:
+            outputs = list(outputs)
         result = graph.post_hook(owner, outputs, grads)
         if result is not None:
-            outputs = check_hook_result(owner, "post_hook", result, len(items))
-            check_outputs(graph, owner, outputs, items, slots, metadata_of)
+            outputs = check_outputs(graph, owner,
+                                    check_hook_result(owner, "post_hook", result, len(items)),
+                                    items, slots, metadata_of)
     if state.is_anomaly_enabled() and state.is_anomaly_check_nan_enabled():
         check_nan(owner, outputs)
     route_gradients(owner, outputs, items, buffers, slots)
@@ -411,7 +453,9 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec
 def check_outputs(graph, owner, outputs, items, slots, metadata_of):
     """validate_outputs for an owner: a gradient for a parent that gets none
     is dropped; the others are values, checked against the parent's
-    metadata where the framework gives it."""
+    metadata where the framework gives it. ``outputs`` is a list (changed
+    in place) or a tuple (copied into a list at the first change); returns
+    the checked gradients."""
     format_error = None
     for i in range(len(outputs)):
         grad = outputs[i]
@@ -419,6 +463,8 @@ def check_outputs(graph, owner, outputs, items, slots, metadata_of):
             continue
         pair = split_item(items[i], owner)
         if pair is None or id(pair[0]) not in slots:
+            if type(outputs) is not list:
+                outputs = list(outputs)
             outputs[i] = None
             continue
         metadata = None
@@ -432,9 +478,12 @@ def check_outputs(graph, owner, outputs, items, slots, metadata_of):
             continue
         if format_error is None:
             format_error = format_owner_error(owner)
+        if type(outputs) is not list:
+            outputs = list(outputs)
         outputs[i] = (validate_gradient_exact(i, grad, metadata, format_error)
                       if graph.gradient_policy == EXACT
                       else validate_gradient(i, grad, metadata, format_error))
+    return outputs
 
 
 def gradient_matches(metadata, grad):
@@ -456,7 +505,17 @@ def route_gradients(owner, outputs, items, buffers, slots):
         parent, input_nr = split_item(items[i], owner)
         buffer = buffers.get(id(parent))
         if buffer is None:
+            if slots[id(parent)] == 1:
+                # Held as it is, as an InputBuffer holds a first gradient:
+                # See Note [Owner graphs].
+                buffers[id(parent)] = (grad,)
+                continue
             buffer = buffers[id(parent)] = InputBuffer(slots[id(parent)])
+        elif type(buffer) is tuple:
+            # The second gradient: the first moves into the new buffer.
+            first = buffer[0]
+            buffer = buffers[id(parent)] = InputBuffer(1)
+            buffer.add(0, first, False)
         buffer.add(input_nr, grad, False)
 
 
@@ -589,7 +648,7 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
         if buffer is None:
             i -= 1
             continue
-        grads = buffer.buffer
+        grads = [buffer[0]] if type(buffer) is tuple else buffer.buffer
         if wanted is not None and id(owner) in wanted:
             for k, (input_owner, input_nr) in enumerate(inputs):
                 if input_owner is owner and input_nr < len(grads):

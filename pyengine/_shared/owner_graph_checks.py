@@ -5,6 +5,8 @@ them always, so that both raise the same errors in the same words. The
 protocol and the walk are in those two modules: See Note [Owner graphs] in
 ``pyengine/_pure/owner_graph.py``."""
 
+from types import GeneratorType
+
 from ..backends import backend_of
 from .hooks import add_note
 from .messages import MAX_INPUT_NR
@@ -12,7 +14,8 @@ from .messages import MAX_INPUT_NR
 __all__ = ["WRITES", "RETURNS", "REDUCE", "EXACT", "OwnerRun", "accumulate_grad", "add_owner_note",
            "check_hook_result", "check_input_nr", "check_nan", "check_options", "check_reader",
            "count_slots", "cycle_error",
-           "format_owner_error", "format_root_error", "mark_needed", "owner_name", "split_item"]
+           "format_owner_error", "format_root_error", "mark_needed", "owner_name", "read_returned",
+           "split_item"]
 
 
 WRITES = "writes"
@@ -34,12 +37,12 @@ def check_reader(what, reader):
                     f"got {type(reader).__name__}")
 
 
-def check_options(returns, should_compute_output, gradient_policy, accumulates):
+def check_options(returns, should_compute_output, gradient_policy, accumulates, unpack_grads):
     """The returns-mode options of an OwnerGraph, checked: See Note [Owner
-    graphs]. Both flags must be bools, so that the compiled core reads
+    graphs]. The flags must be bools, so that the compiled core reads
     exactly what the twin reads."""
     for what, flag in (("should_compute_output", should_compute_output),
-                       ("accumulates", accumulates)):
+                       ("accumulates", accumulates), ("unpack_grads", unpack_grads)):
         if type(flag) is not bool:
             raise TypeError(f"{what} must be a bool, got {type(flag).__name__}")
     if gradient_policy != REDUCE and gradient_policy != EXACT:
@@ -48,11 +51,27 @@ def check_options(returns, should_compute_output, gradient_policy, accumulates):
     if not returns:
         for what, value in (("should_compute_output", should_compute_output),
                             ("gradient_policy", gradient_policy == EXACT),
-                            ("accumulates", accumulates)):
+                            ("accumulates", accumulates), ("unpack_grads", unpack_grads)):
             if value:
                 raise TypeError(f"{what} is for mode={RETURNS!r}: in mode={WRITES!r} the "
                                 "owners write their parents' gradients themselves")
     return str(gradient_policy)
+
+
+def read_returned(owner, outputs, count):
+    """The gradients a returns-mode backward returned, as a list of
+    ``count``: a list or a tuple, or a generator (autograd's vjps of more
+    than two arguments return one), read once."""
+    if type(outputs) is GeneratorType:
+        outputs = list(outputs)
+    elif not isinstance(outputs, (list, tuple)):
+        raise TypeError(f"the backward of a {owner_name(owner)} returned "
+                        f"{type(outputs).__name__}; expected a list or tuple of {count} "
+                        "gradients, one per parent item")
+    if len(outputs) != count:
+        raise RuntimeError(f"the backward of a {owner_name(owner)} returned {len(outputs)} "
+                           f"gradients; expected {count}, one per parent item")
+    return outputs
 
 
 def cycle_error(owner, parents):

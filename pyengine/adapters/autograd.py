@@ -60,11 +60,11 @@ What differs from native autograd, by design of the engine:
   ``vjp(g)`` is made dense before the end node's vjp sees it (autograd
   would pass the SparseObject itself, which most vjps reject).
 - While installed, numpy arrays' backend is :class:`AutogradNumpyBackend`
-  for every user of pyengine in the process: numpy sums give the same
-  values, but the numpy fast paths of both cores (InputBuffer sums,
-  validate_outputs, AccumulateGrad) step aside for the backend's methods
-  (See Note [Replacing the numpy backend] in ``pyengine/backends.py``),
-  which costs autograd's own numpy sums a Python call each; and tuples,
+  for every user of pyengine in the process: it is numpy's own for two
+  numpy arrays, so it keeps the numpy fast paths of both cores on
+  (``numpy_fast_paths``: See Note [Replacing the numpy backend] in
+  ``pyengine/backends.py``) where the backend it wraps is the built-in
+  one, and only sums with a Box or a sparse gradient go through it; tuples,
   lists, dicts, floats and complex numbers are accepted as gradient values
   (with autograd's addition) instead of being refused. The owner-graph
   protocol sums with the backend of the gradient already in a slot, and a
@@ -93,7 +93,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 import pyengine
 from pyengine.adapters import Patches
-from pyengine.backends import ArrayBackend, NumpyBackend, backend_of
+from pyengine.backends import NUMPY, ArrayBackend, NumpyBackend, backend_of
 from pyengine.device import CPU
 
 __all__ = ["install", "uninstall", "is_installed", "installed", "backward_pass",
@@ -205,6 +205,9 @@ class AutogradNumpyBackend(NumpyBackend):
 
     def __init__(self, previous):
         self.previous = previous
+        # For two numpy arrays this is previous's: the fast paths of both
+        # cores may stay on where previous is the built-in backend.
+        self.numpy_fast_paths = previous is NUMPY or previous.numpy_fast_paths is True
 
     def add(self, a, b):
         if isinstance(b, _AUTOGRAD_VALUES):
@@ -224,17 +227,6 @@ _BACKEND = AutogradBackend()
 
 # -- the backward pass ----------------------------------------------------------------------
 
-def _vjp(node, grads, sparse_types=sparse_object_types, tuple=tuple, type=type):
-    """The owner graph's backward: the node's vjp on its summed gradient
-    (made dense, as ``_dense``), one gradient per parent. It runs once per
-    node: the defaults bind globals as locals, and ``_dense`` is inlined."""
-    g = grads[0]
-    if type(g) in sparse_types:
-        g = sparse_add(vspace(g), None, g)
-    ingrads = node.vjp(g)
-    return ingrads if type(ingrads) is tuple else tuple(ingrads)
-
-
 # Each thread's backward passes under way, innermost last: a one-item list
 # each, which the leaf's accumulate fills. A vjp may run a backward pass of
 # its own (reentrant), which finishes before its caller's leaf is reached.
@@ -245,7 +237,12 @@ def _accumulate(leaf, gradient):
     _results.stack[-1].append(gradient)
 
 
-_GRAPH = pyengine.OwnerGraph("parents", _vjp, mode="returns", accumulate=_accumulate)
+# Each node's own vjp is its backward, called from the core as node.vjp(g)
+# (unpack_grads: one gradient, no list and no Python function around it);
+# dense_gradient makes a sparse gradient dense before a vjp sees it, and the
+# core reads the generator some vjps return.
+_GRAPH = pyengine.OwnerGraph("parents", "vjp", mode="returns", accumulate=_accumulate,
+                             unpack_grads=True, dense_gradient=_dense)
 
 
 def backward_pass(g, end_node):

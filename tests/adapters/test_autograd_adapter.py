@@ -461,7 +461,9 @@ def test_install_and_uninstall_are_idempotent_and_restore_everything():
     assert pyengine_autograd.is_installed()
     assert autograd.core.backward_pass is pyengine_autograd.backward_pass
     assert isinstance(backends.backend_of(onp.zeros(1)), pyengine_autograd.AutogradNumpyBackend)
-    assert not backends.numpy_backend_is_builtin  # See Note [Replacing the numpy backend]
+    # It is numpy's own for two numpy arrays: the fast paths stay on (See
+    # Note [Replacing the numpy backend]).
+    assert backends.numpy_backend_is_builtin
     for value in ((1.0,), [1.0], {"a": 1.0}, 1.0, 1j):
         assert isinstance(backends.backend_of(value), pyengine_autograd.AutogradBackend)
     pyengine_autograd.uninstall()
@@ -473,6 +475,31 @@ def test_install_and_uninstall_are_idempotent_and_restore_everything():
     assert backends.backend_of(onp.float64(1.0)) is scalar_backend
     for value in ((1.0,), [1.0], {"a": 1.0}, 1.0, 1j):
         assert backends.backend_of(value) is None
+
+
+def test_numpy_fast_paths_step_aside_when_the_wrapped_backend_is_not_numpys():
+    class Counting(backends.NumpyBackend):
+        sums = 0
+
+        def add(self, a, b):
+            Counting.sums += 1
+            return super().add(a, b)
+
+    previous = pyengine.register_backend(onp.ndarray, Counting())
+    try:
+        assert not backends.numpy_backend_is_builtin
+        with pyengine_autograd.installed():
+            assert not backends.numpy_backend_is_builtin
+            # x + x + x: the second gradient into x is a sum of two numpy
+            # arrays, which must reach the user's backend.
+            got = grad(lambda x: np.sum(x + x + x))(X)
+        assert Counting.sums >= 1
+        onp.testing.assert_allclose(got, onp.full_like(X, 3.0))
+    finally:
+        pyengine.unregister_backend(onp.ndarray)
+        if previous is not None:
+            pyengine.register_backend(onp.ndarray, previous)
+    assert backends.numpy_backend_is_builtin
 
 
 def test_installed_restores_the_previous_state():
