@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""DeZero, micrograd and autograd: their own engine against pyengine, in one table.
+"""DeZero, micrograd, autograd and Chainer: their own engine against pyengine, in one table.
 
     python benchmarks/adapters_bench.py [--repeats 5] [--markdown]
-                                        [--only dezero|micrograd|owners|autograd]
+                                        [--only dezero|micrograd|owners|autograd|chainer]
                                         [--clock wall|cpu]
 
 Needs ``dezero`` and ``micrograd`` installed (the ``adapters`` tox
@@ -64,6 +64,12 @@ Graphs (float64 arrays of shape (3,) for DeZero, as in ``graphs.py``):
   times (``anp.negative``); wide 1000x10, 1,000 branches of 10 negatives
   summed by a chain of 999 adds; fan-in 10k, ``total = total + x`` 10,000
   times (10,001 gradients meet at the start node). Backward only.
+- Chainer (7.8.1, in its own environment: ``tox -e chainer``), float64
+  arrays of shape (3,): ``y.backward()`` with ``y.grad`` set to ones and
+  the leaf's gradient cleared before each call, on a graph built once (by
+  Chainer's forward, which the adapter does not touch): chain 10k,
+  ``y = -y`` 10,000 times; wide 1000x10 as DeZero's; one node, ``y = -x``,
+  1,000 backward calls per sample. Backward only.
 """
 
 from __future__ import annotations
@@ -641,6 +647,68 @@ def autograd_benchmarks():
     return rows, components
 
 
+# -- Chainer --------------------------------------------------------------------------------------
+
+ONE_NODE_CALLS = 1_000
+
+
+def chainer_benchmarks():
+    import chainer
+
+    from pyengine.adapters import chainer as adapter
+
+    def chain(x):
+        y = x
+        for _ in range(CHAIN):
+            y = -y
+        return y
+
+    def wide(x):
+        total = None
+        for _ in range(WIDE_BRANCHES):
+            y = x
+            for _ in range(WIDE_DEPTH):
+                y = -y
+            total = y if total is None else total + y
+        return total
+
+    def one_node(x):
+        return -x
+
+    seed = np.ones(3)
+    rows = []
+    for name, function, calls in (("chain 10k", chain, 1),
+                                  (f"wide {WIDE_BRANCHES}x{WIDE_DEPTH}", wide, 1),
+                                  (f"one node x{ONE_NODE_CALLS}", one_node, ONE_NODE_CALLS)):
+        # Chainer's graph is made in forward and kept by backward: one graph
+        # serves both engines.
+        x = chainer.Variable(np.linspace(-1.0, 1.0, 3))
+        y = function(x)
+
+        def backward(x=x, y=y, calls=calls):
+            for _ in range(calls):
+                x.cleargrad()
+                y.grad = seed
+                y.backward()
+            return x.grad
+
+        native = backward()
+        with adapter.installed():
+            ours = backward()
+        np.testing.assert_allclose(ours, native, rtol=1e-12)
+
+        def sample_of(engine, backward=backward):
+            def sample():
+                with adapter.installed() if engine == "pyengine" else _nothing():
+                    gc.collect()
+                    return timed(backward)
+            return sample
+
+        rows.append(Benchmark(f"chainer {name}, backward", sample_of("native"),
+                              sample_of("pyengine")))
+    return rows, []
+
+
 # -- training steps, each sample in a fresh process ------------------------------------------
 
 WARMUP_STEPS, TIMED_STEPS = 2, 5
@@ -707,6 +775,11 @@ GOALS = {
     f"autograd wide {WIDE_BRANCHES}x{WIDE_DEPTH}, backward": (
         1.5, "autograd on pyengine >= 1.5x faster on the wide graph"),
     "autograd fan-in 10k, backward": (1.5, "autograd on pyengine >= 1.5x faster on the fan-in"),
+    "chainer chain 10k, backward": (2.0, "Chainer on pyengine >= 2x faster on the chain"),
+    f"chainer wide {WIDE_BRANCHES}x{WIDE_DEPTH}, backward": (
+        2.0, "Chainer on pyengine >= 2x faster on the wide graph"),
+    f"chainer one node x{ONE_NODE_CALLS}, backward": (
+        1.0, "Chainer on pyengine no slower than native (one-node backward)"),
 }
 
 
@@ -764,7 +837,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("--only", choices=["dezero", "micrograd", "owners", "autograd"])
+    parser.add_argument("--only", choices=["dezero", "micrograd", "owners", "autograd", "chainer"])
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall: time.perf_counter (default); cpu: time.process_time")
     parser.add_argument("--worker", choices=["dezero", "micrograd"], help=argparse.SUPPRESS)
@@ -787,7 +860,8 @@ def main():
     t0 = time.perf_counter()
     benchmarks, components = [], []
     for framework, make in (("dezero", dezero_benchmarks), ("micrograd", micrograd_benchmarks),
-                            ("owners", owner_graph_benchmarks), ("autograd", autograd_benchmarks)):
+                            ("owners", owner_graph_benchmarks), ("autograd", autograd_benchmarks),
+                            ("chainer", chainer_benchmarks)):
         if args.only in (None, framework):
             try:
                 rows, parts = make()
@@ -815,6 +889,7 @@ def main():
     print(f"pyengine adapters_bench.py, started {started}; wall time {time.perf_counter() - t0:.0f} s; "
           f"python {platform.python_version()}; numpy {np.__version__}; dezero {version('dezero')}; "
           f"micrograd {version('micrograd')}; autograd {version('autograd')}; "
+          f"chainer {version('chainer')}; "
           f"pyengine {pyengine.IMPLEMENTATION} core; {os.cpu_count()} CPUs; load average at start "
           f"{start_load}, at end {load_average()}")
     print(f"{args.repeats} samples per benchmark, native and pyengine interleaved; "

@@ -7,7 +7,9 @@ Each adapter is a module that patches one framework so that its own
   create_graph)``;
 - :mod:`pyengine.adapters.micrograd`: micrograd's ``Value.backward()``;
 - :mod:`pyengine.adapters.autograd`: HIPS autograd's reverse mode
-  (``autograd.core.backward_pass``, under ``grad``, ``jacobian``, ...).
+  (``autograd.core.backward_pass``, under ``grad``, ``jacobian``, ...);
+- :mod:`pyengine.adapters.chainer`: Chainer's ``Variable.backward``,
+  ``chainer.backward`` and ``chainer.grad``.
 
 Each offers ``install()``, ``uninstall()``, ``is_installed()`` and the
 context manager ``installed()``. Importing this package imports no

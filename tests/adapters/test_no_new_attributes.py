@@ -20,6 +20,8 @@ FRAMEWORKS = {
     "dezero": ("pyengine.adapters.dezero", ["dezero.core", "dezero.functions", "dezero.layers"]),
     "autograd": ("pyengine.adapters.autograd", ["autograd.core", "autograd.tracer",
                                                 "autograd.numpy.numpy_boxes"]),
+    "chainer": ("pyengine.adapters.chainer", ["chainer.variable", "chainer.function_node",
+                                              "chainer._backprop_utils"]),
 }
 
 
@@ -35,6 +37,13 @@ def run_backward(name):
         y = x * x + x
         y.backward()
         assert float(x.grad.data) == 5.0
+    elif name == "chainer":
+        import chainer
+        x = chainer.Variable(np.array(2.0))
+        (x * x + x).backward()
+        assert float(x.grad) == 5.0
+        gx, = chainer.grad([x * x], [x])
+        assert float(gx.array) == 4.0
     else:
         from autograd import grad
         assert grad(lambda x: x * x + x)(2.0) == 5.0
