@@ -3,7 +3,7 @@
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pyengine._node import Edge
+from pyengine._node import Edge, NodeBase
 
 class NodeErrorFormat:
     def __init__(self, node: Any) -> None: ...

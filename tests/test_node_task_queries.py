@@ -31,7 +31,6 @@ import pyengine
 from pyengine import Edge, Node
 from pyengine._core import validate_outputs
 
-
 # -- a graph built the same way in pyengine and in torch ---------------------------------
 
 class Mix(Node):
@@ -713,7 +712,7 @@ def test_bad_policy_set_later_is_refused_where_it_is_read_naming_the_class(polic
         run(mismatched)
     assert str(raised.value) == f"Node class {Bad.__qualname__}: {words}"
     with pytest.raises(error):
-        mismatched._gradient_policy
+        _ = mismatched._gradient_policy
 
 
 def test_a_str_subclass_equal_to_a_policy_is_that_policy():

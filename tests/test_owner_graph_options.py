@@ -16,13 +16,26 @@ import random
 
 import numpy as np
 import pytest
+from test_owner_graph_protocol import (
+    Add,
+    Function,
+    Mul,
+    Sin,
+    Split,
+    Value,
+    build,
+    compiled_owner_graph,
+    item_of,
+    make_graph,
+    num_inputs,
+    parents,
+    pure_owner_graph,
+    random_program,
+    torch_grads,
+)
 
 import pyengine
 from pyengine import fake_device as fd
-
-from test_owner_graph_protocol import (Add, Function, Mul, Sin, Split, Value, build, compiled_owner_graph,
-                                       item_of, make_graph, num_inputs, parents, pure_owner_graph,
-                                       random_program, torch_grads)
 
 needs_compiled = pytest.mark.skipif(compiled_owner_graph is None, reason="no compiled core")
 

@@ -167,12 +167,28 @@ import time
 import numpy as np
 
 from .._shared.gradient_checks import validate_gradient, validate_gradient_exact
-from .._shared.owner_graph_checks import (EXACT, REDUCE, RETURNS, WRITES, OwnerRun,
-                                         accumulate_grad, add_owner_note, check_hook_result,
-                                         check_input_nr, check_nan, check_options, check_reader,
-                                         count_slots, cycle_error,
-                                         format_owner_error, format_root_error, mark_needed,
-                                         owner_name, read_returned, split_item)
+from .._shared.owner_graph_checks import (
+    EXACT,
+    REDUCE,
+    RETURNS,
+    WRITES,
+    OwnerRun,
+    accumulate_grad,
+    add_owner_note,
+    check_hook_result,
+    check_input_nr,
+    check_nan,
+    check_options,
+    check_reader,
+    count_slots,
+    cycle_error,
+    format_owner_error,
+    format_root_error,
+    mark_needed,
+    owner_name,
+    read_returned,
+    split_item,
+)
 from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer

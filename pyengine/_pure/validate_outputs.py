@@ -12,8 +12,13 @@ Note [Slow paths are shared].
 import numpy as np
 
 from .. import backends
-from .._shared.gradient_checks import (EXACT, checked_gradient_policy, validate_gradient,
-                                       validate_gradient_exact, validate_node_gradient)
+from .._shared.gradient_checks import (
+    EXACT,
+    checked_gradient_policy,
+    validate_gradient,
+    validate_gradient_exact,
+    validate_node_gradient,
+)
 from .node import NodeBase
 
 

@@ -27,7 +27,7 @@ import pytest
 
 chainer = pytest.importorskip("chainer")
 
-import chainer._backprop  # noqa: E402
+import chainer._backprop  # noqa: E402, F811
 import chainer.function_node  # noqa: E402
 import chainer.functions as F  # noqa: E402
 from chainer import gradient_check  # noqa: E402
