@@ -44,13 +44,19 @@ def gradient_policy_of(node):
     return checked_gradient_policy(policy, f"Node class {node_class.__qualname__}")
 
 
-def validate_gradient(i, grad, metadata, format_error):
-    """Gradient ``i`` checked against its slot's ``metadata`` (None: only
-    that it is a value), reduced, cast or moved where that is allowed."""
+def value_backend(i, grad, format_error):
+    """The backend of gradient ``i``; TypeError where no backend handles it."""
     backend = backend_of(grad)
     if backend is None:
         raise TypeError(format_error(
             f"invalid gradient at index {i} - expected an array, but got {type(grad).__name__}"))
+    return backend
+
+
+def validate_gradient(i, grad, metadata, format_error):
+    """Gradient ``i`` checked against its slot's ``metadata`` (None: only
+    that it is a value), reduced, cast or moved where that is allowed."""
+    backend = value_backend(i, grad, format_error)
     if metadata is None:
         return grad
     shape = tuple(backend.shape(grad))
@@ -86,10 +92,7 @@ def validate_gradient_exact(i, grad, metadata, format_error):
     shape, dtype and device, returned as it is; nothing is reduced, cast or
     moved. An integer dtype passes only where the slot's dtype is that very
     dtype. Without metadata, only that it is a value."""
-    backend = backend_of(grad)
-    if backend is None:
-        raise TypeError(format_error(
-            f"invalid gradient at index {i} - expected an array, but got {type(grad).__name__}"))
+    backend = value_backend(i, grad, format_error)
     if metadata is None:
         return grad
     shape = tuple(backend.shape(grad))

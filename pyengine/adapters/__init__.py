@@ -73,15 +73,21 @@ class Patches:
     def is_installed(self) -> bool:
         return self._originals is not None
 
-    @contextlib.contextmanager
     def installed(self):
-        """The body of an adapter's ``installed()``: the block runs with the
-        adapter installed, and the previous state comes back after it (it
-        stays installed if it was)."""
-        was_installed = self.is_installed()
-        self.install()
-        try:
-            yield
-        finally:
-            if not was_installed:
-                self.uninstall()
+        """The body of an adapter's ``installed()`` whose install is only
+        these patches."""
+        return installed_while(self.is_installed, self.install, self.uninstall)
+
+
+@contextlib.contextmanager
+def installed_while(is_installed, install, uninstall):
+    """The body of an adapter's ``installed()``: the block runs with the
+    adapter installed, and the previous state comes back after it (it
+    stays installed if it was)."""
+    was_installed = is_installed()
+    install()
+    try:
+        yield
+    finally:
+        if not was_installed:
+            uninstall()

@@ -78,7 +78,6 @@ it reentrantly, one graph task deeper, as a PyTorch node would.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import numpy as np
@@ -92,7 +91,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("pyengine.adapters.autograd needs autograd: pip install autograd") from error
 
 import pyengine
-from pyengine.adapters import Patches
+from pyengine.adapters import Patches, installed_while
 from pyengine.backends import NUMPY, ArrayBackend, NumpyBackend, backend_of
 from pyengine.device import CPU
 
@@ -359,14 +358,7 @@ def is_installed() -> bool:
     return _PATCHES.is_installed()
 
 
-@contextlib.contextmanager
 def installed():
     """``with installed():`` runs its block with the adapter installed and
     then restores the previous state (it stays installed if it was)."""
-    was_installed = is_installed()
-    install()
-    try:
-        yield
-    finally:
-        if not was_installed:
-            uninstall()
+    return installed_while(is_installed, install, uninstall)

@@ -75,7 +75,6 @@ graph task deeper, as a PyTorch node would.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import numpy as np
@@ -96,7 +95,7 @@ except Exception as error:  # pragma: no cover - depends on the environment
                       f"({type(error).__name__}: {error})") from error
 
 import pyengine
-from pyengine.adapters import Patches
+from pyengine.adapters import Patches, installed_while
 from pyengine.backends import ArrayBackend
 from pyengine.device import CPU, Device
 
@@ -700,14 +699,7 @@ def is_installed() -> bool:
     return _PATCHES.is_installed()
 
 
-@contextlib.contextmanager
 def installed():
     """``with installed():`` runs its block with the adapter installed and
     then restores the previous state (it stays installed if it was)."""
-    was_installed = is_installed()
-    install()
-    try:
-        yield
-    finally:
-        if not was_installed:
-            uninstall()
+    return installed_while(is_installed, install, uninstall)
