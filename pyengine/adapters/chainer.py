@@ -515,6 +515,18 @@ def _first_step_without_gradient(node, retain_grad, loss_scale):
             if items[i] is not None and gxs[i] is not None]
 
 
+def _check_gradients_for(name, gradients, values_name, values):
+    """``chainer.grad``'s check of ``grad_outputs`` / ``grad_inputs``, with
+    its errors: None, or a tuple or list as long as ``values``."""
+    if gradients is None:
+        return
+    if not isinstance(gradients, (tuple, list)):
+        raise TypeError(f"{name} must be a tuple or a list or None, not {type(gradients)}.")
+    if len(values) != len(gradients):
+        raise ValueError(f"{name} must be of the same length as {values_name}.\n"
+                         f"len({values_name}) = {len(values)}, len({name}) = {len(gradients)}")
+
+
 def grad(outputs, inputs, grad_outputs=None, grad_inputs=None, set_grad=False,
          retain_grad=False, enable_double_backprop=False, loss_scale=None):
     """``chainer.grad`` on pyengine (installed as ``chainer.grad`` and
@@ -527,22 +539,8 @@ def grad(outputs, inputs, grad_outputs=None, grad_inputs=None, set_grad=False,
     if any(x is not None and x._has_chainerx_array for x in inputs):
         return _ORIGINAL_GRAD(outputs, inputs, grad_outputs, grad_inputs, set_grad, retain_grad,
                               enable_double_backprop, loss_scale)
-    if grad_outputs is not None:
-        if not isinstance(grad_outputs, (tuple, list)):
-            raise TypeError(f"grad_outputs must be a tuple or a list or None, not "
-                            f"{type(grad_outputs)}.")
-        if len(outputs) != len(grad_outputs):
-            raise ValueError(f"grad_outputs must be of the same length as outputs.\n"
-                             f"len(outputs) = {len(outputs)}, len(grad_outputs) = "
-                             f"{len(grad_outputs)}")
-    if grad_inputs is not None:
-        if not isinstance(grad_inputs, (tuple, list)):
-            raise TypeError(f"grad_inputs must be a tuple or a list or None, not "
-                            f"{type(grad_inputs)}.")
-        if len(inputs) != len(grad_inputs):
-            raise ValueError(f"grad_inputs must be of the same length as inputs.\n"
-                             f"len(inputs) = {len(inputs)}, len(grad_inputs) = "
-                             f"{len(grad_inputs)}")
+    _check_gradients_for("grad_outputs", grad_outputs, "outputs", outputs)
+    _check_gradients_for("grad_inputs", grad_inputs, "inputs", inputs)
     for v in outputs:
         v.node._check_old_style_gradient()
 

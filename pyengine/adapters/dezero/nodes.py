@@ -202,12 +202,7 @@ class FunctionNode(Node):
         gy = grads[0] if grads else None
         retain_grad = _dezero_backward.get()
         if retain_grad is not None:
-            output = function.outputs[0]()
-            if output is not None:
-                stale = output.grad
-                if stale is not None:
-                    gy = stale if gy is None else _add(stale, gy)
-                output.grad = gy if retain_grad else None
+            gy = _output_gradient(function, gy, retain_grad)
         if gy is None:
             return [None] * self._num_inputs
         gxs = function.backward(gy)
@@ -483,6 +478,20 @@ def _is_row_lookup(function, inputs, edges):
     if type(function) is not GetItem or len(edges) != 1 or edges[0] is None:
         return False
     return type(edges[0].node) is DeZeroAccumulateGrad and _indexes_rows(function, inputs[0])
+
+
+def _output_gradient(function, gy, retain_grad):
+    """The gradient of ``function``'s one output as DeZero's
+    ``Variable.backward`` hands it on: ``gy`` added to what the output's
+    ``.grad`` holds from an earlier backward, and kept there only under
+    ``retain_grad``. See Note [DeZero's Variable.grad is the buffer]."""
+    output = function.outputs[0]()
+    if output is not None:
+        stale = output.grad
+        if stale is not None:
+            gy = stale if gy is None else _add(stale, gy)
+        output.grad = gy if retain_grad else None
+    return gy
 
 
 def _is_row_lookup_of_leaf(function):

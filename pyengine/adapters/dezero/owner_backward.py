@@ -17,7 +17,7 @@ import pyengine
 
 from ... import _core
 from ...indexed import IndexedGradient
-from .nodes import _is_row_lookup_of_leaf, _leaf_states, _live_nodes, _row_gradient
+from .nodes import _is_row_lookup_of_leaf, _leaf_states, _live_nodes, _output_gradient, _row_gradient
 from .variable_backend import _add
 
 # Note [DeZero as an owner graph]
@@ -119,13 +119,7 @@ def _backward(retain_grad):
         # Only Functions with one output get here: _parents and
         # owner_backward send the others to nodes.
         n_inputs = len(function.inputs)
-        gy = grads[0]
-        output = function.outputs[0]()
-        if output is not None:
-            stale = output.grad
-            if stale is not None:
-                gy = stale if gy is None else _add(stale, gy)
-            output.grad = gy if retain_grad else None
+        gy = _output_gradient(function, grads[0], retain_grad)
         if gy is None:
             return [None] * n_inputs
         if type(function) is GetItem and _is_row_lookup_of_leaf(function):
