@@ -5,3 +5,5 @@ from pyengine._node cimport NodeBase
 
 
 cdef int compute_dependencies(NodeBase graph_root, GraphTask graph_task) except -1
+cpdef int init_to_execute(NodeBase graph_root, GraphTask graph_task, outputs,
+                          bint accumulate_grad) except -1

@@ -1,22 +1,27 @@
 """Dependencies: the count of the edges into each node of a backward graph,
-made before any node runs, and the refusal of a cycle (the compiled twin of
-``pyengine/_pure/dependencies.py``, whose Note [Cycles in the backward graph]
-explains the two passes). The engine cimports ``compute_dependencies``; it
-runs once per graph task, not per node.
+made before any node runs, the refusal of a cycle, and under
+``grad(inputs=)`` the marking of the nodes that run (the compiled twin of
+``pyengine/_pure/dependencies.py``, whose Notes [Cycles in the backward
+graph] and [Marking exec info in the dependency search] explain the
+passes). The engine cimports ``compute_dependencies`` and
+``init_to_execute``; one of them runs once per graph task, not per node.
 """
 
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
+from libc.stdint cimport int32_t
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libcpp.deque cimport deque
 from libcpp.vector cimport vector
 
-from pyengine._graph_task cimport GraphTask, SEARCH_NOT_SEEN, SEARCH_ON_PATH, SearchState
+from pyengine._graph_task cimport (ExecInfoEntry, GraphTask, SEARCH_FINISHED, SEARCH_NOT_SEEN,
+                                   SEARCH_ON_PATH, SearchState)
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._node cimport Edge, NodeBase
 
 from pyengine._shared import hooks as _hooks
-from pyengine._shared.messages import not_initialized_message
+from pyengine._shared.messages import init_to_execute_refused_message, not_initialized_message
 
 
 cdef extern from "_dependency_map.h":
@@ -25,6 +30,7 @@ cdef extern from "_dependency_map.h":
         PyObject* edges
         Py_ssize_t next
         size_t slot
+        bint needed
 
 cdef extern from "Python.h":
     # On the frames' borrowed pointers, without a reference per use.
@@ -45,8 +51,55 @@ cdef inline int push_dependency_frame(deque[DependencyFrame]& stack, NodeBase no
     frame.edges = <PyObject*>edges
     frame.next = 0
     frame.slot = slot
+    frame.needed = False
     stack.push_back(frame)
     Py_INCREF(edges)
+    return 0
+
+
+cpdef int init_to_execute(NodeBase graph_root, GraphTask graph_task, outputs,
+                          bint accumulate_grad) except -1:
+    """Mark the nodes on a path from ``graph_root`` to an edge of ``outputs``
+    (a sequence of Edges) in ``graph_task.exec_info_``, and count the
+    dependencies, in one search: the twin's algorithm, in C (See Note
+    [Marking exec info in the dependency search] in the twin). Refused on a
+    graph task already planned or started, or while another call plans
+    it."""
+    if graph_task.planning:
+        raise RuntimeError(init_to_execute_refused_message("planning"))
+    if not graph_task.exec_info_.empty():
+        raise RuntimeError(init_to_execute_refused_message("planned"))
+    if graph_task.outstanding_tasks_.load() != 0 or graph_task.future_completed_.load():
+        raise RuntimeError(init_to_execute_refused_message("started"))
+    cdef list output_list = outputs if type(outputs) is list else list(outputs)
+    cdef Py_ssize_t output_idx
+    cdef Edge edge
+    cdef ExecInfoEntry* entry
+    cdef int32_t captures
+    graph_task.planning = True
+    try:
+        for output_idx in range(PyList_GET_SIZE(output_list)):
+            edge = <Edge?>PyList_GET_ITEM(output_list, output_idx)
+            entry = &graph_task.exec_info_.make_entry(<PyObject*>edge.node)
+            if accumulate_grad:
+                entry.needed = True
+                continue
+            captures = entry.captures
+            if captures < 0:
+                graph_task.exec_captures.append([])
+                captures = <int32_t>(PyList_GET_SIZE(graph_task.exec_captures) - 1)
+                # Looked up again: the append may have run Python code (a
+                # collection), and the index is set only once its list is
+                # there, so that the engine may read it unchecked.
+                graph_task.exec_info_.make_entry(<PyObject*>edge.node).captures = captures
+            (<list>graph_task.exec_captures[captures]).append((edge.input_nr, output_idx))
+        graph_task.captured_vars = [None] * PyList_GET_SIZE(output_list)
+        graph_task.exec_info_.make_entry(<PyObject*>graph_root)
+        # A count already made (by an earlier call) would count twice.
+        graph_task.dependencies_.reset()
+        search_dependencies(graph_root, graph_task)
+    finally:
+        graph_task.planning = False
     return 0
 
 
@@ -115,8 +168,10 @@ cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task) except -
 
 cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -1:
     """compute_dependencies' count in a depth-first search that refuses a
-    cycle, for a graph ``count_dependencies`` could not vouch for.
-    Iterative: graphs of millions of nodes, deep or wide, use no C stack."""
+    cycle, for a graph ``count_dependencies`` could not vouch for; under
+    init_to_execute (exec_info has entries), it also marks each node that
+    runs as it finishes. Iterative: graphs of millions of nodes, deep or
+    wide, use no C stack."""
     # A deque, not a vector: a vector millions of frames deep copies them all,
     # holding the GIL for tens of milliseconds, each time it grows.
     cdef deque[DependencyFrame] stack
@@ -127,6 +182,8 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
     cdef Py_ssize_t index, size
     cdef SearchState state
     cdef size_t slot
+    cdef bint marking = not graph_task.exec_info_.empty()
+    cdef bint executes
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     try:
         slot = graph_task.dependencies_.enter(<PyObject*>graph_root)
@@ -151,7 +208,11 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
                 state = graph_task.dependencies_.add_edge(next_node, &slot)
                 if state == SEARCH_NOT_SEEN:
                     break
-                if state == SEARCH_ON_PATH:
+                if state == SEARCH_FINISHED:
+                    if marking and not frame.needed:
+                        frame.needed = (graph_task.dependencies_.needed_at(slot)
+                                        or graph_task.exec_info_.should_execute(next_node))
+                elif state == SEARCH_ON_PATH:
                     raise RuntimeError(
                         f"the backward graph has a cycle: {_hooks.node_name(<object>next_node)} is "
                         "reachable from itself through next_edges; backward needs a graph without "
@@ -169,9 +230,12 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
             else:
                 let_others_run(&work_left)
                 graph_task.dependencies_.finish(frame.node, frame.slot)
+                executes = marking and mark_exec_info(graph_task, frame)
                 if edges != NULL:
                     decref(edges)
                 stack.pop_back()
+                if executes and not stack.empty():
+                    stack.back().needed = True
     finally:
         # The frames an error (a cycle, Ctrl-C) left.
         while not stack.empty():
@@ -179,3 +243,16 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
                 decref(stack.back().edges)
             stack.pop_back()
     return 0
+
+
+cdef inline bint mark_exec_info(GraphTask graph_task, DependencyFrame* frame) except -1:
+    """The search below ``frame``'s node is done: mark it needed if a node
+    below it runs or captures (in its DependencyMap slot, the twin's
+    exec_info entry). Returns whether it runs or captures itself (needed,
+    or an output's entry)."""
+    if not frame.needed:
+        return graph_task.exec_info_.should_execute(frame.node)
+    graph_task.dependencies_.mark_needed(frame.node, frame.slot)
+    if graph_task.exec_info_.find(frame.node) == NULL:
+        graph_task.exec_info_.record_marked(frame.node)
+    return True

@@ -12,7 +12,11 @@
 // search of compute_dependencies (not seen, on the search's path, finished):
 // a cycle is an edge to a node on the path. See Note [Cycles in the
 // backward graph] in pyengine/_pure/dependencies.py. The state takes two bits of
-// the count's word, so a slot stays 16 bytes.
+// the count's word, so a slot stays 16 bytes. Under init_to_execute, one
+// more bit of the word marks the node needed (it runs: an edge leads to a
+// node that runs or captures), set as the search finishes the node. See
+// Note [Marking exec info in the dependency search] in
+// pyengine/_pure/dependencies.py.
 #pragma once
 
 #include <Python.h>
@@ -99,17 +103,29 @@ class pyengine_DependencyMap {
     // its slot was when it joined the path; probed again only when the
     // table grew since.
     void finish(PyObject *node, size_t index) {
-        Slot *slot = &slots_[index & (slots_.size() - 1)];
-        if (slot->node != node) {
-            slot = &find_slot(slots_, node);
-        }
-        slot->word = (slot->word & ~STATE_MASK) | FINISHED;
+        Slot &slot = slot_at(node, index);
+        slot.word = (slot.word & ~STATE_MASK) | FINISHED;
     }
 
+    // Mark node (in the map) needed; index: a hint, as finish's.
+    void mark_needed(PyObject *node, size_t index) { slot_at(node, index).word |= NEEDED; }
+
+    // Whether node is in the map and marked needed.
+    bool needed(PyObject *node) const {
+        const Slot &slot = find_slot(slots_, node);
+        return slot.node != nullptr && (slot.word & NEEDED) != 0;
+    }
+
+    // Whether the node at slot index (as add_edge gave it, the table not
+    // grown since) is marked needed.
+    bool needed_at(size_t index) const { return (slots_[index].word & NEEDED) != 0; }
+
   private:
-    // A slot's word holds the count above two bits of search state.
+    // A slot's word holds the count above two bits of search state and
+    // the needed bit.
     static constexpr uint64_t STATE_MASK = 3;
-    static constexpr uint64_t ONE_EDGE = 4;
+    static constexpr uint64_t NEEDED = 4;
+    static constexpr uint64_t ONE_EDGE = 8;
 
     struct Slot {
         PyObject *node = nullptr;
@@ -145,13 +161,28 @@ class pyengine_DependencyMap {
         return static_cast<size_t>(reinterpret_cast<uintptr_t>(node) >> 4);
     }
 
-    static Slot &find_slot(std::vector<Slot> &slots, PyObject *node) {
+    static size_t find_index(const std::vector<Slot> &slots, PyObject *node) {
         const size_t mask = slots.size() - 1;
         size_t i = hash(node) & mask;
         while (slots[i].node != nullptr && slots[i].node != node) {
             i = (i + 1) & mask;
         }
-        return slots[i];
+        return i;
+    }
+
+    static Slot &find_slot(std::vector<Slot> &slots, PyObject *node) {
+        return slots[find_index(slots, node)];
+    }
+
+    static const Slot &find_slot(const std::vector<Slot> &slots, PyObject *node) {
+        return slots[find_index(slots, node)];
+    }
+
+    // node's slot (node in the map), where it was at index unless the
+    // table grew since.
+    Slot &slot_at(PyObject *node, size_t index) {
+        Slot *slot = &slots_[index & (slots_.size() - 1)];
+        return slot->node == node ? *slot : find_slot(slots_, node);
     }
 
     // Out of line, so that insert, on every edge's path, inlines.
@@ -179,4 +210,7 @@ struct pyengine_DependencyFrame {
     PyObject *edges;
     Py_ssize_t next;  // the index of the next edge to follow
     size_t slot;      // node's slot index in the DependencyMap: a hint
+    // Under init_to_execute: whether an edge followed so far leads to a
+    // node that runs or captures, so that this one runs (is needed).
+    bool needed;
 };

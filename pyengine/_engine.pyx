@@ -4,7 +4,8 @@ The compiled twin of ``pyengine/_pure/engine.py``, whose Notes explain the
 design: Note [CPU work runs on the caller], Note [AccumulateGrad first],
 Note [Ready queue order]; a backward nested too deep goes to the reentrant
 pool of ``pyengine/_thread_pool.pyx`` (See Note [Reentrant backward] in
-``pyengine/_pure/thread_pool.py``), and ``compute_dependencies`` is in
+``pyengine/_pure/thread_pool.py``), and ``compute_dependencies`` and
+``init_to_execute`` are in
 ``pyengine/_dependencies.pyx``. Per node and per edge
 everything here is C: records move through the ReadyQueue, dependencies
 are a C++ map keyed by node pointer, a numpy gradient of the right shape,
@@ -33,9 +34,9 @@ from cpython.ref cimport Py_DECREF, Py_INCREF, Py_REFCNT
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
 
-from pyengine._graph_task cimport (ExecInfoEntry, ExecInfoMap, GraphTask, NodePtr, cancel_graph_task,
-                                   new_graph_task)
-from pyengine._dependencies cimport compute_dependencies
+from pyengine._graph_task cimport (ExecInfoEntry, GraphTask, NodePtr, cancel_graph_task,
+                                   new_graph_task, task_should_execute)
+from pyengine._dependencies cimport compute_dependencies, init_to_execute
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
@@ -282,9 +283,10 @@ cdef class Engine:
             graph_root = GraphRoot(root_edges, root_grads)
             input_buffer = new_input_buffer(0)
         graph_task.graph_root = graph_root
-        compute_dependencies(graph_root, graph_task)
         if output_edges:
-            graph_task.init_to_execute(graph_root, output_edges, accumulate_grad)
+            init_to_execute(graph_root, graph_task, output_edges, accumulate_grad)
+        else:
+            compute_dependencies(graph_root, graph_task)
 
         self.execute_with_graph_task(worker, graph_task, graph_root, input_buffer.buffer)
         try:
@@ -445,12 +447,16 @@ cdef class Engine:
         cdef Py_ssize_t captures
         if not graph_task.exec_info_.empty():
             info = graph_task.exec_info_.find(<PyObject*>node)
-            if info == NULL:
+            # Read without the mutex: no thread writes a running node's slot
+            # (its count reached zero before it was queued, and remove
+            # leaves a zero count as it is), and the map never grows once
+            # the task has started.
+            needed = graph_task.dependencies_.needed(<PyObject*>node)
+            if info == NULL and not needed:
                 return 0
-            # Copied out: the Python code below may call init_to_execute,
-            # which may move the entry.
-            needed = info.needed
-            captures = info.captures
+            # Copied out: the entry is only valid until the next make_entry.
+            needed = needed or info.needed
+            captures = info.captures if info != NULL else -1
             if not needed:
                 # Tensor pre-hooks run exactly once: here, or in call_function.
                 _hooks.call_tensor_pre_hooks(node, inputs)
@@ -525,7 +531,7 @@ cdef class Engine:
                 buffered = graph_task.not_ready_.find(key)
                 streamed = producer_stream is not None or next_node._stream is not None
                 if buffered == graph_task.not_ready_.end():
-                    if not _should_execute(graph_task.exec_info_, key):
+                    if not task_should_execute(graph_task, key):
                         continue
                     if not streamed and is_ready:
                         # Its only gradient: what InputBuffer's first add
@@ -767,11 +773,6 @@ cdef void keep_spare_list(WorkerState worker, NodeTaskRecord* record) noexcept:
         # The record's reference; worker.spare_list holds its own.
         record.inputs = NULL
         Py_DECREF(<object>inputs)
-
-
-cdef inline bint _should_execute(const ExecInfoMap& exec_info, PyObject* node) noexcept nogil:
-    """Whether ``node`` runs or captures: every node does without exec_info."""
-    return exec_info.empty() or exec_info.should_execute(node)
 
 
 def _reset_worker_state_after_fork():

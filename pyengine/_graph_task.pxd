@@ -31,6 +31,9 @@ cdef extern from "_dependency_map.h" nogil:
         size_t enter(PyObject* root)
         SearchState add_edge(PyObject* node, size_t* index)
         void finish(PyObject* node, size_t index)
+        void mark_needed(PyObject* node, size_t index)
+        bint needed(PyObject* node)
+        bint needed_at(size_t index)
         size_t size()
 
 cdef extern from "_exec_info_map.h" nogil:
@@ -39,22 +42,18 @@ cdef extern from "_exec_info_map.h" nogil:
         # An index into GraphTask.exec_captures, or -1.
         int32_t captures
         bint needed
-        bint has_entry
-        bint seen
     cppclass ExecInfoMap "pyengine_ExecInfoMap":
         ExecInfoMap()
         bint full()
         bint grow_step()
-        bint reserve_step(size_t entries)
         void release()
         bint empty()
         Py_ssize_t size()
         PyObject* entry_node(Py_ssize_t i)
         const ExecInfoEntry* find(PyObject* node)
         bint should_execute(PyObject* node)
-        ExecInfoEntry& slot(PyObject* node)
         ExecInfoEntry& make_entry(PyObject* node)
-        void clear_seen()
+        void record_marked(PyObject* node)
 
 
 @cython.final
@@ -84,12 +83,15 @@ cdef class GraphTask:
     # to idle yet. Guarded by the engine's pool mutex once the task is
     # handed to the pool. See Note [A pool thread is back before its caller].
     cdef bint on_pool_thread
-    # Guarded by the GIL: written only by init_to_execute, before any task
-    # runs. exec_info_ is empty when every node runs; an entry's captures
-    # index exec_captures, a list of lists of (input_nr, output_idx) pairs.
-    # See _exec_info_map.h.
+    # Guarded by the GIL: written only by init_to_execute
+    # (pyengine/_dependencies.pyx), before any task runs; planning is set
+    # while it runs. exec_info_ is empty when every node runs; an entry's
+    # captures index exec_captures, a list of lists of (input_nr,
+    # output_idx) pairs. The nodes the search marks needed are marked in
+    # dependencies_: See _exec_info_map.h and task_should_execute.
     cdef ExecInfoMap exec_info_
     cdef list exec_captures
+    cdef bint planning
 
     # Guarded by mutex_. Keys are borrowed node pointers: the graph keeps its
     # nodes alive while the task runs. not_ready's values own their buffers.
@@ -124,8 +126,6 @@ cdef class GraphTask:
 
     # What the engine calls once per backward, called in C. The ones that
     # return None to Python report errors as exceptions (a NULL return).
-    cdef Py_ssize_t reserve_exec_info(self) except -1
-    cpdef init_to_execute(self, graph_root, outputs, bint accumulate_grad)
     cpdef void set_exception(self, exception) noexcept
     cpdef mark_as_completed_and_run_post_processing(self)
     cpdef exec_post_processing(self)
@@ -151,3 +151,12 @@ cdef inline ThreadState running_thread_state(GraphTask graph_task) noexcept:
     # exec_info, and ANDed with the enclosing task's value it is that value
     # (See Note [Checkpoint valid in nested backward] in pyengine/_pure/state.py).
     return running
+
+
+cdef inline bint task_should_execute(GraphTask graph_task, NodePtr node) noexcept nogil:
+    """Whether ``node`` runs or captures in ``graph_task``: every node does
+    without exec_info; else it is marked needed (in the DependencyMap's
+    slot), or an entry of exec_info runs or captures. Call it under the
+    graph task's mutex, or before any task runs."""
+    return (graph_task.exec_info_.empty() or graph_task.dependencies_.needed(node)
+            or graph_task.exec_info_.should_execute(node))

@@ -2,23 +2,20 @@
 
 A GraphTask lives from ``execute`` until its caller has read its result;
 NodeTask records point back to it. Twin: ``pyengine/_pure/graph_task.py``,
-the specification of ``init_to_execute`` and of the fields.
+the specification of the fields.
 """
 
 cimport cython
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.list cimport PyList_GET_SIZE
 from cpython.long cimport PyLong_FromVoidPtr
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from cython.operator cimport dereference as deref
-from libc.stdint cimport int32_t
 from libcpp.mutex cimport mutex, unique_lock
-from libcpp.deque cimport deque
 from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
-from pyengine._graph_task cimport ExecInfoEntry, ExecInfoMap, InputBufferPtr, NodePtr
-from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
+from pyengine._graph_task cimport ExecInfoEntry, InputBufferPtr, NodePtr, task_should_execute
 from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
 from pyengine._node cimport Edge, NodeBase
 from pyengine._ready_queue cimport ReadyQueue
@@ -51,41 +48,6 @@ cdef class ExecInfo:
     def __repr__(self):
         return f"ExecInfo(needed={self.needed}, captures={self.captures})"
 
-
-cdef extern from "Python.h":
-    # PyTuple_GET_SIZE and PyTuple_GET_ITEM, for the tuples a Frame owns.
-    Py_ssize_t owned_tuple_size "PyTuple_GET_SIZE"(PyObject* tuple)
-    PyObject* owned_tuple_item "PyTuple_GET_ITEM"(PyObject* tuple, Py_ssize_t i)
-
-
-# A node of init_to_execute's path, the tuple of its next edges (owned: other
-# threads may change the node's next_edges while the pass lets them run),
-# the index of its next edge to visit, and its entry's needed and whether
-# it captures, kept here so that marking it needs no lookup.
-cdef struct Frame:
-    NodePtr node
-    PyObject* edges
-    Py_ssize_t next_edge
-    bint needed
-    bint captures
-
-
-cdef int push_frame(deque[Frame]& stack, NodePtr node, const ExecInfoEntry* entry) except -1:
-    """Put ``node`` (alive: an owned tuple on the stack, or the caller, holds
-    it) on init_to_execute's path."""
-    cdef tuple edges = (<NodeBase>node)._next_edges
-    if edges is None:
-        raise TypeError(f"{type(<object>node).__name__}.next_edges is None, not a tuple of edges")
-    stack.push_back(Frame(node, <PyObject*>edges, 0, entry.needed, entry.captures >= 0))
-    Py_INCREF(edges)
-    return 0
-
-
-cdef inline void mark_needed(ExecInfoMap& exec_info, Frame* frame) noexcept nogil:
-    """Mark the node of ``frame``, the top of the path, needed."""
-    if not frame.needed:
-        frame.needed = True
-        exec_info.make_entry(frame.node).needed = True
 
 
 cdef int check_not_ready_empty(GraphTask graph_task) except -1:
@@ -220,7 +182,11 @@ cdef class GraphTask:
     def should_execute(self, node):
         """Whether ``node`` runs or captures in this task: every node does
         without exec_info."""
-        return self.exec_info_.empty() or self.exec_info_.should_execute(<NodePtr>node)
+        lock_releasing_gil(self.mutex_)
+        try:
+            return task_should_execute(self, <NodePtr>node)
+        finally:
+            self.mutex_.unlock()
 
     def buffered_gradient(self, node, Py_ssize_t input_nr):
         """A copy of what ``node``'s InputBuffer in not_ready holds at
@@ -236,111 +202,29 @@ cdef class GraphTask:
             self.mutex_.unlock()
 
     cdef ExecInfo exec_info_copy(self, NodePtr node):
+        lock_releasing_gil(self.mutex_)
+        # The search's mark: See _exec_info_map.h.
+        cdef bint marked = self.dependencies_.needed(node)
+        self.mutex_.unlock()
+        # Found after the lock, which may have let other threads run.
         cdef const ExecInfoEntry* entry = self.exec_info_.find(node)
-        if entry == NULL:
+        if entry == NULL and not marked:
             return None
         cdef ExecInfo info = ExecInfo.__new__(ExecInfo)
-        info.needed = entry.needed
-        if entry.captures >= 0:
+        info.needed = marked or (entry != NULL and entry.needed)
+        if entry != NULL and entry.captures >= 0:
             info.captures = list(self.exec_captures[entry.captures])
         return info
 
     # -- execution plan --
 
-    cdef Py_ssize_t reserve_exec_info(self) except -1:
-        """Size exec_info for every node the dependency count reached, before
-        init_to_execute fills it, and return that count: See Note [Sizing
-        exec info up front] in the twin. Zeroing the table lets other
-        threads run, as its growth does."""
-        cdef size_t size_hint = self.dependencies_.size()
-        while not self.exec_info_.reserve_step(size_hint):
-            yield_to_other_threads()
-        return <Py_ssize_t>size_hint
-
-    cpdef init_to_execute(self, graph_root, outputs, bint accumulate_grad):
-        """Mark the nodes on a path from ``graph_root`` to an edge of ``outputs``
-        (a sequence of Edges) in ``exec_info_``: the twin's algorithm, in C.
-
-        The traversal allocates no Python object per node. It lets other
-        threads run as it goes (See Note [Long passes let other threads
-        run]), so each frame owns its tuple of next edges; node pointers
-        are only keys."""
-        cdef list output_list = outputs if type(outputs) is list else list(outputs)
-        cdef NodeBase root = <NodeBase?>graph_root
-        cdef Py_ssize_t output_idx
-        cdef Edge edge
-        cdef ExecInfoEntry* entry
-        cdef int32_t captures
-        self.reserve_exec_info()
-        for output_idx in range(PyList_GET_SIZE(output_list)):
-            edge = <Edge?>PyList_GET_ITEM(output_list, output_idx)
-            entry = &self.exec_info_.make_entry(<PyObject*>edge.node)
-            if accumulate_grad:
-                entry.needed = True
-                continue
-            captures = entry.captures
-            if captures < 0:
-                self.exec_captures.append([])
-                captures = <int32_t>(PyList_GET_SIZE(self.exec_captures) - 1)
-                # Looked up again: the append may have run Python code (a
-                # collection), and the index is set only once its list is
-                # there, so that the engine may read it unchecked.
-                self.exec_info_.make_entry(<PyObject*>edge.node).captures = captures
-            (<list>self.exec_captures[captures]).append((edge.input_nr, output_idx))
-        self.captured_vars = [None] * PyList_GET_SIZE(output_list)
-        entry = &self.exec_info_.make_entry(<PyObject*>root)
-        # Another call's traversal saw nodes this one has not.
-        self.exec_info_.clear_seen()
-
-        # A deque: a vector a million frames deep would copy them all, holding
-        # the GIL, each time it grew (See pyengine/_table_growth.h for the same
-        # reason at the exec_info table); and a deque keeps &stack.back() valid.
-        cdef deque[Frame] stack
-        cdef Frame* frame
-        cdef NodePtr child
-        cdef ExecInfoEntry* child_entry
-        cdef bint child_executes
-        cdef PyObject* next_edge
-        cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
-        push_frame(stack, <NodePtr>root, entry)
-        try:
-            while not stack.empty():
-                frame = &stack.back()
-                child = NULL
-                while frame.next_edge < owned_tuple_size(frame.edges):
-                    let_others_run(&work_left)
-                    next_edge = owned_tuple_item(frame.edges, frame.next_edge)
-                    frame.next_edge += 1
-                    if next_edge == <PyObject*>None:
-                        continue
-                    child = <NodePtr>(<Edge?>next_edge).node
-                    if self.exec_info_.full():
-                        # See pyengine/_table_growth.h.
-                        while not self.exec_info_.grow_step():
-                            yield_to_other_threads()
-                    child_entry = &self.exec_info_.slot(child)
-                    child_executes = child_entry.needed or child_entry.captures >= 0
-                    if child_entry.seen:                                   # (1)
-                        if child_executes:
-                            mark_needed(self.exec_info_, frame)
-                        child = NULL
-                        continue
-                    child_entry.seen = True
-                    break
-                if child != NULL:
-                    push_frame(stack, child, child_entry)                  # (2)
-                else:
-                    # The way up counts as work too: a chain's whole second half.
-                    let_others_run(&work_left)
-                    child_executes = frame.needed or frame.captures
-                    Py_DECREF(<object>frame.edges)
-                    stack.pop_back()                                       # (3)
-                    if not stack.empty() and child_executes:
-                        mark_needed(self.exec_info_, &stack.back())
-        finally:
-            # What an error (KeyboardInterrupt at a yield) left on the path.
-            for i in range(stack.size()):
-                Py_DECREF(<object>stack[i].edges)
+    def init_to_execute(self, graph_root, outputs, accumulate_grad):
+        """Mark the nodes on a path from ``graph_root`` to an edge of
+        ``outputs`` (a sequence of Edges) in exec_info, counting the
+        dependencies in the same search: ``init_to_execute`` in
+        ``pyengine/_dependencies.pyx``, which the engine calls in C."""
+        from pyengine._dependencies import init_to_execute
+        init_to_execute(graph_root, self, outputs, accumulate_grad)
 
     # -- completion --
 

@@ -347,26 +347,50 @@ def test_the_engines_graph_task_stashes_no_streams_without_a_runtime(monkeypatch
     assert graph_task.caller_current_streams == {}
 
 
-def run_init_to_execute_twice(core, spec, first, second):
-    """``exec_info`` after two init_to_execute calls on one GraphTask, as
-    run_init_to_execute lists it."""
+def test_a_second_init_to_execute_is_refused_and_leaves_the_first_plan(core):
+    # A graph task is planned once: a second call would count the
+    # dependencies again over the first plan's marks.
+    spec = [[(1, 0), (2, 0)], [(3, 0)], [(4, 0)], [], []]
     nodes = build(core, spec)
     graph_task = core.GraphTask(False, False, 0, None)
-    for outputs, accumulate_grad in (first, second):
-        graph_task.init_to_execute(nodes[0], [core.Edge(nodes[k], input_nr) for k, input_nr in outputs],
-                                   accumulate_grad)
-    index = {id(node): k for k, node in enumerate(nodes)}
-    return [(index[key], bool(info.needed), list(info.captures))
-            for key, info in graph_task.exec_info.items()]
+    graph_task.init_to_execute(nodes[0], [core.Edge(nodes[3], 0)], False)
+    before = {key: (info.needed, info.captures) for key, info in graph_task.exec_info.items()}
+    with pytest.raises(RuntimeError, match="already called on this graph task"):
+        graph_task.init_to_execute(nodes[0], [core.Edge(nodes[4], 0)], True)
+    assert {key: (info.needed, info.captures)
+            for key, info in graph_task.exec_info.items()} == before
+    # The first plan, against the rule: 0 and 1 run, 3 captures, 2 and 4 are pruned.
+    assert set(before) == {id(nodes[k]) for k in (0, 1, 3)}
+    assert before[id(nodes[3])] == (False, [(0, 0)])
 
 
-def test_a_second_init_to_execute_walks_the_graph_again_as_the_twins_does():
-    # The second call's outputs lie below nodes the first call saw but did
-    # not mark: its traversal must reach them again (it starts with nothing
-    # seen), in both cores alike.
-    spec = [[(1, 0), (2, 0)], [(3, 0)], [(4, 0)], [], []]
-    first, second = ([(3, 0)], False), ([(4, 0)], True)
-    entries = run_init_to_execute_twice(load_core("compiled"), spec, first, second)
-    assert entries == run_init_to_execute_twice(load_core("pure"), spec, first, second)
-    assert sorted(entries) == [(0, True, []), (1, True, []), (2, True, []), (3, False, [(0, 0)]),
-                               (4, True, [])]
+def test_init_to_execute_is_refused_on_a_graph_task_that_has_started(core):
+    nodes = build(core, [[(1, 0)], []])
+    graph_task = core.GraphTask(False, False, 0, None)
+    graph_task.increment_outstanding_tasks()  # what queueing its first task does
+    with pytest.raises(RuntimeError, match="has started"):
+        graph_task.init_to_execute(nodes[0], [core.Edge(nodes[1], 0)], False)
+    assert graph_task.exec_info == {}
+
+
+def test_a_node_planning_its_running_graph_task_is_refused_and_grad_works():
+    # A node that plans its own graph task while it runs: refused, and the
+    # grad it runs in is unharmed (the oracle: the analytic gradient, 2 * 3).
+    errors = []
+
+    class Planner(pyengine.Node):
+        def apply(self, grads):
+            try:
+                state_module.get_current_graph_task().init_to_execute(self, [], False)
+            except RuntimeError as error:
+                errors.append(str(error))
+            return (2 * grads[0],)
+
+    x = leaf(np.array([1.0, 2.0]))
+    y = mul(x, const(np.array([3.0, 3.0])))
+    planner = Planner((pyengine.gradient_edge(y),), (pyengine.InputMetadata((2,), np.float64),))
+    (grad_x,) = pyengine.get_default_engine().execute(
+        [pyengine.Edge(planner, 0)], [np.ones(2)], False, False, False,
+        outputs=[pyengine.gradient_edge(x)])
+    np.testing.assert_array_equal(grad_x, np.full(2, 6.0))
+    assert len(errors) == 1 and "already called" in errors[0]

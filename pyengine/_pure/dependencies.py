@@ -1,11 +1,14 @@
 """Dependencies: the count of the edges into each node of a backward graph,
-made before any node runs, and the refusal of a cycle.
+made before any node runs, the refusal of a cycle, and under
+``grad(inputs=)`` the marking of the nodes that run.
 
 Twin of ``pyengine/_dependencies.pyx``. The engine calls
-``compute_dependencies`` once per graph task, before any node runs.
+``compute_dependencies``, or ``init_to_execute`` when it has outputs, once
+per graph task, before any node runs.
 """
 
-from .._shared.messages import node_name, not_initialized_message
+from .._shared.messages import init_to_execute_refused_message, node_name, not_initialized_message
+from .graph_task import ExecInfo, task_should_execute
 
 
 # Note [Cycles in the backward graph]
@@ -32,6 +35,69 @@ from .._shared.messages import node_name, not_initialized_message
 # at the first edge that breaks it (nodes made on several threads, whose
 # sequence numbers are per thread, or edges set by hand) does it start
 # again with the depth-first search (search_dependencies).
+
+
+# Note [Marking exec info in the dependency search]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under grad(inputs=) and backward(inputs=), PyTorch counts the
+# dependencies, then init_to_execute walks the graph a second time to mark
+# the nodes on a path to an output: such a node runs (is needed), the
+# others are skipped. A node is needed when one of its edges leads to a
+# node that is needed or captures, which is known once the search below
+# it is done. The depth-first search of search_dependencies knows exactly
+# that moment (it marks the node finished), so here init_to_execute makes
+# the outputs' entries and the root's, then runs that search, which marks
+# each node as it finishes: one walk over the graph's nodes and edges
+# instead of two. On a graph too large for the cache, the second walk read
+# every node, tuple and Edge again from memory; see benchmarks/RESULTS.md.
+#
+# The search costs a little more per node than the plain count it
+# replaces (a frame per node), and it refuses a cycle, which a second walk
+# never had to. Entries are made in the order their nodes finish, in both
+# cores. The compiled core marks a needed node with a bit of its
+# DependencyMap slot (the slot the search has in hand), so marking and the
+# engine's "does it run" lookups probe no second table; its exec_info
+# table keeps the outputs' and the root's entries. Planning a graph task
+# twice, or one that has started, would change the counts its nodes read,
+# so init_to_execute is refused then, and while another call (on another
+# thread, which the search lets run) plans it.
+
+
+def init_to_execute(graph_root, graph_task, outputs, accumulate_grad):
+    """Mark the nodes on a path from ``graph_root`` to an edge of ``outputs``
+    in ``graph_task.exec_info``, and count the dependencies, in one search.
+
+    An output edge's node is captured (``grad``) or run (``backward(inputs=)``,
+    ``accumulate_grad``). A node runs when it is needed or captures; the
+    others are skipped. See Note [Marking exec info in the dependency
+    search]. Refused on a graph task already planned or started, or while
+    another call plans it.
+    """
+    if graph_task.planning:
+        raise RuntimeError(init_to_execute_refused_message("planning"))
+    if graph_task.exec_info:
+        raise RuntimeError(init_to_execute_refused_message("planned"))
+    if graph_task.outstanding_tasks != 0 or graph_task.future_completed:
+        raise RuntimeError(init_to_execute_refused_message("started"))
+    exec_info = graph_task.exec_info
+    graph_task.planning = True
+    try:
+        for output_idx, edge in enumerate(outputs):
+            info = exec_info.get(id(edge.node))
+            if info is None:
+                info = exec_info[id(edge.node)] = ExecInfo()
+            if accumulate_grad:
+                info.needed = True
+            else:
+                info.captures.append((edge.input_nr, output_idx))
+        graph_task.captured_vars = [None] * len(outputs)
+        if id(graph_root) not in exec_info:
+            exec_info[id(graph_root)] = ExecInfo()
+        # A count already made (by an earlier call) would count twice.
+        graph_task.dependencies.clear()
+        search_dependencies(graph_root, graph_task)
+    finally:
+        graph_task.planning = False
 
 
 def compute_dependencies(graph_root, graph_task):
@@ -72,18 +138,22 @@ def count_dependencies(graph_root, graph_task):
 
 def search_dependencies(graph_root, graph_task):
     """compute_dependencies' count in a depth-first search that refuses a
-    cycle, for a graph count_dependencies could not vouch for.
-    Iterative: any depth."""
+    cycle, for a graph count_dependencies could not vouch for; under
+    init_to_execute (exec_info has entries), it also marks each node that
+    runs as it finishes. Iterative: any depth."""
     on_path, finished = 1, 2
     dependencies = graph_task.dependencies
+    exec_info = graph_task.exec_info
+    marking = bool(exec_info)
     search_state = {id(graph_root): on_path}
     if not getattr(graph_root, "_initialized", False):
         raise RuntimeError(not_initialized_message(graph_root))
-    # Frames: [node, its next edges as first read, the index of the next edge].
-    stack = [[graph_root, graph_root._next_edges, 0]]
+    # Frames: [node, its next edges as first read, the index of the next
+    # edge, whether an edge followed so far leads to a node that runs].
+    stack = [[graph_root, graph_root._next_edges, 0, False]]
     while stack:
         frame = stack[-1]
-        node, edges, start = frame
+        node, edges, start, _ = frame
         for index in range(start, len(edges)):
             edge = edges[index]
             if edge is None:
@@ -97,12 +167,32 @@ def search_dependencies(graph_root, graph_task):
                     raise RuntimeError(not_initialized_message(next_node))
                 search_state[key] = on_path
                 frame[2] = index + 1
-                stack.append([next_node, next_node._next_edges, 0])
+                stack.append([next_node, next_node._next_edges, 0, False])
                 break  # search below next_node first; this frame resumes after it
-            if state == on_path:
+            if state == finished:
+                if marking and not frame[3]:
+                    frame[3] = task_should_execute(graph_task, key)
+            elif state == on_path:
                 raise RuntimeError(
                     f"the backward graph has a cycle: {node_name(next_node)} is reachable "
                     "from itself through next_edges; backward needs a graph without cycles")
         else:
             search_state[id(node)] = finished
+            executes = marking and mark_exec_info(graph_task, frame)
             stack.pop()
+            if executes and stack:
+                stack[-1][3] = True
+
+
+def mark_exec_info(graph_task, frame):
+    """The search below ``frame``'s node is done: make it needed in
+    exec_info if a node below it runs or captures. Returns whether it runs
+    or captures itself (needed, or an output's entry)."""
+    node, _, _, needed = frame
+    if not needed:
+        return task_should_execute(graph_task, id(node))
+    info = graph_task.exec_info.get(id(node))
+    if info is None:
+        info = graph_task.exec_info[id(node)] = ExecInfo()
+    info.needed = True
+    return True

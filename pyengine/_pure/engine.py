@@ -121,12 +121,12 @@ import numpy as np
 from .. import streams
 from ..device import CPU
 from . import state
-from .graph_task import GraphTask, cancel_graph_task
+from .graph_task import GraphTask, cancel_graph_task, task_should_execute
 from .._shared import hooks
 from .._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
 from .._shared.messages import node_name, total_depth_message
-from .dependencies import compute_dependencies
+from .dependencies import compute_dependencies, init_to_execute
 from .input_buffer import InputBuffer
 from .node import Edge, NodeBase, on_cpu
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
@@ -289,9 +289,10 @@ class Engine:
             graph_root = GraphRoot(roots, grads)
             input_buffer = InputBuffer(0)
         graph_task.graph_root = graph_root
-        compute_dependencies(graph_root, graph_task)
         if outputs:
-            graph_task.init_to_execute(graph_root, outputs, accumulate_grad)
+            init_to_execute(graph_root, graph_task, outputs, accumulate_grad)
+        else:
+            compute_dependencies(graph_root, graph_task)
 
         self.execute_with_graph_task(graph_task, graph_root, input_buffer)
         try:
@@ -497,7 +498,7 @@ class Engine:
 
                 input_buffer = not_ready.get(key)
                 if input_buffer is None:
-                    if not _should_execute(exec_info, key):
+                    if not task_should_execute(graph_task, key):
                         continue
                     streamed = producer_stream is not None or next_node._stream is not None
                     if not streamed and is_ready:
@@ -685,15 +686,6 @@ def keep_spare_list(worker, task):
             inputs[i - 1] = None
     if worker.spare_list is None and sys.getrefcount(inputs) == 3:
         worker.spare_list = inputs
-
-
-def _should_execute(exec_info, key):
-    """Whether the node ``key`` (its id) runs or captures: every node does
-    without exec_info."""
-    if not exec_info:
-        return True
-    info = exec_info.get(key)
-    return info is not None and info.should_execute()
 
 
 def accumulate_on_streams(input_buffer, input_nr, gradient, grad_mode, producer_stream, consumer_stream):

@@ -75,6 +75,8 @@ class GraphTask:
         self.dependencies = {}
         self.not_ready = {}
         self.exec_info = {}
+        # Set while init_to_execute plans the task: a second call is refused.
+        self.planning = False
         self.captured_vars = []
         self.leaf_streams = []
         self.final_callbacks = []
@@ -121,10 +123,8 @@ class GraphTask:
     def should_execute(self, node):
         """Whether ``node`` runs or captures in this task: every node does
         without exec_info."""
-        if not self.exec_info:
-            return True
-        info = self.exec_info.get(id(node))
-        return info is not None and info.should_execute()
+        with self.mutex:
+            return task_should_execute(self, id(node))
 
     def buffered_gradient(self, node, input_nr):
         """A copy of what ``node``'s InputBuffer in not_ready holds at
@@ -137,103 +137,13 @@ class GraphTask:
 
     # -- execution plan ---------------------------------------------------
 
-    def reserve_exec_info(self):
-        """Size exec_info for every node the dependency count reached, before
-        init_to_execute fills it, and return that count. See Note [Sizing
-        exec info up front]: a dict sizes itself, so here the step only
-        computes the hint."""
-        return len(self.dependencies)
-
-    # Note [Sizing exec info up front]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # init_to_execute makes a slot for every node on its way and an entry
-    # for every node on a path to an output: on a chain that is every
-    # node. compute_dependencies has just counted those nodes, so the
-    # compiled core's ExecInfoMap is made that large once, before the
-    # traversal, instead of doubling (and moving every slot) a dozen times
-    # as it fills, and its list of entries in order is reserved as well.
-    # The count is a hint: an output the graph does not reach still gets
-    # an entry, and a table that fills past the hint grows as before. An
-    # empty table is zeroed in steps that let other threads run (See Note
-    # [Long passes let other threads run]). Python's dicts size themselves,
-    # so the twin's step computes the hint and sizes nothing.
-
     def init_to_execute(self, graph_root, outputs, accumulate_grad):
-        """Mark the nodes on a path from ``graph_root`` to an edge of ``outputs``.
-
-        An output edge's node is captured (``grad``) or run (``backward(inputs=)``,
-        ``accumulate_grad``). A node runs when it is needed or captures; the
-        others are skipped. Iterative version of::
-
-            is_needed = {fn: True for fn in outputs}             # (0)
-            seen = {}
-            def compute_is_needed(fn):
-                for next_edge in fn.next_edges:
-                    child_fn = next_edge.node
-                    if child_fn in seen and is_needed[child_fn]:  # (1)
-                        is_needed[fn] = True
-                    else:
-                        seen.add(child_fn)
-                        if compute_is_needed(child_fn):
-                            is_needed[fn] = True                 # (2)
-                                                                 # (3) end of loop
-                return is_needed[fn]
-            compute_is_needed(graph_root)
-
-        where a frame, once its children are all visited, updates its
-        parent (3) instead of returning a value. The compiled core lets
-        other threads run and honours Ctrl-C as it goes (See Note [Long
-        passes let other threads run]); here the interpreter does.
-        """
-        exec_info = self.exec_info
-        self.reserve_exec_info()
-        for output_idx, edge in enumerate(outputs):
-            info = exec_info.get(id(edge.node))
-            if info is None:
-                info = exec_info[id(edge.node)] = ExecInfo()
-            if accumulate_grad:
-                info.needed = True
-            else:
-                info.captures.append((edge.input_nr, output_idx))
-        self.captured_vars = [None] * len(outputs)
-
-        def should_execute(node):
-            info = exec_info.get(id(node))
-            return info is not None and info.should_execute()
-
-        def mark_needed(node):
-            info = exec_info.get(id(node))
-            if info is None:
-                info = exec_info[id(node)] = ExecInfo()
-            info.needed = True
-
-        if id(graph_root) not in exec_info:
-            exec_info[id(graph_root)] = ExecInfo()
-        # A frame is [node, index of the next edge to visit].
-        stack = [[graph_root, 0]]
-        seen = set()
-        while stack:
-            frame = stack[-1]
-            node, edges = frame[0], frame[0]._next_edges
-            child = None
-            while frame[1] < len(edges):
-                edge = edges[frame[1]]
-                frame[1] += 1
-                if edge is None:
-                    continue
-                if id(edge.node) in seen:
-                    if should_execute(edge.node):                  # (1)
-                        mark_needed(node)
-                    continue
-                seen.add(id(edge.node))
-                child = edge.node
-                break
-            if child is not None:
-                stack.append([child, 0])                           # (2)
-            else:
-                stack.pop()                                        # (3)
-                if stack and should_execute(node):
-                    mark_needed(stack[-1][0])
+        """Mark the nodes on a path from ``graph_root`` to an edge of
+        ``outputs`` (a sequence of Edges) in exec_info, counting the
+        dependencies in the same search: ``init_to_execute`` in
+        ``pyengine/_pure/dependencies.py``, which the engine calls."""
+        from .dependencies import init_to_execute
+        init_to_execute(graph_root, self, outputs, accumulate_grad)
 
     # -- completion -------------------------------------------------------
 
@@ -337,3 +247,13 @@ def cancel_graph_task(graph_task, error):
     if graph_task.exception is error:
         graph_task.exception = None
     graph_task.cpu_ready_queue.discard_graph_task(graph_task)
+
+
+def task_should_execute(graph_task, key):
+    """Whether the node of id ``key`` runs or captures in ``graph_task``:
+    every node does without exec_info. Under the graph task's mutex, or
+    before any task runs."""
+    if not graph_task.exec_info:
+        return True
+    info = graph_task.exec_info.get(key)
+    return info is not None and info.should_execute()

@@ -19,6 +19,19 @@ def not_initialized_message(node):
             "super().__init__(next_edges, input_metadata)")
 
 
+def init_to_execute_refused_message(reason):
+    """Why init_to_execute refused a graph task: ``"planning"`` (another call
+    is running on it), ``"planned"`` or ``"started"``."""
+    if reason == "planning":
+        return ("init_to_execute is already running on this graph task (another thread's "
+                "call): a graph task is planned by one call")
+    if reason == "planned":
+        return ("init_to_execute was already called on this graph task: a graph task is "
+                "planned once, before it starts")
+    return ("init_to_execute on a graph task that has started: its dependencies and "
+            "exec_info are fixed once its first task is queued")
+
+
 def _leaf_state_error(leaf_state):
     return f"leaf_state must be a LeafState, got {type(leaf_state).__name__}"
 
