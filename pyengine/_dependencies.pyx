@@ -12,7 +12,6 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int32_t
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
-from libcpp.deque cimport deque
 from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport (ExecInfoEntry, GraphTask, SEARCH_FINISHED, SEARCH_NOT_SEEN,
@@ -32,6 +31,16 @@ cdef extern from "_dependency_map.h":
         size_t slot
         bint needed
 
+cdef extern from "_frame_stack.h":
+    cppclass DependencyFrameStack "pyengine_FrameStack<pyengine_DependencyFrame>":
+        bint empty()
+        DependencyFrame& back()
+        void push_back(const DependencyFrame& frame) except +
+        void pop_back()
+    cppclass DependencyFrameStackLease "pyengine_FrameStackLease<pyengine_DependencyFrame>":
+        DependencyFrameStackLease() except +
+        DependencyFrameStack& stack()
+
 cdef extern from "Python.h":
     # On the frames' borrowed pointers, without a reference per use.
     Py_ssize_t tuple_size "PyTuple_GET_SIZE"(PyObject* tuple) nogil
@@ -39,7 +48,7 @@ cdef extern from "Python.h":
     void decref "Py_DECREF"(PyObject* obj)
 
 
-cdef inline int push_dependency_frame(deque[DependencyFrame]& stack, NodeBase node,
+cdef inline int push_dependency_frame(DependencyFrameStack& stack, NodeBase node,
                                       size_t slot) except -1:
     """Start the search below ``node`` (reached for the first time, its map
     slot at index ``slot``)."""
@@ -172,9 +181,9 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
     init_to_execute (exec_info has entries), it also marks each node that
     runs as it finishes. Iterative: graphs of millions of nodes, deep or
     wide, use no C stack."""
-    # A deque, not a vector: a vector millions of frames deep copies them all,
-    # holding the GIL for tens of milliseconds, each time it grows.
-    cdef deque[DependencyFrame] stack
+    # The thread's kept frames: See _frame_stack.h.
+    cdef DependencyFrameStackLease lease
+    cdef DependencyFrameStack* stack = &lease.stack()
     cdef DependencyFrame* frame
     cdef PyObject* edges
     cdef PyObject* edge
@@ -187,7 +196,7 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     try:
         slot = graph_task.dependencies_.enter(<PyObject*>graph_root)
-        push_dependency_frame(stack, graph_root, slot)
+        push_dependency_frame(stack[0], graph_root, slot)
         while not stack.empty():
             frame = &stack.back()
             edges = frame.edges
@@ -226,7 +235,7 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
                     # in cache (a chain's frames all end so).
                     frame.edges = NULL
                     decref(edges)
-                push_dependency_frame(stack, <NodeBase>next_node, slot)
+                push_dependency_frame(stack[0], <NodeBase>next_node, slot)
             else:
                 let_others_run(&work_left)
                 graph_task.dependencies_.finish(frame.node, frame.slot)

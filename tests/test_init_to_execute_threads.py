@@ -209,3 +209,34 @@ def test_sigint_during_the_pass_raises_keyboard_interrupt_and_grad_works_after(
     pyengine.get_default_engine().execute([pyengine.Edge(root, 0)], [np.ones(3)], False, False,
                                           True)
     np.testing.assert_array_equal(leaf.grad, np.ones(3))
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signal handlers run on the main thread")
+def test_a_grad_in_a_signal_handler_during_the_pass_gets_its_own_frames(chain):
+    # The search borrows its thread's kept frame stack (pyengine/_frame_stack.h);
+    # a handler that runs while the pass lets it starts a second search on the
+    # same thread, which must not use the lent stack. The oracle: both chains
+    # pass their gradient on unchanged (ones), and the handler ran mid-pass.
+    root, leaf, leaf_edge = chain
+    small_root, _, small_leaf_edge = build_chain(100)
+    inner = []
+
+    def handler(signum, frame):
+        inner.append(grad_through(small_root, small_leaf_edge)[0])
+        if len(inner) == 3:  # enough: the pass must get on
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.002, 0.002)
+        try:
+            (captured,) = grad_through(root, leaf_edge)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    np.testing.assert_array_equal(captured, np.ones(3))
+    assert inner, "the handler never ran during the pass"
+    for gradient in inner:
+        np.testing.assert_array_equal(gradient, np.ones(3))

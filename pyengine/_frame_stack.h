@@ -1,0 +1,102 @@
+// FrameStack: the stack of a depth-first search's frames, in chunks that
+// never move, whose storage each thread keeps from one search to the next.
+//
+// compute_dependencies' search (pyengine/_dependencies.pyx) pushes a frame
+// per node on its path: millions on a deep chain. A vector that deep
+// copies every frame, holding the GIL, each time it grows; std::deque
+// allocates and frees a 512-byte block per dozen frames. After a search
+// of a million nodes has freed its blocks, the allocator hands the next
+// search blocks scattered across all that memory, cold in cache: a small
+// grad() after a large one ran a third slower per node (See
+// benchmarks/RESULTS.md, "The search's frames"). Here frames live in
+// chunks of CHUNK, a chunk is only added, and the thread keeps up to
+// KEPT_CHUNKS of them for its next search, warm and already mapped.
+//
+// A search borrows its thread's kept stack through a FrameStackLease. A
+// search that starts while its thread's stack is lent (a signal handler
+// running a backward while the search lets it run) gets a stack of its own.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+template <typename Frame>
+class pyengine_FrameStack {
+  public:
+    static constexpr size_t CHUNK = 1024;
+    static constexpr size_t KEPT_CHUNKS = 16;
+
+    bool empty() const { return size_ == 0; }
+    size_t size() const { return size_; }
+
+    // The i-th frame from the bottom. A reference stays valid until that
+    // frame is popped: chunks never move.
+    Frame &operator[](size_t i) { return chunks_[i / CHUNK][i % CHUNK]; }
+    Frame &back() { return (*this)[size_ - 1]; }
+
+    void push_back(const Frame &frame) {
+        if (size_ == chunks_.size() * CHUNK) {
+            chunks_.emplace_back(new Frame[CHUNK]);
+        }
+        (*this)[size_] = frame;
+        ++size_;
+    }
+
+    void pop_back() { --size_; }
+
+    // Empty the stack, keeping at most KEPT_CHUNKS chunks for the next search.
+    void clear() {
+        size_ = 0;
+        if (chunks_.size() > KEPT_CHUNKS) {
+            chunks_.resize(KEPT_CHUNKS);
+        }
+    }
+
+  private:
+    std::vector<std::unique_ptr<Frame[]>> chunks_;
+    size_t size_ = 0;
+};
+
+// The calling thread's kept FrameStack for the lease's lifetime (emptied
+// when it ends), or a stack of its own when the kept one is lent already.
+template <typename Frame>
+class pyengine_FrameStackLease {
+  public:
+    pyengine_FrameStackLease() {
+        Kept &kept = kept_stack();
+        if (!kept.lent) {
+            kept.lent = true;
+            stack_ = &kept.stack;
+        } else {
+            own_.reset(new pyengine_FrameStack<Frame>());
+            stack_ = own_.get();
+        }
+    }
+
+    ~pyengine_FrameStackLease() {
+        if (own_ == nullptr) {
+            stack_->clear();
+            kept_stack().lent = false;
+        }
+    }
+
+    pyengine_FrameStackLease(const pyengine_FrameStackLease &) = delete;
+    pyengine_FrameStackLease &operator=(const pyengine_FrameStackLease &) = delete;
+
+    pyengine_FrameStack<Frame> &stack() { return *stack_; }
+
+  private:
+    struct Kept {
+        pyengine_FrameStack<Frame> stack;
+        bool lent = false;
+    };
+
+    static Kept &kept_stack() {
+        static thread_local Kept kept;
+        return kept;
+    }
+
+    pyengine_FrameStack<Frame> *stack_;
+    std::unique_ptr<pyengine_FrameStack<Frame>> own_;
+};
