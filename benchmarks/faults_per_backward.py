@@ -25,7 +25,7 @@ def main():
     for n in (10_000, 100_000, 1_000_000):
         graph = graphs.chain(n)
 
-        def run():
+        def run(graph=graph):
             graph.leaf.grad = None
             execute([graph.root_edge], [graph.grad], False, False, True)
 

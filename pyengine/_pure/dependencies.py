@@ -10,7 +10,6 @@ per graph task, before any node runs.
 from .._shared.messages import init_to_execute_refused_message, node_name, not_initialized_message
 from .graph_task import ExecInfo, task_should_execute
 
-
 # Note [Cycles in the backward graph]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A backward graph made by a forward pass has no cycle, but next_edges

@@ -119,14 +119,14 @@ import time
 import numpy as np
 
 from .. import streams
-from ..device import CPU
-from . import state
-from .graph_task import GraphTask, cancel_graph_task, task_should_execute
 from .._shared import hooks
 from .._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
 from .._shared.messages import node_name, total_depth_message
+from ..device import CPU
+from . import state
 from .dependencies import compute_dependencies, init_to_execute
+from .graph_task import GraphTask, cancel_graph_task, task_should_execute
 from .input_buffer import InputBuffer
 from .node import Edge, NodeBase, on_cpu
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
