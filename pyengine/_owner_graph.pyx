@@ -20,8 +20,7 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from libcpp.vector cimport vector
 
-from pyengine._graph_task cimport (SEARCH_FINISHED, SEARCH_ON_PATH, DependencyMap, GraphTask,
-                                   SearchState, new_graph_task, running_thread_state)
+from pyengine._graph_task cimport GraphTask, new_graph_task, running_thread_state
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._node cimport InputMetadata
@@ -50,9 +49,14 @@ cdef extern from "_table_growth.h":
     size_t TABLE_GROWTH_STEP "pyengine_TABLE_GROWTH_STEP"
 
 cdef extern from "_owner_table.h":
+    enum OwnerState "pyengine_OwnerState":
+        NOT_SEEN "pyengine_NOT_SEEN"
+        ON_PATH "pyengine_ON_PATH"
+        FINISHED "pyengine_FINISHED"
     cdef struct OwnerEntry "pyengine_OwnerEntry":
         PyObject* node
-        Py_ssize_t slots
+        int slots
+        int state  # an OwnerState: the owner's in the search
         PyObject* buffer  # owned, or NULL
         PyObject* gradient  # owned, or NULL: a one-slot owner's only gradient so far
     cppclass OwnerTable "pyengine_OwnerTable":
@@ -60,7 +64,8 @@ cdef extern from "_owner_table.h":
         bint full()
         bint grow_step()
         void reserve(size_t count)
-        void add(PyObject* owner, Py_ssize_t slots)
+        OwnerEntry* add(PyObject* owner, size_t* index)
+        OwnerEntry* at(PyObject* owner, size_t index)
         OwnerEntry* find(PyObject* owner)
     cppclass OwnerItems "pyengine_OwnerItems":
         OwnerItems()
@@ -221,7 +226,7 @@ cdef struct Frame:
     size_t start
     size_t next
     size_t end
-    size_t slot  # the owner's slot index in the search's map: a hint
+    size_t slot  # the owner's index in the OwnerTable: a hint
 
 
 cdef int read_parents(object parents, object owner, vector[PyObject*]& arena) except -1:
@@ -245,21 +250,20 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     post-order of Note [Owner graphs] (borrowed: ``held`` keeps every owner
     seen alive, so that no address is reused), with ``is_leaf`` beside it,
     each owner's items to ``items_of`` with ``keep_items`` (the twin's list
-    of tuples: See pyengine/_owner_table.h), and (in
-    returns mode) its slot count to ``owners`` (the twin's ``slots``, by
-    address: See pyengine/_owner_table.h). The snapshots are the
+    of tuples: See pyengine/_owner_table.h), and each owner's search state
+    and (in returns mode) slot count to ``owners`` (the twin's ``seen`` and
+    ``slots``, by address: See pyengine/_owner_table.h). The snapshots are the
     frames' ranges of one arena, used as a stack, so that no object is made
     per owner without ``keep_items``. Iterative: any depth; it lets other
     threads run as it goes (See Note [Long passes let other threads run])."""
     cdef object parents = graph.parents
     cdef object needs_no_gradient = graph.needs_no_gradient
-    cdef DependencyMap seen  # only the search states; its counts go unused
     cdef vector[Frame] stack
     cdef vector[PyObject*] arena
     cdef Frame* frame
     cdef PyObject* parent
     cdef Py_ssize_t input_nr
-    cdef SearchState parent_state
+    cdef int parent_state
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     cdef size_t i, slot
     # Sized as the last walk of this graph (no more than a table step): no
@@ -269,17 +273,16 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     arena.reserve(expected)
     order.reserve(expected)
     is_leaf.reserve(expected)
-    if graph.returns:
-        owners.reserve(expected)
+    owners.reserve(expected)
     try:
-        slot = seen.enter(<PyObject*>root)
-        reach_owner(graph, root, slot, seen, stack, arena, order, is_leaf, items_of, owners, held,
+        owners.add(<PyObject*>root, &slot)  # a new table has room
+        reach_owner(graph, root, slot, stack, arena, order, is_leaf, items_of, owners, held,
                     keep_items)
         while not stack.empty():
             let_others_run(&work_left)
             frame = &stack.back()
             if frame.next == frame.end:
-                seen.finish(frame.owner, frame.slot)
+                owners.at(frame.owner, frame.slot).state = FINISHED
                 order.push_back(frame.owner)
                 is_leaf.push_back(0)
                 if keep_items:
@@ -299,16 +302,16 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
                 continue
             if needs_no_gradient is not None and needs_no_gradient(<object>parent):
                 continue
-            if seen.full():
+            if owners.full():
                 # See pyengine/_table_growth.h.
-                while not seen.grow_step():
+                while not owners.grow_step():
                     yield_to_other_threads()
-            parent_state = seen.add_edge(parent, &slot)
-            if parent_state == SEARCH_ON_PATH:
+            parent_state = owners.add(parent, &slot).state
+            if parent_state == ON_PATH:
                 raise cycle_error(<object>parent, parents)
             holder = <object>frame.owner  # reach_owner may move the frames
-            if parent_state != SEARCH_FINISHED:
-                reach_owner(graph, <object>parent, slot, seen, stack, arena, order, is_leaf,
+            if parent_state == NOT_SEEN:
+                reach_owner(graph, <object>parent, slot, stack, arena, order, is_leaf,
                             items_of, owners, held, keep_items)
             if graph.returns and input_nr != 0:  # every owner has slot 0
                 check_input_nr(<object>parent, input_nr, owners, holder)
@@ -319,26 +322,24 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     return 0
 
 
-cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, DependencyMap& seen,
-                     vector[Frame]& stack, vector[PyObject*]& arena, vector[PyObject*]& order,
-                     vector[char]& is_leaf, OwnerItems* items_of, OwnerTable* owners, list held,
+cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, vector[Frame]& stack,
+                     vector[PyObject*]& arena, vector[PyObject*]& order, vector[char]& is_leaf,
+                     OwnerItems* items_of, OwnerTable* owners, list held,
                      bint keep_items) except -1:
-    """Read an owner the search reaches first: a leaf finishes at once,
-    another one starts a frame."""
-    held.append(owner)  # before it enters the table: its address stays its own
-    cdef Py_ssize_t count
+    """Read an owner the search reaches first (its entry, not seen, is at
+    ``slot`` in ``owners``): a leaf finishes at once, another one starts a
+    frame. Only the search adds entries, so Python code run here (reading
+    the parents, num_inputs) leaves ``slot`` where it is."""
+    held.append(owner)  # before any Python code runs: its address stays its own
+    cdef OwnerEntry* entry = owners.at(<PyObject*>owner, slot)
+    entry.state = ON_PATH
     if graph.returns:
-        count = count_slots(graph, owner)
-        if owners.full():
-            # See pyengine/_table_growth.h.
-            while not owners.grow_step():
-                yield_to_other_threads()
-        owners.add(<PyObject*>owner, count)
+        entry.slots = count_slots(graph, owner)
     cdef Frame frame
     frame.start = arena.size()
     read_parents(graph.parents, owner, arena)
     if arena.size() == frame.start:
-        seen.finish(<PyObject*>owner, slot)
+        owners.at(<PyObject*>owner, slot).state = FINISHED
         order.push_back(<PyObject*>owner)
         is_leaf.push_back(1)
         if keep_items:

@@ -1,13 +1,16 @@
-// OwnerTable: for each owner an owner-graph walk in returns mode reached,
-// its slot count and its InputBuffer (pyengine/_owner_graph.pyx).
+// OwnerTable: for each owner an owner-graph walk reached, its state in the
+// walk's search, its slot count and its InputBuffer (pyengine/_owner_graph.pyx).
 //
-// The compiled twin of the walk's two dicts keyed by id(owner), ``slots``
-// and ``buffers`` (pyengine/_pure/owner_graph.py): keyed by the owner's
-// address instead, so that a lookup makes no int and calls no hash. The
-// addresses stay unique because the walk holds a reference to every owner
-// it reached (its ``held`` list) until it returns. Open addressing with
-// linear probing, as pyengine/_dependency_map.h; entries are never removed
-// (a buffer taken leaves its owner's entry, with no buffer).
+// The compiled twin of the walk's three dicts keyed by id(owner), the
+// search's ``seen`` and the walk's ``slots`` and ``buffers``
+// (pyengine/_pure/owner_graph.py): keyed by the owner's address instead, so
+// that a lookup makes no int and calls no hash, and one table for the three,
+// so that the search probes once per edge. The addresses stay unique because
+// the walk holds a reference to every owner it reached (its ``held`` list)
+// until it returns. Open addressing with linear probing, as
+// pyengine/_dependency_map.h, but with its own hash: See Note [The owner
+// table's hash]. Entries are never removed (a buffer taken leaves its
+// owner's entry, with no buffer).
 //
 // The table owns the buffers and gradients it holds: its destructor releases those left
 // (an error in the walk), so it must be destroyed with the GIL held.
@@ -22,14 +25,43 @@
 
 #include "_table_growth.h"
 
+// Note [The owner table's hash]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The dependency map hashes a node by its address shifted by 4, so that
+// nodes made one after the other take slots one after the other (See its
+// hash in pyengine/_dependency_map.h). Owners are a framework's objects,
+// made among its other objects: autograd's 48-byte VJPNodes come every
+// 192 bytes of their pymalloc pool (the forward makes four objects of that
+// size per operation), so the shifted addresses of a pool's owners share
+// their two lowest bits, and pools that lie a multiple of the table's span
+// (16 bytes per slot) apart fall on the same quarter of the same slots.
+// How many do depends on where the process's allocator put the pools, so
+// the probes per lookup, and the backward's time, changed from process to
+// process (benchmarks/RESULTS.md, "autograd's chain depends on the
+// process" and the section after it). This hash keeps the shifted address
+// for the bits inside the table's span (owners close together stay in
+// nearby slots, in address order) and xors in a multiplicative hash of the
+// bits above it (which span of memory), so that pools in different spans
+// land on different slots.
+
+// An owner's state in the walk's search (the twin's ``seen``).
+enum pyengine_OwnerState : int {
+    pyengine_NOT_SEEN = 0,
+    pyengine_ON_PATH = 1,
+    pyengine_FINISHED = 2,
+};
+
 struct pyengine_OwnerEntry {
     PyObject *node = nullptr;    // the owner, borrowed (the walk holds it)
-    Py_ssize_t slots = 0;        // its slot count
+    int slots = 0;               // its slot count (count_slots returns an int)
+    int state = pyengine_NOT_SEEN;
     PyObject *buffer = nullptr;  // owned: its InputBuffer, NULL before the first gradient
     // owned: a one-slot owner's only gradient so far, held without an
     // InputBuffer (the twin's one-item tuple in ``buffers``); NULL otherwise.
     PyObject *gradient = nullptr;
 };
+
+static_assert(sizeof(pyengine_OwnerEntry) == 32, "an entry is four words");
 
 class pyengine_OwnerTable {
   public:
@@ -77,15 +109,24 @@ class pyengine_OwnerTable {
                                   });
     }
 
-    // Add owner with its slot count (or set the count of one already in).
-    // The caller made room first (full, grow_step). Invalidates entries.
-    void add(PyObject *owner, Py_ssize_t slots) {
+    // owner's entry, made (not seen, no slots) where the walk had not
+    // reached it; *index: its index in the table (a hint for at). The
+    // caller made room first (full, grow_step). Invalidates entries.
+    pyengine_OwnerEntry *add(PyObject *owner, size_t *index) {
         pyengine_OwnerEntry &entry = find_slot(slots_, owner);
         if (entry.node == nullptr) {
             entry.node = owner;
             ++used_;
         }
-        entry.slots = slots;
+        *index = static_cast<size_t>(&entry - slots_.data());
+        return &entry;
+    }
+
+    // owner's entry (in the table), found at index when the table has not
+    // grown since add gave that index, else probed for again.
+    pyengine_OwnerEntry *at(PyObject *owner, size_t index) {
+        pyengine_OwnerEntry *entry = &slots_[index & (slots_.size() - 1)];
+        return entry->node == owner ? entry : &find_slot(slots_, owner);
     }
 
     // owner's entry, or NULL where the walk did not reach it. Valid until
@@ -96,15 +137,19 @@ class pyengine_OwnerTable {
     }
 
   private:
-    static size_t hash(PyObject *node) {
-        // As DependencyMap's: See its hash in pyengine/_dependency_map.h.
-        return static_cast<size_t>(reinterpret_cast<uintptr_t>(node) >> 4);
+    // See Note [The owner table's hash].
+    static size_t hash(PyObject *node, size_t size) {
+        const uint64_t address = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(node)) >> 4;
+        const int bits = __builtin_ctzll(static_cast<unsigned long long>(size));
+        const uint64_t window = address >> bits;  // bits >= 4: a table has 16 slots or more
+        const uint64_t mixed = (window * UINT64_C(0x9E3779B97F4A7C15)) >> (64 - bits);
+        return static_cast<size_t>(address ^ mixed);
     }
 
     static pyengine_OwnerEntry &find_slot(std::vector<pyengine_OwnerEntry> &slots,
                                           PyObject *node) {
         const size_t mask = slots.size() - 1;
-        size_t i = hash(node) & mask;
+        size_t i = hash(node, slots.size()) & mask;
         while (slots[i].node != nullptr && slots[i].node != node) {
             i = (i + 1) & mask;
         }

@@ -600,9 +600,9 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
         wanted = {id(owner) for owner, _ in inputs}
 
     # slots and (below) buffers, keyed by id(owner): the compiled core keeps
-    # both in one C table keyed by address, and items_of in one C array
-    # (pyengine/_owner_table.h); held keeps each key's owner alive, so that
-    # no id is reused while it runs.
+    # both, with the search's seen, in one C table keyed by address, and
+    # items_of in one C array (pyengine/_owner_table.h); held keeps each
+    # key's owner alive, so that no id is reused while it runs.
     order, is_leaf, items_of, slots, held = [], [], [], {}, []
     search(graph, root_owner, order, is_leaf, items_of, slots, held, returns)
     if returns:
