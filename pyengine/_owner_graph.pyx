@@ -64,6 +64,7 @@ cdef extern from "_owner_table.h":
         bint full()
         bint grow_step()
         void reserve(size_t count)
+        void reuse(vector[OwnerEntry]* spare)
         OwnerEntry* add(PyObject* owner, size_t* index)
         OwnerEntry* at(PyObject* owner, size_t index)
         OwnerEntry* find(PyObject* owner)
@@ -122,6 +123,9 @@ cdef class OwnerGraph:
     # The number of owners the last walk reached: the next one sizes its
     # table and vectors by it (a hint; written under the GIL).
     cdef size_t owners_hint
+    # The memory of an earlier walk's OwnerTable, for the next one: See
+    # Note [Memory kept between walks] (taken and left under the GIL).
+    cdef vector[OwnerEntry] spare_table
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
@@ -664,6 +668,7 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
     cdef OwnerItems items_of  # the twin's items_of: See pyengine/_owner_table.h
     # The twin's slots and buffers; releases the buffers an error leaves.
     cdef OwnerTable owners
+    owners.reuse(&graph.spare_table)  # given back as the table is destroyed, on return or error
     cdef OwnerEntry* entry
     cdef list held = []
     search(graph, root_owner, order, is_leaf, &items_of, &owners, held, returns,

@@ -44,6 +44,24 @@
 // bits above it (which span of memory), so that pools in different spans
 // land on different slots.
 
+// Note [Memory kept between walks]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// An owner table for ten thousand owners takes a megabyte, which glibc's
+// malloc hands out and takes back whole: from mmap, or from the top of its
+// heap, which it trims when the top grows past a threshold that it moves
+// as blocks come and go. Where it gave the pages back, the next walk
+// faults each page in again and gets it zeroed by the kernel; whether it
+// did depends on what else the process allocated (on autograd's fan-in
+// every walk did, on its chain none: benchmarks/RESULTS.md). So
+// the OwnerGraph keeps the memory of its last table (a spare vector) and
+// the next walk of the same graph zeroes it in place instead: a table
+// takes the spare when made (reuse) and leaves its own there when
+// destroyed. Only up to pyengine_TABLE_GROWTH_STEP entries are kept, so
+// that an OwnerGraph holds at most a megabyte after a large graph. A walk
+// under way on another thread, or reentrant under this one, finds the
+// spare taken and makes its own table; the larger one is kept at the end.
+// Both steps run with the GIL held and call no Python code in between.
+
 // An owner's state in the walk's search (the twin's ``seen``).
 enum pyengine_OwnerState : int {
     pyengine_NOT_SEEN = 0,
@@ -65,18 +83,34 @@ static_assert(sizeof(pyengine_OwnerEntry) == 32, "an entry is four words");
 
 class pyengine_OwnerTable {
   public:
-    pyengine_OwnerTable() : slots_(16), used_(0), moved_(0) {}
+    pyengine_OwnerTable() : slots_(16), used_(0), moved_(0), spare_(nullptr) {}
 
     pyengine_OwnerTable(const pyengine_OwnerTable &) = delete;
     pyengine_OwnerTable &operator=(const pyengine_OwnerTable &) = delete;
 
+    // Releases the buffers and gradients left (an error in the walk), then
+    // gives the table's memory to the spare of reuse, where it is larger
+    // than the spare's and no larger than pyengine_TABLE_GROWTH_STEP entries.
     ~pyengine_OwnerTable() {
-        // Only slots_ owns buffers: a doubling in progress copied entries
-        // into larger_, and buffers are set only once the search (the only
-        // one to add entries) is over.
-        for (pyengine_OwnerEntry &entry : slots_) {
-            Py_XDECREF(entry.buffer);
-            Py_XDECREF(entry.gradient);
+        release();
+        if (spare_ != nullptr && slots_.capacity() <= pyengine_TABLE_GROWTH_STEP &&
+            slots_.capacity() > spare_->capacity()) {
+            slots_.clear();
+            slots_.swap(*spare_);
+        }
+    }
+
+    // On a new table: take the memory an earlier walk's table left in
+    // spare, and leave its own there when destroyed (See Note [Memory kept
+    // between walks]). spare must outlive the table.
+    void reuse(std::vector<pyengine_OwnerEntry> *spare) {
+        if (used_ != 0) {
+            return;
+        }
+        spare_ = spare;
+        if (spare->capacity() > slots_.capacity()) {
+            slots_.swap(*spare);
+            slots_.assign(16, pyengine_OwnerEntry());
         }
     }
 
@@ -137,6 +171,21 @@ class pyengine_OwnerTable {
     }
 
   private:
+    void release() {
+        // Only slots_ owns buffers: a doubling in progress copied entries
+        // into larger_, and buffers are set only once the search (the only
+        // one to add entries) is over. Each reference leaves its entry
+        // before its release, which may run Python code.
+        for (pyengine_OwnerEntry &entry : slots_) {
+            PyObject *buffer = entry.buffer;
+            PyObject *gradient = entry.gradient;
+            entry.buffer = nullptr;
+            entry.gradient = nullptr;
+            Py_XDECREF(buffer);
+            Py_XDECREF(gradient);
+        }
+    }
+
     // See Note [The owner table's hash].
     static size_t hash(PyObject *node, size_t size) {
         const uint64_t address = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(node)) >> 4;
@@ -161,6 +210,7 @@ class pyengine_OwnerTable {
     // A doubling in progress: See pyengine_grow_step.
     std::vector<pyengine_OwnerEntry> larger_;
     size_t moved_;
+    std::vector<pyengine_OwnerEntry> *spare_;  // See reuse
 };
 
 
