@@ -56,11 +56,16 @@
 // the OwnerGraph keeps the memory of its last table (a spare vector) and
 // the next walk of the same graph zeroes it in place instead: a table
 // takes the spare when made (reuse) and leaves its own there when
-// destroyed. Only up to pyengine_TABLE_GROWTH_STEP entries are kept, so
-// that an OwnerGraph holds at most a megabyte after a large graph. A walk
+// destroyed. Tables of up to pyengine_OWNER_TABLE_KEPT entries are kept
+// (a graph of 65,535 owners: micrograd's 10k chain has 20,001), so that
+// an OwnerGraph holds at most 4 MB after a larger graph. A walk
 // under way on another thread, or reentrant under this one, finds the
 // spare taken and makes its own table; the larger one is kept at the end.
 // Both steps run with the GIL held and call no Python code in between.
+
+// The largest table whose memory an OwnerGraph keeps: See Note [Memory
+// kept between walks].
+constexpr size_t pyengine_OWNER_TABLE_KEPT = 4 * pyengine_TABLE_GROWTH_STEP;
 
 // An owner's state in the walk's search (the twin's ``seen``).
 enum pyengine_OwnerState : int {
@@ -90,10 +95,10 @@ class pyengine_OwnerTable {
 
     // Releases the buffers and gradients left (an error in the walk), then
     // gives the table's memory to the spare of reuse, where it is larger
-    // than the spare's and no larger than pyengine_TABLE_GROWTH_STEP entries.
+    // than the spare's and no larger than pyengine_OWNER_TABLE_KEPT entries.
     ~pyengine_OwnerTable() {
         release();
-        if (spare_ != nullptr && slots_.capacity() <= pyengine_TABLE_GROWTH_STEP &&
+        if (spare_ != nullptr && slots_.capacity() <= pyengine_OWNER_TABLE_KEPT &&
             slots_.capacity() > spare_->capacity()) {
             slots_.clear();
             slots_.swap(*spare_);
