@@ -20,7 +20,7 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from libcpp.vector cimport vector
 
-from pyengine._graph_task cimport GraphTask, new_graph_task, running_thread_state
+from pyengine._graph_task cimport DependencyMap, GraphTask, new_graph_task, running_thread_state
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._node cimport InputMetadata
@@ -230,7 +230,7 @@ cdef struct Frame:
     size_t start
     size_t next
     size_t end
-    size_t slot  # the owner's index in the OwnerTable: a hint
+    size_t slot  # where the owner's search state is: See enter_owner
 
 
 cdef int read_parents(object parents, object owner, vector[PyObject*]& arena) except -1:
@@ -254,14 +254,16 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     post-order of Note [Owner graphs] (borrowed: ``held`` keeps every owner
     seen alive, so that no address is reused), with ``is_leaf`` beside it,
     each owner's items to ``items_of`` with ``keep_items`` (the twin's list
-    of tuples: See pyengine/_owner_table.h), and each owner's search state
-    and (in returns mode) slot count to ``owners`` (the twin's ``seen`` and
-    ``slots``, by address: See pyengine/_owner_table.h). The snapshots are the
+    of tuples: See pyengine/_owner_table.h), and (in returns mode) its
+    slot count to ``owners`` (the twin's ``slots``, by address: See
+    pyengine/_owner_table.h); each owner's search state (the twin's
+    ``seen``) goes where enter_owner says. The snapshots are the
     frames' ranges of one arena, used as a stack, so that no object is made
     per owner without ``keep_items``. Iterative: any depth; it lets other
     threads run as it goes (See Note [Long passes let other threads run])."""
     cdef object parents = graph.parents
     cdef object needs_no_gradient = graph.needs_no_gradient
+    cdef DependencyMap seen  # writes mode's search states: See enter_owner
     cdef vector[Frame] stack
     cdef vector[PyObject*] arena
     cdef Frame* frame
@@ -277,16 +279,17 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     arena.reserve(expected)
     order.reserve(expected)
     is_leaf.reserve(expected)
-    owners.reserve(expected)
+    if graph.returns:
+        owners.reserve(expected)
     try:
-        owners.add(<PyObject*>root, &slot)  # a new table has room
-        reach_owner(graph, root, slot, stack, arena, order, is_leaf, items_of, owners, held,
-                    keep_items)
+        enter_owner(graph.returns, &seen, owners, <PyObject*>root, &slot)
+        reach_owner(graph, root, slot, &seen, stack, arena, order, is_leaf, items_of, owners,
+                    held, keep_items)
         while not stack.empty():
             let_others_run(&work_left)
             frame = &stack.back()
             if frame.next == frame.end:
-                owners.at(frame.owner, frame.slot).state = FINISHED
+                finish_owner(graph.returns, &seen, owners, frame.owner, frame.slot)
                 order.push_back(frame.owner)
                 is_leaf.push_back(0)
                 if keep_items:
@@ -306,16 +309,12 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
                 continue
             if needs_no_gradient is not None and needs_no_gradient(<object>parent):
                 continue
-            if owners.full():
-                # See pyengine/_table_growth.h.
-                while not owners.grow_step():
-                    yield_to_other_threads()
-            parent_state = owners.add(parent, &slot).state
+            parent_state = enter_owner(graph.returns, &seen, owners, parent, &slot)
             if parent_state == ON_PATH:
                 raise cycle_error(<object>parent, parents)
             holder = <object>frame.owner  # reach_owner may move the frames
             if parent_state == NOT_SEEN:
-                reach_owner(graph, <object>parent, slot, stack, arena, order, is_leaf,
+                reach_owner(graph, <object>parent, slot, &seen, stack, arena, order, is_leaf,
                             items_of, owners, held, keep_items)
             if graph.returns and input_nr != 0:  # every owner has slot 0
                 check_input_nr(<object>parent, input_nr, owners, holder)
@@ -326,24 +325,58 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     return 0
 
 
-cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, vector[Frame]& stack,
-                     vector[PyObject*]& arena, vector[PyObject*]& order, vector[char]& is_leaf,
-                     OwnerItems* items_of, OwnerTable* owners, list held,
+cdef int enter_owner(bint returns, DependencyMap* seen, OwnerTable* owners, PyObject* owner,
+                     size_t* slot) except -1:
+    """An edge into ``owner`` (or the root, with none) found by the search:
+    returns its search state before it, and puts an owner not seen yet on
+    the path; ``slot``: where its state is (a hint for finish_owner).
+    Returns mode keeps the states in its owner table, beside the slot
+    counts and gradients, so that an edge is one probe; writes mode, which
+    keeps nothing else per owner, in ``seen``, whose slots are half the size
+    (See Note [The owner table's hash])."""
+    cdef OwnerEntry* entry
+    cdef int state
+    if returns:
+        if owners.full():
+            # See pyengine/_table_growth.h.
+            while not owners.grow_step():
+                yield_to_other_threads()
+        entry = owners.add(owner, slot)
+        state = entry.state
+        if state == NOT_SEEN:
+            entry.state = ON_PATH
+        return state
+    if seen.full():
+        while not seen.grow_step():
+            yield_to_other_threads()
+    return <int>seen.add_edge(owner, slot)
+
+
+cdef inline void finish_owner(bint returns, DependencyMap* seen, OwnerTable* owners,
+                              PyObject* owner, size_t slot) noexcept:
+    """The search below ``owner`` is done (``slot``: from enter_owner)."""
+    if returns:
+        owners.at(owner, slot).state = FINISHED
+    else:
+        seen.finish(owner, slot)
+
+
+cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, DependencyMap* seen,
+                     vector[Frame]& stack, vector[PyObject*]& arena, vector[PyObject*]& order,
+                     vector[char]& is_leaf, OwnerItems* items_of, OwnerTable* owners, list held,
                      bint keep_items) except -1:
-    """Read an owner the search reaches first (its entry, not seen, is at
-    ``slot`` in ``owners``): a leaf finishes at once, another one starts a
-    frame. Only the search adds entries, so Python code run here (reading
-    the parents, num_inputs) leaves ``slot`` where it is."""
+    """Read an owner the search reaches first (on the path, at ``slot``:
+    See enter_owner): a leaf finishes at once, another one starts a frame.
+    Only the search adds entries, so Python code run here (reading the
+    parents, num_inputs) leaves ``slot`` where it is."""
     held.append(owner)  # before any Python code runs: its address stays its own
-    cdef OwnerEntry* entry = owners.at(<PyObject*>owner, slot)
-    entry.state = ON_PATH
     if graph.returns:
-        entry.slots = count_slots(graph, owner)
+        owners.at(<PyObject*>owner, slot).slots = count_slots(graph, owner)
     cdef Frame frame
     frame.start = arena.size()
     read_parents(graph.parents, owner, arena)
     if arena.size() == frame.start:
-        owners.at(<PyObject*>owner, slot).state = FINISHED
+        finish_owner(graph.returns, seen, owners, <PyObject*>owner, slot)
         order.push_back(<PyObject*>owner)
         is_leaf.push_back(1)
         if keep_items:

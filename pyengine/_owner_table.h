@@ -1,11 +1,12 @@
-// OwnerTable: for each owner an owner-graph walk reached, its state in the
-// walk's search, its slot count and its InputBuffer (pyengine/_owner_graph.pyx).
+// OwnerTable: for each owner a returns-mode owner-graph walk reached, its
+// state in the walk's search, its slot count and its InputBuffer
+// (pyengine/_owner_graph.pyx).
 //
 // The compiled twin of the walk's three dicts keyed by id(owner), the
 // search's ``seen`` and the walk's ``slots`` and ``buffers``
 // (pyengine/_pure/owner_graph.py): keyed by the owner's address instead, so
-// that a lookup makes no int and calls no hash, and one table for the three,
-// so that the search probes once per edge. The addresses stay unique because
+// that a lookup makes no int and calls no Python hash, and one table for the
+// three, so that the search probes once per edge. The addresses stay unique because
 // the walk holds a reference to every owner it reached (its ``held`` list)
 // until it returns. Open addressing with linear probing, as
 // pyengine/_dependency_map.h, but with its own hash: See Note [The owner
@@ -38,11 +39,19 @@
 // How many do depends on where the process's allocator put the pools, so
 // the probes per lookup, and the backward's time, changed from process to
 // process (benchmarks/RESULTS.md, "autograd's chain depends on the
-// process" and the section after it). This hash keeps the shifted address
-// for the bits inside the table's span (owners close together stay in
-// nearby slots, in address order) and xors in a multiplicative hash of the
-// bits above it (which span of memory), so that pools in different spans
-// land on different slots.
+// process" and the section after it). Keeping the address order inside a
+// span and moving each span by a hash of its place (xor or addition) does
+// not help: the owners of two spans that land on the same slots then
+// collide all together, and micrograd's graphs, whose values lie densely,
+// took runs of hundreds of probes in some processes. So the table hashes
+// the whole shifted address multiplicatively (Fibonacci hashing: the top
+// bits of its product with 2^64 over the golden ratio), which spreads
+// every layout tried; what it gives up is the address order, with which a
+// table larger than the caches is read in order. Returns mode pays that on
+// graphs of hundreds of thousands of owners, where each owner's own
+// backward costs more; writes mode, whose owners' methods cost least, keeps
+// its search states in the dependency map (See enter_owner in
+// pyengine/_owner_graph.pyx).
 
 // Note [Memory kept between walks]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -57,8 +66,8 @@
 // the next walk of the same graph zeroes it in place instead: a table
 // takes the spare when made (reuse) and leaves its own there when
 // destroyed. Tables of up to pyengine_OWNER_TABLE_KEPT entries are kept
-// (a graph of 65,535 owners: micrograd's 10k chain has 20,001), so that
-// an OwnerGraph holds at most 4 MB after a larger graph. A walk
+// (graphs of up to 65,535 owners), so that an OwnerGraph holds at most
+// 4 MB after a larger graph. A walk
 // under way on another thread, or reentrant under this one, finds the
 // spare taken and makes its own table; the larger one is kept at the end.
 // Both steps run with the GIL held and call no Python code in between.
@@ -195,9 +204,8 @@ class pyengine_OwnerTable {
     static size_t hash(PyObject *node, size_t size) {
         const uint64_t address = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(node)) >> 4;
         const int bits = __builtin_ctzll(static_cast<unsigned long long>(size));
-        const uint64_t window = address >> bits;  // bits >= 4: a table has 16 slots or more
-        const uint64_t mixed = (window * UINT64_C(0x9E3779B97F4A7C15)) >> (64 - bits);
-        return static_cast<size_t>(address ^ mixed);
+        // bits >= 4: a table has 16 slots or more.
+        return static_cast<size_t>((address * UINT64_C(0x9E3779B97F4A7C15)) >> (64 - bits));
     }
 
     static pyengine_OwnerEntry &find_slot(std::vector<pyengine_OwnerEntry> &slots,
