@@ -333,7 +333,7 @@ cdef int enter_owner(bint returns, DependencyMap* seen, OwnerTable* owners, PyOb
     Returns mode keeps the states in its owner table, beside the slot
     counts and gradients, so that an edge is one probe; writes mode, which
     keeps nothing else per owner, in ``seen``, whose slots are half the size
-    (See Note [The owner table's hash])."""
+    (See Note [The owner table hash])."""
     cdef OwnerEntry* entry
     cdef int state
     if returns:

@@ -10,7 +10,7 @@
 // the walk holds a reference to every owner it reached (its ``held`` list)
 // until it returns. Open addressing with linear probing, as
 // pyengine/_dependency_map.h, but with its own hash: See Note [The owner
-// table's hash]. Entries are never removed (a buffer taken leaves its
+// table hash]. Entries are never removed (a buffer taken leaves its
 // owner's entry, with no buffer).
 //
 // The table owns the buffers and gradients it holds: its destructor releases those left
@@ -26,8 +26,8 @@
 
 #include "_table_growth.h"
 
-// Note [The owner table's hash]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Note [The owner table hash]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // The dependency map hashes a node by its address shifted by 4, so that
 // nodes made one after the other take slots one after the other (See its
 // hash in pyengine/_dependency_map.h). Owners are a framework's objects,
@@ -200,7 +200,7 @@ class pyengine_OwnerTable {
         }
     }
 
-    // See Note [The owner table's hash].
+    // See Note [The owner table hash].
     static size_t hash(PyObject *node, size_t size) {
         const uint64_t address = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(node)) >> 4;
         const int bits = __builtin_ctzll(static_cast<unsigned long long>(size));
