@@ -20,8 +20,7 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from libcpp.vector cimport vector
 
-from pyengine._graph_task cimport (SEARCH_FINISHED, SEARCH_ON_PATH, DependencyMap, GraphTask,
-                                   SearchState, new_graph_task, running_thread_state)
+from pyengine._graph_task cimport DependencyMap, GraphTask, new_graph_task, running_thread_state
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._node cimport InputMetadata
@@ -50,9 +49,14 @@ cdef extern from "_table_growth.h":
     size_t TABLE_GROWTH_STEP "pyengine_TABLE_GROWTH_STEP"
 
 cdef extern from "_owner_table.h":
+    enum OwnerState "pyengine_OwnerState":
+        NOT_SEEN "pyengine_NOT_SEEN"
+        ON_PATH "pyengine_ON_PATH"
+        FINISHED "pyengine_FINISHED"
     cdef struct OwnerEntry "pyengine_OwnerEntry":
         PyObject* node
-        Py_ssize_t slots
+        int slots
+        int state  # an OwnerState: the owner's in the search
         PyObject* buffer  # owned, or NULL
         PyObject* gradient  # owned, or NULL: a one-slot owner's only gradient so far
     cppclass OwnerTable "pyengine_OwnerTable":
@@ -60,7 +64,9 @@ cdef extern from "_owner_table.h":
         bint full()
         bint grow_step()
         void reserve(size_t count)
-        void add(PyObject* owner, Py_ssize_t slots)
+        void reuse(vector[OwnerEntry]* spare)
+        OwnerEntry* add(PyObject* owner, size_t* index)
+        OwnerEntry* at(PyObject* owner, size_t index)
         OwnerEntry* find(PyObject* owner)
     cppclass OwnerItems "pyengine_OwnerItems":
         OwnerItems()
@@ -117,6 +123,9 @@ cdef class OwnerGraph:
     # The number of owners the last walk reached: the next one sizes its
     # table and vectors by it (a hint; written under the GIL).
     cdef size_t owners_hint
+    # The memory of an earlier walk's OwnerTable, for the next one: See
+    # Note [Memory kept between walks] (taken and left under the GIL).
+    cdef vector[OwnerEntry] spare_table
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
@@ -221,7 +230,7 @@ cdef struct Frame:
     size_t start
     size_t next
     size_t end
-    size_t slot  # the owner's slot index in the search's map: a hint
+    size_t slot  # where the owner's search state is: See enter_owner
 
 
 cdef int read_parents(object parents, object owner, vector[PyObject*]& arena) except -1:
@@ -245,21 +254,22 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     post-order of Note [Owner graphs] (borrowed: ``held`` keeps every owner
     seen alive, so that no address is reused), with ``is_leaf`` beside it,
     each owner's items to ``items_of`` with ``keep_items`` (the twin's list
-    of tuples: See pyengine/_owner_table.h), and (in
-    returns mode) its slot count to ``owners`` (the twin's ``slots``, by
-    address: See pyengine/_owner_table.h). The snapshots are the
+    of tuples: See pyengine/_owner_table.h), and (in returns mode) its
+    slot count to ``owners`` (the twin's ``slots``, by address: See
+    pyengine/_owner_table.h); each owner's search state (the twin's
+    ``seen``) goes where enter_owner says. The snapshots are the
     frames' ranges of one arena, used as a stack, so that no object is made
     per owner without ``keep_items``. Iterative: any depth; it lets other
     threads run as it goes (See Note [Long passes let other threads run])."""
     cdef object parents = graph.parents
     cdef object needs_no_gradient = graph.needs_no_gradient
-    cdef DependencyMap seen  # only the search states; its counts go unused
+    cdef DependencyMap seen  # writes mode's search states: See enter_owner
     cdef vector[Frame] stack
     cdef vector[PyObject*] arena
     cdef Frame* frame
     cdef PyObject* parent
     cdef Py_ssize_t input_nr
-    cdef SearchState parent_state
+    cdef int parent_state
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     cdef size_t i, slot
     # Sized as the last walk of this graph (no more than a table step): no
@@ -272,14 +282,14 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     if graph.returns:
         owners.reserve(expected)
     try:
-        slot = seen.enter(<PyObject*>root)
-        reach_owner(graph, root, slot, seen, stack, arena, order, is_leaf, items_of, owners, held,
-                    keep_items)
+        enter_owner(graph.returns, &seen, owners, <PyObject*>root, &slot)
+        reach_owner(graph, root, slot, &seen, stack, arena, order, is_leaf, items_of, owners,
+                    held, keep_items)
         while not stack.empty():
             let_others_run(&work_left)
             frame = &stack.back()
             if frame.next == frame.end:
-                seen.finish(frame.owner, frame.slot)
+                finish_owner(graph.returns, &seen, owners, frame.owner, frame.slot)
                 order.push_back(frame.owner)
                 is_leaf.push_back(0)
                 if keep_items:
@@ -299,16 +309,12 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
                 continue
             if needs_no_gradient is not None and needs_no_gradient(<object>parent):
                 continue
-            if seen.full():
-                # See pyengine/_table_growth.h.
-                while not seen.grow_step():
-                    yield_to_other_threads()
-            parent_state = seen.add_edge(parent, &slot)
-            if parent_state == SEARCH_ON_PATH:
+            parent_state = enter_owner(graph.returns, &seen, owners, parent, &slot)
+            if parent_state == ON_PATH:
                 raise cycle_error(<object>parent, parents)
             holder = <object>frame.owner  # reach_owner may move the frames
-            if parent_state != SEARCH_FINISHED:
-                reach_owner(graph, <object>parent, slot, seen, stack, arena, order, is_leaf,
+            if parent_state == NOT_SEEN:
+                reach_owner(graph, <object>parent, slot, &seen, stack, arena, order, is_leaf,
                             items_of, owners, held, keep_items)
             if graph.returns and input_nr != 0:  # every owner has slot 0
                 check_input_nr(<object>parent, input_nr, owners, holder)
@@ -319,26 +325,58 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     return 0
 
 
-cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, DependencyMap& seen,
-                     vector[Frame]& stack, vector[PyObject*]& arena, vector[PyObject*]& order,
-                     vector[char]& is_leaf, OwnerItems* items_of, OwnerTable* owners, list held,
-                     bint keep_items) except -1:
-    """Read an owner the search reaches first: a leaf finishes at once,
-    another one starts a frame."""
-    held.append(owner)  # before it enters the table: its address stays its own
-    cdef Py_ssize_t count
-    if graph.returns:
-        count = count_slots(graph, owner)
+cdef int enter_owner(bint returns, DependencyMap* seen, OwnerTable* owners, PyObject* owner,
+                     size_t* slot) except -1:
+    """An edge into ``owner`` (or the root, with none) found by the search:
+    returns its search state before it, and puts an owner not seen yet on
+    the path; ``slot``: where its state is (a hint for finish_owner).
+    Returns mode keeps the states in its owner table, beside the slot
+    counts and gradients, so that an edge is one probe; writes mode, which
+    keeps nothing else per owner, in ``seen``, whose slots are half the size
+    (See Note [The owner table hash])."""
+    cdef OwnerEntry* entry
+    cdef int state
+    if returns:
         if owners.full():
             # See pyengine/_table_growth.h.
             while not owners.grow_step():
                 yield_to_other_threads()
-        owners.add(<PyObject*>owner, count)
+        entry = owners.add(owner, slot)
+        state = entry.state
+        if state == NOT_SEEN:
+            entry.state = ON_PATH
+        return state
+    if seen.full():
+        while not seen.grow_step():
+            yield_to_other_threads()
+    return <int>seen.add_edge(owner, slot)
+
+
+cdef inline void finish_owner(bint returns, DependencyMap* seen, OwnerTable* owners,
+                              PyObject* owner, size_t slot) noexcept:
+    """The search below ``owner`` is done (``slot``: from enter_owner)."""
+    if returns:
+        owners.at(owner, slot).state = FINISHED
+    else:
+        seen.finish(owner, slot)
+
+
+cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, DependencyMap* seen,
+                     vector[Frame]& stack, vector[PyObject*]& arena, vector[PyObject*]& order,
+                     vector[char]& is_leaf, OwnerItems* items_of, OwnerTable* owners, list held,
+                     bint keep_items) except -1:
+    """Read an owner the search reaches first (on the path, at ``slot``:
+    See enter_owner): a leaf finishes at once, another one starts a frame.
+    Only the search adds entries, so Python code run here (reading the
+    parents, num_inputs) leaves ``slot`` where it is."""
+    held.append(owner)  # before any Python code runs: its address stays its own
+    if graph.returns:
+        owners.at(<PyObject*>owner, slot).slots = count_slots(graph, owner)
     cdef Frame frame
     frame.start = arena.size()
     read_parents(graph.parents, owner, arena)
     if arena.size() == frame.start:
-        seen.finish(<PyObject*>owner, slot)
+        finish_owner(graph.returns, seen, owners, <PyObject*>owner, slot)
         order.push_back(<PyObject*>owner)
         is_leaf.push_back(1)
         if keep_items:
@@ -663,6 +701,7 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
     cdef OwnerItems items_of  # the twin's items_of: See pyengine/_owner_table.h
     # The twin's slots and buffers; releases the buffers an error leaves.
     cdef OwnerTable owners
+    owners.reuse(&graph.spare_table)  # given back as the table is destroyed, on return or error
     cdef OwnerEntry* entry
     cdef list held = []
     search(graph, root_owner, order, is_leaf, &items_of, &owners, held, returns,

@@ -1,13 +1,17 @@
-// OwnerTable: for each owner an owner-graph walk in returns mode reached,
-// its slot count and its InputBuffer (pyengine/_owner_graph.pyx).
+// OwnerTable: for each owner a returns-mode owner-graph walk reached, its
+// state in the walk's search, its slot count and its InputBuffer
+// (pyengine/_owner_graph.pyx).
 //
-// The compiled twin of the walk's two dicts keyed by id(owner), ``slots``
-// and ``buffers`` (pyengine/_pure/owner_graph.py): keyed by the owner's
-// address instead, so that a lookup makes no int and calls no hash. The
-// addresses stay unique because the walk holds a reference to every owner
-// it reached (its ``held`` list) until it returns. Open addressing with
-// linear probing, as pyengine/_dependency_map.h; entries are never removed
-// (a buffer taken leaves its owner's entry, with no buffer).
+// The compiled twin of the walk's three dicts keyed by id(owner), the
+// search's ``seen`` and the walk's ``slots`` and ``buffers``
+// (pyengine/_pure/owner_graph.py): keyed by the owner's address instead, so
+// that a lookup makes no int and calls no Python hash, and one table for the
+// three, so that the search probes once per edge. The addresses stay unique because
+// the walk holds a reference to every owner it reached (its ``held`` list)
+// until it returns. Open addressing with linear probing, as
+// pyengine/_dependency_map.h, but with its own hash: See Note [The owner
+// table hash]. Entries are never removed (a buffer taken leaves its
+// owner's entry, with no buffer).
 //
 // The table owns the buffers and gradients it holds: its destructor releases those left
 // (an error in the walk), so it must be destroyed with the GIL held.
@@ -22,29 +26,105 @@
 
 #include "_table_growth.h"
 
+// Note [The owner table hash]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The dependency map hashes a node by its address shifted by 4, so that
+// nodes made one after the other take slots one after the other (See its
+// hash in pyengine/_dependency_map.h). Owners are a framework's objects,
+// made among its other objects: autograd's 48-byte VJPNodes come every
+// 192 bytes of their pymalloc pool (the forward makes four objects of that
+// size per operation), so the shifted addresses of a pool's owners share
+// their two lowest bits, and pools that lie a multiple of the table's span
+// (16 bytes per slot) apart fall on the same quarter of the same slots.
+// How many do depends on where the process's allocator put the pools, so
+// the probes per lookup, and the backward's time, changed from process to
+// process (benchmarks/RESULTS.md, "autograd's chain depends on the
+// process" and the section after it). Keeping the address order inside a
+// span and moving each span by a hash of its place (xor or addition) does
+// not help: the owners of two spans that land on the same slots then
+// collide all together, and micrograd's graphs, whose values lie densely,
+// took runs of hundreds of probes in some processes. So the table hashes
+// the whole shifted address multiplicatively (Fibonacci hashing: the top
+// bits of its product with 2^64 over the golden ratio), which spreads
+// every layout tried; what it gives up is the address order, with which a
+// table larger than the caches is read in order. Returns mode pays that on
+// graphs of hundreds of thousands of owners, where each owner's own
+// backward costs more; writes mode, whose owners' methods cost least, keeps
+// its search states in the dependency map (See enter_owner in
+// pyengine/_owner_graph.pyx).
+
+// Note [Memory kept between walks]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// An owner table for ten thousand owners takes a megabyte, which glibc's
+// malloc hands out and takes back whole: from mmap, or from the top of its
+// heap, which it trims when the top grows past a threshold that it moves
+// as blocks come and go. Where it gave the pages back, the next walk
+// faults each page in again and gets it zeroed by the kernel; whether it
+// did depends on what else the process allocated (on autograd's fan-in
+// every walk did, on its chain none: benchmarks/RESULTS.md). So
+// the OwnerGraph keeps the memory of its last table (a spare vector) and
+// the next walk of the same graph zeroes it in place instead: a table
+// takes the spare when made (reuse) and leaves its own there when
+// destroyed. Tables of up to pyengine_OWNER_TABLE_KEPT entries are kept
+// (graphs of up to 65,535 owners), so that an OwnerGraph holds at most
+// 4 MB after a larger graph. A walk
+// under way on another thread, or reentrant under this one, finds the
+// spare taken and makes its own table; the larger one is kept at the end.
+// Both steps run with the GIL held and call no Python code in between.
+
+// The largest table whose memory an OwnerGraph keeps: See Note [Memory
+// kept between walks].
+constexpr size_t pyengine_OWNER_TABLE_KEPT = 4 * pyengine_TABLE_GROWTH_STEP;
+
+// An owner's state in the walk's search (the twin's ``seen``).
+enum pyengine_OwnerState : int {
+    pyengine_NOT_SEEN = 0,
+    pyengine_ON_PATH = 1,
+    pyengine_FINISHED = 2,
+};
+
 struct pyengine_OwnerEntry {
     PyObject *node = nullptr;    // the owner, borrowed (the walk holds it)
-    Py_ssize_t slots = 0;        // its slot count
+    int slots = 0;               // its slot count (count_slots returns an int)
+    int state = pyengine_NOT_SEEN;
     PyObject *buffer = nullptr;  // owned: its InputBuffer, NULL before the first gradient
     // owned: a one-slot owner's only gradient so far, held without an
     // InputBuffer (the twin's one-item tuple in ``buffers``); NULL otherwise.
     PyObject *gradient = nullptr;
 };
 
+static_assert(sizeof(pyengine_OwnerEntry) == 32, "an entry is four words");
+
 class pyengine_OwnerTable {
   public:
-    pyengine_OwnerTable() : slots_(16), used_(0), moved_(0) {}
+    pyengine_OwnerTable() : slots_(16), used_(0), moved_(0), spare_(nullptr) {}
 
     pyengine_OwnerTable(const pyengine_OwnerTable &) = delete;
     pyengine_OwnerTable &operator=(const pyengine_OwnerTable &) = delete;
 
+    // Releases the buffers and gradients left (an error in the walk), then
+    // gives the table's memory to the spare of reuse, where it is larger
+    // than the spare's and no larger than pyengine_OWNER_TABLE_KEPT entries.
     ~pyengine_OwnerTable() {
-        // Only slots_ owns buffers: a doubling in progress copied entries
-        // into larger_, and buffers are set only once the search (the only
-        // one to add entries) is over.
-        for (pyengine_OwnerEntry &entry : slots_) {
-            Py_XDECREF(entry.buffer);
-            Py_XDECREF(entry.gradient);
+        release();
+        if (spare_ != nullptr && slots_.capacity() <= pyengine_OWNER_TABLE_KEPT &&
+            slots_.capacity() > spare_->capacity()) {
+            slots_.clear();
+            slots_.swap(*spare_);
+        }
+    }
+
+    // On a new table: take the memory an earlier walk's table left in
+    // spare, and leave its own there when destroyed (See Note [Memory kept
+    // between walks]). spare must outlive the table.
+    void reuse(std::vector<pyengine_OwnerEntry> *spare) {
+        if (used_ != 0) {
+            return;
+        }
+        spare_ = spare;
+        if (spare->capacity() > slots_.capacity()) {
+            slots_.swap(*spare);
+            slots_.assign(16, pyengine_OwnerEntry());
         }
     }
 
@@ -77,15 +157,24 @@ class pyengine_OwnerTable {
                                   });
     }
 
-    // Add owner with its slot count (or set the count of one already in).
-    // The caller made room first (full, grow_step). Invalidates entries.
-    void add(PyObject *owner, Py_ssize_t slots) {
+    // owner's entry, made (not seen, no slots) where the walk had not
+    // reached it; *index: its index in the table (a hint for at). The
+    // caller made room first (full, grow_step). Invalidates entries.
+    pyengine_OwnerEntry *add(PyObject *owner, size_t *index) {
         pyengine_OwnerEntry &entry = find_slot(slots_, owner);
         if (entry.node == nullptr) {
             entry.node = owner;
             ++used_;
         }
-        entry.slots = slots;
+        *index = static_cast<size_t>(&entry - slots_.data());
+        return &entry;
+    }
+
+    // owner's entry (in the table), found at index when the table has not
+    // grown since add gave that index, else probed for again.
+    pyengine_OwnerEntry *at(PyObject *owner, size_t index) {
+        pyengine_OwnerEntry *entry = &slots_[index & (slots_.size() - 1)];
+        return entry->node == owner ? entry : &find_slot(slots_, owner);
     }
 
     // owner's entry, or NULL where the walk did not reach it. Valid until
@@ -96,15 +185,33 @@ class pyengine_OwnerTable {
     }
 
   private:
-    static size_t hash(PyObject *node) {
-        // As DependencyMap's: See its hash in pyengine/_dependency_map.h.
-        return static_cast<size_t>(reinterpret_cast<uintptr_t>(node) >> 4);
+    void release() {
+        // Only slots_ owns buffers: a doubling in progress copied entries
+        // into larger_, and buffers are set only once the search (the only
+        // one to add entries) is over. Each reference leaves its entry
+        // before its release, which may run Python code.
+        for (pyengine_OwnerEntry &entry : slots_) {
+            PyObject *buffer = entry.buffer;
+            PyObject *gradient = entry.gradient;
+            entry.buffer = nullptr;
+            entry.gradient = nullptr;
+            Py_XDECREF(buffer);
+            Py_XDECREF(gradient);
+        }
+    }
+
+    // See Note [The owner table hash].
+    static size_t hash(PyObject *node, size_t size) {
+        const uint64_t address = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(node)) >> 4;
+        const int bits = __builtin_ctzll(static_cast<unsigned long long>(size));
+        // bits >= 4: a table has 16 slots or more.
+        return static_cast<size_t>((address * UINT64_C(0x9E3779B97F4A7C15)) >> (64 - bits));
     }
 
     static pyengine_OwnerEntry &find_slot(std::vector<pyengine_OwnerEntry> &slots,
                                           PyObject *node) {
         const size_t mask = slots.size() - 1;
-        size_t i = hash(node) & mask;
+        size_t i = hash(node, slots.size()) & mask;
         while (slots[i].node != nullptr && slots[i].node != node) {
             i = (i + 1) & mask;
         }
@@ -116,6 +223,7 @@ class pyengine_OwnerTable {
     // A doubling in progress: See pyengine_grow_step.
     std::vector<pyengine_OwnerEntry> larger_;
     size_t moved_;
+    std::vector<pyengine_OwnerEntry> *spare_;  // See reuse
 };
 
 

@@ -882,3 +882,61 @@ def test_a_post_hook_that_lengthens_its_list_gets_an_index_error(core):
     with pytest.raises(IndexError, match="tuple index out of range"):
         graph.backward(item_of(y), np.ones(2))
     assert x.grad is None
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_one_graph_walked_at_many_sizes_after_errors_and_reentrantly(core):
+    # The compiled walk keeps its owner table's memory on the OwnerGraph for
+    # the next walk (See Note [Memory kept between walks] in
+    # pyengine/_owner_table.h): walks of other sizes, one past the memory
+    # kept, one that raises with gradients waiting, and one run inside
+    # another's backward (which finds that memory taken) all give the
+    # analytic gradients. Each owner adds 1 to its gradient, so a chain of
+    # n owners over a leaf gives the leaf g + n.
+    if core == "compiled" and compiled_owner_graph is None:
+        pytest.skip("no compiled build")
+    module = compiled_owner_graph if core == "compiled" else pure_owner_graph
+
+    class Owner:
+        def __init__(self, parents=(), action=None):
+            self.parents, self.action = list(parents), action
+
+    def chain(n, leaf, top_action=None):
+        owner = leaf
+        for i in range(n):
+            owner = Owner([owner], top_action if i == n - 1 else None)
+        return owner
+
+    def vjp(owner, grads):
+        if owner.action is not None:
+            owner.action()
+        return [grads[0] + 1.0] * len(owner.parents)
+
+    got = {}
+    graph = module.OwnerGraph("parents", vjp, mode="returns",
+                              accumulate=lambda leaf, grad: got.__setitem__(id(leaf), grad))
+
+    def walk(n, top_action=None):
+        leaf = Owner()
+        graph.backward(chain(n, leaf, top_action), np.zeros(2))
+        return got.pop(id(leaf))
+
+    for n in (5_000, 3, 70_000, 5_000, 1):
+        np.testing.assert_array_equal(walk(n), np.full(2, float(n)))
+
+    def fail():
+        raise ValueError("an owner's backward")
+
+    # Root's parents are [waiting, failing]: failing runs first, while
+    # waiting's gradient sits in the table.
+    leaf = Owner()
+    root = Owner([chain(2_000, leaf), Owner([leaf], fail)])
+    with pytest.raises(ValueError, match="an owner's backward"):
+        graph.backward(root, np.zeros(2))
+    np.testing.assert_array_equal(walk(5_000), np.full(2, 5_000.0))
+
+    inner = []
+    outer = walk(3_000, lambda: inner.append(walk(4_000)))
+    np.testing.assert_array_equal(outer, np.full(2, 3_000.0))
+    np.testing.assert_array_equal(inner[0], np.full(2, 4_000.0))
+    np.testing.assert_array_equal(walk(4_000), np.full(2, 4_000.0))

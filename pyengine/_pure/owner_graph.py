@@ -121,9 +121,12 @@ post-order needs no dependency counts and no ready queue, and:
   (``benchmarks/RESULTS.md`` has the figures). Its search keeps each
   owner's snapshot in one C array used as a stack, sized (with its table
   and the order) by the previous walk of the same OwnerGraph, so that a
-  graph run again doubles no table. In returns mode it keeps
-  a tuple per owner (the items, to route the gradients), a slot count and
-  an InputBuffer per owner a gradient reaches.
+  graph run again doubles no table. In returns mode it keeps each owner's
+  search state in its table keyed by address, where this twin has its
+  ``seen`` dict (See ``pyengine/_owner_table.h``; the OwnerGraph keeps that
+  table's memory for its next walk), the items of each owner (to route
+  the gradients), a slot count and an InputBuffer per owner a gradient
+  reaches.
 
 Each owner runs as a node of a graph task runs: grad mode off, the graph
 task current (so ``queue_callback`` works; its callbacks run when the walk
@@ -600,9 +603,9 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
         wanted = {id(owner) for owner, _ in inputs}
 
     # slots and (below) buffers, keyed by id(owner): the compiled core keeps
-    # both in one C table keyed by address, and items_of in one C array
-    # (pyengine/_owner_table.h); held keeps each key's owner alive, so that
-    # no id is reused while it runs.
+    # both, with the search's seen, in one C table keyed by address, and
+    # items_of in one C array (pyengine/_owner_table.h); held keeps each
+    # key's owner alive, so that no id is reused while it runs.
     order, is_leaf, items_of, slots, held = [], [], [], {}, []
     search(graph, root_owner, order, is_leaf, items_of, slots, held, returns)
     if returns:
