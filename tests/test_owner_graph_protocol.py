@@ -821,6 +821,21 @@ def test_pure_state_is_untouched_after_a_run():
     assert pure_state.get_current_graph_task() is None and pure_state.is_grad_enabled()
 
 
+def owner_graph_module(core):
+    """The OwnerGraph module of ``core``; skips where the compiled one is not built."""
+    if core == "compiled" and compiled_owner_graph is None:
+        pytest.skip("no compiled build")
+    return compiled_owner_graph if core == "compiled" else pure_owner_graph
+
+
+class PlainOwner:
+    """An owner of a framework's own graph: its parents, a name and an
+    action its backward may run."""
+
+    def __init__(self, parents=(), action=None, name=""):
+        self.parents, self.action, self.name = list(parents), action, name
+
+
 @pytest.mark.parametrize("core", ["compiled", "pure"])
 def test_an_error_releases_the_gradients_still_waiting(core):
     # The compiled walk keeps the InputBuffers in a C table (See
@@ -828,18 +843,13 @@ def test_an_error_releases_the_gradients_still_waiting(core):
     # raises, as the twin's dict does. Root's parents are [waiting,
     # failing]: the reverse post-order runs failing first, while waiting's
     # gradient sits in its buffer.
-    if core == "compiled" and compiled_owner_graph is None:
-        pytest.skip("no compiled build")
-    module = compiled_owner_graph if core == "compiled" else pure_owner_graph
+    module = owner_graph_module(core)
     import gc
     import weakref
 
-    class Owner:
-        def __init__(self, name, parents=()):
-            self.name, self.parents = name, list(parents)
-
-    waiting, failing = Owner("waiting", [Owner("leaf")]), Owner("failing", [Owner("leaf")])
-    root = Owner("root", [waiting, failing])
+    waiting = PlainOwner([PlainOwner()], name="waiting")
+    failing = PlainOwner([PlainOwner()], name="failing")
+    root = PlainOwner([waiting, failing], name="root")
     sent = []  # a weak reference to the gradient root sends waiting
 
     def vjp(owner, grads):
@@ -868,9 +878,7 @@ def test_a_post_hook_that_lengthens_its_list_gets_an_index_error(core):
     # The compiled walk reads an owner's items from a C array (See
     # pyengine/_owner_table.h): a gradient past them is the twin's
     # IndexError on its tuple, not a read past the array.
-    if core == "compiled" and compiled_owner_graph is None:
-        pytest.skip("no compiled build")
-    module = compiled_owner_graph if core == "compiled" else pure_owner_graph
+    module = owner_graph_module(core)
     x = Value([1.0, 2.0])
     y = Sin(x).outputs()
 
@@ -893,18 +901,12 @@ def test_one_graph_walked_at_many_sizes_after_errors_and_reentrantly(core):
     # another's backward (which finds that memory taken) all give the
     # analytic gradients. Each owner adds 1 to its gradient, so a chain of
     # n owners over a leaf gives the leaf g + n.
-    if core == "compiled" and compiled_owner_graph is None:
-        pytest.skip("no compiled build")
-    module = compiled_owner_graph if core == "compiled" else pure_owner_graph
-
-    class Owner:
-        def __init__(self, parents=(), action=None):
-            self.parents, self.action = list(parents), action
+    module = owner_graph_module(core)
 
     def chain(n, leaf, top_action=None):
         owner = leaf
         for i in range(n):
-            owner = Owner([owner], top_action if i == n - 1 else None)
+            owner = PlainOwner([owner], top_action if i == n - 1 else None)
         return owner
 
     def vjp(owner, grads):
@@ -917,7 +919,7 @@ def test_one_graph_walked_at_many_sizes_after_errors_and_reentrantly(core):
                               accumulate=lambda leaf, grad: got.__setitem__(id(leaf), grad))
 
     def walk(n, top_action=None):
-        leaf = Owner()
+        leaf = PlainOwner()
         graph.backward(chain(n, leaf, top_action), np.zeros(2))
         return got.pop(id(leaf))
 
@@ -929,8 +931,8 @@ def test_one_graph_walked_at_many_sizes_after_errors_and_reentrantly(core):
 
     # Root's parents are [waiting, failing]: failing runs first, while
     # waiting's gradient sits in the table.
-    leaf = Owner()
-    root = Owner([chain(2_000, leaf), Owner([leaf], fail)])
+    leaf = PlainOwner()
+    root = PlainOwner([chain(2_000, leaf), PlainOwner([leaf], fail)])
     with pytest.raises(ValueError, match="an owner's backward"):
         graph.backward(root, np.zeros(2))
     np.testing.assert_array_equal(walk(5_000), np.full(2, 5_000.0))
