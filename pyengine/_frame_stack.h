@@ -1,16 +1,20 @@
-// FrameStack: the stack of a depth-first search's frames, in chunks that
-// never move, whose storage each thread keeps from one search to the next.
+// FrameStack: the stack of a depth-first search's frames, whose first
+// block each thread keeps from one search to the next.
 //
 // compute_dependencies' search (pyengine/_dependencies.pyx) pushes a frame
 // per node on its path: millions on a deep chain. A vector that deep
 // copies every frame, holding the GIL, each time it grows; std::deque
-// allocates and frees a 512-byte block per dozen frames. After a search
-// of a million nodes has freed its blocks, the allocator hands the next
-// search blocks scattered across all that memory, cold in cache: a small
-// grad() after a large one ran a third slower per node (See
-// benchmarks/RESULTS.md, "The search's frames"). Here frames live in
-// chunks of CHUNK, a chunk is only added, and the thread keeps up to
-// KEPT_CHUNKS of them for its next search, warm and already mapped.
+// allocates and frees a 512-byte block per dozen frames. After a search of
+// a million nodes freed its blocks, the next small search got blocks
+// spread through that memory, cold in cache, and ran a third slower per
+// node. Chunks that each thread kept instead (as many as a search of a
+// hundred thousand nodes takes) stayed in the heap among the engine's
+// tables, and glibc then gave the tables fresh pages at every backward
+// (See benchmarks/RESULTS.md, "The search's frames"). So the first KEPT
+// frames live in one block, made at a thread's first search and kept
+// (its pages are only touched as deep as searches go), and deeper frames
+// in chunks of CHUNK frames, freed when the search ends. Frames never
+// move.
 //
 // A search borrows its thread's kept stack through a FrameStackLease. A
 // search that starts while its thread's stack is lent (a signal handler
@@ -24,19 +28,25 @@
 template <typename Frame>
 class pyengine_FrameStack {
   public:
+    // Frames in the first chunk, made once and kept: a search deeper than
+    // that takes further chunks of CHUNK frames, freed when it ends.
+    static constexpr size_t KEPT = size_t{1} << 16;
     static constexpr size_t CHUNK = 1024;
-    static constexpr size_t KEPT_CHUNKS = 16;
 
     bool empty() const { return size_ == 0; }
     size_t size() const { return size_; }
 
     // The i-th frame from the bottom. A reference stays valid until that
     // frame is popped: chunks never move.
-    Frame &operator[](size_t i) { return chunks_[i / CHUNK][i % CHUNK]; }
+    Frame &operator[](size_t i) {
+        return i < KEPT ? kept_[i] : chunks_[(i - KEPT) / CHUNK][(i - KEPT) % CHUNK];
+    }
     Frame &back() { return (*this)[size_ - 1]; }
 
     void push_back(const Frame &frame) {
-        if (size_ == chunks_.size() * CHUNK) {
+        if (kept_ == nullptr) {
+            kept_.reset(new Frame[KEPT]);
+        } else if (size_ >= KEPT && size_ - KEPT == chunks_.size() * CHUNK) {
             chunks_.emplace_back(new Frame[CHUNK]);
         }
         (*this)[size_] = frame;
@@ -45,15 +55,14 @@ class pyengine_FrameStack {
 
     void pop_back() { --size_; }
 
-    // Empty the stack, keeping at most KEPT_CHUNKS chunks for the next search.
+    // Empty the stack, keeping only its first chunk for the next search.
     void clear() {
         size_ = 0;
-        if (chunks_.size() > KEPT_CHUNKS) {
-            chunks_.resize(KEPT_CHUNKS);
-        }
+        chunks_.clear();
     }
 
   private:
+    std::unique_ptr<Frame[]> kept_;
     std::vector<std::unique_ptr<Frame[]>> chunks_;
     size_t size_ = 0;
 };
