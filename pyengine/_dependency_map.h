@@ -41,7 +41,8 @@ class pyengine_DependencyMap {
         return pyengine_grow_step(slots_, larger_, moved_,
                                   [](std::vector<Slot> &slots, const Slot &slot) {
                                       find_slot(slots, slot.node) = slot;
-                                  });
+                                  },
+                                  &pyengine_KeptTables<Slot>::of_this_thread());
     }
 
     // Forget every entry: the map as new.
@@ -55,8 +56,10 @@ class pyengine_DependencyMap {
     // Python object: at millions of nodes, unmapping the table takes
     // milliseconds, which GraphTask spends without the GIL.
     void release() {
-        std::vector<Slot>().swap(slots_);
-        std::vector<Slot>().swap(larger_);
+        // See Note [Tables kept between backward calls] in _table_growth.h.
+        pyengine_KeptTables<Slot> &kept = pyengine_KeptTables<Slot>::of_this_thread();
+        kept.give(slots_);
+        kept.give(larger_);
         used_ = 0;
         moved_ = 0;
     }
