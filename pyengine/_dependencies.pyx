@@ -10,8 +10,8 @@ passes). The engine cimports ``compute_dependencies`` and
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
-from libc.stdint cimport int32_t
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from libc.stdint cimport int32_t
 from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport (ExecInfoEntry, GraphTask, SEARCH_FINISHED, SEARCH_NOT_SEEN,
@@ -104,8 +104,6 @@ cpdef int init_to_execute(NodeBase graph_root, GraphTask graph_task, outputs,
             (<list>graph_task.exec_captures[captures]).append((edge.input_nr, output_idx))
         graph_task.captured_vars = [None] * PyList_GET_SIZE(output_list)
         graph_task.exec_info_.make_entry(<PyObject*>graph_root)
-        # A count already made (by an earlier call) would count twice.
-        graph_task.dependencies_.reset()
         search_dependencies(graph_root, graph_task)
     finally:
         graph_task.planning = False

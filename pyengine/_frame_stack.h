@@ -34,7 +34,6 @@ class pyengine_FrameStack {
     static constexpr size_t CHUNK = 1024;
 
     bool empty() const { return size_ == 0; }
-    size_t size() const { return size_; }
 
     // The i-th frame from the bottom. A reference stays valid until that
     // frame is popped: chunks never move.

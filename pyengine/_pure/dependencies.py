@@ -92,8 +92,6 @@ def init_to_execute(graph_root, graph_task, outputs, accumulate_grad):
         graph_task.captured_vars = [None] * len(outputs)
         if id(graph_root) not in exec_info:
             exec_info[id(graph_root)] = ExecInfo()
-        # A count already made (by an earlier call) would count twice.
-        graph_task.dependencies.clear()
         search_dependencies(graph_root, graph_task)
     finally:
         graph_task.planning = False
