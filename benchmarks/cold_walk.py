@@ -10,6 +10,9 @@ is built outside the timed region; then, alternately, repeats of:
   the chain, so a call counts the dependencies of every node, runs the root
   and stops: its time is ``compute_dependencies`` plus one node and the
   task's teardown;
+- ``search``: the same under ``grad(inputs=)`` (``outputs=[leaf edge]``):
+  ``init_to_execute``'s depth-first search, which marks the nodes that run
+  as it counts (one frame per node on a chain's path);
 - ``apply``: each node's ``apply`` called from C with no engine (the bench's
   floor, ``pyengine.bench.subjects._apply_floor``), from a list of the nodes;
 - ``cold backward`` (only with ``--evict-mb``): the backward after a pass
@@ -70,9 +73,18 @@ def measure(n, repeats, evict_mb):
         graph.reset()
         graph.run()
 
+    leaf_edge = pyengine.gradient_edge(graph.leaf)
+
     def count():
         try:
             engine.execute([stop_root], [graph.grad], False, False, True)
+        except _StopHere:
+            return
+        raise AssertionError("the root above the chain did not raise")
+
+    def search():
+        try:
+            engine.execute([stop_root], [graph.grad], False, False, False, outputs=[leaf_edge])
         except _StopHere:
             return
         raise AssertionError("the root above the chain did not raise")
@@ -91,10 +103,11 @@ def measure(n, repeats, evict_mb):
     calls = max(1, 500_000 // n)
     gc.collect()
     gc.freeze()
-    times = {"backward": [], "count": [], "apply": [], "cold backward": []}
+    times = {"backward": [], "count": [], "search": [], "apply": [], "cold backward": []}
     for _ in range(repeats):
         times["backward"].append(_per_node_us(backward, calls, n))
         times["count"].append(_per_node_us(count, calls, n))
+        times["search"].append(_per_node_us(search, calls, n))
         times["apply"].append(_per_node_us(floor.run, calls, n))
         if buffer is not None:
             times["cold backward"].append(cold_backward())

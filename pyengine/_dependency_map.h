@@ -217,3 +217,5 @@ struct pyengine_DependencyFrame {
     // node that runs or captures, so that this one runs (is needed).
     bool needed;
 };
+// _frame_stack.h states its kept block's size for frames of this size.
+static_assert(sizeof(pyengine_DependencyFrame) == 40, "a frame is five words");
