@@ -240,8 +240,10 @@ def test_report_ratios_and_goals_from_known_samples():
         "torch-view": {"workloads": {
             "chain:100000": _entry("chain 100k", 100_000, [2.9, 3.0]),
             "wide:10000": {"error": "RuntimeError: boom"}}},
-        "dezero": {"workloads": {"chain:10000": _entry("chain 10k", 10_000, [6.0])}},
-        "dezero-pyengine": {"workloads": {"chain:10000": _entry("chain 10k", 10_000, [2.0])}},
+        "dezero": {"workloads": {"chain:10000": _entry("chain 10k", 10_000, [6.0]),
+                                 "mlp-step:0": _entry("MLP step", 0, [0.25])}},
+        "dezero-pyengine": {"workloads": {"chain:10000": _entry("chain 10k", 10_000, [2.0]),
+                                          "mlp-step:0": _entry("MLP step", 0, [0.3])}},
         "micrograd": {"skipped": "micrograd is not installed", "workloads": {}},
     }
     results = _results(timing)
@@ -262,6 +264,7 @@ def test_report_ratios_and_goals_from_known_samples():
     assert rows["grad(inputs=) per node <= 1.3x backward, chain 100k"] == ["2.00x", "MISSED"]
     assert rows["grad(inputs=) per node <= 1.3x backward, chain 1M"] == ["not measured", "-"]
     assert rows["DeZero on pyengine >= 2x faster, chain 10k"] == ["3.00x", "met"]
+    assert rows["DeZero on pyengine no slower, MLP step"] == ["0.83x", "MISSED"]
     assert rows["micrograd on pyengine no slower, chain 10k"] == ["not measured", "-"]
     text = report.report(results)
     assert "FAILED" in text and "PyTorch view_as, wide:10000: RuntimeError: boom" in text

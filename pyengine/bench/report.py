@@ -28,6 +28,8 @@ GOAL_GRAD_FIXED_US = 3.5
 GOAL_SCALING = 1.2
 GOAL_DEZERO_CHAIN = 2.0
 GOAL_DEZERO_WIDE = 5.0
+# Issue 18: DeZero's training step on pyengine at least as fast as on its own.
+GOAL_DEZERO_STEP = 1.0
 GOAL_MICROGRAD = 1.0
 
 
@@ -278,6 +280,8 @@ def goals(results):
             "dezero-pyengine", "chain:10000", GOAL_DEZERO_CHAIN)
     speedup(f"DeZero on pyengine >= {GOAL_DEZERO_WIDE:.0f}x faster, wide 1000x10", "dezero",
             "dezero-pyengine", "wide:10000", GOAL_DEZERO_WIDE)
+    speedup("DeZero on pyengine no slower, MLP step", "dezero", "dezero-pyengine", "mlp-step:0",
+            GOAL_DEZERO_STEP)
     speedup("micrograd on pyengine no slower, chain 10k", "micrograd", "micrograd-pyengine",
             "chain:10000", GOAL_MICROGRAD)
     speedup("micrograd on pyengine no slower, MLP step", "micrograd", "micrograd-pyengine",

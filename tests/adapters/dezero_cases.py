@@ -16,6 +16,7 @@ Function class is left out.
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass, field
 
 import dezero
@@ -26,6 +27,16 @@ import numpy as np
 from dezero import Variable
 
 from pyengine.adapters import dezero as pyengine_dezero
+
+
+def live_adapter_nodes():
+    """How many of the adapter's nodes (FunctionNodes, DeZeroAccumulateGrads)
+    are alive, after a collection."""
+    from pyengine.adapters.dezero import nodes
+
+    gc.collect()
+    return sum(isinstance(obj, (nodes.FunctionNode, nodes.DeZeroAccumulateGrad))
+               for obj in gc.get_objects())
 
 
 def run(program, on_pyengine):

@@ -18,8 +18,9 @@ them (or by ``grad_fn``): ``create_graph=True``, anomaly mode (nodes are then
 made at forward, to keep the forward traceback), ``grad()``, hooks
 (``register_hook``, ``register_post_accumulate_grad_hook``, node hooks on
 ``grad_fn(y)``), a Function with several outputs, a second backward from
-the same Function (nodes then pay back), and any backward while an adapter
-node is still alive. Both routes give the same ``.grad`` fields.
+the same Function (nodes then pay back), and a graph in which a Function
+already has a node (nodes in other graphs do not matter). Both routes give
+the same ``.grad`` fields.
 See Note [DeZero as an owner graph] in
 ``pyengine/adapters/dezero/owner_backward.py``.
 

@@ -13,9 +13,8 @@ What this module owns:
   graph that has none yet (made when a backward needs nodes: See Note
   [DeZero as an owner graph] in ``pyengine/adapters/dezero/owner_backward.py``),
   ``_node_of`` for a Function's node.
-- How many of these nodes are alive (``_live_nodes``), and the row lookup
-  tests and gradient the owner graph shares (``_is_row_lookup_of_leaf``,
-  ``_row_gradient``).
+- The row lookup tests and gradient the owner graph shares
+  (``_is_row_lookup_of_leaf``, ``_row_gradient``).
 - The per-call state the nodes run under: ``_dezero_backward`` (DeZero's or
   PyTorch's semantics for ``.grad``) and ``_on_calling_thread``.
 """
@@ -92,23 +91,6 @@ _is_grad_enabled = _core.is_grad_enabled
 # reentrant backward nested deeper than the engine's inline limit moves to a
 # pool thread; DeZero code never nests backward calls.)
 
-# How many FunctionNodes and DeZeroAccumulateGrads are alive: while there
-# are none, Variable.backward runs on DeZero's own graph (See Note [DeZero
-# as an owner graph] in ``pyengine/adapters/dezero/owner_backward.py``).
-_live_nodes_lock = threading.Lock()
-_live_nodes = [0]
-
-
-def _node_made():
-    with _live_nodes_lock:
-        _live_nodes[0] += 1
-
-
-def _node_freed():
-    with _live_nodes_lock:
-        _live_nodes[0] -= 1
-
-
 # Per thread: None while no backward follows DeZero's Variable.backward
 # (in ``grad()``, PyTorch's semantics), else that call's ``retain_grad``
 # (Note [DeZero's Variable.grad is the buffer]). Set by Variable.backward
@@ -170,7 +152,6 @@ class FunctionNode(Node):
                  "_common")
 
     def __init__(self, function, next_edges, constants=(), num_outputs=1):
-        _node_made()  # first: __del__ runs even if __init__ fails
         super().__init__(next_edges=next_edges)
         self._function = weakref.ref(function)
         self._name = type(function).__name__ + "Backward"
@@ -179,9 +160,6 @@ class FunctionNode(Node):
         self._num_outputs = num_outputs
         self._cut = None
         self._common = num_outputs == 1
-
-    def __del__(self):
-        _node_freed()
 
     def name(self) -> str:
         return self._name
@@ -379,15 +357,11 @@ class DeZeroAccumulateGrad(AccumulateGrad):
         # Not AccumulateGrad.__init__, which reads input metadata from the
         # value (See Note [No input metadata]) and keeps the LeafState on the
         # variable (See Note [Copying a graph]). The rest is what it sets.
-        _node_made()  # first: __del__ runs even if __init__ fails
         Node.__init__(self, next_edges=(), input_metadata=(None,))
         _core.set_sequence_nr(self, _core.ACCUMULATE_GRAD_SEQUENCE_NR)
         self.variable = variable
         self.leaf_state = _leaf_state(variable)
         self._tensor_pre_hooks = self.leaf_state.tensor_pre_hooks
-
-    def __del__(self):
-        _node_freed()
 
     def apply(self, grads):
         new_grad = grads[0]

@@ -17,7 +17,7 @@ import pyengine
 
 from ... import _core
 from ...indexed import IndexedGradient
-from .nodes import _is_row_lookup_of_leaf, _leaf_states, _live_nodes, _output_gradient, _row_gradient
+from .nodes import _is_row_lookup_of_leaf, _leaf_states, _output_gradient, _row_gradient
 from .variable_backend import _add
 
 # Note [DeZero as an owner graph]
@@ -50,12 +50,16 @@ from .variable_backend import _add
 # (the engine's sums must be recorded, and an owner-graph walk runs with
 # grad mode off), anomaly mode (``Function.__call__`` makes nodes at forward
 # under it, to keep the forward traceback, as PyTorch's nodes do), a
-# leaf with hooks, and any graph while an adapter node is alive, because a
-# live node may carry hooks, be released (PyTorch's error on a second
-# backward) or have unchained outputs (Note [Unchain]). Nodes live only
-# while something holds them (``grad_fn``, a hook, a graph differentiated
-# with ``create_graph`` or by ``grad()``), so a training loop that uses none
-# of these makes none and runs every backward here. A graph differentiated
+# leaf with hooks, and a graph in which a Function has a node, because a
+# node may carry hooks, be released (PyTorch's error on a second backward)
+# or have unchained outputs (Note [Unchain]). The search finds such a
+# Function (``_parents`` raises ``NeedsNodes``, as for several outputs)
+# before any backward runs; nodes in other graphs do not matter, since a
+# Function's node only ever runs in a graph that reaches that Function. A
+# Function keeps its node while something holds the Function (``grad_fn``,
+# a hook, a graph differentiated with ``create_graph`` or by ``grad()``),
+# so a training loop that uses none of these makes none and runs every
+# backward here, whatever graphs with nodes the program keeps beside it. A graph differentiated
 # again from the same Function gets nodes at that second backward: reading
 # DeZero's graph costs the walk a Python call per Function (``_parents``)
 # and a check of each returned Variable, more than a node costs the engine,
@@ -90,7 +94,7 @@ _roots_run = weakref.WeakSet()
 def nodes_needed(create_graph, creator):
     """Whether this backward, from an output of ``creator``, runs on the
     adapter's nodes (See Note [DeZero as an owner graph])."""
-    return (create_graph or _live_nodes[0] > 0 or _core.is_anomaly_enabled()
+    return (create_graph or _core.is_anomaly_enabled()
             or (len(_hooked_leaves) > 0 and _leaves_have_hooks()) or creator in _roots_run)
 
 
@@ -100,14 +104,15 @@ class NeedsNodes(Exception):
     [DeZero as an owner graph])."""
 
 
-def _parents(owner, len=len):
+def _parents(owner, len=len, getattr=getattr):
     """A Function's parent items; None for a leaf Variable (which has no
-    ``inputs``)."""
+    ``inputs``). Raises NeedsNodes for a Function with several outputs or
+    with a node (See Note [DeZero as an owner graph])."""
     try:
         inputs = owner.inputs
     except AttributeError:
         return None
-    if len(owner.outputs) != 1:
+    if len(owner.outputs) != 1 or getattr(owner, "_pyengine_node", None) is not None:
         raise NeedsNodes
     return [variable if (creator := variable.creator) is None else creator for variable in inputs]
 
