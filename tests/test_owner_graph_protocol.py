@@ -894,11 +894,11 @@ def test_a_post_hook_that_lengthens_its_list_gets_an_index_error(core):
 
 @pytest.mark.parametrize("core", ["compiled", "pure"])
 def test_one_graph_walked_at_many_sizes_after_errors_and_reentrantly(core):
-    # The compiled walk keeps its owner table's memory on the OwnerGraph for
-    # the next walk (See Note [Memory kept between walks] in
-    # pyengine/_owner_table.h): walks of other sizes, one past the memory
-    # kept, one that raises with gradients waiting, and one run inside
-    # another's backward (which finds that memory taken) all give the
+    # The compiled walk keeps its owner table's memory in its thread's kept
+    # tables for the next walk (See Note [Tables kept between backward
+    # calls] in pyengine/_table_growth.h): walks of other sizes, one past
+    # the memory kept, one that raises with gradients waiting, and one run
+    # inside another's backward (which takes what is left) all give the
     # analytic gradients. Each owner adds 1 to its gradient, so a chain of
     # n owners over a leaf gives the leaf g + n.
     module = owner_graph_module(core)
