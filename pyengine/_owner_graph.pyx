@@ -318,9 +318,8 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
         # What an error (a cycle, an attribute, Ctrl-C) left.
         for i in range(arena.size()):
             decref(arena[i])
-        # Its tables go back to this thread's kept ones: See Note [Tables
-        # kept between backward calls].
-        seen.release()
+        # seen is not released into the kept tables: See Note [Tables kept
+        # between backward calls].
     return 0
 
 

@@ -34,10 +34,17 @@ constexpr size_t pyengine_TABLE_GROWTH_STEP = size_t{1} << 15;
 // large enough: the table it grows out of is given back in turn, so a
 // search of that size doubles between two mapped blocks, zeroing only what
 // it uses. A DependencyMap gives its tables back when released (GraphTask
-// releases it on the thread that completes the task; the owner-graph
-// search releases its own); an OwnerTable when destroyed, after releasing
-// the buffers and gradients its entries own (a kept table holds no
-// reference), on a walk's return or error alike.
+// releases it on the thread that completes the task); an OwnerTable when
+// destroyed, after releasing the buffers and gradients its entries own (a
+// kept table holds no reference), on a walk's return or error alike.
+//
+// A writes-mode owner-graph search keeps its states in a DependencyMap
+// that it does not release: it doubles into kept tables, but frees the one
+// it ends with. Keeping that one too cost micrograd's 150k chain 15% and
+// 2.5 times the page faults: with no large block ever freed, glibc's mmap
+// threshold stays low, and the walk's other vectors (its frames, its
+// order, its owners held) came from fresh pages at every walk
+// (benchmarks/RESULTS.md, "One mechanism for the tables kept").
 //
 // A thread keeps a table only up to a size per kind, so that what it holds
 // is bounded whatever it ran: DependencyMap tables up to

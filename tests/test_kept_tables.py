@@ -2,10 +2,10 @@
 one inside another: each thread keeps the largest tables its dependency
 maps gave back and the next count doubles into them (See Note [Tables kept
 between backward calls] in ``pyengine/_table_growth.h``), so no count may
-see another's slots. Owner-graph walks keep theirs the same way: a
-writes-mode search counts in a DependencyMap too, so walks and the
-engine's counts take each other's tables (the owner tables' own tests are
-in ``tests/test_owner_graph_protocol.py``).
+see another's slots. A writes-mode owner-graph search keeps its states in
+a DependencyMap too, which doubles into the tables the engine's counts
+kept (the owner tables, kept the same way, are tested in
+``tests/test_owner_graph_protocol.py``).
 
 Oracle: every node of a chain passes its gradient on unchanged, so the
 leaf's gradient is the root's (analytic); a count that saw stale slots
