@@ -20,10 +20,12 @@ whose leaves are the values themselves. Oracles:
 
 from __future__ import annotations
 
+import gc
 import importlib
 import random
 import sys
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -905,13 +907,19 @@ def counting_walker(module):
     """A returns-mode OwnerGraph whose owners each add 1 to their gradient
     (so a chain of n owners over a leaf gives the leaf g + n), and
     ``walk(n, top_action)``: the leaf's gradient of a new chain of n
-    walked from a zero gradient. Safe from several threads at once."""
+    walked from a zero gradient. Safe from several threads at once. An
+    owner named "sent" leaves a weak reference to the gradient it sends its
+    parents in ``walk.sent``."""
     got = {}
+    sent = []
 
     def vjp(owner, grads):
         if owner.action is not None:
             owner.action()
-        return [grads[0] + 1.0] * len(owner.parents)
+        gradient = grads[0] + 1.0
+        if owner.name == "sent":
+            sent.append(weakref.ref(gradient))
+        return [gradient] * len(owner.parents)
 
     graph = module.OwnerGraph("parents", vjp, mode="returns",
                               accumulate=lambda leaf, grad: got.__setitem__(id(leaf), grad))
@@ -921,6 +929,7 @@ def counting_walker(module):
         graph.backward(chain_of_owners(n, leaf, top_action), np.zeros(2))
         return got.pop(id(leaf))
 
+    walk.sent = sent
     return graph, walk
 
 
@@ -977,11 +986,15 @@ def test_one_graph_walked_at_many_sizes_after_errors_and_reentrantly(core):
     def interrupt():
         raise KeyboardInterrupt
 
-    # Ctrl-C in an owner's backward, with gradients waiting in a large table.
+    # Ctrl-C in an owner's backward, with gradients waiting in a large
+    # table: the one root sent the chain is released with the table.
     leaf = PlainOwner()
-    root = PlainOwner([chain_of_owners(40_000, leaf), PlainOwner([leaf], interrupt)])
+    root = PlainOwner([chain_of_owners(40_000, leaf), PlainOwner([leaf], interrupt)],
+                      name="sent")
     with pytest.raises(KeyboardInterrupt):
         graph.backward(root, np.zeros(2))
+    gc.collect()
+    assert len(walk.sent) == 1 and walk.sent.pop()() is None
     np.testing.assert_array_equal(walk(40_000), np.full(2, 40_000.0))
 
     inner = []
