@@ -40,8 +40,8 @@ constexpr size_t pyengine_TABLE_GROWTH_STEP = size_t{1} << 15;
 //
 // A writes-mode owner-graph search keeps its states in a DependencyMap
 // that it does not release: it doubles into kept tables, but frees the one
-// it ends with. Keeping that one too cost micrograd's 150k chain 15% and
-// 2.5 times the page faults: with no large block ever freed, glibc's mmap
+// it ends with. Keeping that one too made micrograd's large chains slower,
+// with more page faults: with no large block ever freed, glibc's mmap
 // threshold stays low, and the walk's other vectors (its frames, its
 // order, its owners held) came from fresh pages at every walk
 // (benchmarks/RESULTS.md, "One mechanism for the tables kept").
@@ -52,12 +52,13 @@ constexpr size_t pyengine_TABLE_GROWTH_STEP = size_t{1} << 15;
 // OwnerTables up to pyengine_KEPT_OWNER_TABLE_BYTES (8 MB, a walk of up to
 // 131,071 owners). Owner tables are kept smaller because each owner of a
 // returns-mode walk costs a call to a framework's own backward in Python
-// (microseconds, against a fraction of one for a node's count), so fresh
-// pages cost a larger walk a smaller share, and the framework's graphs
+// (where a node's count costs a few memory accesses), so fresh pages cost
+// a larger walk a smaller share, and the framework's graphs
 // that take them are a model's, mostly of thousands of owners. So a thread
-// holds at most 2 x 32 + 2 x 8 = 80 MB of tables (the kept objects are
-// unique in the process: every extension module that counts or walks on a
-// thread shares that thread's), and none after small calls. Tables are
+// holds at most 2 x 32 + 2 x 8 = 80 MB of tables (on Linux the kept
+// objects are unique in the process, GNU unique symbols: every extension
+// module that counts or walks on a thread shares that thread's), and
+// little after small calls. Tables are
 // taken and given only by their own thread, so no lock is needed; a call
 // nested on the same thread (a reentrant backward, a walk inside an
 // owner's backward) takes what is left, and the two largest are kept when
