@@ -62,9 +62,8 @@ cdef extern from "_owner_table.h":
     cppclass OwnerTable "pyengine_OwnerTable":
         OwnerTable()
         bint full()
-        bint grow_step()
-        void reserve(size_t count)
-        void reuse(vector[OwnerEntry]* spare)
+        bint grow_step() except +
+        void reserve(size_t count) except +
         OwnerEntry* add(PyObject* owner, size_t* index)
         OwnerEntry* at(PyObject* owner, size_t index)
         OwnerEntry* find(PyObject* owner)
@@ -123,9 +122,6 @@ cdef class OwnerGraph:
     # The number of owners the last walk reached: the next one sizes its
     # table and vectors by it (a hint; written under the GIL).
     cdef size_t owners_hint
-    # The memory of an earlier walk's OwnerTable, for the next one: See
-    # Note [Memory kept between walks] (taken and left under the GIL).
-    cdef vector[OwnerEntry] spare_table
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
@@ -322,6 +318,8 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
         # What an error (a cycle, an attribute, Ctrl-C) left.
         for i in range(arena.size()):
             decref(arena[i])
+        # seen is not released into the kept tables: See Note [Tables kept
+        # between backward calls].
     return 0
 
 
@@ -700,8 +698,9 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
     cdef vector[char] is_leaf
     cdef OwnerItems items_of  # the twin's items_of: See pyengine/_owner_table.h
     # The twin's slots and buffers; releases the buffers an error leaves.
+    # Its memory goes back to this thread's kept tables as it is destroyed,
+    # on return or error: See Note [Tables kept between backward calls].
     cdef OwnerTable owners
-    owners.reuse(&graph.spare_table)  # given back as the table is destroyed, on return or error
     cdef OwnerEntry* entry
     cdef list held = []
     search(graph, root_owner, order, is_leaf, &items_of, &owners, held, returns,

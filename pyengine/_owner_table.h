@@ -14,7 +14,9 @@
 // owner's entry, with no buffer).
 //
 // The table owns the buffers and gradients it holds: its destructor releases those left
-// (an error in the walk), so it must be destroyed with the GIL held.
+// (an error in the walk), so it must be destroyed with the GIL held. Its
+// memory comes from, and goes back to, the tables its thread keeps: See
+// Note [Tables kept between backward calls] in pyengine/_table_growth.h.
 #pragma once
 
 #include <Python.h>
@@ -53,29 +55,6 @@
 // its search states in the dependency map (See enter_owner in
 // pyengine/_owner_graph.pyx).
 
-// Note [Memory kept between walks]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// An owner table for ten thousand owners takes a megabyte, which glibc's
-// malloc hands out and takes back whole: from mmap, or from the top of its
-// heap, which it trims when the top grows past a threshold that it moves
-// as blocks come and go. Where it gave the pages back, the next walk
-// faults each page in again and gets it zeroed by the kernel; whether it
-// did depends on what else the process allocated (on autograd's fan-in
-// every walk did, on its chain none: benchmarks/RESULTS.md). So
-// the OwnerGraph keeps the memory of its last table (a spare vector) and
-// the next walk of the same graph zeroes it in place instead: a table
-// takes the spare when made (reuse) and leaves its own there when
-// destroyed. Tables of up to pyengine_OWNER_TABLE_KEPT entries are kept
-// (graphs of up to 65,535 owners), so that an OwnerGraph holds at most
-// 4 MB after a larger graph. A walk
-// under way on another thread, or reentrant under this one, finds the
-// spare taken and makes its own table; the larger one is kept at the end.
-// Both steps run with the GIL held and call no Python code in between.
-
-// The largest table whose memory an OwnerGraph keeps: See Note [Memory
-// kept between walks].
-constexpr size_t pyengine_OWNER_TABLE_KEPT = 4 * pyengine_TABLE_GROWTH_STEP;
-
 // An owner's state in the walk's search (the twin's ``seen``).
 enum pyengine_OwnerState : int {
     pyengine_NOT_SEEN = 0,
@@ -95,42 +74,35 @@ struct pyengine_OwnerEntry {
 
 static_assert(sizeof(pyengine_OwnerEntry) == 32, "an entry is four words");
 
+// The largest owner table a thread keeps: See Note [Tables kept between
+// backward calls] in pyengine/_table_growth.h.
+constexpr size_t pyengine_KEPT_OWNER_TABLE_BYTES = size_t{8} << 20;
+
+using pyengine_KeptOwnerTables =
+    pyengine_KeptTables<pyengine_OwnerEntry, pyengine_KEPT_OWNER_TABLE_BYTES>;
+
 class pyengine_OwnerTable {
   public:
-    pyengine_OwnerTable() : slots_(16), used_(0), moved_(0), spare_(nullptr) {}
+    pyengine_OwnerTable() : slots_(16), used_(0), moved_(0) {}
 
     pyengine_OwnerTable(const pyengine_OwnerTable &) = delete;
     pyengine_OwnerTable &operator=(const pyengine_OwnerTable &) = delete;
 
     // Releases the buffers and gradients left (an error in the walk), then
-    // gives the table's memory to the spare of reuse, where it is larger
-    // than the spare's and no larger than pyengine_OWNER_TABLE_KEPT entries.
+    // gives the table's memory to this thread's kept tables, which the
+    // table must be destroyed on (See Note [Tables kept between backward
+    // calls]).
     ~pyengine_OwnerTable() {
         release();
-        if (spare_ != nullptr && slots_.capacity() <= pyengine_OWNER_TABLE_KEPT &&
-            slots_.capacity() > spare_->capacity()) {
-            slots_.clear();
-            slots_.swap(*spare_);
-        }
-    }
-
-    // On a new table: take the memory an earlier walk's table left in
-    // spare, and leave its own there when destroyed (See Note [Memory kept
-    // between walks]). spare must outlive the table.
-    void reuse(std::vector<pyengine_OwnerEntry> *spare) {
-        if (used_ != 0) {
-            return;
-        }
-        spare_ = spare;
-        if (spare->capacity() > slots_.capacity()) {
-            slots_.swap(*spare);
-            slots_.assign(16, pyengine_OwnerEntry());
-        }
+        pyengine_KeptOwnerTables &kept = pyengine_KeptOwnerTables::of_this_thread();
+        kept.give(slots_);
+        kept.give(larger_);
     }
 
     // On a new table: room for count entries without a doubling, but no
     // more than pyengine_TABLE_GROWTH_STEP slots, so that zeroing them
-    // stays a fraction of a millisecond (pyengine/_table_growth.h).
+    // stays a fraction of a millisecond (pyengine/_table_growth.h). The
+    // memory is a kept table's where one is large enough.
     void reserve(size_t count) {
         if (used_ != 0) {
             return;
@@ -140,7 +112,11 @@ class pyengine_OwnerTable {
             size *= 2;
         }
         if (size != slots_.size()) {
-            slots_.assign(size, pyengine_OwnerEntry());
+            pyengine_KeptOwnerTables &kept = pyengine_KeptOwnerTables::of_this_thread();
+            std::vector<pyengine_OwnerEntry> table = kept.take(size);
+            table.resize(size);  // zeroes only the slots used
+            slots_.swap(table);
+            kept.give(table);
         }
     }
 
@@ -154,7 +130,8 @@ class pyengine_OwnerTable {
                                   [](std::vector<pyengine_OwnerEntry> &slots,
                                      const pyengine_OwnerEntry &entry) {
                                       find_slot(slots, entry.node) = entry;
-                                  });
+                                  },
+                                  &pyengine_KeptOwnerTables::of_this_thread());
     }
 
     // owner's entry, made (not seen, no slots) where the walk had not
@@ -223,7 +200,6 @@ class pyengine_OwnerTable {
     // A doubling in progress: See pyengine_grow_step.
     std::vector<pyengine_OwnerEntry> larger_;
     size_t moved_;
-    std::vector<pyengine_OwnerEntry> *spare_;  // See reuse
 };
 
 

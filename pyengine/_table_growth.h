@@ -2,7 +2,9 @@
 // can let other threads run between them: at a million entries, doubling
 // a table at once (zeroing the new one, then moving every entry) holds the
 // GIL for tens of milliseconds. See Note [Long passes let other threads
-// run] in pyengine/_interrupts.pxd. DependencyMap and ExecInfoMap use it.
+// run] in pyengine/_interrupts.pxd. DependencyMap, ExecInfoMap and
+// OwnerTable use it; DependencyMap and OwnerTable also keep their tables'
+// memory between calls here (See Note [Tables kept between backward calls]).
 #pragma once
 
 #include <algorithm>
@@ -14,27 +16,58 @@ constexpr size_t pyengine_TABLE_GROWTH_STEP = size_t{1} << 15;
 
 // Note [Tables kept between backward calls]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Every graph task makes its DependencyMap anew and doubles it as the count
-// fills it: at a hundred thousand nodes, tables of 4 MB, 2 MB, 1 MB and
-// down. glibc hands such blocks out and takes them back whole, from mmap
-// or from the top of its heap, which it trims as a threshold it moves
-// allows; so whether the next backward's tables come from pages already
+// Every graph task makes its DependencyMap anew, and every returns-mode
+// owner-graph walk its OwnerTable (pyengine/_owner_table.h), and doubles it
+// as the search fills it: at a hundred thousand nodes, tables of 4 MB, 2
+// MB, 1 MB and down. glibc hands such blocks out and takes them back whole,
+// from mmap or from the top of its heap, which it trims as a threshold it
+// moves allows; so whether the next call's tables come from pages already
 // mapped, or from fresh ones the kernel faults in and zeroes, depended on
 // what else the process had allocated and freed just before (a grad of
-// another size, the search's frames: benchmarks/RESULTS.md, "The
-// dependency tables kept"). So each thread keeps the two largest tables
-// its maps gave back, up to pyengine_KEPT_TABLE_BYTES each, and a doubling
-// takes the smaller kept one that is large enough: the table it grows out
-// of is given back in turn, so a count of that size doubles between two
-// mapped blocks, zeroing only what it uses. A thread holds at most twice
-// pyengine_KEPT_TABLE_BYTES (a count of about a million nodes fills a
-// table of that size). Tables are taken and given only by their own
-// thread (the map is released on the thread that completes its task), so
-// no lock is needed; a nested count on the same thread takes what is left.
+// another size, the search's frames; on autograd's fan-in every walk
+// faulted its owner table in again, on its chain none: benchmarks/
+// RESULTS.md, "The dependency tables kept" and "Issue 18: why autograd's
+// chain depended on the process, and the owner table").
+//
+// So each thread keeps, per kind of table, the two largest tables given
+// back, and a new table or a doubling takes the smallest kept one that is
+// large enough: the table it grows out of is given back in turn, so a
+// search of that size doubles between two mapped blocks, zeroing only what
+// it uses. A DependencyMap gives its tables back when released (GraphTask
+// releases it on the thread that completes the task); an OwnerTable when
+// destroyed, after releasing the buffers and gradients its entries own (a
+// kept table holds no reference), on a walk's return or error alike.
+//
+// A writes-mode owner-graph search keeps its states in a DependencyMap
+// that it does not release: it doubles into kept tables, but frees the one
+// it ends with. Keeping that one too made micrograd's large chains slower,
+// with more page faults: with no large block ever freed, glibc's mmap
+// threshold stays low, and the walk's other vectors (its frames, its
+// order, its owners held) came from fresh pages at every walk
+// (benchmarks/RESULTS.md, "One mechanism for the tables kept").
+//
+// A thread keeps a table only up to a size per kind, so that what it holds
+// is bounded whatever it ran: DependencyMap tables up to
+// pyengine_KEPT_TABLE_BYTES (32 MB, a count of about a million nodes) and
+// OwnerTables up to pyengine_KEPT_OWNER_TABLE_BYTES (8 MB, a walk of up to
+// 131,071 owners). Owner tables are kept smaller because each owner of a
+// returns-mode walk costs a call to a framework's own backward in Python
+// (where a node's count costs a few memory accesses), so fresh pages cost
+// a larger walk a smaller share, and the framework's graphs
+// that take them are a model's, mostly of thousands of owners. So a thread
+// holds at most 2 x 32 + 2 x 8 = 80 MB of tables (on Linux the kept
+// objects are unique in the process, GNU unique symbols: every extension
+// module that counts or walks on a thread shares that thread's), and
+// little after small calls. Tables are
+// taken and given only by their own thread, so no lock is needed; a call
+// nested on the same thread (a reentrant backward, a walk inside an
+// owner's backward) takes what is left, and the two largest are kept when
+// both are done.
 
 constexpr size_t pyengine_KEPT_TABLE_BYTES = size_t{32} << 20;
 
-template <typename Slot>
+// The tables of one kind (Slot) a thread keeps, each of at most KeptBytes.
+template <typename Slot, size_t KeptBytes = pyengine_KEPT_TABLE_BYTES>
 class pyengine_KeptTables {
   public:
     // This thread's kept tables.
@@ -62,7 +95,7 @@ class pyengine_KeptTables {
     }
 
     // Keep `table`'s memory if it is among the two largest given, and no
-    // larger than pyengine_KEPT_TABLE_BYTES; else free it. `table` is left
+    // larger than KeptBytes; else free it. Its slots must own nothing. `table` is left
     // empty, with no memory.
     void give(std::vector<Slot> &table) {
         const size_t capacity = table.capacity();
@@ -70,7 +103,7 @@ class pyengine_KeptTables {
         if (tables_[1].capacity() < smaller->capacity()) {
             smaller = &tables_[1];
         }
-        if (capacity * sizeof(Slot) <= pyengine_KEPT_TABLE_BYTES && capacity > smaller->capacity()) {
+        if (capacity * sizeof(Slot) <= KeptBytes && capacity > smaller->capacity()) {
             smaller->swap(table);
         }
         std::vector<Slot>().swap(table);
@@ -91,9 +124,9 @@ class pyengine_KeptTables {
 // With `kept` (See Note [Tables kept between backward calls]), `larger`
 // comes from the thread's kept tables when one is large enough, and the
 // table `slots` grew out of goes back to them.
-template <typename Slot, typename Place>
+template <typename Slot, typename Place, typename Kept = pyengine_KeptTables<Slot>>
 bool pyengine_grow_step(std::vector<Slot> &slots, std::vector<Slot> &larger, size_t &moved,
-                        Place place, pyengine_KeptTables<Slot> *kept = nullptr) {
+                        Place place, Kept *kept = nullptr) {
     const size_t target = slots.size() * 2;
     if (larger.size() < target) {
         if (larger.capacity() < target && kept != nullptr) {

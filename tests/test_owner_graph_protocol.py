@@ -20,9 +20,12 @@ whose leaves are the values themselves. Oracles:
 
 from __future__ import annotations
 
+import gc
 import importlib
 import random
 import sys
+import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -892,38 +895,69 @@ def test_a_post_hook_that_lengthens_its_list_gets_an_index_error(core):
     assert x.grad is None
 
 
-@pytest.mark.parametrize("core", ["compiled", "pure"])
-def test_one_graph_walked_at_many_sizes_after_errors_and_reentrantly(core):
-    # The compiled walk keeps its owner table's memory on the OwnerGraph for
-    # the next walk (See Note [Memory kept between walks] in
-    # pyengine/_owner_table.h): walks of other sizes, one past the memory
-    # kept, one that raises with gradients waiting, and one run inside
-    # another's backward (which finds that memory taken) all give the
-    # analytic gradients. Each owner adds 1 to its gradient, so a chain of
-    # n owners over a leaf gives the leaf g + n.
-    module = owner_graph_module(core)
+def chain_of_owners(n, leaf, top_action=None):
+    """n PlainOwners over ``leaf``, each the only parent of the next: the top one."""
+    owner = leaf
+    for i in range(n):
+        owner = PlainOwner([owner], top_action if i == n - 1 else None)
+    return owner
 
-    def chain(n, leaf, top_action=None):
-        owner = leaf
-        for i in range(n):
-            owner = PlainOwner([owner], top_action if i == n - 1 else None)
-        return owner
+
+def counting_walker(module):
+    """A returns-mode OwnerGraph whose owners each add 1 to their gradient
+    (so a chain of n owners over a leaf gives the leaf g + n), and
+    ``walk(n, top_action)``: the leaf's gradient of a new chain of n
+    walked from a zero gradient. Safe from several threads at once. An
+    owner named "sent" leaves a weak reference to the gradient it sends its
+    parents in ``walk.sent``."""
+    got = {}
+    sent = []
 
     def vjp(owner, grads):
         if owner.action is not None:
             owner.action()
-        return [grads[0] + 1.0] * len(owner.parents)
+        gradient = grads[0] + 1.0
+        if owner.name == "sent":
+            sent.append(weakref.ref(gradient))
+        return [gradient] * len(owner.parents)
 
-    got = {}
     graph = module.OwnerGraph("parents", vjp, mode="returns",
                               accumulate=lambda leaf, grad: got.__setitem__(id(leaf), grad))
 
     def walk(n, top_action=None):
         leaf = PlainOwner()
-        graph.backward(chain(n, leaf, top_action), np.zeros(2))
+        graph.backward(chain_of_owners(n, leaf, top_action), np.zeros(2))
         return got.pop(id(leaf))
 
-    for n in (5_000, 3, 70_000, 5_000, 1):
+    walk.sent = sent
+    return graph, walk
+
+
+class ParentsFail(PlainOwner):
+    """An owner whose parents cannot be read: the search stops at it."""
+
+    @property
+    def parents(self):
+        raise ValueError("an owner's parents")
+
+    @parents.setter
+    def parents(self, value):
+        pass
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_one_graph_walked_at_many_sizes_after_errors_and_reentrantly(core):
+    # The compiled walk keeps its owner table's memory in its thread's kept
+    # tables for the next walk (See Note [Tables kept between backward
+    # calls] in pyengine/_table_growth.h): walks of other sizes (small after
+    # large, large after small, one past the largest table kept), walks
+    # that fail in the search (its table half grown), in a backward with
+    # gradients waiting, or by Ctrl-C, and walks run inside another's
+    # backward (which take what is left) all give the analytic gradients.
+    module = owner_graph_module(core)
+    graph, walk = counting_walker(module)
+
+    for n in (5_000, 3, 70_000, 5_000, 1, 140_000, 20, 40_000):
         np.testing.assert_array_equal(walk(n), np.full(2, float(n)))
 
     def fail():
@@ -932,13 +966,81 @@ def test_one_graph_walked_at_many_sizes_after_errors_and_reentrantly(core):
     # Root's parents are [waiting, failing]: failing runs first, while
     # waiting's gradient sits in the table.
     leaf = PlainOwner()
-    root = PlainOwner([chain(2_000, leaf), PlainOwner([leaf], fail)])
+    root = PlainOwner([chain_of_owners(2_000, leaf), PlainOwner([leaf], fail)])
     with pytest.raises(ValueError, match="an owner's backward"):
         graph.backward(root, np.zeros(2))
     np.testing.assert_array_equal(walk(5_000), np.full(2, 5_000.0))
+
+    # The search fails 50,000 owners deep, its table grown past its first size.
+    with pytest.raises(ValueError, match="an owner's parents"):
+        graph.backward(chain_of_owners(50_000, ParentsFail()), np.zeros(2))
+    np.testing.assert_array_equal(walk(40_000), np.full(2, 40_000.0))
+    bottom = PlainOwner()
+    top = chain_of_owners(30_000, bottom)
+    bottom.parents = [top]
+    with pytest.raises(RuntimeError, match="cycle"):
+        graph.backward(top, np.zeros(2))
+    bottom.parents = []
+    np.testing.assert_array_equal(walk(30_000), np.full(2, 30_000.0))
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    # Ctrl-C in an owner's backward, with gradients waiting in a large
+    # table: the one root sent the chain is released with the table.
+    leaf = PlainOwner()
+    root = PlainOwner([chain_of_owners(40_000, leaf), PlainOwner([leaf], interrupt)],
+                      name="sent")
+    with pytest.raises(KeyboardInterrupt):
+        graph.backward(root, np.zeros(2))
+    gc.collect()
+    assert len(walk.sent) == 1 and walk.sent.pop()() is None
+    np.testing.assert_array_equal(walk(40_000), np.full(2, 40_000.0))
 
     inner = []
     outer = walk(3_000, lambda: inner.append(walk(4_000)))
     np.testing.assert_array_equal(outer, np.full(2, 3_000.0))
     np.testing.assert_array_equal(inner[0], np.full(2, 4_000.0))
     np.testing.assert_array_equal(walk(4_000), np.full(2, 4_000.0))
+
+    # Nested twice, each larger than the walk it runs in, the outer one with
+    # gradients waiting below the owner that runs the nested walks.
+    inner = []
+    outer = walk(10_000, lambda: inner.append(walk(30_000, lambda: inner.append(walk(70_000)))))
+    np.testing.assert_array_equal(outer, np.full(2, 10_000.0))
+    np.testing.assert_array_equal(inner[0], np.full(2, 70_000.0))
+    np.testing.assert_array_equal(inner[1], np.full(2, 30_000.0))
+    for n in (70_000, 10_000, 30_000):
+        np.testing.assert_array_equal(walk(n), np.full(2, float(n)))
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_owner_graphs_walked_from_two_threads_at_once(core):
+    # Each thread takes and gives its own kept tables (See Note [Tables
+    # kept between backward calls]); the searches let the other thread run
+    # as they go, so the two threads' walks of many sizes, on one
+    # OwnerGraph and on one each, interleave. Every gradient is the
+    # analytic one.
+    module = owner_graph_module(core)
+    shared_graph, shared_walk = counting_walker(module)
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def run(sizes):
+        _, own_walk = counting_walker(module)
+        try:
+            barrier.wait()
+            for n in sizes:
+                for walk in (shared_walk, own_walk):
+                    np.testing.assert_array_equal(walk(n), np.full(2, float(n)))
+        except BaseException as error:  # reported below, on the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(sizes,))
+               for sizes in ((40_000, 3, 1, 70_000), (1, 70_000, 5_000, 2))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
