@@ -15,7 +15,7 @@
 // (its pages are only touched as deep as searches go), and deeper frames
 // in chunks of CHUNK frames, freed when the search ends. Frames never
 // move. The block holds a million frames: a search that deep, when its
-// frames came from chunks, spent a third of its time taking them and
+// frames came from chunks, spent much of its time taking them and
 // faulting their pages in again at every call ("Frames for a million
 // nodes kept" in RESULTS.md). It is 40 MB of address space, which glibc
 // maps apart from its heap; a thread keeps as much of it resident as its

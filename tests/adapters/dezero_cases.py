@@ -27,13 +27,12 @@ import numpy as np
 from dezero import Variable
 
 from pyengine.adapters import dezero as pyengine_dezero
+from pyengine.adapters.dezero import nodes
 
 
 def live_adapter_nodes():
     """How many of the adapter's nodes (FunctionNodes, DeZeroAccumulateGrads)
     are alive, after a collection."""
-    from pyengine.adapters.dezero import nodes
-
     gc.collect()
     return sum(isinstance(obj, (nodes.FunctionNode, nodes.DeZeroAccumulateGrad))
                for obj in gc.get_objects())
