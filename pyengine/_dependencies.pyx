@@ -104,6 +104,7 @@ cpdef int init_to_execute(NodeBase graph_root, GraphTask graph_task, outputs,
             (<list>graph_task.exec_captures[captures]).append((edge.input_nr, output_idx))
         graph_task.captured_vars = [None] * PyList_GET_SIZE(output_list)
         graph_task.exec_info_.make_entry(<PyObject*>graph_root)
+        graph_task.dependencies_.use_kept_table()
         search_dependencies(graph_root, graph_task)
     finally:
         graph_task.planning = False
@@ -116,7 +117,9 @@ cdef int compute_dependencies(NodeBase graph_root, GraphTask graph_task) except 
     depth-first search only where the count cannot rule a cycle out (See
     Note [Cycles in the backward graph] in ``pyengine/_pure/dependencies.py``).
     Both let other threads run as they go (See Note [Long passes let other
-    threads run])."""
+    threads run]). The count starts on a table this thread kept (See Note
+    [Generations of a DependencyMap] in _dependency_map.h)."""
+    graph_task.dependencies_.use_kept_table()
     if count_dependencies(graph_root, graph_task):
         return 0
     graph_task.dependencies_.reset()

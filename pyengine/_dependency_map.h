@@ -21,15 +21,67 @@
 
 #include <Python.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "_table_growth.h"
 
+struct pyengine_DependencySlot {
+    PyObject *node = nullptr;
+    uint64_t word = 0;  // See pyengine_DependencyMap's constants
+};
+static_assert(sizeof(pyengine_DependencySlot) == 16, "a slot is a pointer and a word");
+
+// Note [Generations of a DependencyMap]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A map that starts at 16 slots doubles its way up to the graph's size:
+// at a hundred thousand nodes, seventeen doublings that zero twice the
+// final table and move its entries again, the larger part of the count's
+// instructions (benchmarks/RESULTS.md, "Why 2.0x is not reached"). Sizing
+// the table from the last graph instead would zero a table of the last
+// graph's size for every small graph after a large one.
+//
+// So a slot says which use of its table wrote it: the top bits of its word
+// hold a generation, and a slot of another generation is empty. A graph
+// task's count starts on the thread's largest kept table as it was left
+// (use_kept_table), in the generation after the last one that table saw:
+// no slot is zeroed and, up to the size of the largest graph this thread
+// counted recently, no doubling is made. Starting again (reset) is a new
+// generation too. A table carries its last generation with it (the
+// thread's kept tables keep it beside the table, pyengine/_table_growth.h),
+// so it does not matter which thread or module gives it back; when its
+// generations run out (2^24 uses) it is zeroed and starts again at 1. A
+// zeroed slot is of generation 0, which no use is.
+//
+// Entries are never removed, so probing stops at the first empty slot
+// whatever its generation, as at a zeroed one.
 class pyengine_DependencyMap {
   public:
-    pyengine_DependencyMap() : slots_(16), used_(0), moved_(0) {}
+    pyengine_DependencyMap() : slots_(16), used_(0), moved_(0), generation_(1) {}
+
+    // Count on the thread's largest kept table instead of the map's first
+    // 16 slots, when it is larger: See Note [Generations of a DependencyMap].
+    // Only on a map with no entries.
+    void use_kept_table() {
+        if (used_ != 0 || !larger_.empty()) {
+            return;
+        }
+        uint32_t last_generation = 0;
+        std::vector<Slot> kept = Kept::of_this_thread().take_largest(slots_.size(), &last_generation);
+        if (kept.empty()) {
+            return;
+        }
+        // A table given back in the middle of a doubling (an error while
+        // counting) need not be a power of two in size: it is freed.
+        if ((kept.size() & (kept.size() - 1)) != 0) {
+            return;
+        }
+        slots_.swap(kept);
+        generation_ = last_generation;
+        start_generation();
+    }
 
     // Whether the next new entry doubles the table: a pass that must not
     // hold the GIL that long calls grow_step until it returns true, letting
@@ -37,18 +89,30 @@ class pyengine_DependencyMap {
     bool full() const { return 2 * (used_ + 1) > slots_.size(); }
 
     bool grow_step() {
+        const uint64_t generation = generation_bits();
         // A lambda, not a function pointer: it inlines into the loop.
-        return pyengine_grow_step(slots_, larger_, moved_,
-                                  [](std::vector<Slot> &slots, const Slot &slot) {
-                                      find_slot(slots, slot.node) = slot;
-                                  },
-                                  &pyengine_KeptTables<Slot>::of_this_thread());
+        return pyengine_grow_step(
+            slots_, larger_, moved_,
+            [generation](std::vector<Slot> &slots, const Slot &slot) {
+                if (is_live(slot, generation)) {
+                    find_slot(slots, slot.node, generation) = slot;
+                }
+            },
+            &Kept::of_this_thread(), generation_);
     }
 
-    // Forget every entry: the map as new.
+    // Forget every entry: the map as new, on the same table (a new
+    // generation). A doubling in progress is given up.
     void reset() {
-        release();
-        slots_.resize(16);
+        if (!larger_.empty()) {
+            Kept::of_this_thread().give(larger_, generation_);
+            moved_ = 0;
+        }
+        if (slots_.size() < 16) {  // released
+            slots_.assign(16, Slot());
+            generation_ = 0;
+        }
+        start_generation();
     }
 
     // Give the table's memory back: the map may then only be reset or
@@ -57,9 +121,9 @@ class pyengine_DependencyMap {
     // milliseconds, which GraphTask spends without the GIL.
     void release() {
         // See Note [Tables kept between backward calls] in _table_growth.h.
-        pyengine_KeptTables<Slot> &kept = pyengine_KeptTables<Slot>::of_this_thread();
-        kept.give(slots_);
-        kept.give(larger_);
+        Kept &kept = Kept::of_this_thread();
+        kept.give(slots_, generation_);
+        kept.give(larger_, generation_);
         used_ = 0;
         moved_ = 0;
     }
@@ -67,15 +131,19 @@ class pyengine_DependencyMap {
     // The number of nodes with a slot: those the last count reached.
     size_t size() const { return used_; }
 
+    // The generation of the map's entries (for tests/dependency_map_check.cpp).
+    uint32_t generation() const { return generation_; }
+
     // One edge into node delivered: 1 when that was its last, 0 when more are
     // due, -1 when node has no dependencies outstanding.
     int remove(PyObject *node) {
-        Slot &slot = find_slot(slots_, node);
-        if (slot.node == nullptr || slot.word < ONE_EDGE) {
+        const uint64_t generation = generation_bits();
+        Slot &slot = find_slot(slots_, node, generation);
+        if (!is_live(slot, generation) || (slot.word & COUNT_MASK) < ONE_EDGE) {
             return -1;
         }
         slot.word -= ONE_EDGE;
-        return slot.word < ONE_EDGE ? 1 : 0;
+        return (slot.word & COUNT_MASK) < ONE_EDGE ? 1 : 0;
     }
 
     // A node's state in a depth-first search.
@@ -115,8 +183,9 @@ class pyengine_DependencyMap {
 
     // Whether node is in the map and marked needed.
     bool needed(PyObject *node) const {
-        const Slot &slot = find_slot(slots_, node);
-        return slot.node != nullptr && (slot.word & NEEDED) != 0;
+        const uint64_t generation = generation_bits();
+        const Slot &slot = find_slot(slots_, node, generation);
+        return is_live(slot, generation) && (slot.word & NEEDED) != 0;
     }
 
     // Whether the node at slot index (as add_edge gave it, the table not
@@ -124,17 +193,37 @@ class pyengine_DependencyMap {
     bool needed_at(size_t index) const { return (slots_[index].word & NEEDED) != 0; }
 
   private:
-    // A slot's word holds the count above two bits of search state and
-    // the needed bit.
+    using Slot = pyengine_DependencySlot;
+    using Kept = pyengine_KeptTables<Slot>;
+
+    // A slot's word holds, from the top: the generation that wrote it (24
+    // bits), the count (37 bits: an edge is a pointer in a next_edges
+    // tuple, so 2^37 of them into one node would take a terabyte), the
+    // needed bit and two bits of search state.
+    static constexpr int GENERATION_SHIFT = 40;
+    static constexpr uint32_t LAST_GENERATION = (uint32_t{1} << 24) - 1;
     static constexpr uint64_t STATE_MASK = 3;
     static constexpr uint64_t NEEDED = 4;
     static constexpr uint64_t ONE_EDGE = 8;
+    static constexpr uint64_t COUNT_MASK = (uint64_t{1} << GENERATION_SHIFT) - ONE_EDGE;
 
-    struct Slot {
-        PyObject *node = nullptr;
-        uint64_t word = 0;
-    };
-    static_assert(sizeof(Slot) == 16, "a slot is a pointer and a word");
+    uint64_t generation_bits() const { return uint64_t{generation_} << GENERATION_SHIFT; }
+
+    // Whether slot holds an entry of the generation whose bits are given.
+    static bool is_live(const Slot &slot, uint64_t generation) {
+        return (slot.word >> GENERATION_SHIFT << GENERATION_SHIFT) == generation;
+    }
+
+    // The generation after generation_, with no entry yet: See Note
+    // [Generations of a DependencyMap].
+    void start_generation() {
+        if (generation_ >= LAST_GENERATION) {
+            std::fill(slots_.begin(), slots_.end(), Slot());
+            generation_ = 0;
+        }
+        ++generation_;
+        used_ = 0;
+    }
 
     static State state_of(const Slot &slot) {
         return static_cast<State>(slot.word & STATE_MASK);
@@ -145,9 +234,11 @@ class pyengine_DependencyMap {
         if (full()) {
             grow();
         }
-        Slot &slot = find_slot(slots_, node);
-        if (slot.node == nullptr) {
+        const uint64_t generation = generation_bits();
+        Slot &slot = find_slot(slots_, node, generation);
+        if (!is_live(slot, generation)) {
             slot.node = node;
+            slot.word = generation;
             ++used_;
         }
         return slot;
@@ -164,28 +255,33 @@ class pyengine_DependencyMap {
         return static_cast<size_t>(reinterpret_cast<uintptr_t>(node) >> 4);
     }
 
-    static size_t find_index(const std::vector<Slot> &slots, PyObject *node) {
+    // node's slot, or the empty slot where it would go.
+    static size_t find_index(const std::vector<Slot> &slots, PyObject *node, uint64_t generation) {
         const size_t mask = slots.size() - 1;
         size_t i = hash(node) & mask;
-        while (slots[i].node != nullptr && slots[i].node != node) {
+        while (slots[i].node != node && is_live(slots[i], generation)) {
             i = (i + 1) & mask;
         }
         return i;
     }
 
-    static Slot &find_slot(std::vector<Slot> &slots, PyObject *node) {
-        return slots[find_index(slots, node)];
+    static Slot &find_slot(std::vector<Slot> &slots, PyObject *node, uint64_t generation) {
+        return slots[find_index(slots, node, generation)];
     }
 
-    static const Slot &find_slot(const std::vector<Slot> &slots, PyObject *node) {
-        return slots[find_index(slots, node)];
+    static const Slot &find_slot(const std::vector<Slot> &slots, PyObject *node,
+                                 uint64_t generation) {
+        return slots[find_index(slots, node, generation)];
     }
 
     // node's slot (node in the map), where it was at index unless the
     // table grew since.
     Slot &slot_at(PyObject *node, size_t index) {
+        const uint64_t generation = generation_bits();
         Slot *slot = &slots_[index & (slots_.size() - 1)];
-        return slot->node == node ? *slot : find_slot(slots_, node);
+        return slot->node == node && is_live(*slot, generation)
+                   ? *slot
+                   : find_slot(slots_, node, generation);
     }
 
     // Out of line, so that insert, on every edge's path, inlines.
@@ -199,6 +295,9 @@ class pyengine_DependencyMap {
     // A doubling in progress: See pyengine_grow_step.
     std::vector<Slot> larger_;
     size_t moved_;
+    // Of the entries in slots_ (and larger_): See Note [Generations of a
+    // DependencyMap].
+    uint32_t generation_;
 };
 
 

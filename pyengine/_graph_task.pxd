@@ -23,10 +23,11 @@ cdef extern from "_dependency_map.h" nogil:
 
     cppclass DependencyMap "pyengine_DependencyMap":
         DependencyMap()
+        void use_kept_table()
         bint full()
-        bint grow_step()
+        bint grow_step() except +
         void release()
-        void reset()
+        void reset() except +
         int remove(PyObject* node)
         size_t enter(PyObject* root)
         SearchState add_edge(PyObject* node, size_t* index)

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 // Slots zeroed, or entries moved, per step: a fraction of a millisecond.
@@ -94,23 +95,38 @@ class pyengine_KeptTables {
         return taken;
     }
 
+    // The largest kept table, with its slots as they were given (unzeroed),
+    // when it has more than `slots` slots; else an empty table with no room.
+    // *last_generation: what was given with it. For a table whose slots say
+    // which use of it wrote them (See Note [Generations of a DependencyMap]
+    // in _dependency_map.h).
+    std::vector<Slot> take_largest(size_t slots, uint32_t *last_generation) {
+        const size_t largest = tables_[1].size() > tables_[0].size() ? 1 : 0;
+        std::vector<Slot> taken;
+        if (tables_[largest].size() > slots) {
+            taken.swap(tables_[largest]);
+            *last_generation = last_generations_[largest];
+        }
+        return taken;
+    }
+
     // Keep `table`'s memory if it is among the two largest given, and no
     // larger than KeptBytes; else free it. Its slots must own nothing. `table` is left
-    // empty, with no memory.
-    void give(std::vector<Slot> &table) {
+    // empty, with no memory. last_generation: kept beside it for
+    // take_largest.
+    void give(std::vector<Slot> &table, uint32_t last_generation = 0) {
         const size_t capacity = table.capacity();
-        std::vector<Slot> *smaller = &tables_[0];
-        if (tables_[1].capacity() < smaller->capacity()) {
-            smaller = &tables_[1];
-        }
-        if (capacity * sizeof(Slot) <= KeptBytes && capacity > smaller->capacity()) {
-            smaller->swap(table);
+        const size_t smaller = tables_[1].capacity() < tables_[0].capacity() ? 1 : 0;
+        if (capacity * sizeof(Slot) <= KeptBytes && capacity > tables_[smaller].capacity()) {
+            tables_[smaller].swap(table);
+            last_generations_[smaller] = last_generation;
         }
         std::vector<Slot>().swap(table);
     }
 
   private:
     std::vector<Slot> tables_[2];
+    uint32_t last_generations_[2] = {0, 0};
 };
 
 // One step of doubling `slots` (a power of two in size, at least 1) into
@@ -123,10 +139,10 @@ class pyengine_KeptTables {
 //
 // With `kept` (See Note [Tables kept between backward calls]), `larger`
 // comes from the thread's kept tables when one is large enough, and the
-// table `slots` grew out of goes back to them.
+// table `slots` grew out of goes back to them, with last_generation.
 template <typename Slot, typename Place, typename Kept = pyengine_KeptTables<Slot>>
 bool pyengine_grow_step(std::vector<Slot> &slots, std::vector<Slot> &larger, size_t &moved,
-                        Place place, Kept *kept = nullptr) {
+                        Place place, Kept *kept = nullptr, uint32_t last_generation = 0) {
     const size_t target = slots.size() * 2;
     if (larger.size() < target) {
         if (larger.capacity() < target && kept != nullptr) {
@@ -149,7 +165,7 @@ bool pyengine_grow_step(std::vector<Slot> &slots, std::vector<Slot> &larger, siz
     }
     slots.swap(larger);
     if (kept != nullptr) {
-        kept->give(larger);
+        kept->give(larger, last_generation);
     } else {
         std::vector<Slot>().swap(larger);
     }

@@ -1,21 +1,33 @@
 """Counts of many sizes on one thread, back to back, after an error, and
 one inside another: each thread keeps the largest tables its dependency
-maps gave back and the next count doubles into them (See Note [Tables kept
-between backward calls] in ``pyengine/_table_growth.h``), so no count may
-see another's slots. A writes-mode owner-graph search keeps its states in
-a DependencyMap too, which doubles into the tables the engine's counts
-kept (the owner tables, kept the same way, are tested in
-``tests/test_owner_graph_protocol.py``).
+maps gave back, a count starts on the largest of them as it was left, in a
+later generation of its slots, and doubles into the others (See Notes
+[Tables kept between backward calls] in ``pyengine/_table_growth.h`` and
+[Generations of a DependencyMap] in ``pyengine/_dependency_map.h``), so no
+count may see another's slots, even those of the same nodes counted
+before. A writes-mode owner-graph search keeps its states in a
+DependencyMap too, which doubles into the tables the engine's counts kept
+(the owner tables, kept the same way, are tested in
+``tests/test_owner_graph_protocol.py``). What Python cannot reach in
+reasonable time (a table through its 2^24 generations, a map released on
+another thread) ``tests/dependency_map_check.cpp`` checks on the map
+itself.
 
 Oracle: every node of a chain passes its gradient on unchanged, so the
 leaf's gradient is the root's (analytic); a count that saw stale slots
 would run a node early or never (a wrong sum, or "could not compute
 gradients"). A writes-mode owner adds 1 to its gradient, so a chain of n
 owners gives its leaf n (analytic); a search that saw stale slots would
-skip owners or call one a cycle.
+skip owners or call one a cycle. The C++ check compares the map's counts
+with a std::unordered_map's.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sysconfig
 
 import numpy as np
 import pytest
@@ -61,6 +73,24 @@ def backward(n, top_action=None, grad=None):
     grad = np.full(2, float(n)) if grad is None else grad
     pyengine.get_default_engine().execute([root_edge], [grad], False, False, True)
     return leaf.grad
+
+
+class Fan(pyengine.Node):
+    """The backward of an n-ary add: the gradient goes to every next edge."""
+
+    def apply(self, grads):
+        return [grads[0]] * len(self.next_edges)
+
+
+def fan_in(width):
+    """A root that fans out to ``width`` Pass nodes, all of whose edges meet
+    in one more Pass node (a count of ``width``) above a new leaf: the
+    root's edge, the leaf and its edge."""
+    leaf = Leaf()
+    leaf_edge = pyengine.gradient_edge(leaf)
+    meet = pyengine.Edge(Pass((leaf_edge,)), 0)
+    branches = tuple(pyengine.Edge(Pass((meet,)), 0) for _ in range(width))
+    return pyengine.Edge(Fan(branches, (METADATA,)), 0), leaf, leaf_edge
 
 
 def grad_of(n):
@@ -142,3 +172,67 @@ def test_owner_walks_and_counts_back_to_back_one_inside_another():
         owner_walk(40_000, fail)
     np.testing.assert_array_equal(backward(40_000), np.full(2, 40_000.0))
     np.testing.assert_array_equal(owner_walk(40_000), np.full(2, 40_000.0))
+
+
+def test_a_retained_graph_counted_again_among_other_counts():
+    # The same nodes counted again, on tables whose stale slots hold those
+    # very nodes: each count must start from nothing.
+    root_edge, leaf, leaf_edge = fan_in(300)
+    engine = pyengine.get_default_engine()
+    for other in (140_000, 1, 3_000, 0, 70_000):
+        if other:
+            np.testing.assert_array_equal(backward(other), np.full(2, float(other)))
+        (captured,) = engine.execute([root_edge], [np.ones(2)], True, False, False,
+                                     outputs=[leaf_edge])
+        np.testing.assert_array_equal(captured, np.full(2, 300.0))
+        leaf.grad = None
+        engine.execute([root_edge], [np.ones(2)], True, False, True)
+        np.testing.assert_array_equal(leaf.grad, np.full(2, 300.0))
+
+
+def test_a_graph_the_count_cannot_vouch_for_after_a_large_count():
+    # An edge to a node made later, which has next edges: the count stops
+    # and the search counts again (DependencyMap.reset: a new generation on
+    # the same table), after a count that left a large table.
+    leaf = Leaf()
+    leaf_edge = pyengine.gradient_edge(leaf)
+    made_first = Pass(())
+    made_later = Fan((leaf_edge, leaf_edge, leaf_edge), (METADATA,))
+    made_first.next_edges = (pyengine.Edge(made_later, 0),)
+    assert made_later._sequence_nr > made_first._sequence_nr
+    root_edge = pyengine.Edge(made_first, 0)
+    engine = pyengine.get_default_engine()
+    for other in (140_000, 20, 0):
+        if other:
+            np.testing.assert_array_equal(backward(other), np.full(2, float(other)))
+        leaf.grad = None
+        engine.execute([root_edge], [np.ones(2)], True, False, True)
+        np.testing.assert_array_equal(leaf.grad, np.full(2, 3.0))
+
+
+@pytest.fixture(scope="module")
+def dependency_map_check(tmp_path_factory):
+    """Build tests/dependency_map_check.cpp against pyengine's header and
+    Python's include directory; skips where there is no C++ compiler."""
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler to build the DependencyMap check")
+    here = os.path.dirname(__file__)
+    header_dir = os.path.join(here, os.pardir, "pyengine")
+    if not os.path.exists(os.path.join(header_dir, "_dependency_map.h")):
+        pytest.skip("pyengine's headers are not beside the tests (an installed copy)")
+    program = str(tmp_path_factory.mktemp("dependency_map") / "dependency_map_check")
+    build = subprocess.run(
+        [compiler, "-std=c++17", "-O2", "-pthread", "-I", header_dir,
+         "-I", sysconfig.get_paths()["include"], "-o", program,
+         os.path.join(here, "dependency_map_check.cpp")],
+        capture_output=True, text=True)
+    if build.returncode != 0:
+        pytest.skip(f"the DependencyMap check did not build:\n{build.stderr}")
+    return program
+
+
+def test_dependency_map_generations(dependency_map_check):
+    result = subprocess.run([dependency_map_check], capture_output=True, text=True,
+                            timeout=300)
+    assert (result.returncode, result.stdout) == (0, "ok\n"), result.stdout + result.stderr

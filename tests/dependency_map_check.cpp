@@ -1,0 +1,209 @@
+// The checks of tests/test_kept_tables.py's test_dependency_map_generations:
+// pyengine_DependencyMap (pyengine/_dependency_map.h) driven directly,
+// against a std::unordered_map of the counts, over the uses of its kept
+// tables that a Python test cannot reach in reasonable time. See Note
+// [Generations of a DependencyMap].
+//
+// - counts of many sizes back to back on one thread (each starts on the
+//   table the one before gave back, in a later generation);
+// - two maps alive at once, and a map reset while it has entries;
+// - a map released on another thread (its table goes to that thread's kept
+//   tables and is counted on there);
+// - more than 2^24 uses of one table, so that its generations run out and
+//   it is zeroed.
+//
+// The keys are addresses 16 bytes apart in a pool the map never reads
+// through, drawn again and again, so that a table holds stale slots with
+// the very keys of the count under way. Prints "ok", or what went wrong and
+// exits 1.
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "_dependency_map.h"
+
+namespace {
+
+constexpr size_t POOL = 1 << 19;
+alignas(16) unsigned char pool[POOL * 16];
+
+PyObject *key(size_t i) { return reinterpret_cast<PyObject *>(pool + 16 * i); }
+
+void fail(const char *what, size_t index) {
+    std::printf("%s (node %zu)\n", what, index);
+    std::exit(1);
+}
+
+// n distinct keys from the pool, 1 to 3 edges into each, counted into map
+// on the table it has; then each count taken down to nothing through
+// remove, and keys left out found in no slot.
+void count_and_check(pyengine_DependencyMap &map, std::mt19937_64 &random, size_t n) {
+    const size_t start = random() % POOL;
+    const size_t stride = 1 + random() % 7;
+    std::unordered_map<size_t, int> edges;
+    std::vector<size_t> order;
+    for (size_t i = 0; i < n; ++i) {
+        const size_t index = (start + i * stride) % POOL;
+        if (edges.count(index) == 0) {
+            order.push_back(index);
+        }
+        edges[index] += 1 + static_cast<int>(random() % 3);
+    }
+    for (size_t index : order) {
+        for (int edge = 0; edge < edges[index]; ++edge) {
+            while (map.full() && !map.grow_step()) {
+            }
+            size_t slot;
+            const auto before = map.add_edge(key(index), &slot);
+            const auto expected =
+                edge == 0 ? pyengine_DependencyMap::NOT_SEEN : pyengine_DependencyMap::ON_PATH;
+            if (before != expected) {
+                fail("add_edge saw a state an earlier count left", index);
+            }
+        }
+    }
+    if (map.size() != order.size()) {
+        fail("the map's size is not the number of keys counted", order.size());
+    }
+    for (size_t index : order) {
+        if (map.needed(key(index))) {
+            fail("a key is marked needed that no count marked", index);
+        }
+        for (int edge = edges[index]; edge > 0; --edge) {
+            if (map.remove(key(index)) != (edge == 1 ? 1 : 0)) {
+                fail("remove did not count down the edges added", index);
+            }
+        }
+        if (map.remove(key(index)) != -1) {
+            fail("remove found a count past its last edge", index);
+        }
+    }
+    for (int probe = 0; probe < 64; ++probe) {
+        const size_t index = random() % POOL;
+        if (edges.count(index) == 0 && map.remove(key(index)) != -1) {
+            fail("a key this count did not add has a count", index);
+        }
+    }
+}
+
+// Near a table's first generations: 80 keys that depend on the
+// generation, each counted once and taken down again. On the second pass
+// through the generations, the first pass's slots for these keys, of this
+// very generation, are still in the table unless it was zeroed: a count
+// must not see their search state (ON_PATH) or their count.
+void generation_check(pyengine_DependencyMap &map) {
+    const size_t first = 100 + map.generation() * 80;
+    size_t slot;
+    for (size_t index = first; index < first + 80; ++index) {
+        if (map.add_edge(key(index), &slot) != pyengine_DependencyMap::NOT_SEEN) {
+            fail("add_edge saw a state an earlier pass left", index);
+        }
+    }
+    for (size_t index = first; index < first + 80; ++index) {
+        if (map.remove(key(index)) != 1) {
+            fail("remove did not count down the edge added", index);
+        }
+    }
+}
+
+void one_count(std::mt19937_64 &random, size_t n) {
+    pyengine_DependencyMap map;
+    map.use_kept_table();
+    count_and_check(map, random, n);
+    map.release();
+}
+
+}  // namespace
+
+int main() {
+    std::mt19937_64 random(20261201);
+    const size_t sizes[] = {5000, 3, 70000, 1, 140000, 20, 300000, 7, 9000};
+    for (int round = 0; round < 3; ++round) {
+        for (size_t n : sizes) {
+            one_count(random, n);
+        }
+    }
+
+    // Two at once: the inner map takes the other kept table, or none.
+    {
+        pyengine_DependencyMap outer;
+        outer.use_kept_table();
+        count_and_check(outer, random, 50000);
+        one_count(random, 80000);
+        one_count(random, 10);
+        // Reset with entries: a new generation on the same table.
+        outer.reset();
+        count_and_check(outer, random, 60000);
+        outer.release();
+    }
+
+    // Released on another thread, then counted on there.
+    {
+        pyengine_DependencyMap map;
+        map.use_kept_table();
+        count_and_check(map, random, 100000);
+        std::thread([&map, &sizes] {
+            map.release();
+            std::mt19937_64 thread_random(7);
+            for (size_t n : sizes) {
+                one_count(thread_random, n);
+            }
+        }).join();
+        one_count(random, 100000);
+    }
+
+    // One table through all its generations, on a thread of its own: after
+    // a count of 3,000 keys, every small count takes the table the one
+    // before gave back (8,192 slots), one generation later. Between the
+    // generation_checks, each count adds keys i and i + 1 (i < 32), so the
+    // slot of key i is the last count's: it must read as empty; and the
+    // slots the generation_checks wrote (keys 100 to 4,099) stay as they
+    // were until the generations run out.
+    std::thread([] {
+        std::mt19937_64 thread_random(11);
+        one_count(thread_random, 3000);
+        uint32_t last = 0;
+        bool wrapped = false;
+        for (size_t use = 0; use < (size_t{1} << 24) + 1000; ++use) {
+            pyengine_DependencyMap map;
+            map.use_kept_table();
+            if (map.generation() < last) {
+                wrapped = true;
+            }
+            last = map.generation();
+            if (last < 50) {
+                generation_check(map);
+            } else if (last > (1u << 24) - 50) {
+                count_and_check(map, thread_random, 40);
+            } else {
+                const size_t i = use % 32;
+                size_t slot;
+                if (map.add_edge(key(i), &slot) != pyengine_DependencyMap::NOT_SEEN ||
+                    map.add_edge(key(i + 1), &slot) != pyengine_DependencyMap::NOT_SEEN) {
+                    fail("add_edge saw a state the count before left", i);
+                }
+                if (map.remove(key(i)) != 1 || map.remove(key(i + 1)) != 1 ||
+                    map.remove(key(i)) != -1) {
+                    fail("remove did not count down the edges added", i);
+                }
+            }
+            map.release();
+        }
+        if (!wrapped) {
+            fail("no table ran through its generations", last);
+        }
+        for (size_t n : {5000, 3, 70000}) {
+            one_count(thread_random, n);
+        }
+    }).join();
+
+    for (size_t n : sizes) {
+        one_count(random, n);
+    }
+    std::printf("ok\n");
+    return 0;
+}
