@@ -34,8 +34,12 @@ constexpr size_t pyengine_TABLE_GROWTH_STEP = size_t{1} << 15;
 // back, and a new table or a doubling takes the smallest kept one that is
 // large enough: the table it grows out of is given back in turn, so a
 // search of that size doubles between two mapped blocks, zeroing only what
-// it uses. A DependencyMap gives its tables back when released (GraphTask
-// releases it on the thread that completes the task); an OwnerTable when
+// it uses. A graph task's count goes further: it starts on the largest
+// kept table as it was left, zeroing nothing, since its slots say which
+// count wrote them (See Note [Generations of a DependencyMap] in
+// _dependency_map.h). A DependencyMap gives its tables back when
+// released (GraphTask releases it on the thread that completes the task),
+// with the last generation of their slots; an OwnerTable when
 // destroyed, after releasing the buffers and gradients its entries own (a
 // kept table holds no reference), on a walk's return or error alike.
 //
