@@ -21,7 +21,6 @@
 
 #include <Python.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -51,9 +50,11 @@ static_assert(sizeof(pyengine_DependencySlot) == 16, "a slot is a pointer and a 
 // counted recently, no doubling is made. Starting again (reset) is a new
 // generation too. A table carries its last generation with it (the
 // thread's kept tables keep it beside the table, pyengine/_table_growth.h),
-// so it does not matter which thread or module gives it back; when its
-// generations run out (2^24 uses) it is zeroed and starts again at 1. A
-// zeroed slot is of generation 0, which no use is.
+// so it does not matter which thread or module gives it back. When its
+// generations run out (2^24 uses), the next map does not start on it: it
+// is kept emptied, and a doubling that takes it zeroes it a step at a time
+// as for any table (no pass zeroes 32 MB at once). A zeroed slot is of
+// generation 0, which no use is.
 //
 // Entries are never removed, so probing stops at the first empty slot
 // whatever its generation, as at a zeroed one.
@@ -68,19 +69,23 @@ class pyengine_DependencyMap {
         if (used_ != 0 || !larger_.empty()) {
             return;
         }
+        Kept &kept = Kept::of_this_thread();
         uint32_t last_generation = 0;
-        std::vector<Slot> kept = Kept::of_this_thread().take_largest(slots_.size(), &last_generation);
-        if (kept.empty()) {
+        std::vector<Slot> table = kept.take_largest(slots_.size(), &last_generation);
+        if (table.empty()) {
             return;
         }
-        // A table given back in the middle of a doubling (an error while
-        // counting) need not be a power of two in size: it is freed.
-        if ((kept.size() & (kept.size() - 1)) != 0) {
+        if (last_generation == LAST_GENERATION || (table.size() & (table.size() - 1)) != 0) {
+            // Its generations ran out (or it was given back in the middle
+            // of a doubling, not a power of two in size): kept emptied,
+            // for a doubling to take, which zeroes a step at a time.
+            table.clear();
+            kept.give(table);
             return;
         }
-        slots_.swap(kept);
-        generation_ = last_generation;
-        start_generation();
+        slots_.swap(table);
+        generation_ = last_generation + 1;
+        used_ = 0;
     }
 
     // Whether the next new entry doubles the table: a pass that must not
@@ -101,18 +106,24 @@ class pyengine_DependencyMap {
             &Kept::of_this_thread(), generation_);
     }
 
-    // Forget every entry: the map as new, on the same table (a new
-    // generation). A doubling in progress is given up.
+    // Forget every entry: the map as new, on the same table in the next
+    // generation, or on a new table when the generations ran out (or the
+    // map was released). A doubling in progress is given up.
     void reset() {
+        Kept &kept = Kept::of_this_thread();
         if (!larger_.empty()) {
-            Kept::of_this_thread().give(larger_, generation_);
+            kept.give(larger_, generation_);
             moved_ = 0;
         }
-        if (slots_.size() < 16) {  // released
+        if (generation_ == LAST_GENERATION || slots_.size() < 16) {
+            slots_.clear();
+            kept.give(slots_);
             slots_.assign(16, Slot());
-            generation_ = 0;
+            generation_ = 1;
+        } else {
+            ++generation_;
         }
-        start_generation();
+        used_ = 0;
     }
 
     // Give the table's memory back: the map may then only be reset or
@@ -212,17 +223,6 @@ class pyengine_DependencyMap {
     // Whether slot holds an entry of the generation whose bits are given.
     static bool is_live(const Slot &slot, uint64_t generation) {
         return (slot.word >> GENERATION_SHIFT << GENERATION_SHIFT) == generation;
-    }
-
-    // The generation after generation_, with no entry yet: See Note
-    // [Generations of a DependencyMap].
-    void start_generation() {
-        if (generation_ >= LAST_GENERATION) {
-            std::fill(slots_.begin(), slots_.end(), Slot());
-            generation_ = 0;
-        }
-        ++generation_;
-        used_ = 0;
     }
 
     static State state_of(const Slot &slot) {

@@ -9,8 +9,8 @@
 // - two maps alive at once, and a map reset while it has entries;
 // - a map released on another thread (its table goes to that thread's kept
 //   tables and is counted on there);
-// - more than 2^24 uses of one table, so that its generations run out and
-//   it is zeroed.
+// - more than 2^24 uses of one table, and more than 2^24 resets of one
+//   map, so that the generations run out and the table is replaced.
 //
 // The keys are addresses 16 bytes apart in a pool the map never reads
 // through, drawn again and again, so that a table holds stale slots with
@@ -93,8 +93,9 @@ void count_and_check(pyengine_DependencyMap &map, std::mt19937_64 &random, size_
 // Near a table's first generations: 80 keys that depend on the
 // generation, each counted once and taken down again. On the second pass
 // through the generations, the first pass's slots for these keys, of this
-// very generation, are still in the table unless it was zeroed: a count
-// must not see their search state (ON_PATH) or their count.
+// very generation, are still in that table, so no map may count on it
+// again (start on it, or reset on it) once its generations ran out: a
+// count must not see their search state (ON_PATH) or their count.
 void generation_check(pyengine_DependencyMap &map) {
     const size_t first = 100 + map.generation() * 80;
     size_t slot;
@@ -199,6 +200,35 @@ int main() {
         for (size_t n : {5000, 3, 70000}) {
             one_count(thread_random, n);
         }
+    }).join();
+
+    // One map reset again and again: each reset is a generation of its
+    // table, until they run out and the map takes a new table.
+    std::thread([] {
+        pyengine_DependencyMap map;
+        uint32_t last = 0;
+        bool wrapped = false;
+        for (size_t use = 0; use < (size_t{1} << 24) + 1000; ++use) {
+            map.reset();
+            if (map.generation() < last) {
+                wrapped = true;
+            }
+            last = map.generation();
+            if (last < 50) {
+                generation_check(map);
+            } else {
+                size_t slot;
+                const size_t i = use % 32;
+                if (map.add_edge(key(i), &slot) != pyengine_DependencyMap::NOT_SEEN ||
+                    map.remove(key(i)) != 1) {
+                    fail("a reset left a state or a count", i);
+                }
+            }
+        }
+        if (!wrapped) {
+            fail("no map's resets ran through the generations", last);
+        }
+        map.release();
     }).join();
 
     for (size_t n : sizes) {
