@@ -57,7 +57,10 @@ static_assert(sizeof(pyengine_DependencySlot) == 16, "a slot is a pointer and a 
 // generation 0, which no use is.
 //
 // Entries are never removed, so probing stops at the first empty slot
-// whatever its generation, as at a zeroed one.
+// whatever its generation, as at a zeroed one. The twin counts in a dict
+// made for each graph task (pyengine/_pure/graph_task.py), which has no
+// table to keep: a data structure's memory, not a path of the engine, so
+// this has no counterpart there.
 class pyengine_DependencyMap {
   public:
     pyengine_DependencyMap() : slots_(16), used_(0), moved_(0), generation_(1) {}
