@@ -111,6 +111,31 @@ void generation_check(pyengine_DependencyMap &map) {
     }
 }
 
+// Between the generation_checks: keys i and i + 1 (i < 32) counted once
+// and taken down, where the count before counted keys i - 1 and i: the
+// slot of key i is the last count's, and must read as empty.
+void quick_check(pyengine_DependencyMap &map, size_t i) {
+    size_t slot;
+    if (map.add_edge(key(i), &slot) != pyengine_DependencyMap::NOT_SEEN ||
+        map.add_edge(key(i + 1), &slot) != pyengine_DependencyMap::NOT_SEEN) {
+        fail("add_edge saw a state the count before left", i);
+    }
+    if (map.remove(key(i)) != 1 || map.remove(key(i + 1)) != 1 || map.remove(key(i)) != -1) {
+        fail("remove did not count down the edges added", i);
+    }
+}
+
+// Whether a sequence of generations went back to the start.
+struct Wraparound {
+    uint32_t last = 0;
+    bool seen = false;
+
+    void see(uint32_t generation) {
+        seen = seen || generation < last;
+        last = generation;
+    }
+};
+
 void one_count(std::mt19937_64 &random, size_t n) {
     pyengine_DependencyMap map;
     map.use_kept_table();
@@ -159,43 +184,29 @@ int main() {
 
     // One table through all its generations, on a thread of its own: after
     // a count of 3,000 keys, every small count takes the table the one
-    // before gave back (8,192 slots), one generation later. Between the
-    // generation_checks, each count adds keys i and i + 1 (i < 32), so the
-    // slot of key i is the last count's: it must read as empty; and the
-    // slots the generation_checks wrote (keys 100 to 4,099) stay as they
-    // were until the generations run out.
+    // before gave back (8,192 slots), one generation later. The
+    // quick_checks touch keys below 32 only, so the slots the
+    // generation_checks wrote (keys 100 to 4,099) stay as they were until
+    // the generations run out.
     std::thread([] {
         std::mt19937_64 thread_random(11);
         one_count(thread_random, 3000);
-        uint32_t last = 0;
-        bool wrapped = false;
+        Wraparound wraparound;
         for (size_t use = 0; use < (size_t{1} << 24) + 1000; ++use) {
             pyengine_DependencyMap map;
             map.use_kept_table();
-            if (map.generation() < last) {
-                wrapped = true;
-            }
-            last = map.generation();
-            if (last < 50) {
+            wraparound.see(map.generation());
+            if (map.generation() < 50) {
                 generation_check(map);
-            } else if (last > (1u << 24) - 50) {
+            } else if (map.generation() > (1u << 24) - 50) {
                 count_and_check(map, thread_random, 40);
             } else {
-                const size_t i = use % 32;
-                size_t slot;
-                if (map.add_edge(key(i), &slot) != pyengine_DependencyMap::NOT_SEEN ||
-                    map.add_edge(key(i + 1), &slot) != pyengine_DependencyMap::NOT_SEEN) {
-                    fail("add_edge saw a state the count before left", i);
-                }
-                if (map.remove(key(i)) != 1 || map.remove(key(i + 1)) != 1 ||
-                    map.remove(key(i)) != -1) {
-                    fail("remove did not count down the edges added", i);
-                }
+                quick_check(map, use % 32);
             }
             map.release();
         }
-        if (!wrapped) {
-            fail("no table ran through its generations", last);
+        if (!wraparound.seen) {
+            fail("no table ran through its generations", wraparound.last);
         }
         for (size_t n : {5000, 3, 70000}) {
             one_count(thread_random, n);
@@ -206,27 +217,18 @@ int main() {
     // table, until they run out and the map takes a new table.
     std::thread([] {
         pyengine_DependencyMap map;
-        uint32_t last = 0;
-        bool wrapped = false;
+        Wraparound wraparound;
         for (size_t use = 0; use < (size_t{1} << 24) + 1000; ++use) {
             map.reset();
-            if (map.generation() < last) {
-                wrapped = true;
-            }
-            last = map.generation();
-            if (last < 50) {
+            wraparound.see(map.generation());
+            if (map.generation() < 50) {
                 generation_check(map);
             } else {
-                size_t slot;
-                const size_t i = use % 32;
-                if (map.add_edge(key(i), &slot) != pyengine_DependencyMap::NOT_SEEN ||
-                    map.remove(key(i)) != 1) {
-                    fail("a reset left a state or a count", i);
-                }
+                quick_check(map, use % 32);
             }
         }
-        if (!wrapped) {
-            fail("no map's resets ran through the generations", last);
+        if (!wraparound.seen) {
+            fail("no map's resets ran through the generations", wraparound.last);
         }
         map.release();
     }).join();
