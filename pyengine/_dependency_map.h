@@ -36,7 +36,7 @@ static_assert(sizeof(pyengine_DependencySlot) == 16, "a slot is a pointer and a 
 // Note [Generations of a DependencyMap]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A map that starts at 16 slots doubles its way up to the graph's size:
-// at a hundred thousand nodes, seventeen doublings that zero twice the
+// at a hundred thousand nodes, fourteen doublings that zero twice the
 // final table and move its entries again, the larger part of the count's
 // instructions (benchmarks/RESULTS.md, "Why 2.0x is not reached"). Sizing
 // the table from the last graph instead would zero a table of the last
