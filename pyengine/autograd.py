@@ -208,14 +208,11 @@ def _roots_and_grads(outputs, grads):
     return roots, checked
 
 
-def _output_metadata(output):
+def _edge_metadata(edge):
     """The InputMetadata of the slot an Edge output flows into, or None."""
-    if isinstance(output, Edge):
-        metadata = output.node._input_metadata
-        if output.input_nr >= len(metadata) or metadata[output.input_nr] is None:
-            return None
-        return metadata[output.input_nr]
-    return None
+    metadata = edge.node._input_metadata
+    input_nr = edge.input_nr
+    return metadata[input_nr] if input_nr < len(metadata) else None
 
 
 def _output_shape_dtype(i, output):
@@ -223,7 +220,7 @@ def _output_shape_dtype(i, output):
     for an Edge (backend None; shape None without metadata), else read from
     the tensor's value through its backend."""
     if isinstance(output, Edge):
-        metadata = _output_metadata(output)
+        metadata = _edge_metadata(output)
         if metadata is None:
             return None, None, None
         return metadata.shape, metadata.dtype, None
@@ -236,7 +233,9 @@ def _output_shape_dtype(i, output):
 
 
 def _checked_grad(i, output, grad):
-    """``grad``, once its shape is known to match output ``i``'s."""
+    """``grad``, once its shape is known to match output ``i``'s. A numpy
+    gradient for an Edge output is checked without a call of its own: this
+    is part of every backward's fixed cost."""
     if type(grad) is np.ndarray:
         grad_shape = grad.shape
     else:
@@ -244,8 +243,14 @@ def _checked_grad(i, output, grad):
         if grad_backend is None:
             raise TypeError(f"gradients can be either arrays or None, but got {type(grad).__name__}")
         grad_shape = tuple(grad_backend.shape(grad))
-    out_shape = _output_shape_dtype(i, output)[0]
-    if out_shape is not None and grad_shape != tuple(out_shape):
+    if isinstance(output, Edge):
+        metadata = _edge_metadata(output)
+        out_shape = None if metadata is None else metadata.shape  # a tuple
+    else:
+        out_shape = _output_shape_dtype(i, output)[0]
+        if out_shape is not None:
+            out_shape = tuple(out_shape)
+    if out_shape is not None and grad_shape != out_shape:
         raise RuntimeError(f"Mismatch in shape: grad_output[{i}] has a shape of {grad_shape} "
                            f"and output[{i}] has a shape of {out_shape}.")
     return grad

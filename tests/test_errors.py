@@ -84,6 +84,21 @@ def test_grad_tensors_shape_mismatch():
         (x * 2.0).backward(np.ones(2))
 
 
+def test_grad_tensors_shape_mismatch_for_an_edge_output():
+    # A GradientEdge output is checked against its slot's metadata, as
+    # torch.autograd.backward checks it; a slot without metadata, or an
+    # input_nr past them, leaves the gradient unchecked.
+    x = leaf([1.0, 2.0])
+    y = x * 2.0
+    with pytest.raises(RuntimeError, match=re.escape(
+            "Mismatch in shape: grad_output[0] has a shape of (3,) and output[0] has a shape of (2,).")):
+        pyengine.backward(gradient_edge(y), np.ones(3))
+    assert x.grad is None
+    unchecked = Counter(next_edges=[gradient_edge(x)], input_metadata=[])
+    pyengine.backward(Edge(unchecked, 0), np.array([1.0, 3.0]))
+    assert_close(x.grad, [1.0, 3.0])
+
+
 def test_grad_tensors_count_mismatch():
     x = leaf([1.0])
     with pytest.raises(RuntimeError):
