@@ -52,7 +52,7 @@ cdef inline int push_dependency_frame(DependencyFrameStack& stack, NodeBase node
                                       size_t slot) except -1:
     """Start the search below ``node`` (reached for the first time, its map
     slot at index ``slot``)."""
-    if not node._initialized:
+    if not node._initialized_:
         raise RuntimeError(not_initialized_message(node))
     cdef tuple edges = node._next_edges
     cdef DependencyFrame frame
@@ -133,13 +133,13 @@ cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task) except -
     lower sequence_nr) or to a node without next edges: then no cycle is
     possible. Returns False, the count unfinished, at the first edge that
     breaks that rule. Iterative, in any order: each node once, from a
-    stack that owns its nodes."""
+    stack that owns its nodes. A node's only next edge is read from the
+    node itself (See Note [A node's only next edge] in the twin)."""
     cdef vector[PyObject*] stack
     cdef NodeBase node
     cdef NodeBase next_node
     cdef tuple edges
     cdef PyObject* edge
-    cdef size_t slot
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     graph_task.dependencies_.enter(<PyObject*>graph_root)
     Py_INCREF(graph_root)
@@ -149,30 +149,49 @@ cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task) except -
             node = <NodeBase>stack.back()
             stack.pop_back()
             decref(<PyObject*>node)  # the stack's reference; node holds one
-            if not node._initialized:
+            if not node._initialized_:
                 raise RuntimeError(not_initialized_message(node))
+            # A reference of our own: count_edge may let other threads run,
+            # which may set the node's next edges.
+            next_node = node._only_next_node
+            if next_node is not None:
+                let_others_run(&work_left)
+                if not count_edge(graph_task, node, next_node, stack):
+                    return False
+                continue
             edges = node._next_edges
             for i in range(PyTuple_GET_SIZE(edges)):
                 let_others_run(&work_left)
                 edge = PyTuple_GET_ITEM(edges, i)
                 if edge == <PyObject*>None:
                     continue
-                next_node = (<Edge>edge).node
-                if (next_node._sequence_nr >= node._sequence_nr
-                        and PyTuple_GET_SIZE(next_node._next_edges) != 0):
+                # Held by the Edge, which edges holds.
+                if not count_edge(graph_task, node, (<Edge>edge).node, stack):
                     return False
-                if graph_task.dependencies_.full():
-                    # See pyengine/_table_growth.h.
-                    while not graph_task.dependencies_.grow_step():
-                        yield_to_other_threads()
-                if graph_task.dependencies_.add_edge(<PyObject*>next_node, &slot) == SEARCH_NOT_SEEN:
-                    Py_INCREF(next_node)
-                    stack.push_back(<PyObject*>next_node)
     finally:
         # What an early return or an error (Ctrl-C) left.
         while not stack.empty():
             decref(stack.back())
             stack.pop_back()
+    return True
+
+
+cdef inline bint count_edge(GraphTask graph_task, NodeBase node, NodeBase next_node,
+                            vector[PyObject*]& stack) except -1:
+    """Count the edge from ``node`` into ``next_node``, and push
+    ``next_node`` the first time an edge reaches it; False, nothing
+    counted, where the edge breaks count_dependencies' rule."""
+    cdef size_t slot
+    if (next_node._sequence_nr >= node._sequence_nr
+            and PyTuple_GET_SIZE(next_node._next_edges) != 0):
+        return False
+    if graph_task.dependencies_.full():
+        # See pyengine/_table_growth.h.
+        while not graph_task.dependencies_.grow_step():
+            yield_to_other_threads()
+    if graph_task.dependencies_.add_edge(<PyObject*>next_node, &slot) == SEARCH_NOT_SEEN:
+        Py_INCREF(next_node)
+        stack.push_back(<PyObject*>next_node)
     return True
 
 

@@ -41,7 +41,7 @@ from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
-from pyengine._validate_outputs cimport validate_outputs_impl
+from pyengine._validate_outputs cimport gradient_passes_as_is, validate_outputs_impl
 from pyengine._thread_pool cimport _ThreadPoolShared, add_thread_pool_task
 from pyengine._state cimport (ThreadState, anomaly_check_nan, anomaly_enabled, profiler,
                               thread_state)
@@ -157,11 +157,11 @@ cdef inline int release_variables(NodeBase node) except -1:
     overrode it when the node was made, else what NodeBase's does, with no
     lookup; then mark the node released. See Note [Overriding release
     variables] in ``pyengine/_pure/node.py``."""
-    if node._overrides_release_variables:
+    if node._overrides_release_variables_:
         type(node).release_variables(node)
     else:
         node._saved_values = None  # NodeBase.release_variables
-    node._released = True
+    node._released_ = True
     return 0
 
 
@@ -184,13 +184,16 @@ cdef int densify_inputs(NodeBase node, list inputs) except -1:
     return 0
 
 
-cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple next_edges):
+cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple next_edges,
+                        NodeBase only_next_node, Py_ssize_t only_input_nr):
     """A node without hooks: ``apply`` and ``validate_outputs`` against
     ``next_edges``, the node's edges from before it ran (See Note [Next edges
     while a node runs] in ``pyengine/_pure/engine.py``), here. With hooks:
     the shared ``call_function``, which runs them in PyTorch's order.
     IndexedGradients are densified for a node that does not accept them
-    (the shared ``densify_inputs``)."""
+    (the shared ``densify_inputs``). ``only_next_node`` and
+    ``only_input_nr``: the node's only next edge, read with ``next_edges``
+    (See Note [A node's only next edge] in ``pyengine/_pure/node.py``)."""
     if has_hooks(node):
         return _hooks.call_function(graph_task, node, inputs, next_edges, validate_outputs)
     if has_indexed(inputs):
@@ -202,7 +205,12 @@ cdef list call_function(GraphTask graph_task, NodeBase node, list inputs, tuple 
                             f"of gradients, got {type(outputs).__name__}")
         outputs = list(outputs)
     cdef list checked = <list>outputs
-    validate_outputs_impl(next_edges, checked, None, node, False)
+    # The only next edge's gradient passes as it is without a look at the
+    # edges tuple and the Edge; anything else takes the whole check.
+    if (only_next_node is None or PyList_GET_SIZE(checked) != 1
+            or not gradient_passes_as_is(only_next_node, only_input_nr,
+                                         <object>PyList_GET_ITEM(checked, 0))):
+        validate_outputs_impl(next_edges, checked, None, node, False)
     return checked
 
 
@@ -477,13 +485,19 @@ cdef class Engine:
         cdef list outputs
         # The edges the node's gradients go along: those it had before it
         # ran. See Note [Next edges while a node runs] in pyengine/_pure/engine.py.
+        # With them, the only one, if so: See Note [A node's only next edge]
+        # in pyengine/_pure/node.py.
         cdef tuple next_edges = node._next_edges
+        cdef NodeBase only_next_node = node._only_next_node
+        cdef Py_ssize_t only_input_nr = node._only_input_nr
         if producer_stream is None:
-            outputs = call_function(graph_task, node, inputs, next_edges)
+            outputs = call_function(graph_task, node, inputs, next_edges, only_next_node,
+                                    only_input_nr)
         else:
             # See Note [Streaming backwards]: apply runs on the node's stream.
             with _streams.stream_guard(producer_stream):
-                outputs = call_function(graph_task, node, inputs, next_edges)
+                outputs = call_function(graph_task, node, inputs, next_edges, only_next_node,
+                                    only_input_nr)
         if not graph_task.keep_graph:
             release_variables(node)
         cdef Py_ssize_t num_outputs = PyList_GET_SIZE(outputs)
@@ -506,22 +520,30 @@ cdef class Engine:
         # node may keep the list it returned and change it while this loop
         # lets other threads run (a large add releases the GIL): each
         # gradient is read with a bound check, into a reference of our own.
-        if num_outputs != PyTuple_GET_SIZE(next_edges):
+        cdef Py_ssize_t next_input_nr
+        cdef Py_ssize_t num_edges = (1 if only_next_node is not None
+                                     else PyTuple_GET_SIZE(next_edges))
+        if num_outputs != num_edges:
             raise RuntimeError(f"Function {_hooks.node_name(node)} returned {num_outputs} "
-                               f"gradients for {PyTuple_GET_SIZE(next_edges)} next edges")
+                               f"gradients for {num_edges} next edges")
         # See Note [Accumulating under the graph task lock].
         lock_releasing_gil(graph_task.mutex_)
         try:
             for i in range(num_outputs):
-                edge_object = <object>PyTuple_GET_ITEM(next_edges, i)
-                if edge_object is None:
-                    continue
+                if only_next_node is not None:
+                    next_node = only_next_node
+                    next_input_nr = only_input_nr
+                else:
+                    edge_object = <object>PyTuple_GET_ITEM(next_edges, i)
+                    if edge_object is None:
+                        continue
+                    edge = <Edge>edge_object
+                    next_node = edge.node
+                    next_input_nr = edge.input_nr
                 if i >= PyList_GET_SIZE(outputs):
                     raise RuntimeError(f"the gradients Function {_hooks.node_name(node)} returned "
                                        "changed while the engine passed them on")
                 gradient = <object>PyList_GET_ITEM(outputs, i)
-                edge = <Edge>edge_object
-                next_node = edge.node
                 key = <PyObject*>next_node
                 remaining = graph_task.dependencies_.remove(key)
                 if remaining < 0:
@@ -537,7 +559,7 @@ cdef class Engine:
                         # Its only gradient: what InputBuffer's first add
                         # would hold, without the InputBuffer.
                         gradients = single_gradient(
-                            worker, PyTuple_GET_SIZE(next_node._input_metadata), edge.input_nr,
+                            worker, PyTuple_GET_SIZE(next_node._input_metadata), next_input_nr,
                             gradient)
                         queue_task(worker, self.route(graph_task, next_node, gradients),
                                    graph_task, next_node, gradients)
@@ -555,10 +577,10 @@ cdef class Engine:
                         # The map's reference; input_buffer still holds one.
                         Py_DECREF(input_buffer)
                 if streamed:
-                    accumulate_on_streams(input_buffer, edge.input_nr, gradient, grad_mode,
+                    accumulate_on_streams(input_buffer, next_input_nr, gradient, grad_mode,
                                           producer_stream, next_node._stream)
                 else:
-                    input_buffer.add(edge.input_nr, gradient, grad_mode)
+                    input_buffer.add(next_input_nr, gradient, grad_mode)
                 if is_ready:
                     queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
                                graph_task, next_node, input_buffer.buffer)

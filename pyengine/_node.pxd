@@ -1,6 +1,6 @@
 # The engine's view of a node; see _node.pyx.
 
-from libc.stdint cimport uint64_t
+from libc.stdint cimport int32_t, uint8_t, uint64_t
 from libcpp.vector cimport vector
 
 cimport numpy as cnp
@@ -25,28 +25,34 @@ cdef class NodeBase:
     cdef tuple _next_edges
     cdef tuple _input_metadata
     cdef readonly uint64_t _sequence_nr
-    # Next to _next_edges and _sequence_nr: the dependency count and search
-    # read these three (and the reference count) of every node, so they lie
-    # within the object's first 56 bytes, a cache line fewer per node out of
-    # cache than with _initialized at the end (benchmarks/RESULTS.md, "The
-    # fields the count reads, together").
-    cdef readonly bint _initialized
+    # The count, the search and the routing read these (and the reference
+    # count) of every node, so they lie within the object's first 64 bytes
+    # (benchmarks/RESULTS.md, "The fields the count reads, together"). The
+    # flags are bytes, behind properties of the names without the trailing
+    # underscore (as the twin's slots), so that the only next edge fits
+    # without growing the object. See Note [A node's only next edge] in
+    # pyengine/_pure/node.py. _only_next_node and _only_input_nr are set
+    # with _next_edges, never alone.
+    cdef uint8_t _initialized_
+    cdef uint8_t _released_
+    # Whether the node's class overrides release_variables, when the node
+    # was made; immutable after construction. See Note [Overriding release
+    # variables] in pyengine/_pure/node.py.
+    cdef uint8_t _overrides_release_variables_
+    cdef readonly int32_t _only_input_nr
+    cdef readonly NodeBase _only_next_node
     cdef public list _pre_hooks
     cdef public list _post_hooks
     cdef public list _tensor_pre_hooks
     cdef public dict _retains_grad_hooks
     cdef public object _saved_values
-    cdef public bint _released
-    # Whether the node's class overrides release_variables, when the node was
-    # made; immutable after construction. See Note [Overriding release variables]
-    # in pyengine/_pure/node.py.
-    cdef readonly bint _overrides_release_variables
     cdef public object _stream
     cdef public dict _metadata
     cdef object __weakref__
 
     cpdef release_variables(self)
     cdef int _initialize(self, next_edges, input_metadata) except -1
+    cdef int _set_next_edges(self, next_edges) except -1
 
 
 cdef class GradientFreeNodeBase(NodeBase):

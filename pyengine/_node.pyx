@@ -16,7 +16,7 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_REFCNT
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.weakref cimport PyWeakref_GET_OBJECT, PyWeakref_NewRef
-from libc.stdint cimport uint64_t, UINT64_MAX
+from libc.stdint cimport INT32_MAX, int32_t, uint64_t, UINT64_MAX
 
 from pyengine._state cimport ThreadState, anomaly_enabled, thread_state
 
@@ -127,7 +127,7 @@ cdef class Edge:
         # (Edge.__new__(Edge) is a TypeError), and none changes after.
         if not isinstance(node, NodeBase):
             raise TypeError(f"Edge needs a Node, got {type(node).__name__}")
-        if not (<NodeBase>node)._initialized:
+        if not (<NodeBase>node)._initialized_:
             raise RuntimeError(not_initialized_message(node))
         self.node = node
         self.input_nr = _check_input_nr(<NodeBase>node, input_nr)
@@ -226,13 +226,14 @@ cdef class NodeBase:
     def __cinit__(self, *args, **kwargs):
         self._next_edges = ()
         self._input_metadata = ()
+        self._only_input_nr = -1
 
     def __init__(self, next_edges=(), input_metadata=()):
         self._initialize(next_edges, input_metadata)
 
     cdef int _initialize(self, next_edges, input_metadata) except -1:
         global pyengine_next_sequence_nr
-        self._next_edges = _check_next_edges(next_edges)
+        self._set_next_edges(next_edges)
         # Nothing to make for the default (): See Note [Shared empty input metadata].
         if type(input_metadata) is tuple and PyTuple_GET_SIZE(input_metadata) == 0:
             self._input_metadata = ()
@@ -241,14 +242,53 @@ cdef class NodeBase:
         self._sequence_nr = pyengine_next_sequence_nr
         pyengine_next_sequence_nr += 1
         # See Note [Overriding release variables] in the twin.
-        self._overrides_release_variables = (
+        self._overrides_release_variables_ = (
             getattr(type(self), "release_variables") is not _base_release_variables)
         if not on_cpu(self._input_metadata):
             self._stream = _creation_stream(self._input_metadata)
-        self._initialized = True
+        self._initialized_ = True
         if anomaly_enabled():
             _record_forward_traceback(self)
         return 0
+
+    cdef int _set_next_edges(self, next_edges) except -1:
+        """``_next_edges``, checked, and with it the node's only next edge
+        (See Note [A node's only next edge] in the twin)."""
+        cdef tuple edges = _check_next_edges(next_edges)
+        cdef object only_edge = None
+        if PyTuple_GET_SIZE(edges) == 1:
+            only_edge = <object>PyTuple_GET_ITEM(edges, 0)
+            if only_edge is not None and (<Edge>only_edge).input_nr > INT32_MAX:
+                only_edge = None
+        self._next_edges = edges
+        if only_edge is None:
+            self._only_next_node = None
+            self._only_input_nr = -1
+        else:
+            self._only_next_node = (<Edge>only_edge).node
+            self._only_input_nr = <int32_t>(<Edge>only_edge).input_nr
+        return 0
+
+    @property
+    def _initialized(self):
+        return bool(self._initialized_)
+
+    @property
+    def _overrides_release_variables(self):
+        return bool(self._overrides_release_variables_)
+
+    @property
+    def _released(self):
+        return bool(self._released_)
+
+    @_released.setter
+    def _released(self, released):
+        # Its truth value, as the bint it was.
+        self._released_ = bool(released)
+
+    @_released.deleter
+    def _released(self):
+        _cannot_delete("_released")
 
     @property
     def sequence_nr(self):
@@ -260,7 +300,7 @@ cdef class NodeBase:
 
     @next_edges.setter
     def next_edges(self, next_edges):
-        self._next_edges = _check_next_edges(next_edges)
+        self._set_next_edges(next_edges)
 
     @next_edges.deleter
     def next_edges(self):
@@ -274,7 +314,7 @@ cdef class NodeBase:
 
     @_next_edges.setter
     def _next_edges(self, next_edges):
-        self._next_edges = _check_next_edges(next_edges)
+        self._set_next_edges(next_edges)
 
     @_next_edges.deleter
     def _next_edges(self):

@@ -6,7 +6,9 @@ from libcpp.vector cimport vector
 
 cimport numpy as cnp
 
-from pyengine._node cimport InputMetadata, is_numpy_array
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+
+from pyengine._node cimport InputMetadata, NodeBase, is_numpy_array
 
 
 cdef inline bint numpy_gradient_matches(InputMetadata metadata, object grad) noexcept:
@@ -36,6 +38,25 @@ cdef inline bint numpy_fields_match(PyObject* expected_dtype, const vector[cnp.n
 
 
 cdef bint known_value_type(object value_type) noexcept
+
+
+cdef inline bint gradient_passes_as_is(NodeBase next_node, Py_ssize_t input_nr,
+                                       object grad) noexcept:
+    """Whether ``grad``, flowing into slot ``input_nr`` of ``next_node``,
+    passes validate_outputs as it is: None; a numpy array of the slot's
+    dtype, shape and device; for a slot without metadata, a value of a type
+    some backend handles. Anything else takes the shared slow path."""
+    if grad is None:
+        return True
+    # A tuple of checked types: See Note [Fields Python code can write] in
+    # pyengine/_pure/node.py.
+    cdef tuple slots = next_node._input_metadata
+    cdef object metadata = None
+    if input_nr < PyTuple_GET_SIZE(slots):
+        metadata = <object>PyTuple_GET_ITEM(slots, input_nr)
+    if metadata is None:
+        return known_value_type(type(grad))
+    return numpy_gradient_matches(<InputMetadata>metadata, grad)
 
 
 cdef int validate_outputs_impl(tuple edges, list grads, object format_error,

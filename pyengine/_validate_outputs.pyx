@@ -72,28 +72,25 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
     read only there), else ``validate_gradient``."""
     cdef Py_ssize_t num_edges = PyTuple_GET_SIZE(edges)
     cdef tuple slots
+    cdef NodeBase next_node
     if PyList_GET_SIZE(grads) != num_edges:
         raise RuntimeError(error_format(format_error, node)(
             f"invalid number of gradients - expected {num_edges}, but got {len(grads)}"))
     for i in range(num_edges):
         edge_object = <object>PyTuple_GET_ITEM(edges, i)
         grad = <object>PyList_GET_ITEM(grads, i)
-        if edge_object is None or grad is None:
+        if edge_object is None:
+            continue
+        next_node = (<Edge>edge_object).node
+        input_nr = (<Edge>edge_object).input_nr
+        if gradient_passes_as_is(next_node, input_nr, grad):
             continue
         # Tuples of checked types: See Note [Fields Python code can write] in
         # pyengine/_pure/node.py.
-        slots = (<Edge>edge_object).node._input_metadata
-        input_nr = (<Edge>edge_object).input_nr
+        slots = next_node._input_metadata
         metadata = None
         if input_nr < PyTuple_GET_SIZE(slots):
             metadata = <object>PyTuple_GET_ITEM(slots, input_nr)
-        if metadata is None:
-            # A slot without metadata only asks for a value some backend
-            # handles: a type backend_of has already resolved will do.
-            if known_value_type(type(grad)):
-                continue
-        elif numpy_gradient_matches(<InputMetadata>metadata, grad):
-            continue
         if exact:
             grads[i] = validate_gradient_exact(i, grad, metadata, error_format(format_error, node))
         elif node is not None:

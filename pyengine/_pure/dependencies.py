@@ -111,25 +111,40 @@ def count_dependencies(graph_root, graph_task):
     """Count the edges into each node reachable from ``graph_root`` while
     every edge leads to a node made earlier (a lower sequence_nr) or to a
     node without next edges. Returns False, the count unfinished, at the
-    first edge that breaks that rule. Iterative, each node once."""
-    dependencies = graph_task.dependencies
+    first edge that breaks that rule. Iterative, each node once. A node's
+    only next edge is read from the node itself (See Note [A node's only
+    next edge] in ``pyengine/_pure/node.py``)."""
     seen = {id(graph_root)}
     stack = [graph_root]
     while stack:
         node = stack.pop()
         if not getattr(node, "_initialized", False):
             raise RuntimeError(not_initialized_message(node))
+        next_node = node._only_next_node
+        if next_node is not None:
+            if not count_edge(graph_task, node, next_node, seen, stack):
+                return False
+            continue
         for edge in node._next_edges:
             if edge is None:
                 continue
-            next_node = edge.node
-            if next_node._sequence_nr >= node._sequence_nr and next_node._next_edges:
+            if not count_edge(graph_task, node, edge.node, seen, stack):
                 return False
-            key = id(next_node)
-            dependencies[key] = dependencies.get(key, 0) + 1
-            if key not in seen:
-                seen.add(key)
-                stack.append(next_node)
+    return True
+
+
+def count_edge(graph_task, node, next_node, seen, stack):
+    """Count the edge from ``node`` into ``next_node``, and push
+    ``next_node`` the first time an edge reaches it; False, nothing
+    counted, where the edge breaks count_dependencies' rule."""
+    if next_node._sequence_nr >= node._sequence_nr and next_node._next_edges:
+        return False
+    dependencies = graph_task.dependencies
+    key = id(next_node)
+    dependencies[key] = dependencies.get(key, 0) + 1
+    if key not in seen:
+        seen.add(key)
+        stack.append(next_node)
     return True
 
 

@@ -463,8 +463,10 @@ class Engine:
 
         producer_stream = node._stream
         # The edges the node's gradients go along: those it had before it
-        # ran. See Note [Next edges while a node runs].
+        # ran. See Note [Next edges while a node runs]. With them, the only
+        # one, if so: See Note [A node's only next edge] in node.py.
         next_edges = node._next_edges
+        only_next_node, only_input_nr = node._only_next_node, node._only_input_nr
         # See Note [Streaming backwards]: apply runs on the node's stream.
         with streams.stream_guard(producer_stream):
             outputs = call_function(graph_task, node, inputs, next_edges)
@@ -482,10 +484,13 @@ class Engine:
             dependencies = graph_task.dependencies
             not_ready = graph_task.not_ready
             for i, output in enumerate(outputs):
-                edge = next_edges[i]
-                if edge is None:
-                    continue
-                next_node = edge.node
+                if only_next_node is not None:
+                    next_node, next_input_nr = only_next_node, only_input_nr
+                else:
+                    edge = next_edges[i]
+                    if edge is None:
+                        continue
+                    next_node, next_input_nr = edge.node, edge.input_nr
                 key = id(next_node)
                 remaining = dependencies.get(key)
                 if remaining is None:
@@ -505,12 +510,12 @@ class Engine:
                         # Its only gradient: what InputBuffer's first add
                         # would hold, without the InputBuffer.
                         gradients = single_gradient(worker, len(next_node._input_metadata),
-                                                    edge.input_nr, output)
+                                                    next_input_nr, output)
                         queue_task(worker, self.route(graph_task, next_node, gradients),
                                    graph_task, next_node, gradients)
                         continue
                     input_buffer = InputBuffer(len(next_node._input_metadata))
-                    accumulate_on_streams(input_buffer, edge.input_nr, output, grad_mode,
+                    accumulate_on_streams(input_buffer, next_input_nr, output, grad_mode,
                                           producer_stream, next_node._stream)
                     if is_ready:
                         queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
@@ -518,7 +523,7 @@ class Engine:
                     else:
                         not_ready[key] = input_buffer
                 else:
-                    accumulate_on_streams(input_buffer, edge.input_nr, output, grad_mode,
+                    accumulate_on_streams(input_buffer, next_input_nr, output, grad_mode,
                                           producer_stream, next_node._stream)
                     if is_ready:
                         del not_ready[key]

@@ -173,6 +173,24 @@ def _check_next_edges(next_edges):
     return next_edges
 
 
+# The largest input_nr the compiled core keeps for a node's only next edge
+# (a 32-bit field); an edge past it is read from the tuple, in both cores.
+ONLY_INPUT_NR_MAX = (1 << 31) - 1
+
+
+def _set_next_edges(node, next_edges):
+    """``node``'s ``_next_edges``, checked, and with them its only next
+    edge (See Note [A node's only next edge])."""
+    edges = _check_next_edges(next_edges)
+    only_edge = edges[0] if len(edges) == 1 else None
+    if only_edge is not None and only_edge.input_nr > ONLY_INPUT_NR_MAX:
+        only_edge = None
+    set_field = object.__setattr__
+    set_field(node, "_next_edges_", edges)
+    set_field(node, "_only_next_node_", None if only_edge is None else only_edge.node)
+    set_field(node, "_only_input_nr_", -1 if only_edge is None else only_edge.input_nr)
+
+
 def _check_input_metadata(input_metadata):
     input_metadata = tuple(input_metadata)
     for i, metadata in enumerate(input_metadata):
@@ -191,6 +209,26 @@ def _check_input_metadata(input_metadata):
 # traverse. ``_input_metadata`` is a tuple for every node, never changed in
 # place (See Note [Fields Python code can write]): ``add_input_metadata``
 # makes a new one, one slot longer (a copy per slot added: nodes have few).
+
+
+# Note [A node's only next edge]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Most nodes have one next edge (a unary op, a chain). A node keeps that
+# edge's node and input_nr beside ``_next_edges`` (``_only_next_node``,
+# ``_only_input_nr``; None and -1 for any other node), set with
+# ``_next_edges`` and never alone, so both change together. The dependency
+# count, the routing of a node's gradients and the compiled core's
+# validate_outputs read the next node from the node itself, not through the
+# edges tuple and the Edge: two objects fewer per node, which is most of what
+# a graph too large for the caches costs the count (benchmarks/RESULTS.md,
+# "Issue 19: a node's only next edge in the node"). In the compiled core the
+# node is a C field in the object's first cache line, and the node's three
+# flags are bytes, so the object does not grow. The engine reads the pair
+# with ``_next_edges``, once, before the node runs (See Note [Next edges while
+# a node runs] in ``pyengine/_pure/engine.py``). The search and the hooks'
+# ``call_function`` read the tuple: the search keeps its place in a node's
+# edges, and hooks are the slow path. Both fields are read only to Python
+# code.
 
 
 # Note [Fields Python code can write]
@@ -214,7 +252,8 @@ def _check_input_metadata(input_metadata):
 #   AccumulateGrad's ``leaf_state`` must be a LeafState (never None: a
 #   fresh one until the subclass sets its own), as the compiled ``apply``
 #   reads it in C;
-# - read only: ``_sequence_nr``, ``_initialized``,
+# - read only: ``_sequence_nr``, ``_initialized``, ``_only_next_node`` and
+#   ``_only_input_nr`` (set with ``_next_edges``),
 #   ``_overrides_release_variables``, ``_gradient_policy``, a GradientFreeNode's
 #   ``owner`` and ``method``, a LeafState's ``lock``, every field of an Edge
 #   and of an InputMetadata (AttributeError when written). An Edge checks
@@ -289,6 +328,9 @@ class NodeBase:
       _stream: the stream current at creation on a device, else None.
       _metadata: None or a dict, created on first access.
       _initialized: set by ``__init__``; the engine refuses a node without it.
+      _only_next_node, _only_input_nr: the node's only next edge's node and
+        input_nr, else None and -1; set with ``_next_edges`` (See Note [A
+        node's only next edge]).
       _gradient_policy: the class's ``gradient_policy``, checked, read when
         asked (See Note [Gradient policy]).
     """
@@ -300,7 +342,7 @@ class NodeBase:
         "_next_edges_", "_input_metadata_", "_sequence_nr_", "_pre_hooks_", "_post_hooks_",
         "_tensor_pre_hooks_", "_retains_grad_hooks_", "_saved_values", "_released_",
         "_overrides_release_variables_", "_stream", "_metadata_", "_initialized_",
-        "__weakref__", "__dict__",
+        "_only_next_node_", "_only_input_nr_", "__weakref__", "__dict__",
     )
 
     # Read from the node's class when a gradient takes validate_outputs' slow
@@ -309,6 +351,8 @@ class NodeBase:
 
     _sequence_nr = _read_only_field("_sequence_nr", "_sequence_nr_")
     _initialized = _read_only_field("_initialized", "_initialized_")
+    _only_next_node = _read_only_field("_only_next_node", "_only_next_node_")
+    _only_input_nr = _read_only_field("_only_input_nr", "_only_input_nr_")
     _overrides_release_variables = _read_only_field("_overrides_release_variables",
                                                     "_overrides_release_variables_")
 
@@ -326,7 +370,7 @@ class NodeBase:
 
     def __init__(self, next_edges=(), input_metadata=()):
         set_field = object.__setattr__
-        set_field(self, "_next_edges_", _check_next_edges(next_edges))
+        _set_next_edges(self, next_edges)
         # See Note [Shared empty input metadata].
         set_field(self, "_input_metadata_", tuple(as_input_metadata(spec) for spec in input_metadata))
         set_field(self, "_sequence_nr_", _sequence_counter.next_value)
@@ -358,7 +402,7 @@ class NodeBase:
 
     @next_edges.setter
     def next_edges(self, next_edges):
-        self._next_edges_ = _check_next_edges(next_edges)
+        _set_next_edges(self, next_edges)
 
     @next_edges.deleter
     def next_edges(self):
@@ -389,8 +433,12 @@ class NodeBase:
 
     @_released.setter
     def _released(self, released):
-        # A C bint: its truth value.
+        # A C flag: its truth value.
         self._released_ = bool(released)
+
+    @_released.deleter
+    def _released(self):
+        _cannot_delete("_released")
 
     @property
     def input_metadata(self):
