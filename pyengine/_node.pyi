@@ -42,7 +42,12 @@ class NodeBase:
     gradient_policy: str
     _stream: Any
     _metadata: dict[str, Any] | None
-    _initialized: bool
+    @property
+    def _initialized(self) -> bool: ...
+    @property
+    def _only_next_node(self) -> NodeBase | None: ...
+    @property
+    def _only_input_nr(self) -> int: ...
     def __init__(self, next_edges: Iterable[Edge | None] = ...,
                  input_metadata: Iterable[Any] = ...) -> None: ...
     @property

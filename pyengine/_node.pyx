@@ -260,6 +260,11 @@ cdef class NodeBase:
             only_edge = <object>PyTuple_GET_ITEM(edges, 0)
             if only_edge is not None and (<Edge>only_edge).input_nr > INT32_MAX:
                 only_edge = None
+        # The old values are let go of only when all three fields are set:
+        # a node freed with them may run Python code (a __del__), which must
+        # not find the fields half set, nor set them in between.
+        cdef tuple old_edges = self._next_edges
+        cdef NodeBase old_only_next_node = self._only_next_node
         self._next_edges = edges
         if only_edge is None:
             self._only_next_node = None

@@ -328,6 +328,28 @@ def test_only_next_edge_follows_next_edges():
     assert two_slots.got == [[None, [2.0, 2.0, 2.0]]]
 
 
+def test_only_next_edge_set_again_while_the_old_one_goes():
+    # The node the replaced edge led to may be freed by the setter, and its
+    # __del__ may set the edges again: the fields end as that last set left
+    # them, never a node from one set and an input_nr from another.
+    b, c = Sink_(), Sink_(input_metadata=[((3,), np.float64)] * 2)
+    holder = []
+
+    class SetsOnDel(Sink_):
+        def __del__(self):
+            holder[0].next_edges = [Edge(c, 1)]
+
+    old = SetsOnDel()
+    node = Scale([Edge(old, 0)], 2.0)
+    holder.append(node)
+    del old
+    node.next_edges = [Edge(b, 0)]
+    assert (node._only_next_node, node._only_input_nr) == (c, 1)
+    assert [(edge.node, edge.input_nr) for edge in node.next_edges] == [(c, 1)]
+    _backward(node)
+    assert (b.got, c.got) == ([], [[None, [2.0, 2.0, 2.0]]])
+
+
 def test_changed_next_edges_hold_from_the_next_run():
     a, b, c = Sink_(), Sink_(), Sink_()
     fan = Scale([Edge(a, 0), Edge(b, 0)], 2.0)

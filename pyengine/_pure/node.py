@@ -185,10 +185,15 @@ def _set_next_edges(node, next_edges):
     only_edge = edges[0] if len(edges) == 1 else None
     if only_edge is not None and only_edge.input_nr > ONLY_INPUT_NR_MAX:
         only_edge = None
+    # The old values are let go of only when all three fields are set: a
+    # node freed with them may run Python code (a __del__), which must not
+    # find the fields half set, nor set them in between.
+    old_values = (getattr(node, "_next_edges_", None), getattr(node, "_only_next_node_", None))
     set_field = object.__setattr__
     set_field(node, "_next_edges_", edges)
     set_field(node, "_only_next_node_", None if only_edge is None else only_edge.node)
     set_field(node, "_only_input_nr_", -1 if only_edge is None else only_edge.input_nr)
+    del old_values
 
 
 def _check_input_metadata(input_metadata):
