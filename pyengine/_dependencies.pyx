@@ -62,8 +62,20 @@ cdef inline int push_dependency_frame(DependencyFrameStack& stack, NodeBase node
     frame.slot = slot
     frame.needed = False
     stack.push_back(frame)
+    Py_INCREF(node)
     Py_INCREF(edges)
     return 0
+
+
+cdef inline void pop_dependency_frame(DependencyFrameStack& stack):
+    """Drop the top frame and its references. Last: dropping them may run
+    Python code (a node freed with them)."""
+    cdef PyObject* node = stack.back().node
+    cdef PyObject* edges = stack.back().edges
+    stack.pop_back()
+    if edges != NULL:
+        decref(edges)
+    decref(node)
 
 
 cpdef int init_to_execute(NodeBase graph_root, GraphTask graph_task, outputs,
@@ -252,25 +264,27 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
                 frame.next = index
                 if index == size:
                     # Its last edge: let go of its edges now, while they are
-                    # in cache (a chain's frames all end so).
+                    # in cache (a chain's frames all end so); only once
+                    # next_node's frame holds it, as they may be all that
+                    # does (another thread may have replaced them).
                     frame.edges = NULL
-                    decref(edges)
-                push_dependency_frame(stack[0], <NodeBase>next_node, slot)
+                    try:
+                        push_dependency_frame(stack[0], <NodeBase>next_node, slot)
+                    finally:
+                        decref(edges)
+                else:
+                    push_dependency_frame(stack[0], <NodeBase>next_node, slot)
             else:
                 let_others_run(&work_left)
                 graph_task.dependencies_.finish(frame.node, frame.slot)
                 executes = marking and mark_exec_info(graph_task, frame)
-                if edges != NULL:
-                    decref(edges)
-                stack.pop_back()
+                pop_dependency_frame(stack[0])
                 if executes and not stack.empty():
                     stack.back().needed = True
     finally:
         # The frames an error (a cycle, Ctrl-C) left.
         while not stack.empty():
-            if stack.back().edges != NULL:
-                decref(stack.back().edges)
-            stack.pop_back()
+            pop_dependency_frame(stack[0])
     return 0
 
 

@@ -307,8 +307,9 @@ class pyengine_DependencyMap {
 // A frame of compute_dependencies' search (pyengine/_dependencies.pyx): its place
 // in one node's next edges.
 struct pyengine_DependencyFrame {
-    // Borrowed, and only compared once the search yielded: the Edge that led
-    // here (or the graph task, for the root) keeps it alive.
+    // Owned: the Edge that led here may go while the search yields (another
+    // thread may replace the edges of the node before it), and the frame
+    // reads the node's fields when it starts.
     PyObject *node;
     // Owned: other threads run while the search yields, and may replace the
     // node's edges. NULL once the search took the last of them.

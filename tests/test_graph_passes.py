@@ -21,7 +21,9 @@ Oracles:
 from __future__ import annotations
 
 import gc
+import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -36,6 +38,8 @@ import pyengine
 from pyengine import Edge, Node
 
 COMPILED = pyengine.IMPLEMENTATION == "compiled"
+# The checkout (or install) a child process imports pyengine from.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
 
 
 def engine():
@@ -291,6 +295,81 @@ def test_other_threads_run_during_compute_dependencies(fan_graph):
     # quiet machine it takes about 0.03 s.
     assert elapsed > 0.01, tries
     assert stall < min(0.5, elapsed / 4), tries
+
+
+_CUT_WHILE_PASSING = """
+import sys, threading, time
+import numpy as np
+import pyengine
+from pyengine import Edge, Node
+
+
+class Pass(Node):
+    def apply(self, grads):
+        return grads
+
+
+def chain(n):
+    # Every other node is held only by the Edge into it, so that cutting
+    # the edges of the node above frees it.
+    bottom = Pass(input_metadata=[((3,), np.float64)])
+    edge, held = Edge(bottom, 0), []
+    for i in range(n):
+        node = Pass(next_edges=[edge], input_metadata=[((3,), np.float64)])
+        if i % 2 == 0:
+            held.append(node)
+        edge = Edge(node, 0)
+    return edge, bottom, held
+
+
+for attempt in range(3):
+    root, bottom, held = chain(300_000)
+    go = threading.Event()
+
+    def cut():
+        go.wait()
+        time.sleep(0.002)  # ask for the GIL once the pass has started
+        for node in held:  # from the bottom up, towards the pass
+            node.next_edges = []
+
+    thread = threading.Thread(target=cut)
+    thread.start()
+    go.set()
+    try:
+        if sys.argv[1] == "grad":
+            pyengine.grad(root, Edge(bottom, 0), np.ones(3), allow_unused=True)
+        else:
+            pyengine.backward(root, np.ones(3))
+        print("ran")
+    except RuntimeError as error:
+        print(error)
+    thread.join()
+"""
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("call", ["grad", "backward"])
+def test_edges_cut_by_another_thread_while_the_pass_yields(call):
+    # Another thread cuts the chain below the node the pass yields at (its
+    # switch interval elapsed): the node the cut edge led to may then be
+    # held by the pass alone. The compiled search held the edges tuple and
+    # not the node, let go of the tuple and then read the node: a crash
+    # (SIGSEGV) on the first try of grad(inputs=). Each call now runs, or
+    # fails with the error of a node whose edges changed before it ran
+    # (See Note [Next edges while a node runs] in pyengine/_pure/engine.py),
+    # and the process ends normally.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])))
+    if pyengine.IMPLEMENTATION == "pure":
+        env["PYENGINE_PURE"] = "1"
+    else:
+        env.pop("PYENGINE_PURE", None)
+    proc = subprocess.run([sys.executable, "-c", _CUT_WHILE_PASSING, call], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    allowed = {"ran", "Function Pass returned an invalid number of gradients - expected 0, but got 1"}
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3 and set(lines) <= allowed, proc.stdout
 
 
 # -- owner graphs -----------------------------------------------------------------------------------
