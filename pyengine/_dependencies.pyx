@@ -30,6 +30,7 @@ cdef extern from "_dependency_map.h":
         Py_ssize_t next
         size_t slot
         bint needed
+        bint only_edge
 
 cdef extern from "_frame_stack.h":
     cppclass DependencyFrameStack "pyengine_FrameStack<pyengine_DependencyFrame>":
@@ -51,11 +52,16 @@ cdef extern from "Python.h":
 cdef inline int push_dependency_frame(DependencyFrameStack& stack, NodeBase node,
                                       size_t slot) except -1:
     """Start the search below ``node`` (reached for the first time, its map
-    slot at index ``slot``)."""
+    slot at index ``slot``): the frame holds its next edges, or the node of
+    its only next edge (See Note [A node's only next edge] in
+    pyengine/_pure/node.py)."""
     if not node._initialized_:
         raise RuntimeError(not_initialized_message(node))
-    cdef tuple edges = node._next_edges
+    cdef object edges = node._only_next_node
     cdef DependencyFrame frame
+    frame.only_edge = edges is not None
+    if not frame.only_edge:
+        edges = node._next_edges
     frame.node = <PyObject*>node
     frame.edges = <PyObject*>edges
     frame.next = 0
@@ -232,16 +238,25 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
         while not stack.empty():
             frame = &stack.back()
             edges = frame.edges
-            size = tuple_size(edges) if edges != NULL else 0
+            if edges == NULL:
+                size = 0
+            elif frame.only_edge:
+                size = 1
+            else:
+                size = tuple_size(edges)
             index = frame.next
             next_node = NULL
             while index < size:
                 let_others_run(&work_left)
-                edge = tuple_item(edges, index)
-                index += 1
-                if edge == <PyObject*>None:
-                    continue
-                next_node = <PyObject*>(<Edge>edge).node
+                if frame.only_edge:
+                    next_node = edges  # the only next edge's node
+                    index += 1
+                else:
+                    edge = tuple_item(edges, index)
+                    index += 1
+                    if edge == <PyObject*>None:
+                        continue
+                    next_node = <PyObject*>(<Edge>edge).node
                 if graph_task.dependencies_.full():
                     # See pyengine/_table_growth.h.
                     while not graph_task.dependencies_.grow_step():
@@ -263,10 +278,11 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
                 # Search below next_node first; this frame resumes after it.
                 frame.next = index
                 if index == size:
-                    # Its last edge: let go of its edges now, while they are
-                    # in cache (a chain's frames all end so); only once
-                    # next_node's frame holds it, as they may be all that
-                    # does (another thread may have replaced them).
+                    # Its last edge: let go of its edges (or only next node)
+                    # now, while they are in cache (a chain's frames all end
+                    # so); only once next_node's frame holds it, as they may
+                    # be all that does (another thread may have replaced
+                    # them).
                     frame.edges = NULL
                     try:
                         push_dependency_frame(stack[0], <NodeBase>next_node, slot)

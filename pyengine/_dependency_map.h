@@ -312,13 +312,16 @@ struct pyengine_DependencyFrame {
     // reads the node's fields when it starts.
     PyObject *node;
     // Owned: other threads run while the search yields, and may replace the
-    // node's edges. NULL once the search took the last of them.
+    // node's edges. The tuple of next edges, or, where only_edge, the node
+    // of the node's only next edge (See Note [A node's only next edge] in
+    // pyengine/_pure/node.py). NULL once the search took the last of them.
     PyObject *edges;
     Py_ssize_t next;  // the index of the next edge to follow
     size_t slot;      // node's slot index in the DependencyMap: a hint
     // Under init_to_execute: whether an edge followed so far leads to a
     // node that runs or captures, so that this one runs (is needed).
     bool needed;
+    bool only_edge;
 };
 // _frame_stack.h states its kept block's size for frames of this size.
 static_assert(sizeof(pyengine_DependencyFrame) == 40, "a frame is five words");

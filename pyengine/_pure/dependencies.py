@@ -160,17 +160,18 @@ def search_dependencies(graph_root, graph_task):
     search_state = {id(graph_root): on_path}
     if not getattr(graph_root, "_initialized", False):
         raise RuntimeError(not_initialized_message(graph_root))
-    # Frames: [node, its next edges as first read, the index of the next
-    # edge, whether an edge followed so far leads to a node that runs].
-    stack = [[graph_root, graph_root._next_edges, 0, False]]
+    stack = [search_frame(graph_root)]
     while stack:
         frame = stack[-1]
-        node, edges, start, _ = frame
-        for index in range(start, len(edges)):
-            edge = edges[index]
-            if edge is None:
-                continue
-            next_node = edge.node
+        node, edges, start, _, only_edge = frame
+        for index in range(start, 1 if only_edge else len(edges)):
+            if only_edge:
+                next_node = edges  # the only next edge's node
+            else:
+                edge = edges[index]
+                if edge is None:
+                    continue
+                next_node = edge.node
             key = id(next_node)
             dependencies[key] = dependencies.get(key, 0) + 1
             state = search_state.get(key)
@@ -179,7 +180,7 @@ def search_dependencies(graph_root, graph_task):
                     raise RuntimeError(not_initialized_message(next_node))
                 search_state[key] = on_path
                 frame[2] = index + 1
-                stack.append([next_node, next_node._next_edges, 0, False])
+                stack.append(search_frame(next_node))
                 break  # search below next_node first; this frame resumes after it
             if state == finished:
                 if marking and not frame[3]:
@@ -196,11 +197,23 @@ def search_dependencies(graph_root, graph_task):
                 stack[-1][3] = True
 
 
+def search_frame(node):
+    """A frame of the search: [node, its next edges as first read (or the
+    node of its only next edge: See Note [A node's only next edge] in
+    ``pyengine/_pure/node.py``), the index of the next edge, whether an edge
+    followed so far leads to a node that runs, whether the second item is
+    the only next edge's node]."""
+    only_next_node = node._only_next_node
+    if only_next_node is not None:
+        return [node, only_next_node, 0, False, True]
+    return [node, node._next_edges, 0, False, False]
+
+
 def mark_exec_info(graph_task, frame):
     """The search below ``frame``'s node is done: make it needed in
     exec_info if a node below it runs or captures. Returns whether it runs
     or captures itself (needed, or an output's entry)."""
-    node, _, _, needed = frame
+    node, _, _, needed, _ = frame
     if not needed:
         return task_should_execute(graph_task, id(node))
     info = graph_task.exec_info.get(id(node))

@@ -222,18 +222,19 @@ def _check_input_metadata(input_metadata):
 # edge's node and input_nr beside ``_next_edges`` (``_only_next_node``,
 # ``_only_input_nr``; None and -1 for any other node), set with
 # ``_next_edges`` and never alone, so both change together. The dependency
-# count, the routing of a node's gradients and the compiled core's
+# count, the dependency search (a frame holds the only next node in place of
+# the tuple), the routing of a node's gradients and the compiled core's
 # validate_outputs read the next node from the node itself, not through the
 # edges tuple and the Edge: two objects fewer per node, which is most of what
-# a graph too large for the caches costs the count (benchmarks/RESULTS.md,
+# a graph too large for the caches costs those passes (benchmarks/RESULTS.md,
 # "Issue 19: a node's only next edge in the node"). In the compiled core the
 # node is a C field in the object's first cache line, and the node's three
 # flags are bytes, so the object does not grow. The engine reads the pair
 # with ``_next_edges``, once, before the node runs (See Note [Next edges while
-# a node runs] in ``pyengine/_pure/engine.py``). The search and the hooks'
-# ``call_function`` read the tuple: the search keeps its place in a node's
-# edges, and hooks are the slow path. Both fields are read only to Python
-# code.
+# a node runs] in ``pyengine/_pure/engine.py``). The hooks' ``call_function``
+# reads the tuple: hooks are the slow path. The twin's validate_outputs has
+# no numpy fast path, so it reads the tuple too. Both fields are read only
+# to Python code.
 
 
 # Note [Fields Python code can write]
