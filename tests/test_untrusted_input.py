@@ -186,56 +186,68 @@ def test_declared_slots_beyond_the_limit_are_fine():
 
 # -- next edges changed while a node runs: See Note [Next edges while a node runs] --------
 
+# A node that changes its own next edges (to ``new_edges()``) while it runs,
+# at one of the five places Python code runs then.
+_CHANGING_NODE = '''
+class Releasing(Fan):
+    change = None
+
+    def release_variables(self):
+        super().release_variables()
+        if self.change is not None:
+            self.next_edges = self.change()
+
+
+class Applying(Fan):
+    change = None
+
+    def apply(self, grads):
+        self.next_edges = self.change()
+        return super().apply(grads)
+
+
+WHERE = ("tensor_prehook", "prehook", "apply", "posthook", "release_variables")
+
+
+def changing_node(where, edges, count, new_edges):
+    kind = {"apply": Applying, "release_variables": Releasing}.get(where, Fan)
+    node = kind(edges, count=count)
+
+    def mutate(*args):
+        node.next_edges = new_edges()
+
+    if where == "tensor_prehook":
+        node.register_tensor_prehook(0, mutate)
+    elif where == "prehook":
+        node.register_prehook(mutate)
+    elif where == "posthook":
+        node.register_hook(mutate)
+    else:
+        node.change = new_edges
+    return node
+'''
+WHERE = ("tensor_prehook", "prehook", "apply", "posthook", "release_variables")
+
+
 def test_next_edges_changed_while_the_node_runs():
     # The node's gradients go along the edges it had before it ran, whoever
     # changes them while it runs; the change holds from its next run on.
     # A shorter tuple from a post-hook or release_variables crashed the
     # compiled core (SIGSEGV), and raised IndexError in the twin.
-    lines = run_isolated('''
-        class Releasing(Fan):
-            change = None
-
-            def release_variables(self):
-                super().release_variables()
-                if self.change is not None:
-                    self.next_edges = self.change()
-
-
-        class Applying(Fan):
-            change = None
-
-            def apply(self, grads):
-                self.next_edges = self.change()
-                return super().apply(grads)
-
-
-        for where in ("tensor_prehook", "prehook", "apply", "posthook", "release_variables"):
-            for change in ("shorter", "longer", "other"):
-                a, b, c = Sink("a"), Sink("b"), Sink("c")
-                edges = [Edge(a, 0), Edge(b, 0)]
-                kind = {"apply": Applying, "release_variables": Releasing}.get(where, Fan)
-                fan = kind(edges, count=2)
-                new_edges = {"shorter": lambda: [Edge(a, 0)],
-                             "longer": lambda: [Edge(a, 0), Edge(b, 0), Edge(c, 0)],
-                             "other": lambda: [Edge(c, 0), Edge(a, 0)]}[change]
-
-                def mutate(*args):
-                    fan.next_edges = new_edges()
-
-                if where == "tensor_prehook":
-                    fan.register_tensor_prehook(0, mutate)
-                elif where == "prehook":
-                    fan.register_prehook(mutate)
-                elif where == "posthook":
-                    fan.register_hook(mutate)
-                else:
-                    fan.change = new_edges
-                report(f"{where} {change}", lambda: run(fan, keep_graph=where != "release_variables"))
-                print("   ", a.got, b.got, c.got, len(fan.next_edges))
-        print("done")
-    ''')
+    lines = run_isolated(_CHANGING_NODE + '''
+for where in WHERE:
+    for change in ("shorter", "longer", "other"):
+        a, b, c = Sink("a"), Sink("b"), Sink("c")
+        new_edges = {"shorter": lambda: [Edge(a, 0)],
+                     "longer": lambda: [Edge(a, 0), Edge(b, 0), Edge(c, 0)],
+                     "other": lambda: [Edge(c, 0), Edge(a, 0)]}[change]
+        fan = changing_node(where, [Edge(a, 0), Edge(b, 0)], 2, new_edges)
+        report(f"{where} {change}", lambda: run(fan, keep_graph=where != "release_variables"))
+        print("   ", a.got, b.got, c.got, len(fan.next_edges))
+print("done")
+''')
     expected = []
-    for where in ("tensor_prehook", "prehook", "apply", "posthook", "release_variables"):
+    for where in WHERE:
         for change, edges_after in (("shorter", 1), ("longer", 3), ("other", 2)):
             expected += [f"{where} {change} -> []",
                          f"    [[1.0, 1.0, 1.0]] [[2.0, 2.0, 2.0]] [] {edges_after}"]
@@ -246,86 +258,30 @@ def test_only_next_edge_changed_while_the_node_runs():
     # The same for a node with one next edge, which the engine reads from the
     # node (See Note [A node's only next edge] in pyengine/_pure/node.py):
     # its gradient goes to the node it had before it ran, even where that
-    # node's only reference was the replaced edge ("dropped").
-    lines = run_isolated('''
-        class Releasing(Fan):
-            change = None
-
-            def release_variables(self):
-                super().release_variables()
-                if self.change is not None:
-                    self.next_edges = self.change()
-
-
-        class Applying(Fan):
-            change = None
-
-            def apply(self, grads):
-                self.next_edges = self.change()
-                return super().apply(grads)
-
-
-        for where in ("tensor_prehook", "prehook", "apply", "posthook", "release_variables"):
-            for change in ("none", "longer", "other", "dropped"):
-                b, c = Sink("b"), Sink("c")
-                old = Sink("old")
-                got = old.got
-                kind = {"apply": Applying, "release_variables": Releasing}.get(where, Fan)
-                fan = kind([Edge(old, 0)], count=1)
-                del old
-                new_edges = {"none": lambda: [],
-                             "longer": lambda: [Edge(b, 0), Edge(c, 0)],
-                             "other": lambda: [Edge(c, 0)],
-                             "dropped": lambda: [None]}[change]
-
-                def mutate(*args):
-                    fan.next_edges = new_edges()
-
-                if where == "tensor_prehook":
-                    fan.register_tensor_prehook(0, mutate)
-                elif where == "prehook":
-                    fan.register_prehook(mutate)
-                elif where == "posthook":
-                    fan.register_hook(mutate)
-                else:
-                    fan.change = new_edges
-                report(f"{where} {change}", lambda: run(fan, keep_graph=where != "release_variables"))
-                print("   ", got, b.got, c.got, len(fan.next_edges),
-                      fan._only_next_node is (c if change == "other" else None))
-        print("done")
-    ''')
+    # node's only reference was the replaced edge.
+    lines = run_isolated(_CHANGING_NODE + '''
+for where in WHERE:
+    for change in ("none", "longer", "other", "dropped"):
+        b, c = Sink("b"), Sink("c")
+        old = Sink("old")
+        got = old.got
+        new_edges = {"none": lambda: [],
+                     "longer": lambda: [Edge(b, 0), Edge(c, 0)],
+                     "other": lambda: [Edge(c, 0)],
+                     "dropped": lambda: [None]}[change]
+        fan = changing_node(where, [Edge(old, 0)], 1, new_edges)
+        del old
+        report(f"{where} {change}", lambda: run(fan, keep_graph=where != "release_variables"))
+        print("   ", got, b.got, c.got, len(fan.next_edges),
+              fan._only_next_node is (c if change == "other" else None))
+print("done")
+''')
     expected = []
-    for where in ("tensor_prehook", "prehook", "apply", "posthook", "release_variables"):
+    for where in WHERE:
         for change, edges_after in (("none", 0), ("longer", 2), ("other", 1), ("dropped", 1)):
             expected += [f"{where} {change} -> []",
                          f"    [[1.0, 1.0, 1.0]] [] [] {edges_after} True"]
     assert lines == expected + ["done"]
-
-
-def test_only_next_edge_follows_next_edges():
-    # Set with _next_edges by every way of setting them, never alone, and
-    # read only (See Note [A node's only next edge]).
-    a, b = Sink_(), Sink_()
-    node = Scale([Edge(a, 0)], 2.0)
-    assert (node._only_next_node, node._only_input_nr) == (a, 0)
-    for edges, expected in (([Edge(a, 0), Edge(b, 0)], (None, -1)), ([None], (None, -1)),
-                            ([], (None, -1)), ((Edge(b, 0),), (b, 0))):
-        node.next_edges = edges
-        assert (node._only_next_node, node._only_input_nr) == expected
-    node._next_edges = [Edge(a, 0)]
-    assert (node._only_next_node, node._only_input_nr) == (a, 0)
-    for field in ("_only_next_node", "_only_input_nr"):
-        with pytest.raises(AttributeError):
-            setattr(node, field, None)
-        with pytest.raises(AttributeError):
-            delattr(node, field)
-    assert Sink_()._only_next_node is None and Sink_()._only_input_nr == -1
-    # A second slot of the sink: the gradient reaches input 1.
-    two_slots = Sink_(input_metadata=[((3,), np.float64)] * 2)
-    node.next_edges = [Edge(two_slots, 1)]
-    assert node._only_input_nr == 1
-    _backward(node)
-    assert two_slots.got == [[None, [2.0, 2.0, 2.0]]]
 
 
 def test_only_next_edge_set_again_while_the_old_one_goes():
