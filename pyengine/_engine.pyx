@@ -497,7 +497,7 @@ cdef class Engine:
             # See Note [Streaming backwards]: apply runs on the node's stream.
             with _streams.stream_guard(producer_stream):
                 outputs = call_function(graph_task, node, inputs, next_edges, only_next_node,
-                                    only_input_nr)
+                                        only_input_nr)
         if not graph_task.keep_graph:
             release_variables(node)
         cdef Py_ssize_t num_outputs = PyList_GET_SIZE(outputs)
