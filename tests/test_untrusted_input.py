@@ -284,6 +284,32 @@ print("done")
     assert lines == expected + ["done"]
 
 
+def test_only_next_edge_follows_next_edges():
+    # Set with _next_edges by every way of setting them, never alone, and
+    # read only (See Note [A node's only next edge]).
+    a, b = Sink_(), Sink_()
+    node = Scale([Edge(a, 0)], 2.0)
+    assert (node._only_next_node, node._only_input_nr) == (a, 0)
+    for edges, expected in (([Edge(a, 0), Edge(b, 0)], (None, -1)), ([None], (None, -1)),
+                            ([], (None, -1)), ((Edge(b, 0),), (b, 0))):
+        node.next_edges = edges
+        assert (node._only_next_node, node._only_input_nr) == expected
+    node._next_edges = [Edge(a, 0)]
+    assert (node._only_next_node, node._only_input_nr) == (a, 0)
+    for field in ("_only_next_node", "_only_input_nr"):
+        with pytest.raises(AttributeError):
+            setattr(node, field, None)
+        with pytest.raises(AttributeError):
+            delattr(node, field)
+    assert Sink_()._only_next_node is None and Sink_()._only_input_nr == -1
+    # A second slot of the sink: the gradient reaches input 1.
+    two_slots = Sink_(input_metadata=[((3,), np.float64)] * 2)
+    node.next_edges = [Edge(two_slots, 1)]
+    assert node._only_input_nr == 1
+    _backward(node)
+    assert two_slots.got == [[None, [2.0, 2.0, 2.0]]]
+
+
 def test_only_next_edge_set_again_while_the_old_one_goes():
     # The node the replaced edge led to may be freed by the setter, and its
     # __del__ may set the edges again: the fields end as that last set left
