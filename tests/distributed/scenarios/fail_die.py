@@ -22,6 +22,13 @@ class DieOnRank1(Function):
     @staticmethod
     def backward(ctx, grad):
         if rank == 1:
+            # The other ranks turn the launcher's SIGTERM into the clear error
+            # only from their first gradient hook on (DataParallel's
+            # reduction); on a loaded machine a rank can still be short of
+            # it when rank 1 gets here (4 ranks of the twin on 2 cores: one
+            # CI run saw rank 3 ended silently). The wait lets every rank
+            # reach its all-reduce first.
+            time.sleep(1.0)
             os._exit(3)
         return grad
 
