@@ -40,6 +40,17 @@ cdef inline bint numpy_fields_match(PyObject* expected_dtype, const vector[cnp.n
 cdef bint known_value_type(object value_type) noexcept
 
 
+cdef inline object slot_metadata(NodeBase node, Py_ssize_t input_nr):
+    """The InputMetadata of ``node``'s slot ``input_nr``, or None (no
+    metadata, or a slot past them)."""
+    # A tuple of checked types: See Note [Fields Python code can write] in
+    # pyengine/_pure/node.py.
+    cdef tuple slots = node._input_metadata
+    if input_nr < PyTuple_GET_SIZE(slots):
+        return <object>PyTuple_GET_ITEM(slots, input_nr)
+    return None
+
+
 cdef inline bint gradient_passes_as_is(NodeBase next_node, Py_ssize_t input_nr,
                                        object grad) noexcept:
     """Whether ``grad``, flowing into slot ``input_nr`` of ``next_node``,
@@ -48,12 +59,7 @@ cdef inline bint gradient_passes_as_is(NodeBase next_node, Py_ssize_t input_nr,
     some backend handles. Anything else takes the shared slow path."""
     if grad is None:
         return True
-    # A tuple of checked types: See Note [Fields Python code can write] in
-    # pyengine/_pure/node.py.
-    cdef tuple slots = next_node._input_metadata
-    cdef object metadata = None
-    if input_nr < PyTuple_GET_SIZE(slots):
-        metadata = <object>PyTuple_GET_ITEM(slots, input_nr)
+    cdef object metadata = slot_metadata(next_node, input_nr)
     if metadata is None:
         return known_value_type(type(grad))
     return numpy_gradient_matches(<InputMetadata>metadata, grad)

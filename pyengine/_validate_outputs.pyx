@@ -71,7 +71,6 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
     a ``node``, ``validate_node_gradient`` (its class's ``gradient_policy``,
     read only there), else ``validate_gradient``."""
     cdef Py_ssize_t num_edges = PyTuple_GET_SIZE(edges)
-    cdef tuple slots
     cdef NodeBase next_node
     if PyList_GET_SIZE(grads) != num_edges:
         raise RuntimeError(error_format(format_error, node)(
@@ -85,12 +84,7 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
         input_nr = (<Edge>edge_object).input_nr
         if gradient_passes_as_is(next_node, input_nr, grad):
             continue
-        # Tuples of checked types: See Note [Fields Python code can write] in
-        # pyengine/_pure/node.py.
-        slots = next_node._input_metadata
-        metadata = None
-        if input_nr < PyTuple_GET_SIZE(slots):
-            metadata = <object>PyTuple_GET_ITEM(slots, input_nr)
+        metadata = slot_metadata(next_node, input_nr)
         if exact:
             grads[i] = validate_gradient_exact(i, grad, metadata, error_format(format_error, node))
         elif node is not None:
