@@ -15,13 +15,31 @@ is built outside the timed region; then, alternately, repeats of:
   as it counts (one frame per node on a chain's path);
 - ``apply``: each node's ``apply`` called from C with no engine (the bench's
   floor, ``pyengine.bench.subjects._apply_floor``), from a list of the nodes;
+- ``walk``: the bare walk (``benchmarks/bare_walk.pyx``, built by this
+  script): each node's only next edge followed from C, reading the fields
+  the count reads first and nothing else. No count can cost less: a chain
+  gives each node's address only in the node before it;
 - ``cold backward`` (only with ``--evict-mb``): the backward after a pass
   over a buffer of that many megabytes, so that the graph starts out of
   the caches (only the backward is timed).
 
 Prints, per size, the median (min-max) of each in microseconds per node,
 and each size's excess over the smallest size. Every backward's gradient is
-checked against the analytic one (ones) after timing.
+checked against the analytic one (ones) after timing, and every walk's node
+count against the chain's.
+
+Then, for the largest size (L) against the smallest (S), what their
+ratio of backward costs can be for an engine that counts every node
+before it runs any (PyTorch's ``compute_dependencies``). Such an engine
+calls every ``apply`` and walks the graph at least once, so it costs at
+least ``apply + walk`` per node, plus its own work ``E``, which a graph out
+of the caches can only make dearer. So its ratio is at least
+``(apply_L + walk_L + E) / (apply_S + walk_S + E)``, which falls as ``E``
+grows. The script prints that bound at ``E = 0`` (no engine work at all)
+and at this engine's own work on S (its backward less its apply and
+walk), and the least ``E`` at which the bound reaches ``--goal``: an
+engine cheaper than that per node cannot reach the goal on these graphs.
+See benchmarks/RESULTS.md, "Issue 19: the least 1M / 10k ratio".
 
     PYTHONPATH=. python benchmarks/cold_walk.py --sizes 10000 100000 1000000 --repeats 7 --evict-mb 256
 
@@ -32,8 +50,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -54,6 +75,31 @@ class _Raise(pyengine.Node):
         raise _StopHere
 
 
+def build_bare_walk(build_dir):
+    """``benchmarks/bare_walk.pyx`` compiled against the imported pyengine's
+    declarations (Cython and a C++ compiler, as pyengine's own build), and
+    imported."""
+    import numpy
+    from Cython.Build import cythonize
+    from setuptools import Distribution, Extension
+
+    package_dir = os.path.dirname(pyengine.__file__)
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bare_walk.pyx")
+    extension = Extension("bare_walk", [source], language="c++",
+                          include_dirs=[package_dir, numpy.get_include()])
+    distribution = Distribution({"ext_modules": cythonize(
+        [extension], include_path=[os.path.dirname(package_dir)], build_dir=build_dir,
+        quiet=True)})
+    command = distribution.get_command_obj("build_ext")
+    command.build_lib = command.build_temp = build_dir
+    command.ensure_finalized()
+    command.run()
+    spec = importlib.util.spec_from_file_location("bare_walk", command.get_ext_fullpath("bare_walk"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _per_node_us(call, calls, nodes):
     start = time.perf_counter()
     for _ in range(calls):
@@ -61,7 +107,7 @@ def _per_node_us(call, calls, nodes):
     return (time.perf_counter() - start) / (calls * nodes) * 1e6
 
 
-def measure(n, repeats, evict_mb):
+def measure(n, repeats, evict_mb, bare_walk):
     graph = chain(n)
     graph.run_checked()
     engine = pyengine.get_default_engine()
@@ -100,20 +146,30 @@ def measure(n, repeats, evict_mb):
             total += time.perf_counter() - start
         return total / (max(1, 20_000 // n) * n) * 1e6
 
+    root = graph.root_edge.node
+    walked = []
+
+    def walk():
+        walked.append(bare_walk.walk(root)[0])
+
     calls = max(1, 500_000 // n)
     gc.collect()
     gc.freeze()
-    times = {"backward": [], "count": [], "search": [], "apply": [], "cold backward": []}
+    times = {"backward": [], "count": [], "search": [], "apply": [], "walk": [],
+             "cold backward": []}
     for _ in range(repeats):
         times["backward"].append(_per_node_us(backward, calls, n))
         times["count"].append(_per_node_us(count, calls, n))
         times["search"].append(_per_node_us(search, calls, n))
         times["apply"].append(_per_node_us(floor.run, calls, n))
+        times["walk"].append(_per_node_us(walk, calls, n))
         if buffer is not None:
             times["cold backward"].append(cold_backward())
     gc.unfreeze()
     graph.check()
     floor.check()
+    if set(walked) != {n + 1}:  # the chain's nodes and the leaf's AccumulateGrad
+        raise AssertionError(f"the bare walk met {sorted(set(walked))} nodes on a chain of {n}")
     return {kind: samples for kind, samples in times.items() if samples}
 
 
@@ -123,19 +179,44 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--evict-mb", type=int, default=0,
                         help="also time a backward after a pass over this many MB (0: not)")
+    parser.add_argument("--goal", type=float, default=1.2,
+                        help="the largest / smallest ratio the last line's bound is for (issue 19's 1.2)")
     args = parser.parse_args(argv)
     print(f"{pyengine.IMPLEMENTATION} ({pyengine.__file__})")
-    first = None
+    if pyengine.IMPLEMENTATION != "compiled":
+        parser.error("the bare walk reads the compiled core's nodes: run it without PYENGINE_PURE")
+    with tempfile.TemporaryDirectory() as build_dir:
+        bare_walk = build_bare_walk(build_dir)
+    first = medians = None
     for n in args.sizes:
         medians = {}
         cells = []
-        for kind, samples in measure(n, args.repeats, args.evict_mb).items():
+        for kind, samples in measure(n, args.repeats, args.evict_mb, bare_walk).items():
             medians[kind] = statistics.median(samples)
             cells.append(f"{kind} {medians[kind]:.4f} ({min(samples):.4f}-{max(samples):.4f})")
         first = first or medians
         excess = ", ".join(f"{kind} {medians[kind] - first[kind]:+.4f}" for kind in medians)
         print(f"chain {n:>9,}: " + ", ".join(cells) + f" us/node; over the smallest: {excess}")
         sys.stdout.flush()
+    if len(args.sizes) > 1:
+        print_least_ratio(args.sizes[0], first, args.sizes[-1], medians, args.goal)
+
+
+def print_least_ratio(small, first, large, last, goal):
+    """The bounds of the module docstring for ``large`` over ``small``,
+    beside the measured ratio."""
+    floor_small = first["apply"] + first["walk"]
+    floor_large = last["apply"] + last["walk"]
+    own_work = first["backward"] - floor_small
+    least_own_work = (floor_large - goal * floor_small) / (goal - 1)
+    if least_own_work > 0:
+        reach = f"{goal}x needs at least {least_own_work:.4f} us per node of engine work"
+    else:
+        reach = f"{goal}x is within reach of any engine"
+    print(f"{large:,} / {small:,}: measured {last['backward'] / first['backward']:.2f}x; "
+          f"least for an engine with no work of its own {floor_large / floor_small:.2f}x, "
+          f"with this engine's own work ({own_work:.4f} us per node) "
+          f"{(floor_large + own_work) / first['backward']:.2f}x; {reach}")
 
 
 if __name__ == "__main__":
