@@ -34,7 +34,7 @@ from pyengine import _core
 
 def build(kind, n, owner, method):
     nodes = []
-    for index in range(n):
+    for _ in range(n):
         if kind == "chain":
             targets = nodes[-1:]
         else:

@@ -32,8 +32,8 @@ from .engine import (
     set_default_engine,
     set_multithreading_enabled,
 )
-from .indexed import IndexedGradient, densify, keep_indexed_grad
 from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from .indexed import IndexedGradient, densify, keep_indexed_grad
 from .node import (
     AccumulateGrad,
     Edge,

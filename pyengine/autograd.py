@@ -353,7 +353,7 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     results = get_default_engine().execute(roots, grads, bool(retain_graph), bool(create_graph),
                                            False, output_edges)
     results = list(results)
-    for i, result in enumerate(results):
+    for result in results:
         if result is None and not allow_unused:
             raise RuntimeError("One of the differentiated Tensors appears to not have been used in "
                                "the graph. Set allow_unused=True if this is the desired behavior.")

@@ -81,10 +81,8 @@ def _class_body(source, class_name):
     decorator). None when no such class."""
     lines = source.splitlines()
     header = re.compile(rf"^(?:cdef\s+class|class)\s+{re.escape(class_name)}\b")
-    for start, line in enumerate(lines):
-        if header.match(line):
-            break
-    else:
+    start = next((number for number, line in enumerate(lines) if header.match(line)), None)
+    if start is None:
         return None
     body = []
     for line in lines[start + 1:]:

@@ -29,7 +29,6 @@ import pyengine
 from pyengine import backends
 from pyengine._core import InputBuffer
 
-
 # -- is_checkpoint_valid in nested backward --------------------------------------------
 
 class Probe(pyengine.Node):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_indexed_gradients import Leaf, Source
 
 import pyengine
 from pyengine import IndexedGradient
-from test_indexed_gradients import Leaf, Source
 
 cupy = pytest.importorskip("cupy")
 try:

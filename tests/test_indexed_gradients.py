@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from plain_tensors import Leaf
 
 import pyengine
 import pyengine.frontend as pe
 from pyengine import IndexedGradient, densify
 from pyengine import fake_device as fd
-from plain_tensors import Leaf
 
 ROWS, COLS = 7, 3
 
@@ -312,7 +312,7 @@ def test_embedding_matches_torch(torch, sparse):
     lookups = [np.array([3, 0, 3, 11]), np.array([[4, 4], [7, 0]]), np.array([9])]
     w = pe.Tensor(data.copy(), requires_grad=True)
     tw = torch.tensor(data.copy(), requires_grad=True)
-    for step in range(2):  # the second step adds into the .grad of the first
+    for _ in range(2):  # the second step adds into the .grad of the first
         loss, tloss = None, None
         for indices in lookups:
             e = pe.embedding(w, indices, sparse=sparse)

@@ -14,7 +14,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pyengine
 from pyengine._core import InputBuffer
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None,

@@ -32,7 +32,6 @@ import pytest
 
 import pyengine
 from pyengine import Edge, Node
-
 from pyengine._pure import owner_graph as pure_owner_graph
 from pyengine._pure import state as pure_state
 

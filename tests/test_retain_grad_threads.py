@@ -57,7 +57,7 @@ def test_retained_grad_sums_every_threads_gradient():
         barrier = threading.Barrier(THREADS)
         errors = []
 
-        def work(t):
+        def work(t, barrier, root, errors):
             try:
                 grad = np.full(SIZE, float(t + 1))
                 barrier.wait()
@@ -66,7 +66,8 @@ def test_retained_grad_sums_every_threads_gradient():
             except BaseException as error:  # reported below
                 errors.append(error)
 
-        threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
+        threads = [threading.Thread(target=work, args=(t, barrier, root, errors))
+                   for t in range(THREADS)]
         for thread in threads:
             thread.start()
         for thread in threads:

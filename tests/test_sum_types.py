@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from plain_tensors import Leaf
 
 import pyengine
 from pyengine import fake_device as fd
 from pyengine.backends import NUMPY, backend_of
-from plain_tensors import Leaf
 
 RANKS = [0, 1, 2, 3]
 

@@ -19,8 +19,14 @@ from .. import backends
 from .._shared import task_queries
 from .._shared.gradient_checks import REDUCE, gradient_policy_of
 from .._shared.hooks import call_post_accumulate_grad_hooks
-from .._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
-                                node_name, not_initialized_message)
+from .._shared.messages import (
+    MAX_INPUT_NR,
+    _cannot_delete,
+    _input_nr_error,
+    _leaf_state_error,
+    node_name,
+    not_initialized_message,
+)
 from .._shared.node_streams import _creation_stream
 from ..backends import backend_of
 from ..device import CPU

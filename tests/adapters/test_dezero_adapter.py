@@ -44,7 +44,7 @@ from dezero_cases import (  # noqa: E402
 
 import pyengine  # noqa: E402
 from pyengine.adapters import dezero as pyengine_dezero  # noqa: E402
-from pyengine.adapters.dezero import nodes, owner_backward  # noqa: E402
+from pyengine.adapters.dezero import owner_backward  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
