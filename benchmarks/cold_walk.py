@@ -79,14 +79,13 @@ def build_bare_walk(build_dir):
     """``benchmarks/bare_walk.pyx`` compiled against the imported pyengine's
     declarations (Cython and a C++ compiler, as pyengine's own build), and
     imported."""
-    import numpy
     from Cython.Build import cythonize
     from setuptools import Distribution, Extension
 
     package_dir = os.path.dirname(pyengine.__file__)
     source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bare_walk.pyx")
     extension = Extension("bare_walk", [source], language="c++",
-                          include_dirs=[package_dir, numpy.get_include()])
+                          include_dirs=[package_dir, np.get_include()])
     distribution = Distribution({"ext_modules": cythonize(
         [extension], include_path=[os.path.dirname(package_dir)], build_dir=build_dir,
         quiet=True)})
