@@ -216,19 +216,31 @@ def _pyengine_build(kind, size):
 def _apply_floor(graph, chain_nodes):
     """Every node of ``graph`` (a chain)'s ``apply`` called once, root first,
     each on the root gradient (a Pass node returns its input list), from C:
-    ``map`` calls the bound methods and a ``deque`` of length one drains it,
-    keeping the last result for the oracle. No Python frame runs per node
-    but ``apply``'s own, so this is what calling the nodes costs with no
-    engine at all."""
+    ``map`` calls the function ``apply`` of the nodes' one class with each
+    node and the gradients list, through vectorcall, and a ``deque`` of
+    length one drains it, keeping the last result for the oracle. No Python
+    frame runs per node but ``apply``'s own, and no object is made per
+    call, so this is what calling the nodes costs with no engine at all.
+
+    The function is looked up once per run, where the engine looks ``apply``
+    up on each node: a few nanoseconds per node, left out. Not
+    ``operator.methodcaller``, the floor until 2026-12-02: up to CPython
+    3.12 it makes a bound method and an argument tuple for every call, which
+    cost about as much as the call itself (benchmarks/RESULTS.md, "Issue 19:
+    the apply floor measured methodcaller")."""
     from collections import deque
-    from operator import methodcaller
+    from itertools import repeat
 
     nodes = chain_nodes(graph)
-    call_apply = methodcaller("apply", [graph.grad])
+    node_type = type(nodes[0])
+    if any(type(node) is not node_type for node in nodes):
+        raise ValueError(f"the apply floor needs nodes of one class: {graph.name} mixes them")
+    grads = [graph.grad]
     last = deque(maxlen=1)
 
     def run():
-        last.extend(map(call_apply, nodes))
+        # Looked up at each run, so that a patched apply is the one called.
+        last.extend(map(node_type.apply, nodes, repeat(grads)))
 
     def check():
         expect_equal(f"apply floor, {graph.name}", last[0][0], graph.expected)
