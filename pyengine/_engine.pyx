@@ -95,6 +95,10 @@ cdef class WorkerState:
     # queue] in pyengine/_pure/engine.py.
     cdef NodeTaskRecord next_task
     cdef bint has_next_task
+    # Whether next_task is counted in its graph task's outstanding tasks:
+    # See Note [A held task takes over its maker's count] in
+    # pyengine/_pure/engine.py.
+    cdef bint next_task_counted
     # A gradients list a task left that nothing else refers to, for the
     # next single_gradient. See Note [Reusing a task's gradients list] in
     # pyengine/_pure/engine.py.
@@ -366,6 +370,8 @@ cdef class Engine:
                     # See Note [The next task skips the queue].
                     worker.has_next_task = False
                     record = worker.next_task
+                    if not worker.next_task_counted:
+                        (<GraphTask>record.graph_task).outstanding_tasks_.fetch_add(1)
                     queue.push_pop_record(&record)
                 elif not queue.try_pop_record(&record):
                     with nogil:
@@ -408,7 +414,13 @@ cdef class Engine:
                     # Drop the task's references before the graph task may complete.
                     keep_spare_list(worker, &record)
                     release_record(&record)
-                local_graph_task.outstanding_tasks_.fetch_sub(1)
+                if (worker.has_next_task and not worker.next_task_counted
+                        and worker.next_task.graph_task == <PyObject*>local_graph_task):
+                    # See Note [A held task takes over its maker's count] in
+                    # pyengine/_pure/engine.py.
+                    worker.next_task_counted = True
+                else:
+                    local_graph_task.outstanding_tasks_.fetch_sub(1)
                 if (worker.worker_device != local_graph_task.owner
                         and local_graph_task.has_error_.load()):
                     # Tasks this node queued for an owner that may have gone:
@@ -711,10 +723,12 @@ cdef inline void queue_task(WorkerState worker, ReadyQueue queue, GraphTask grap
     if queue is not worker.local_ready_queue:
         push_task(queue, graph_task, node, inputs)
         return
-    graph_task.outstanding_tasks_.fetch_add(1)
+    # Not counted yet: See Note [A held task takes over its maker's count]
+    # in pyengine/_pure/engine.py.
     worker.next_task = make_record(graph_task, node, inputs, graph_task.reentrant_depth,
                                    node._sequence_nr)
     worker.has_next_task = True
+    worker.next_task_counted = False
 
 
 cdef inline void flush_next_task(WorkerState worker) noexcept:
@@ -722,6 +736,9 @@ cdef inline void flush_next_task(WorkerState worker) noexcept:
     would have been all along."""
     if worker.has_next_task:
         worker.has_next_task = False
+        if not worker.next_task_counted:
+            # Before another thread can pop it.
+            (<GraphTask>worker.next_task.graph_task).outstanding_tasks_.fetch_add(1)
         worker.local_ready_queue.push_record(worker.next_task)
 
 

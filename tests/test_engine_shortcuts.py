@@ -1,7 +1,8 @@
 """The engine's per-node shortcuts keep what a node sees.
 
-See Note [The next task skips the queue] and Note [Reusing a task's
-gradients list] in ``pyengine/_pure/engine.py``. Oracles: analytic
+See Note [The next task skips the queue], Note [A held task takes over its
+maker's count] and Note [Reusing a task's gradients list] in
+``pyengine/_pure/engine.py``. Oracles: analytic
 gradients of chains whose nodes double their gradient; the lists a node
 kept, which must still hold what that node received after the backward
 (a reused list would have been overwritten); the order nodes ran in,
@@ -154,3 +155,55 @@ def test_an_error_after_a_child_was_held_leaves_nothing_behind():
     pyengine.get_default_engine().execute([other_edge], [np.ones(SHAPE)], False, False, True)
     np.testing.assert_array_equal(other_leaf.grad, np.ones(SHAPE))
     assert log == ["b"]
+
+
+class NestsABackward(np.ndarray):
+    """A gradient whose first sum runs a whole backward (on ``nested``, a
+    chain's root edge) before it adds: Python code in the middle of a
+    node's routing."""
+
+    nested = None
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        nested, NestsABackward.nested = NestsABackward.nested, None
+        if nested is not None:
+            root_edge, leaf = nested
+            pyengine.get_default_engine().execute([root_edge], [np.full(SHAPE, 7.0)], False, False,
+                                                  True)
+            np.testing.assert_array_equal(leaf.grad, np.full(SHAPE, 7.0))
+        plain = [np.asarray(value) if isinstance(value, NestsABackward) else value
+                 for value in inputs]
+        return getattr(ufunc, method)(*plain, **kwargs)
+
+
+class Nesting(Log):
+    """Passes on its gradient as a NestsABackward."""
+
+    def apply(self, grads):
+        self.log.append(self.label)
+        return [grads[0].view(NestsABackward)]
+
+
+def test_a_held_child_is_counted_when_a_nested_backward_pushes_it():
+    # top -> (p, r); p -> b; r -> (a, b); a and b -> leaves. p (made after r,
+    # so run first) leaves a NestsABackward in b's buffer. r then makes a
+    # ready (held back, not counted yet: See Note [A held task takes over
+    # its maker's count]) and adds into b's buffer, which runs a backward
+    # on another chain in the middle of r's routing. That backward's root
+    # push pushes the held a, which must be counted then: else b, the task
+    # r's count passes to, would complete the graph task with a still
+    # queued, and a's leaf would get nothing.
+    log = []
+    leaf_a, leaf_b = Leaf(), Leaf()
+    a = Log("a", log, next_edges=(pyengine.gradient_edge(leaf_a),))
+    b = Log("b", log, next_edges=(pyengine.gradient_edge(leaf_b),))
+    r = Log("r", log, next_edges=(Edge(a, 0), Edge(b, 0)))
+    p = Nesting("p", log, next_edges=(Edge(b, 0),))
+    top = Log("top", log, next_edges=(Edge(p, 0), Edge(r, 0)))
+    nested_leaf, nested_edge, _ = chain(Same, 5)
+    NestsABackward.nested = (nested_edge, nested_leaf)
+    pyengine.get_default_engine().execute([Edge(top, 0)], [np.ones(SHAPE)], False, False, True)
+    assert NestsABackward.nested is None, "the nested backward did not run"
+    assert sorted(log) == ["a", "b", "p", "r", "top"]
+    np.testing.assert_array_equal(leaf_a.grad, np.ones(SHAPE))
+    np.testing.assert_array_equal(leaf_b.grad, np.full(SHAPE, 2.0))

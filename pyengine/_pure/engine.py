@@ -84,6 +84,28 @@ thread itself pops its own queue while it runs a loop on it (a pool
 thread serves a caller's queue while the caller waits in ``apply``), so
 no thread waits for a task held back.
 
+Note [A held task takes over its maker's count]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A graph task completes when its count of outstanding tasks falls to zero:
+a task counts from its push until it has run (PyTorch's
+``outstanding_tasks_``). A task held back in ``next_task`` (Note [The next
+task skips the queue]) is not counted when ``queue_task`` holds it: the
+node that made it still counts while it runs, so the count cannot fall to
+zero meanwhile, and no other thread can see the task. When that node has
+run, ``thread_main`` lets the held task take over the node's count (marks
+it counted and does not decrement) where it would decrement once for the
+node and have incremented once for the task: on a CPU chain, two atomic
+read-modify-write instructions per node fewer in the compiled core
+(benchmarks/RESULTS.md, "Issue 19: a held task takes over its maker's
+count"). A held task that leaves before then, pushed by
+``flush_next_task`` (the node queued another task, a loop ended, Ctrl-C),
+is counted as it is pushed, before another thread can pop it; the pop at
+the top of the loop counts one that is still not counted, which no path
+leaves. Only the running node's routing holds a task, for the node's own
+graph task: a backward nested in that routing (Python code in an add)
+pushes the held task before it queues anything, and ends its loop by
+pushing whatever it held itself.
+
 Note [Reusing a task's gradients list]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A node whose one gradient flows into a node with no other edge into it
@@ -159,6 +181,9 @@ class WorkerState(threading.local):
     # The last task this thread queued, when it is for local_ready_queue:
     # held back until the thread pops. See Note [The next task skips the queue].
     next_task = None
+    # Whether next_task is counted in its graph task's outstanding tasks:
+    # See Note [A held task takes over its maker's count].
+    next_task_counted = False
     # A gradients list a task left that nothing else refers to, for the next
     # single_gradient. See Note [Reusing a task's gradients list].
     spare_list = None
@@ -356,7 +381,8 @@ class Engine:
                 if worker.next_task is not None:
                     # See Note [The next task skips the queue].
                     task, worker.next_task = worker.next_task, None
-                    task = queue.push_pop(task, increment_outstanding_tasks=False)
+                    task = queue.push_pop(
+                        task, increment_outstanding_tasks=not worker.next_task_counted)
                 else:
                     task = queue.pop(on_main_thread)
                 if task.is_shutdown:
@@ -394,7 +420,12 @@ class Engine:
                 # Drop the task's references before the graph task may complete.
                 keep_spare_list(worker, task)
                 del task
-                local_graph_task.decrement_outstanding_tasks()
+                if (worker.next_task is not None and not worker.next_task_counted
+                        and worker.next_task.graph_task is local_graph_task):
+                    # See Note [A held task takes over its maker's count].
+                    worker.next_task_counted = True
+                else:
+                    local_graph_task.decrement_outstanding_tasks()
                 owner = local_graph_task.owner
                 if worker.worker_device != owner and local_graph_task.has_error:
                     # Tasks this node queued for an owner that may have gone:
@@ -633,8 +664,9 @@ def queue_task(worker, queue, graph_task, node, inputs):
     if queue is not worker.local_ready_queue:
         push_task(queue, graph_task, node, inputs)
         return
-    graph_task.increment_outstanding_tasks()
+    # Not counted yet: See Note [A held task takes over its maker's count].
     worker.next_task = NodeTask(graph_task, node, inputs)
+    worker.next_task_counted = False
 
 
 def flush_next_task(worker):
@@ -642,7 +674,9 @@ def flush_next_task(worker):
     would have been all along."""
     if worker.next_task is not None:
         task, worker.next_task = worker.next_task, None
-        worker.local_ready_queue.push(task, increment_outstanding_tasks=False)
+        # Counted, if not yet, before another thread can pop it.
+        worker.local_ready_queue.push(task,
+                                      increment_outstanding_tasks=not worker.next_task_counted)
 
 
 def single_gradient(worker, num_inputs, input_nr, gradient):
