@@ -481,7 +481,7 @@ cdef class Engine:
                 # Tensor pre-hooks run exactly once: here, or in call_function.
                 _hooks.call_tensor_pre_hooks(node, inputs)
             if captures >= 0:
-                lock_releasing_gil(graph_task.mutex_)
+                graph_task.mutex_.lock()
                 try:
                     for input_nr, output_idx in <list>graph_task.exec_captures[captures]:
                         if input_nr < len(inputs):
@@ -539,7 +539,7 @@ cdef class Engine:
             raise RuntimeError(f"Function {_hooks.node_name(node)} returned {num_outputs} "
                                f"gradients for {num_edges} next edges")
         # See Note [Accumulating under the graph task lock].
-        lock_releasing_gil(graph_task.mutex_)
+        graph_task.mutex_.lock()
         try:
             for i in range(num_outputs):
                 if only_next_node is not None:

@@ -14,6 +14,13 @@ from pyengine._state cimport ThreadState, thread_state
 ctypedef PyObject* NodePtr
 ctypedef PyObject* InputBufferPtr
 
+cdef extern from "_gil_guarded_lock.h":
+    # Lock and unlock with the GIL held: See Note [A lock the GIL guards]
+    # in _gil_guarded_lock.h.
+    cppclass GILGuardedLock "pyengine_GILGuardedLock":
+        void lock()
+        void unlock()
+
 cdef extern from "_dependency_map.h" nogil:
     # A node's state in compute_dependencies' depth-first search.
     enum SearchState "pyengine_DependencyMap::State":
@@ -96,7 +103,7 @@ cdef class GraphTask:
 
     # Guarded by mutex_. Keys are borrowed node pointers: the graph keeps its
     # nodes alive while the task runs. not_ready's values own their buffers.
-    cdef mutex mutex_
+    cdef GILGuardedLock mutex_
     cdef DependencyMap dependencies_
     cdef unordered_map[NodePtr, InputBufferPtr] not_ready_
     cdef public list captured_vars

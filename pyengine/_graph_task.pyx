@@ -53,7 +53,7 @@ cdef class ExecInfo:
 cdef int check_not_ready_empty(GraphTask graph_task) except -1:
     """Raise RuntimeError if a node's gradients wait in ``not_ready_`` when the
     task completes. See Note [Gradients left in not ready] in the twin."""
-    lock_releasing_gil(graph_task.mutex_)
+    graph_task.mutex_.lock()
     cdef size_t count = graph_task.not_ready_.size()
     graph_task.mutex_.unlock()
     if count:
@@ -147,7 +147,7 @@ cdef class GraphTask:
 
     def add_leaf_stream(self, stream):
         """Remember a stream a leaf gradient was written on (under ``mutex_``)."""
-        lock_releasing_gil(self.mutex_)
+        self.mutex_.lock()
         try:
             if stream not in self.leaf_streams:
                 self.leaf_streams.append(stream)
@@ -182,7 +182,7 @@ cdef class GraphTask:
     def should_execute(self, node):
         """Whether ``node`` runs or captures in this task: every node does
         without exec_info."""
-        lock_releasing_gil(self.mutex_)
+        self.mutex_.lock()
         try:
             return task_should_execute(self, <NodePtr>node)
         finally:
@@ -192,7 +192,7 @@ cdef class GraphTask:
         """A copy of what ``node``'s InputBuffer in not_ready holds at
         ``input_nr``, made under the mutex; None where it holds nothing."""
         cdef unordered_map[NodePtr, InputBufferPtr].iterator found
-        lock_releasing_gil(self.mutex_)
+        self.mutex_.lock()
         try:
             found = self.not_ready_.find(<NodePtr>node)
             if found == self.not_ready_.end():
@@ -202,7 +202,7 @@ cdef class GraphTask:
             self.mutex_.unlock()
 
     cdef ExecInfo exec_info_copy(self, NodePtr node):
-        lock_releasing_gil(self.mutex_)
+        self.mutex_.lock()
         # The search's mark: See _exec_info_map.h.
         cdef bint marked = self.dependencies_.needed(node)
         self.mutex_.unlock()

@@ -2,11 +2,13 @@
 #
 # Note [Locks and the GIL]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# Engine mutexes are C++ std::mutex. A thread never blocks on one while it
-# holds the GIL: it tries the lock, and only if that fails releases the GIL
-# to wait for it (lock_releasing_gil). A thread holding an engine mutex runs
-# no user code (node, hook, callback), so it never waits for the GIL in a
-# way that another waiter could be blocking. GraphTask locks are taken
+# Engine mutexes are C++ std::mutex, but for the GraphTask's, a
+# GILGuardedLock (See Note [A lock the GIL guards] in _gil_guarded_lock.h).
+# A thread never blocks on one while it holds the GIL: it tries the lock,
+# and only if that fails releases the GIL to wait for it
+# (lock_releasing_gil; GILGuardedLock.lock waits so by itself). A thread
+# holding an engine mutex runs no user code (node, hook, callback), so it
+# never waits for the GIL in a way that another waiter could be blocking. GraphTask locks are taken
 # before ReadyQueue locks, never the reverse.
 
 from libcpp.mutex cimport mutex

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ import pytest
 import pyengine
 from pyengine import fake_device as fd
 from pyengine import streams
+from pyengine.backends import NumpyBackend
 from pyengine.device import CPU
 
 F0, F1 = fd.device(0), fd.device(1)
@@ -149,6 +151,78 @@ def test_diamond_across_devices_sums_both_branches():
     with fd.set_delayed(True):
         run(fork, on(np.ones(3), F0))
     np.testing.assert_array_equal(x.grad, [220.0] * 3)
+
+
+class SlowAddArray(np.ndarray):
+    """A numpy array whose sums sleep, so the thread adding it into an
+    InputBuffer holds its graph task's lock without the GIL meanwhile."""
+
+
+class SlowAddBackend(NumpyBackend):
+    name = "slow-add-numpy"
+
+    def add(self, a, b):
+        time.sleep(0.0002)
+        return super().add(a, b)
+
+    def add_(self, a, b):
+        time.sleep(0.0002)
+        return super().add_(a, b)
+
+
+class Emit(pyengine.Node):
+    """On ``device``: passes ``factor`` times its gradient to a CPU slot, as a SlowAddArray."""
+
+    def __init__(self, edge, device, factor):
+        super().__init__([edge], [pyengine.InputMetadata((3,), np.float64, device)])
+        self.factor = factor
+
+    def apply(self, grads):
+        return [(host(grads[0]) * self.factor).view(SlowAddArray)]
+
+
+def test_device_threads_waiting_for_the_graph_task_lock_lose_no_gradient():
+    # Sixteen producers on two device threads feed one CPU node. Each sum
+    # into its buffer sleeps under the graph task's lock without the GIL,
+    # so the other device thread, routing its own producer's gradient,
+    # finds the lock held and waits for it (See Note [A lock the GIL
+    # guards] in pyengine/_gil_guarded_lock.h). Oracle: the sum of the
+    # factors, exactly, every time (a sum made without the lock loses
+    # adds); and every backward returns (a wake-up lost leaves a device
+    # thread waiting for ever).
+    factors = [float(i + 1) for i in range(16)]
+    devices = [(F0, F1)[i % 2] for i in range(len(factors))]
+
+    class Fork(pyengine.Node):
+        def apply(self, grads):
+            return [on(host(grads[0]), device) for device in devices]
+
+    leaves = []
+
+    def backward_calls():
+        for _ in range(10):
+            x = Leaf(np.zeros(3))
+            join = Scale(pyengine.gradient_edge(x), CPU, 1.0, CPU)
+            producers = [Emit(pyengine.Edge(join, 0), device, factor)
+                         for device, factor in zip(devices, factors)]
+            fork = Fork([pyengine.Edge(producer, 0) for producer in producers],
+                        [pyengine.InputMetadata((3,), np.float64, F0)])
+            run(fork, on(np.ones(3), F0))
+            leaves.append(x)
+
+    previous = pyengine.register_backend(SlowAddArray, SlowAddBackend())
+    try:
+        caller = threading.Thread(target=backward_calls, daemon=True)
+        caller.start()
+        caller.join(timeout=60)
+        assert not caller.is_alive(), "a backward waits for ever: a wake-up was lost"
+    finally:
+        pyengine.unregister_backend(SlowAddArray)
+        if previous is not None:
+            pyengine.register_backend(SlowAddArray, previous)
+    assert len(leaves) == 10, "a backward raised (its error is in the thread's output)"
+    for x in leaves:
+        np.testing.assert_array_equal(np.asarray(x.grad), [sum(factors)] * 3)
 
 
 # -- streams ---------------------------------------------------------------------------
