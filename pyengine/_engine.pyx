@@ -528,6 +528,7 @@ cdef class Engine:
         cdef int remaining
         cdef InputBuffer input_buffer
         cdef object gradient
+        cdef bint streamed
         # validate_outputs checked that there is one gradient per edge. The
         # node may keep the list it returned and change it while this loop
         # lets other threads run (a large add releases the GIL): each
@@ -621,10 +622,14 @@ cdef class Engine:
         CPU or with multithreading disabled, the graph task's CPU queue."""
         if not graph_task.multithreading:
             return graph_task.cpu_ready_queue
+        cdef PyObject* gradient
         if on_cpu(node._input_metadata):
+            # Borrowed items: the list holds them while this loop runs no
+            # Python code.
             for i in range(PyList_GET_SIZE(gradients)):
-                gradient = <object>PyList_GET_ITEM(gradients, i)
-                if gradient is not None and type(gradient) is not cnp.ndarray:
+                gradient = PyList_GET_ITEM(gradients, i)
+                if (gradient != <PyObject*>None
+                        and <PyObject*>Py_TYPE(<object>gradient) != <PyObject*>cnp.ndarray):
                     break
             else:
                 return graph_task.cpu_ready_queue
