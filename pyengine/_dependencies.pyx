@@ -11,7 +11,7 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
-from libc.stdint cimport int32_t
+from libc.stdint cimport int32_t, uint32_t
 from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport (ExecInfoEntry, GraphTask, SEARCH_FINISHED, SEARCH_NOT_SEEN,
@@ -159,7 +159,7 @@ cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task) except -
     cdef tuple edges
     cdef PyObject* edge
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
-    graph_task.dependencies_.enter(<PyObject*>graph_root)
+    keep_slot(graph_root, graph_task.dependencies_.enter(<PyObject*>graph_root))
     Py_INCREF(graph_root)
     stack.push_back(<PyObject*>graph_root)
     try:
@@ -194,6 +194,16 @@ cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task) except -
     return True
 
 
+cdef inline void keep_slot(NodeBase node, size_t slot) noexcept:
+    """Keep in ``node`` its slot's index in the graph task's DependencyMap,
+    for the run's lookups (See Note [A node keeps its slot's index] in
+    pyengine/_dependency_map.h). Written only when it changed: a graph
+    counted again on the same kept table finds every index as it was, and
+    its nodes' cache lines stay clean."""
+    if node._dependency_slot_ != <uint32_t>slot:
+        node._dependency_slot_ = <uint32_t>slot
+
+
 cdef inline bint count_edge(GraphTask graph_task, NodeBase node, NodeBase next_node,
                             vector[PyObject*]& stack) except -1:
     """Count the edge from ``node`` into ``next_node``, and push
@@ -207,7 +217,9 @@ cdef inline bint count_edge(GraphTask graph_task, NodeBase node, NodeBase next_n
         # See pyengine/_table_growth.h.
         while not graph_task.dependencies_.grow_step():
             yield_to_other_threads()
-    if graph_task.dependencies_.add_edge(<PyObject*>next_node, &slot) == SEARCH_NOT_SEEN:
+    cdef SearchState state = graph_task.dependencies_.add_edge(<PyObject*>next_node, &slot)
+    keep_slot(next_node, slot)
+    if state == SEARCH_NOT_SEEN:
         Py_INCREF(next_node)
         stack.push_back(<PyObject*>next_node)
     return True
@@ -234,6 +246,7 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     try:
         slot = graph_task.dependencies_.enter(<PyObject*>graph_root)
+        keep_slot(graph_root, slot)
         push_dependency_frame(stack[0], graph_root, slot)
         while not stack.empty():
             frame = &stack.back()
@@ -262,6 +275,7 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
                     while not graph_task.dependencies_.grow_step():
                         yield_to_other_threads()
                 state = graph_task.dependencies_.add_edge(next_node, &slot)
+                keep_slot(<NodeBase>next_node, slot)
                 if state == SEARCH_NOT_SEEN:
                     break
                 if state == SEARCH_FINISHED:

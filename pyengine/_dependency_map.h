@@ -61,6 +61,24 @@ static_assert(sizeof(pyengine_DependencySlot) == 16, "a slot is a pointer and a 
 // made for each graph task (pyengine/_pure/graph_task.py), which has no
 // table to keep: a data structure's memory, not a path of the engine, so
 // this has no counterpart there.
+// Note [A node keeps its slot's index]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The count finds each node's slot (add_edge gives its index) and the run
+// looks the node up again to deliver its gradients (remove), a probe
+// sequence of its own: with nodes a few hundred bytes apart, address >> 4
+// wraps the table several times, and a lookup takes two or three probes.
+// So the count writes the index it got into the node
+// (NodeBase._dependency_slot_, beside the fields it reads), and remove and
+// needed look at that slot first. The index is only a hint, never
+// trusted: the slot is taken only if it holds the node in this map's
+// generation, else the lookup probes as before. So it is right whatever
+// the field holds: a graph task that counted the node in another map
+// since, a table that grew after the index was written, an index cut to
+// 32 bits. The field is C only; no Python code reaches it.
+//
+// The twin counts in a dict, which has no slots: like the generations
+// above, this is the memory of one data structure, not a path of the
+// engine, and has no counterpart there.
 class pyengine_DependencyMap {
   public:
     pyengine_DependencyMap() : slots_(16), used_(0), moved_(0), generation_(1) {}
@@ -149,10 +167,12 @@ class pyengine_DependencyMap {
     uint32_t generation() const { return generation_; }
 
     // One edge into node delivered: 1 when that was its last, 0 when more are
-    // due, -1 when node has no dependencies outstanding.
-    int remove(PyObject *node) {
+    // due, -1 when node has no dependencies outstanding. hint: where the
+    // count put node, looked at first (See Note [A node keeps its slot's
+    // index]).
+    int remove(PyObject *node, size_t hint) {
         const uint64_t generation = generation_bits();
-        Slot &slot = find_slot(slots_, node, generation);
+        Slot &slot = slot_at(node, hint);
         if (!is_live(slot, generation) || (slot.word & COUNT_MASK) < ONE_EDGE) {
             return -1;
         }
@@ -199,6 +219,13 @@ class pyengine_DependencyMap {
     bool needed(PyObject *node) const {
         const uint64_t generation = generation_bits();
         const Slot &slot = find_slot(slots_, node, generation);
+        return is_live(slot, generation) && (slot.word & NEEDED) != 0;
+    }
+
+    // needed, looking at hint first, as remove.
+    bool needed(PyObject *node, size_t hint) const {
+        const uint64_t generation = generation_bits();
+        const Slot &slot = slot_at(node, hint);
         return is_live(slot, generation) && (slot.word & NEEDED) != 0;
     }
 
@@ -277,14 +304,19 @@ class pyengine_DependencyMap {
         return slots[find_index(slots, node, generation)];
     }
 
-    // node's slot (node in the map), where it was at index unless the
-    // table grew since.
+    // node's slot, looked for first at index (any value: only a slot
+    // that holds node in this generation is taken there); else found by
+    // probing, or the empty slot where node would go.
     Slot &slot_at(PyObject *node, size_t index) {
         const uint64_t generation = generation_bits();
         Slot *slot = &slots_[index & (slots_.size() - 1)];
         return slot->node == node && is_live(*slot, generation)
                    ? *slot
                    : find_slot(slots_, node, generation);
+    }
+
+    const Slot &slot_at(PyObject *node, size_t index) const {
+        return const_cast<pyengine_DependencyMap *>(this)->slot_at(node, index);
     }
 
     // Out of line, so that insert, on every edge's path, inlines.

@@ -471,7 +471,7 @@ cdef class Engine:
             # (its count reached zero before it was queued, and remove
             # leaves a zero count as it is), and the map never grows once
             # the task has started.
-            needed = graph_task.dependencies_.needed(<PyObject*>node)
+            needed = graph_task.dependencies_.needed(<PyObject*>node, node._dependency_slot_)
             if info == NULL and not needed:
                 return 0
             # Copied out: the entry is only valid until the next make_entry.
@@ -558,7 +558,7 @@ cdef class Engine:
                                        "changed while the engine passed them on")
                 gradient = <object>PyList_GET_ITEM(outputs, i)
                 key = <PyObject*>next_node
-                remaining = graph_task.dependencies_.remove(key)
+                remaining = graph_task.dependencies_.remove(key, next_node._dependency_slot_)
                 if remaining < 0:
                     raise RuntimeError(f"dependency not found for {_hooks.node_name(next_node)}")
                 is_ready = remaining == 1
@@ -566,7 +566,7 @@ cdef class Engine:
                 buffered = graph_task.not_ready_.find(key)
                 streamed = producer_stream is not None or next_node._stream is not None
                 if buffered == graph_task.not_ready_.end():
-                    if not task_should_execute(graph_task, key):
+                    if not task_should_execute(graph_task, key, next_node._dependency_slot_):
                         continue
                     if not streamed and is_ready:
                         # Its only gradient: what InputBuffer's first add

@@ -35,12 +35,13 @@ cdef extern from "_dependency_map.h" nogil:
         bint grow_step() except +
         void release()
         void reset() except +
-        int remove(PyObject* node)
+        int remove(PyObject* node, size_t hint)
         size_t enter(PyObject* root)
         SearchState add_edge(PyObject* node, size_t* index)
         void finish(PyObject* node, size_t index)
         void mark_needed(PyObject* node, size_t index)
         bint needed(PyObject* node)
+        bint needed(PyObject* node, size_t hint)
         bint needed_at(size_t index)
         size_t size()
 
@@ -161,10 +162,13 @@ cdef inline ThreadState running_thread_state(GraphTask graph_task) noexcept:
     return running
 
 
-cdef inline bint task_should_execute(GraphTask graph_task, NodePtr node) noexcept nogil:
+cdef inline bint task_should_execute(GraphTask graph_task, NodePtr node,
+                                     size_t slot_hint) noexcept nogil:
     """Whether ``node`` runs or captures in ``graph_task``: every node does
     without exec_info; else it is marked needed (in the DependencyMap's
-    slot), or an entry of exec_info runs or captures. Call it under the
-    graph task's mutex, or before any task runs."""
-    return (graph_task.exec_info_.empty() or graph_task.dependencies_.needed(node)
+    slot, looked for first at ``slot_hint``: See Note [A node keeps its
+    slot's index] in pyengine/_dependency_map.h), or an entry of exec_info
+    runs or captures. Call it under the graph task's mutex, or before any
+    task runs."""
+    return (graph_task.exec_info_.empty() or graph_task.dependencies_.needed(node, slot_hint)
             or graph_task.exec_info_.should_execute(node))

@@ -184,7 +184,8 @@ cdef class GraphTask:
         without exec_info."""
         self.mutex_.lock()
         try:
-            return task_should_execute(self, <NodePtr>node)
+            # Any hint will do: a query, not the engine's path.
+            return task_should_execute(self, <NodePtr>node, 0)
         finally:
             self.mutex_.unlock()
 

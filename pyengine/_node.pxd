@@ -1,6 +1,6 @@
 # The engine's view of a node; see _node.pyx.
 
-from libc.stdint cimport int32_t, uint8_t, uint64_t
+from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 from libcpp.vector cimport vector
 
 cimport numpy as cnp
@@ -27,6 +27,7 @@ cdef class NodeBase:
     cdef readonly uint64_t _sequence_nr
     # The count, the search and the routing read these (and the reference
     # count) of every node, so they lie within the object's first 64 bytes
+    # (NodeBase has no cdef methods, so no vtable pointer before them)
     # (benchmarks/RESULTS.md, "The fields the count reads, together"). The
     # flags are bytes, behind properties of the names without the trailing
     # underscore (as the twin's slots), so that the only next edge fits
@@ -40,6 +41,10 @@ cdef class NodeBase:
     # variables] in pyengine/_pure/node.py.
     cdef uint8_t _overrides_release_variables_
     cdef readonly int32_t _only_input_nr
+    # Where the count last put the node in a DependencyMap: a hint that
+    # the map checks before it trusts it. See Note [A node keeps its
+    # slot's index] in pyengine/_dependency_map.h.
+    cdef uint32_t _dependency_slot_
     cdef readonly NodeBase _only_next_node
     cdef public list _pre_hooks
     cdef public list _post_hooks
@@ -50,9 +55,6 @@ cdef class NodeBase:
     cdef public dict _metadata
     cdef object __weakref__
 
-    cpdef release_variables(self)
-    cdef int _initialize(self, next_edges, input_metadata) except -1
-    cdef int _set_next_edges(self, next_edges) except -1
 
 
 cdef class GradientFreeNodeBase(NodeBase):

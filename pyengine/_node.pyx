@@ -229,51 +229,7 @@ cdef class NodeBase:
         self._only_input_nr = -1
 
     def __init__(self, next_edges=(), input_metadata=()):
-        self._initialize(next_edges, input_metadata)
-
-    cdef int _initialize(self, next_edges, input_metadata) except -1:
-        global pyengine_next_sequence_nr
-        self._set_next_edges(next_edges)
-        # Nothing to make for the default (): See Note [Shared empty input metadata].
-        if type(input_metadata) is tuple and PyTuple_GET_SIZE(input_metadata) == 0:
-            self._input_metadata = ()
-        else:
-            self._input_metadata = tuple([as_input_metadata(spec) for spec in input_metadata])
-        self._sequence_nr = pyengine_next_sequence_nr
-        pyengine_next_sequence_nr += 1
-        # See Note [Overriding release variables] in the twin.
-        self._overrides_release_variables_ = (
-            getattr(type(self), "release_variables") is not _base_release_variables)
-        if not on_cpu(self._input_metadata):
-            self._stream = _creation_stream(self._input_metadata)
-        self._initialized_ = True
-        if anomaly_enabled():
-            _record_forward_traceback(self)
-        return 0
-
-    cdef int _set_next_edges(self, next_edges) except -1:
-        """``_next_edges``, checked, and with it the node's only next edge
-        (See Note [A node's only next edge] in the twin)."""
-        cdef tuple edges = _check_next_edges(next_edges)
-        cdef object only_edge = None
-        if PyTuple_GET_SIZE(edges) == 1:
-            only_edge = <object>PyTuple_GET_ITEM(edges, 0)
-            if only_edge is not None and (<Edge>only_edge).input_nr > INT32_MAX:
-                only_edge = None
-        # The old values are let go of only when all three fields are set:
-        # a node freed with them may run Python code (a __del__), which must
-        # not find the fields half set, nor set them in between.
-        cdef tuple old_edges = self._next_edges
-        cdef NodeBase old_only_next_node = self._only_next_node
-        self._next_edges = edges
-        if only_edge is None:
-            self._only_next_node = None
-            self._only_input_nr = -1
-        else:
-            self._only_next_node = (<Edge>only_edge).node
-            self._only_input_nr = <int32_t>(<Edge>only_edge).input_nr
-        return 0
-
+        _initialize_node(self, next_edges, input_metadata)
     @property
     def _initialized(self):
         return bool(self._initialized_)
@@ -305,7 +261,7 @@ cdef class NodeBase:
 
     @next_edges.setter
     def next_edges(self, next_edges):
-        self._set_next_edges(next_edges)
+        _set_next_edges(self, next_edges)
 
     @next_edges.deleter
     def next_edges(self):
@@ -319,7 +275,7 @@ cdef class NodeBase:
 
     @_next_edges.setter
     def _next_edges(self, next_edges):
-        self._set_next_edges(next_edges)
+        _set_next_edges(self, next_edges)
 
     @_next_edges.deleter
     def _next_edges(self):
@@ -385,12 +341,61 @@ cdef class NodeBase:
         return _task_queries.buffered_gradient(
             self, running_graph_task(self, "task_buffered_gradient"), output_edge_index)
 
-    cpdef release_variables(self):
+    def release_variables(self):
         """Drop what the node saved for backward. Override it in a subclass to
         free more: the engine calls the method of the node's class, as C++
         calls a virtual method, where the class overrode it when the node was
         made. See Note [Overriding release variables] in the twin."""
         self._saved_values = None
+
+
+# Functions, not cdef methods: NodeBase has no vtable pointer, so the fields
+# the count and the routing read fit the object's first 64 bytes. See
+# Note [A node keeps its slot's index] in pyengine/_dependency_map.h.
+
+cdef int _initialize_node(NodeBase self, next_edges, input_metadata) except -1:
+    global pyengine_next_sequence_nr
+    _set_next_edges(self, next_edges)
+    # Nothing to make for the default (): See Note [Shared empty input metadata].
+    if type(input_metadata) is tuple and PyTuple_GET_SIZE(input_metadata) == 0:
+        self._input_metadata = ()
+    else:
+        self._input_metadata = tuple([as_input_metadata(spec) for spec in input_metadata])
+    self._sequence_nr = pyengine_next_sequence_nr
+    pyengine_next_sequence_nr += 1
+    # See Note [Overriding release variables] in the twin.
+    self._overrides_release_variables_ = (
+        getattr(type(self), "release_variables") is not _base_release_variables)
+    if not on_cpu(self._input_metadata):
+        self._stream = _creation_stream(self._input_metadata)
+    self._initialized_ = True
+    if anomaly_enabled():
+        _record_forward_traceback(self)
+    return 0
+
+
+cdef int _set_next_edges(NodeBase self, next_edges) except -1:
+    """``_next_edges``, checked, and with it the node's only next edge
+    (See Note [A node's only next edge] in the twin)."""
+    cdef tuple edges = _check_next_edges(next_edges)
+    cdef object only_edge = None
+    if PyTuple_GET_SIZE(edges) == 1:
+        only_edge = <object>PyTuple_GET_ITEM(edges, 0)
+        if only_edge is not None and (<Edge>only_edge).input_nr > INT32_MAX:
+            only_edge = None
+    # The old values are let go of only when all three fields are set:
+    # a node freed with them may run Python code (a __del__), which must
+    # not find the fields half set, nor set them in between.
+    cdef tuple old_edges = self._next_edges
+    cdef NodeBase old_only_next_node = self._only_next_node
+    self._next_edges = edges
+    if only_edge is None:
+        self._only_next_node = None
+        self._only_input_nr = -1
+    else:
+        self._only_next_node = (<Edge>only_edge).node
+        self._only_input_nr = <int32_t>(<Edge>only_edge).input_nr
+    return 0
 
 
 # What NodeBase.release_variables is, looked up on a class that does not
@@ -410,7 +415,7 @@ cdef class GradientFreeNodeBase(NodeBase):
     def __init__(self, owner, method, next_edges=(), input_metadata=()):
         if not isinstance(method, str):
             raise TypeError(f"method must be a str (a method name), got {type(method).__name__}")
-        self._initialize(next_edges, input_metadata)
+        _initialize_node(self, next_edges, input_metadata)
         self.owner = owner
         self.method = method
 

@@ -14,8 +14,10 @@
 //
 // The keys are addresses 16 bytes apart in a pool the map never reads
 // through, drawn again and again, so that a table holds stale slots with
-// the very keys of the count under way. Prints "ok", or what went wrong and
-// exits 1.
+// the very keys of the count under way. Every lookup (remove, needed) is
+// given a hint (See Note [A node keeps its slot's index]): the slot the
+// count got for the key, another key's slot, or any number, and must
+// answer the same whichever. Prints "ok", or what went wrong and exits 1.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -33,6 +35,20 @@ alignas(16) unsigned char pool[POOL * 16];
 
 PyObject *key(size_t i) { return reinterpret_cast<PyObject *>(pool + 16 * i); }
 
+// A hint for a lookup of a key whose slot add_edge gave as right (or
+// SIZE_MAX where none): that slot, the slot of some other key, or any
+// number, each as often. None may change the answer.
+size_t any_hint(std::mt19937_64 &random, size_t right, size_t other) {
+    switch (random() % 3) {
+    case 0:
+        return right == SIZE_MAX ? random() : right;
+    case 1:
+        return other;
+    default:
+        return random();
+    }
+}
+
 void fail(const char *what, size_t index) {
     std::printf("%s (node %zu)\n", what, index);
     std::exit(1);
@@ -45,6 +61,7 @@ void count_and_check(pyengine_DependencyMap &map, std::mt19937_64 &random, size_
     const size_t start = random() % POOL;
     const size_t stride = 1 + random() % 7;
     std::unordered_map<size_t, int> edges;
+    std::unordered_map<size_t, size_t> slots;  // as add_edge gave them
     std::vector<size_t> order;
     for (size_t i = 0; i < n; ++i) {
         const size_t index = (start + i * stride) % POOL;
@@ -59,6 +76,7 @@ void count_and_check(pyengine_DependencyMap &map, std::mt19937_64 &random, size_
             }
             size_t slot;
             const auto before = map.add_edge(key(index), &slot);
+            slots[index] = slot;
             const auto expected =
                 edge == 0 ? pyengine_DependencyMap::NOT_SEEN : pyengine_DependencyMap::ON_PATH;
             if (before != expected) {
@@ -69,22 +87,27 @@ void count_and_check(pyengine_DependencyMap &map, std::mt19937_64 &random, size_
     if (map.size() != order.size()) {
         fail("the map's size is not the number of keys counted", order.size());
     }
+    // A table that grew after a key was counted moved it: its slot as
+    // add_edge gave it is then a stale hint, which must not matter either.
+    const size_t other = order.empty() ? 0 : slots[order[random() % order.size()]];
     for (size_t index : order) {
-        if (map.needed(key(index))) {
+        if (map.needed(key(index)) || map.needed(key(index), any_hint(random, slots[index], other))) {
             fail("a key is marked needed that no count marked", index);
         }
         for (int edge = edges[index]; edge > 0; --edge) {
-            if (map.remove(key(index)) != (edge == 1 ? 1 : 0)) {
+            if (map.remove(key(index), any_hint(random, slots[index], other)) !=
+                (edge == 1 ? 1 : 0)) {
                 fail("remove did not count down the edges added", index);
             }
         }
-        if (map.remove(key(index)) != -1) {
+        if (map.remove(key(index), any_hint(random, slots[index], other)) != -1) {
             fail("remove found a count past its last edge", index);
         }
     }
     for (int probe = 0; probe < 64; ++probe) {
         const size_t index = random() % POOL;
-        if (edges.count(index) == 0 && map.remove(key(index)) != -1) {
+        if (edges.count(index) == 0 &&
+            map.remove(key(index), any_hint(random, SIZE_MAX, other)) != -1) {
             fail("a key this count did not add has a count", index);
         }
     }
@@ -105,7 +128,7 @@ void generation_check(pyengine_DependencyMap &map) {
         }
     }
     for (size_t index = first; index < first + 80; ++index) {
-        if (map.remove(key(index)) != 1) {
+        if (map.remove(key(index), index) != 1) {
             fail("remove did not count down the edge added", index);
         }
     }
@@ -120,7 +143,9 @@ void quick_check(pyengine_DependencyMap &map, size_t i) {
         map.add_edge(key(i + 1), &slot) != pyengine_DependencyMap::NOT_SEEN) {
         fail("add_edge saw a state the count before left", i);
     }
-    if (map.remove(key(i)) != 1 || map.remove(key(i + 1)) != 1 || map.remove(key(i)) != -1) {
+    // Hints that are the other key's slot, or no slot of either.
+    if (map.remove(key(i), slot) != 1 || map.remove(key(i + 1), slot) != 1 ||
+        map.remove(key(i), i) != -1) {
         fail("remove did not count down the edges added", i);
     }
 }
