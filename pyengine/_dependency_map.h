@@ -61,11 +61,12 @@ static_assert(sizeof(pyengine_DependencySlot) == 16, "a slot is a pointer and a 
 // made for each graph task (pyengine/_pure/graph_task.py), which has no
 // table to keep: a data structure's memory, not a path of the engine, so
 // this has no counterpart there.
+//
 // Note [A node keeps its slot's index]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // The count finds each node's slot (add_edge gives its index) and the run
 // looks the node up again to deliver its gradients (remove), a probe
-// sequence of its own: with nodes a few hundred bytes apart, address >> 4
+// sequence of its own: with nodes 160 bytes or more apart, address >> 4
 // wraps the table several times, and a lookup takes two or three probes.
 // So the count writes the index it got into the node
 // (NodeBase._dependency_slot_, beside the fields it reads), and remove and
@@ -74,7 +75,10 @@ static_assert(sizeof(pyengine_DependencySlot) == 16, "a slot is a pointer and a 
 // generation, else the lookup probes as before. So it is right whatever
 // the field holds: a graph task that counted the node in another map
 // since, a table that grew after the index was written, an index cut to
-// 32 bits. The field is C only; no Python code reaches it.
+// 32 bits. The field is C only; no Python code reaches it. Counts and
+// runs read and write it with the GIL held (without a GIL, a 4-byte field
+// read while another count writes it holds one value or the other, and
+// either is only a hint).
 //
 // The twin counts in a dict, which has no slots: like the generations
 // above, this is the memory of one data structure, not a path of the
