@@ -27,8 +27,8 @@ cdef class NodeBase:
     cdef readonly uint64_t _sequence_nr
     # The count, the search and the routing read these (and the reference
     # count) of every node, so they lie within the object's first 64 bytes
-    # (NodeBase has no cdef methods, so no vtable pointer before them)
-    # (benchmarks/RESULTS.md, "The fields the count reads, together"). The
+    # (benchmarks/RESULTS.md, "The fields the count reads, together"); no
+    # vtable pointer comes before them, as NodeBase has no cdef methods. The
     # flags are bytes, behind properties of the names without the trailing
     # underscore (as the twin's slots), so that the only next edge fits
     # without growing the object. See Note [A node's only next edge] in
@@ -54,7 +54,6 @@ cdef class NodeBase:
     cdef public object _stream
     cdef public dict _metadata
     cdef object __weakref__
-
 
 
 cdef class GradientFreeNodeBase(NodeBase):

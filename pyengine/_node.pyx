@@ -230,6 +230,7 @@ cdef class NodeBase:
 
     def __init__(self, next_edges=(), input_metadata=()):
         _initialize_node(self, next_edges, input_metadata)
+
     @property
     def _initialized(self):
         return bool(self._initialized_)
@@ -354,6 +355,8 @@ cdef class NodeBase:
 # Note [A node keeps its slot's index] in pyengine/_dependency_map.h.
 
 cdef int _initialize_node(NodeBase self, next_edges, input_metadata) except -1:
+    """A node's fields as ``NodeBase.__init__`` sets them (a subclass's
+    ``__init__`` of another signature calls it too)."""
     global pyengine_next_sequence_nr
     _set_next_edges(self, next_edges)
     # Nothing to make for the default (): See Note [Shared empty input metadata].
