@@ -219,14 +219,7 @@ class pyengine_DependencyMap {
     // Mark node (in the map) needed; index: a hint, as finish's.
     void mark_needed(PyObject *node, size_t index) { slot_at(node, index).word |= NEEDED; }
 
-    // Whether node is in the map and marked needed.
-    bool needed(PyObject *node) const {
-        const uint64_t generation = generation_bits();
-        const Slot &slot = find_slot(slots_, node, generation);
-        return is_live(slot, generation) && (slot.word & NEEDED) != 0;
-    }
-
-    // needed, looking at hint first, as remove.
+    // Whether node is in the map and marked needed; hint: as remove's.
     bool needed(PyObject *node, size_t hint) const {
         const uint64_t generation = generation_bits();
         const Slot &slot = slot_at(node, hint);

@@ -40,7 +40,6 @@ cdef extern from "_dependency_map.h" nogil:
         SearchState add_edge(PyObject* node, size_t* index)
         void finish(PyObject* node, size_t index)
         void mark_needed(PyObject* node, size_t index)
-        bint needed(PyObject* node)
         bint needed(PyObject* node, size_t hint)
         bint needed_at(size_t index)
         size_t size()

@@ -205,7 +205,7 @@ cdef class GraphTask:
     cdef ExecInfo exec_info_copy(self, NodePtr node):
         self.mutex_.lock()
         # The search's mark: See _exec_info_map.h.
-        cdef bint marked = self.dependencies_.needed(node)
+        cdef bint marked = self.dependencies_.needed(node, 0)  # any hint will do
         self.mutex_.unlock()
         # Found after the lock, which may have let other threads run.
         cdef const ExecInfoEntry* entry = self.exec_info_.find(node)

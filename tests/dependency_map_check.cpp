@@ -91,7 +91,8 @@ void count_and_check(pyengine_DependencyMap &map, std::mt19937_64 &random, size_
     // add_edge gave it is then a stale hint, which must not matter either.
     const size_t other = order.empty() ? 0 : slots[order[random() % order.size()]];
     for (size_t index : order) {
-        if (map.needed(key(index)) || map.needed(key(index), any_hint(random, slots[index], other))) {
+        if (map.needed(key(index), slots[index]) ||
+            map.needed(key(index), any_hint(random, slots[index], other))) {
             fail("a key is marked needed that no count marked", index);
         }
         for (int edge = edges[index]; edge > 0; --edge) {
