@@ -2,7 +2,9 @@
 
 - ``torch``: the torch module, or the test is skipped where torch is missing
   (torch is an oracle only: the same graph built in PyTorch).
-- ``signals_not_swallowed``: no gc callback may swallow a test's KeyboardInterrupt.
+- ``signals_not_swallowed``: SIGINT raises KeyboardInterrupt (even in a
+  background job, which starts with SIGINT ignored), and no gc callback
+  may swallow it.
 - ``engine_with_depth``: swaps in an Engine with a given max_recursion_depth.
 - ``Counter`` / ``make_logger``: nodes that count their calls or log their
   names, to check which nodes ran and in what order.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import sys
 import warnings
 
@@ -63,9 +66,19 @@ def no_anomaly_warning():
 
 @contextlib.contextmanager
 def signals_not_swallowed():
-    """No cyclic GC while a test waits for a KeyboardInterrupt: a signal
-    handler may run inside a gc callback (hypothesis installs one), and
-    CPython discards what a gc callback raises."""
+    """While a test waits for a KeyboardInterrupt: SIGINT raises it, and no
+    cyclic GC runs.
+
+    - A shell without job control starts a background job (``pytest &``,
+      ``nohup``) with SIGINT ignored, and CPython keeps an ignored SIGINT as
+      it found it, so no Ctrl-C test could pass there: Python's own handler
+      is put in for the wait, and the one found put back after it.
+    - A signal handler may run inside a gc callback (hypothesis installs
+      one), and CPython discards what a gc callback raises.
+    """
+    previous_handler = signal.getsignal(signal.SIGINT)
+    if previous_handler is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -73,6 +86,8 @@ def signals_not_swallowed():
     finally:
         if was_enabled:
             gc.enable()
+        if previous_handler is not signal.default_int_handler:
+            signal.signal(signal.SIGINT, previous_handler)
 
 
 @pytest.fixture
