@@ -55,7 +55,7 @@ from pyengine import backends as _backends
 from pyengine import streams as _streams
 from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
-from pyengine._shared.messages import total_depth_message
+from pyengine._shared.messages import gradients_changed_message, total_depth_message
 from pyengine._validate_outputs import plain_error_format, validate_outputs
 from pyengine.indexed import IndexedGradient
 
@@ -554,8 +554,7 @@ cdef class Engine:
                     next_node = edge.node
                     next_input_nr = edge.input_nr
                 if i >= PyList_GET_SIZE(outputs):
-                    raise RuntimeError(f"the gradients Function {_hooks.node_name(node)} returned "
-                                       "changed while the engine passed them on")
+                    raise RuntimeError(gradients_changed_message(node))
                 gradient = <object>PyList_GET_ITEM(outputs, i)
                 key = <PyObject*>next_node
                 remaining = graph_task.dependencies_.remove(key, next_node._dependency_slot_)

@@ -25,7 +25,7 @@ from pyengine._node cimport Edge, InputMetadata, NodeBase
 from pyengine import backends as _backends
 from pyengine._shared.gradient_checks import (EXACT, checked_gradient_policy, validate_gradient,
                                                validate_gradient_exact, validate_node_gradient)
-from pyengine._shared.messages import node_name
+from pyengine._shared.messages import gradients_changed_message, node_name
 
 cnp.import_array()
 
@@ -76,6 +76,11 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
         raise RuntimeError(error_format(format_error, node)(
             f"invalid number of gradients - expected {num_edges}, but got {len(grads)}"))
     for i in range(num_edges):
+        # The node may keep ``grads``, and the slow path runs Python code
+        # (a cast, a backend, a replaced gradient's __del__), which may
+        # shorten it: each read and write looks at its size again.
+        if i >= PyList_GET_SIZE(grads):
+            raise RuntimeError(gradients_changed_message(node))
         edge_object = <object>PyTuple_GET_ITEM(edges, i)
         grad = <object>PyList_GET_ITEM(grads, i)
         if edge_object is None:
@@ -86,12 +91,15 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
             continue
         metadata = slot_metadata(next_node, input_nr)
         if exact:
-            grads[i] = validate_gradient_exact(i, grad, metadata, error_format(format_error, node))
+            checked = validate_gradient_exact(i, grad, metadata, error_format(format_error, node))
         elif node is not None:
-            grads[i] = validate_node_gradient(i, grad, metadata, error_format(format_error, node),
-                                              node)
+            checked = validate_node_gradient(i, grad, metadata, error_format(format_error, node),
+                                             node)
         else:
-            grads[i] = validate_gradient(i, grad, metadata, error_format(format_error, node))
+            checked = validate_gradient(i, grad, metadata, error_format(format_error, node))
+        if i >= PyList_GET_SIZE(grads):
+            raise RuntimeError(gradients_changed_message(node))
+        grads[i] = checked
     return 0
 
 

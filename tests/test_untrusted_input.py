@@ -361,6 +361,58 @@ def test_apply_that_keeps_returning_the_old_count_fails_cleanly_next_run():
 
 # -- execute's arguments: See Note [Checking execute's arguments] ----------------------
 
+def test_a_returned_list_shortened_while_the_engine_reads_it():
+    # A node may keep the list it returns; Python code the engine runs while
+    # it reads that list (here a replaced gradient's __del__: the cast in
+    # validate_outputs, or the add into a buffer while the gradients are
+    # passed on) may shorten it. The compiled core read past its end
+    # (SIGSEGV); the twin raised IndexError or dropped the rest.
+    lines = run_isolated('''
+        class Clears(np.ndarray):
+            """A gradient that empties its producer's kept list when dropped."""
+            def __del__(self):
+                Producer.kept.clear()
+
+
+        class Producer(Node):
+            kept = []
+
+            def __init__(self, edges, first):
+                super().__init__(next_edges=edges, input_metadata=[((3,), np.float64)])
+                self.first = first
+
+            def apply(self, grads):
+                Producer.kept = [self.first(), np.ones(3), np.ones(3)][:len(self.next_edges)]
+                return Producer.kept
+
+
+        float32_clears = lambda: np.ones(3, np.float32).view(Clears)  # the cast drops it
+        # validate_outputs, without and with hooks
+        for hooked in (False, True):
+            sinks = [Sink(str(i)) for i in range(3)]
+            producer = Producer([Edge(sink, 0) for sink in sinks], float32_clears)
+            if hooked:
+                producer.register_prehook(lambda grads: None)
+            report(f"validate, hooks {hooked}", lambda: run(producer))
+            print("   ", [sink.got for sink in sinks])
+        # passing the gradients on: the second add into the shared sink drops
+        # the Clears the first producer put there, which empties the second
+        # producer's list (made earlier, so it runs later)
+        shared, other = Sink("shared"), Sink("other")
+        second = Producer([Edge(shared, 0), Edge(other, 0)], lambda: np.ones(3))
+        first = Producer([Edge(shared, 0)], lambda: np.ones(3).view(Clears))
+        root = Fan([Edge(first, 0), Edge(second, 0)])
+        report("passing on", lambda: run(root))
+        print("   ", shared.got, other.got)
+        print("done")
+    ''')
+    changed = "RuntimeError: the gradients Function Producer returned changed while the engine passed them on"
+    assert lines == [f"validate, hooks False -> {changed}", "    [[], [], []]",
+                     f"validate, hooks True -> {changed}", "    [[], [], []]",
+                     f"passing on -> {changed}", "    [] []",
+                     "done"]
+
+
 def test_execute_checks_outputs_before_anything_runs():
     # The compiled core read object() as an Edge and returned [None]; the
     # twin raised AttributeError after compute_dependencies.

@@ -144,7 +144,7 @@ from .. import streams
 from .._shared import hooks
 from .._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
-from .._shared.messages import node_name, total_depth_message
+from .._shared.messages import gradients_changed_message, node_name, total_depth_message
 from ..device import CPU
 from . import state
 from .dependencies import compute_dependencies, init_to_execute
@@ -511,10 +511,20 @@ class Engine:
             check_nan(node, outputs)
 
         grad_mode = graph_task.grad_mode
+        # validate_outputs checked the count; the node's release_variables
+        # or a hook may have changed the list since.
+        num_outputs = len(outputs)
+        num_edges = 1 if only_next_node is not None else len(next_edges)
+        if num_outputs != num_edges:
+            raise RuntimeError(f"Function {node_name(node)} returned {num_outputs} "
+                               f"gradients for {num_edges} next edges")
         with graph_task.mutex:
             dependencies = graph_task.dependencies
             not_ready = graph_task.not_ready
-            for i, output in enumerate(outputs):
+            # The node may keep the list it returned and change it while
+            # this loop runs Python code (a backend's add): each gradient
+            # is read with a look at the list's size.
+            for i in range(num_outputs):
                 if only_next_node is not None:
                     next_node, next_input_nr = only_next_node, only_input_nr
                 else:
@@ -522,6 +532,9 @@ class Engine:
                     if edge is None:
                         continue
                     next_node, next_input_nr = edge.node, edge.input_nr
+                if i >= len(outputs):
+                    raise RuntimeError(gradients_changed_message(node))
+                output = outputs[i]
                 key = id(next_node)
                 remaining = dependencies.get(key)
                 if remaining is None:

@@ -19,6 +19,7 @@ from .._shared.gradient_checks import (
     validate_gradient_exact,
     validate_node_gradient,
 )
+from .._shared.messages import gradients_changed_message
 from .node import NodeBase
 
 
@@ -43,17 +44,25 @@ def validate_outputs(edges, grads, format_error, gradient_policy="reduce", node=
         raise RuntimeError(format_error(
             f"invalid number of gradients - expected {len(edges)}, but got {len(grads)}"))
     for i, edge in enumerate(edges):
+        # The node may keep ``grads``, and the checks run Python code (a
+        # cast, a backend, a replaced gradient's __del__), which may
+        # shorten it: each read and write looks at its size again.
+        if i >= len(grads):
+            raise RuntimeError(gradients_changed_message(node))
         grad = grads[i]
         if edge is None or grad is None:
             continue
         all_metadata = edge.node._input_metadata
         metadata = all_metadata[edge.input_nr] if edge.input_nr < len(all_metadata) else None
         if exact:
-            grads[i] = validate_gradient_exact(i, grad, metadata, format_error)
+            checked = validate_gradient_exact(i, grad, metadata, format_error)
         elif node is not None:
-            grads[i] = validate_node_gradient(i, grad, metadata, format_error, node)
+            checked = validate_node_gradient(i, grad, metadata, format_error, node)
         else:
-            grads[i] = validate_gradient(i, grad, metadata, format_error)
+            checked = validate_gradient(i, grad, metadata, format_error)
+        if i >= len(grads):
+            raise RuntimeError(gradients_changed_message(node))
+        grads[i] = checked
 
 
 def known_value_type(value_type):

@@ -19,6 +19,17 @@ def not_initialized_message(node):
             "super().__init__(next_edges, input_metadata)")
 
 
+def gradients_changed_message(node):
+    """The list of gradients ``node`` returned got shorter while the engine
+    read it: the node kept it, and Python code the engine ran (a cast, a
+    backend's add, a replaced gradient's ``__del__``) shortened it. ``node``
+    None: the gradients given to ``execute`` or ``validate_outputs``."""
+    if node is None:
+        return "the list of gradients changed while the engine checked it"
+    return (f"the gradients Function {node_name(node)} returned changed while the engine "
+            "passed them on")
+
+
 def init_to_execute_refused_message(reason):
     """Why init_to_execute refused a graph task: ``"planning"`` (another call
     is running on it), ``"planned"`` or ``"started"``."""
