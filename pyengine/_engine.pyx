@@ -19,11 +19,18 @@ Note [Accumulating under the graph task lock]
 As in PyTorch, a gradient is added into the InputBuffer of the node it
 flows into while the GraphTask mutex is held: two producers on different
 threads may feed one buffer. The sum calls the value backend (numpy's add,
-or a framework's under ``create_graph``), which is not user code in the
-sense of Note [Locks and the GIL]: it runs no node, hook or callback and
-never starts a backward. It may release the GIL (a large numpy add does);
-a thread that then wants the same mutex waits without the GIL, so nothing
-deadlocks.
+or a framework's under ``create_graph``). It may release the GIL (a large
+numpy add does); a thread that then wants the same mutex waits without the
+GIL, so nothing deadlocks, and Ctrl-C ends the wait of the main thread.
+
+The engine runs no node, hook or callback under the mutex, but Python code
+may still run there: a backend's add, and the ``__del__`` of anything the
+routing lets go of (the gradient a buffer replaces). If that code asks
+for the same mutex (a running node's query; a nested backward whose loop
+runs one of this graph task's nodes), the thread would wait for itself:
+the mutex knows its holder and raises RuntimeError instead, in both cores
+(``lock_mutex``; the twin's ``refuse_lock_taken_again``). See Note [A lock
+the GIL guards] in _gil_guarded_lock.h and tests/test_graph_task_lock.py.
 """
 
 cimport cython
@@ -35,7 +42,7 @@ from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
 
 from pyengine._graph_task cimport (ExecInfoEntry, GraphTask, NodePtr, cancel_graph_task,
-                                   new_graph_task, task_should_execute)
+                                   lock_mutex, new_graph_task, task_should_execute)
 from pyengine._dependencies cimport compute_dependencies, init_to_execute
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
@@ -481,7 +488,7 @@ cdef class Engine:
                 # Tensor pre-hooks run exactly once: here, or in call_function.
                 _hooks.call_tensor_pre_hooks(node, inputs)
             if captures >= 0:
-                graph_task.mutex_.lock()
+                lock_mutex(graph_task)
                 try:
                     for input_nr, output_idx in <list>graph_task.exec_captures[captures]:
                         if input_nr < len(inputs):
@@ -540,7 +547,7 @@ cdef class Engine:
             raise RuntimeError(f"Function {_hooks.node_name(node)} returned {num_outputs} "
                                f"gradients for {num_edges} next edges")
         # See Note [Accumulating under the graph task lock].
-        graph_task.mutex_.lock()
+        lock_mutex(graph_task)
         try:
             for i in range(num_outputs):
                 if only_next_node is not None:

@@ -18,7 +18,8 @@ cdef extern from "_gil_guarded_lock.h":
     # Lock and unlock with the GIL held: See Note [A lock the GIL guards]
     # in _gil_guarded_lock.h.
     cppclass GILGuardedLock "pyengine_GILGuardedLock":
-        void lock()
+        # 0 locked; 1 this thread holds it; -1 a signal handler raised.
+        int lock()
         void unlock()
 
 cdef extern from "_dependency_map.h" nogil:
@@ -171,3 +172,15 @@ cdef inline bint task_should_execute(GraphTask graph_task, NodePtr node,
     task runs."""
     return (graph_task.exec_info_.empty() or graph_task.dependencies_.needed(node, slot_hint)
             or graph_task.exec_info_.should_execute(node))
+
+
+cdef int lock_failed(int result) except -1
+
+
+cdef inline int lock_mutex(GraphTask graph_task) except -1:
+    """``graph_task.mutex_.lock()``, raising where it did not lock: See
+    Note [A lock the GIL guards] in _gil_guarded_lock.h."""
+    cdef int result = graph_task.mutex_.lock()
+    if result != 0:
+        return lock_failed(result)
+    return 0

@@ -24,7 +24,7 @@ from pyengine._state cimport ThreadState, thread_state
 from pyengine import streams as _streams
 from pyengine._shared import node_streams as _node_streams
 from pyengine._shared import task_queries as _task_queries
-from pyengine._shared.messages import not_ready_message
+from pyengine._shared.messages import lock_taken_again_message, not_ready_message
 
 # The stream runtimes by device type. The same dict as streams._runtimes,
 # which registering a runtime fills in place: while it is empty,
@@ -50,10 +50,19 @@ cdef class ExecInfo:
 
 
 
+cdef int lock_failed(int result) except -1:
+    """Raise for a ``mutex_.lock()`` that did not lock: ``result`` 1, this
+    thread holds it (it would wait for itself); -1, a signal handler raised
+    while it waited (its exception is set)."""
+    if result > 0:
+        raise RuntimeError(lock_taken_again_message())
+    return -1
+
+
 cdef int check_not_ready_empty(GraphTask graph_task) except -1:
     """Raise RuntimeError if a node's gradients wait in ``not_ready_`` when the
     task completes. See Note [Gradients left in not ready] in the twin."""
-    graph_task.mutex_.lock()
+    lock_mutex(graph_task)
     cdef size_t count = graph_task.not_ready_.size()
     graph_task.mutex_.unlock()
     if count:
@@ -147,7 +156,7 @@ cdef class GraphTask:
 
     def add_leaf_stream(self, stream):
         """Remember a stream a leaf gradient was written on (under ``mutex_``)."""
-        self.mutex_.lock()
+        lock_mutex(self)
         try:
             if stream not in self.leaf_streams:
                 self.leaf_streams.append(stream)
@@ -182,7 +191,7 @@ cdef class GraphTask:
     def should_execute(self, node):
         """Whether ``node`` runs or captures in this task: every node does
         without exec_info."""
-        self.mutex_.lock()
+        lock_mutex(self)
         try:
             # Any hint will do: a query, not the engine's path.
             return task_should_execute(self, <NodePtr>node, 0)
@@ -193,7 +202,7 @@ cdef class GraphTask:
         """A copy of what ``node``'s InputBuffer in not_ready holds at
         ``input_nr``, made under the mutex; None where it holds nothing."""
         cdef unordered_map[NodePtr, InputBufferPtr].iterator found
-        self.mutex_.lock()
+        lock_mutex(self)
         try:
             found = self.not_ready_.find(<NodePtr>node)
             if found == self.not_ready_.end():
@@ -203,7 +212,7 @@ cdef class GraphTask:
             self.mutex_.unlock()
 
     cdef ExecInfo exec_info_copy(self, NodePtr node):
-        self.mutex_.lock()
+        lock_mutex(self)
         # The search's mark: See _exec_info_map.h.
         cdef bint marked = self.dependencies_.needed(node, 0)  # any hint will do
         self.mutex_.unlock()

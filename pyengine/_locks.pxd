@@ -8,8 +8,11 @@
 # and only if that fails releases the GIL to wait for it
 # (lock_releasing_gil; GILGuardedLock.lock waits so by itself). A thread
 # holding an engine mutex runs no user code (node, hook, callback), so it
-# never waits for the GIL in a way that another waiter could be blocking. GraphTask locks are taken
-# before ReadyQueue locks, never the reverse.
+# never waits for the GIL in a way that another waiter could be blocking;
+# under the GraphTask's, a backend's add or a __del__ may still run, which
+# is why that lock refuses its own holder (See Note [Accumulating under the
+# graph task lock] in _engine.pyx). GraphTask locks are taken before
+# ReadyQueue locks, never the reverse.
 
 from libcpp.mutex cimport mutex
 

@@ -32,6 +32,7 @@ from conftest import signals_not_swallowed
 import pyengine
 from pyengine import fake_device as fd
 from pyengine._core import GraphTask, ReadyQueue
+from pyengine.backends import NumpyBackend
 from pyengine.device import CPU
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill")
@@ -183,6 +184,79 @@ def test_ctrl_c_then_the_same_graph_again_gives_the_right_gradient(how):
     dev.finished.clear()
     backward_from(dev, fd.to_fake(np.ones(3), F0))
     np.testing.assert_array_equal(x.grad, [6.0, 6.0, 6.0])
+
+
+# -- waiting for the graph task's lock ---------------------------------------------------
+
+class HeldArray(np.ndarray):
+    """A gradient whose backend's add holds its caller (a device thread,
+    under the graph task's lock) until ``HeldBackend.gate`` opens."""
+
+
+class HeldBackend(NumpyBackend):
+    def __init__(self):
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def add(self, a, b):
+        self.entered.set()
+        self.gate.wait(WORK_S)  # gives the GIL away, the lock still held
+        return np.asarray(a) + np.asarray(b)
+
+
+class Step(pyengine.Node):
+    """Hands ``make()`` to its one edge, once ``before`` (if any) ran."""
+
+    def __init__(self, edge, device, make, before=None):
+        super().__init__([edge], [pyengine.InputMetadata((3,), np.float64, device)])
+        self.make, self.before = make, before
+
+    def apply(self, grads):
+        if self.before is not None:
+            self.before()
+        return [self.make()]
+
+
+class Fork(pyengine.Node):
+    def __init__(self, edges, gradients):
+        super().__init__(edges, [pyengine.InputMetadata((3,), np.float64, CPU)])
+        self.gradients = gradients
+
+    def apply(self, grads):
+        return [make() for make in self.gradients]
+
+
+# Only a real signal: the twin waits for the lock in threading.RLock's C
+# acquire, which a signal interrupts but interrupt_main's flag alone does
+# not wake (it is seen once the lock is taken); the compiled core's wait
+# has slices, and takes both.
+def test_ctrl_c_while_waiting_for_the_graph_task_lock():
+    backend = HeldBackend()
+    pyengine.register_backend(HeldArray, backend)
+    leaf = Leaf(np.zeros(3))
+    try:
+        # The main thread puts a HeldArray in the leaf's buffer (first); the
+        # fake:0 thread then adds into it under the lock and is held there
+        # (device); the main thread's next node (last) routes into the same
+        # buffer and waits for the lock, where the SIGINT comes.
+        last_started = threading.Event()
+        last = Step(pyengine.gradient_edge(leaf), CPU, lambda: np.ones(3),
+                    before=lambda: (last_started.set(), backend.entered.wait(WORK_S)))
+        first = Step(pyengine.gradient_edge(leaf), CPU, lambda: np.ones(3).view(HeldArray))
+        device = Step(pyengine.gradient_edge(leaf), F0, lambda: np.ones(3),
+                      before=lambda: last_started.wait(WORK_S))
+        root = Fork([pyengine.Edge(device, 0), pyengine.Edge(first, 0), pyengine.Edge(last, 0)],
+                    [lambda: fd.to_fake(np.ones(3), F0), lambda: np.ones(3), lambda: np.ones(3)])
+        try:
+            expect_interrupt("pthread_kill", lambda: backward_from(root, np.ones(3)),
+                             "waiting for the graph task lock")
+            assert backend.entered.is_set() and not backend.gate.is_set(), \
+                "the interrupt waited for the lock's holder"
+        finally:
+            backend.gate.set()
+    finally:
+        pyengine.unregister_backend(HeldArray)
+    check_device_backward_still_works()
 
 
 # -- waiting for a reentrant pool thread -----------------------------------------------

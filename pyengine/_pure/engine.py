@@ -148,7 +148,7 @@ from .._shared.messages import gradients_changed_message, node_name, total_depth
 from ..device import CPU
 from . import state
 from .dependencies import compute_dependencies, init_to_execute
-from .graph_task import GraphTask, cancel_graph_task, task_should_execute
+from .graph_task import GraphTask, cancel_graph_task, refuse_lock_taken_again, task_should_execute
 from .input_buffer import InputBuffer
 from .node import Edge, NodeBase, on_cpu
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
@@ -483,6 +483,7 @@ class Engine:
                 # Tensor pre-hooks run exactly once: here, or in call_function.
                 call_tensor_pre_hooks(node, inputs)
             if info.captures:
+                refuse_lock_taken_again(graph_task)
                 with graph_task.mutex:
                     for input_nr, output_idx in info.captures:
                         if input_nr < len(inputs):
@@ -518,6 +519,7 @@ class Engine:
         if num_outputs != num_edges:
             raise RuntimeError(f"Function {node_name(node)} returned {num_outputs} "
                                f"gradients for {num_edges} next edges")
+        refuse_lock_taken_again(graph_task)
         with graph_task.mutex:
             dependencies = graph_task.dependencies
             not_ready = graph_task.not_ready

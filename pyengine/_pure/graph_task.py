@@ -8,7 +8,7 @@ import threading
 
 from .. import streams
 from .._shared import node_streams, task_queries
-from .._shared.messages import not_ready_message
+from .._shared.messages import lock_taken_again_message, not_ready_message
 from . import state
 from .ready_queue import is_main_thread, wait_honouring_signals
 
@@ -32,6 +32,21 @@ class ExecInfo:
 
     def should_execute(self):
         return self.needed or bool(self.captures)
+
+
+def refuse_lock_taken_again(graph_task):
+    """Raise RuntimeError where this thread holds ``graph_task.mutex``:
+    called before each ``with graph_task.mutex``. Python code may run under
+    the lock (a backend's add, a dropped value's ``__del__``), and if it
+    asks for the lock again, the thread would wait for itself forever. The
+    lock is a ``threading.RLock`` only so that its owner can be asked; it is
+    never taken twice. A signal ends its wait for another thread's hold
+    (KeyboardInterrupt), as it ends any lock's wait. The compiled core's ``lock_mutex``
+    gives the same two answers: See Note [A lock the GIL guards] in
+    ``pyengine/_gil_guarded_lock.h``."""
+    # _is_owned: the C RLock's own check, which threading.Condition uses.
+    if graph_task.mutex._is_owned():
+        raise RuntimeError(lock_taken_again_message())
 
 
 class GraphTask:
@@ -71,7 +86,8 @@ class GraphTask:
         # Guarded by the engine's pool lock. See Note [A pool thread is back
         # before its caller] in pyengine/_pure/engine.py.
         self.on_pool_thread = False
-        self.mutex = threading.Lock()
+        # An RLock only to be asked its owner: See refuse_lock_taken_again.
+        self.mutex = threading.RLock()
         self.dependencies = {}
         self.not_ready = {}
         self.exec_info = {}
@@ -104,6 +120,7 @@ class GraphTask:
 
     def add_leaf_stream(self, stream):
         """Remember a stream a leaf gradient was written on (under ``mutex``)."""
+        refuse_lock_taken_again(self)
         with self.mutex:
             if stream not in self.leaf_streams:
                 self.leaf_streams.append(stream)
@@ -123,12 +140,14 @@ class GraphTask:
     def should_execute(self, node):
         """Whether ``node`` runs or captures in this task: every node does
         without exec_info."""
+        refuse_lock_taken_again(self)
         with self.mutex:
             return task_should_execute(self, id(node))
 
     def buffered_gradient(self, node, input_nr):
         """A copy of what ``node``'s InputBuffer in not_ready holds at
         ``input_nr``, made under the mutex; None where it holds nothing."""
+        refuse_lock_taken_again(self)
         with self.mutex:
             input_buffer = self.not_ready.get(id(node))
             if input_buffer is None:
@@ -233,6 +252,7 @@ class GraphTask:
 def check_not_ready_empty(graph_task):
     """Raise RuntimeError if a node's gradients wait in ``not_ready`` when the
     task completes. See Note [Gradients left in not ready]."""
+    refuse_lock_taken_again(graph_task)
     with graph_task.mutex:
         count = len(graph_task.not_ready)
     if count:

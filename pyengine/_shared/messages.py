@@ -30,6 +30,15 @@ def gradients_changed_message(node):
             "passed them on")
 
 
+def lock_taken_again_message():
+    """A thread asked for its graph task's lock while it held it: See Note
+    [Accumulating under the graph task lock] in pyengine/_engine.pyx."""
+    return ("a thread asked for the graph task's lock while it held it: Python code that ran "
+            "while the engine passed gradients on (a backend's add, or the __del__ of a value "
+            "it let go of) started work on the same backward (a running node's query, or a "
+            "nested backward that ran one of its nodes)")
+
+
 def init_to_execute_refused_message(reason):
     """Why init_to_execute refused a graph task: ``"planning"`` (another call
     is running on it), ``"planned"`` or ``"started"``."""
