@@ -794,6 +794,12 @@ cdef inline list take_spare_list(WorkerState worker, Py_ssize_t size):
     # Ours alone: ``spare`` is its one reference.
     if PyList_GET_SIZE(spare) != size or Py_REFCNT(spare) != 1:
         return None
+    # Still all None: code that reached the list without keeping a
+    # reference (a __del__ through gc.get_referrers) may have filled a slot.
+    cdef Py_ssize_t i
+    for i in range(size):
+        if PyList_GET_ITEM(spare, i) != <PyObject*>None:
+            return None
     return spare
 
 

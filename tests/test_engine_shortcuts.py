@@ -86,6 +86,47 @@ def test_lists_a_hook_keeps_are_not_reused():
         np.testing.assert_array_equal(grads[0], np.full(SHAPE, 5.0))
 
 
+def test_a_slot_refilled_while_the_slots_are_cleared_is_never_handed_on():
+    # Clearing a list's slots drops its gradients, and a __del__ may reach
+    # the list (here through gc.get_referrers) and fill a slot already
+    # cleared, then let the list go. Such a list must not be reused: the
+    # nodes after ``mid`` get None in the slots no edge feeds.
+    import gc
+
+    marker = object()
+    seen = {}
+
+    class Refills:
+        def __del__(self):
+            for referrer in gc.get_referrers(marker):
+                if type(referrer) is list and len(referrer) == 2 and referrer[1] is marker:
+                    referrer[0] = "stale"
+
+    class TwoSlots(Node):
+        def __init__(self, name, next_edges=()):
+            super().__init__(next_edges=next_edges,
+                             input_metadata=[InputMetadata(SHAPE, np.float64)] * 2)
+            self.label = name
+
+        def apply(self, grads):
+            seen[self.label] = [None if g is None else g if isinstance(g, str) else g.tolist()
+                                for g in grads]
+            if self.label == "mid":
+                gradient = grads[0]
+                grads[0], grads[1] = Refills(), marker
+                return [gradient * 2]
+            return [grads[1] * 3] * len(self.next_edges)
+
+    sink = TwoSlots("sink")
+    after = TwoSlots("after", [Edge(sink, 1)])
+    mid = TwoSlots("mid", [Edge(after, 1)])
+    # mid runs on a list the engine made (the root's is its InputBuffer's).
+    root = Same(next_edges=[Edge(mid, 0)], input_metadata=[InputMetadata(SHAPE, np.float64)])
+    pyengine.get_default_engine().execute([Edge(root, 0)], [np.ones(SHAPE)], False, False, True)
+    assert seen == {"mid": [[1.0] * 3, None], "after": [None, [2.0] * 3],
+                    "sink": [None, [6.0] * 3]}
+
+
 class Log(Node):
     """Passes its gradient to every next edge and logs its name."""
 

@@ -119,8 +119,11 @@ to None and keeps it in the thread's ``WorkerState.spare_list``, and the
 next ``single_gradient`` of that size takes it instead of a new list
 (``take_spare_list``), after looking at the count again: anything that
 took a reference meanwhile (``gc.get_objects``) keeps the list, and the
-engine makes a new one. A node's ``apply`` receives a list that is its
-own for as long as it runs, as before; one it keeps is never reused.
+engine makes a new one; so does a slot that is no longer None (Python
+code that reached the list and let it go again, such as a ``__del__``
+that ran while the slots were cleared, may have written one). A node's
+``apply`` receives a list that is its own for as long as it runs, as
+before, holding only its own gradients; one it keeps is never reused.
 
 Note [Checking execute's arguments]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -719,6 +722,11 @@ def take_spare_list(worker, size):
     # Ours alone: the references are ``spare`` and getrefcount's argument.
     if len(spare) != size or sys.getrefcount(spare) != 2:
         return None
+    # Still all None: code that reached the list without keeping a
+    # reference (a __del__ through gc.get_referrers) may have filled a slot.
+    for item in spare:
+        if item is not None:
+            return None
     return spare
 
 
