@@ -33,7 +33,8 @@ from pyengine._shared import task_queries as _task_queries
 from pyengine._shared.gradient_checks import REDUCE, gradient_policy_of
 from pyengine._shared.hooks import call_post_accumulate_grad_hooks
 from pyengine._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
-                                       node_name, not_initialized_message)
+                                       node_name, not_initialized_message,
+                                       uninitialized_metadata_message)
 from pyengine._shared.node_streams import _creation_stream
 from pyengine._state import get_current_node
 
@@ -105,7 +106,11 @@ cdef class InputMetadata:
 def as_input_metadata(spec):
     """An InputMetadata from an InputMetadata, ``None``, a ``(shape, dtype[, device])``
     tuple or a value to read it from."""
-    if spec is None or isinstance(spec, InputMetadata):
+    if spec is None:
+        return spec
+    if isinstance(spec, InputMetadata):
+        if (<InputMetadata>spec).shape is None:
+            raise TypeError(uninitialized_metadata_message("an input's metadata"))
         return spec
     if isinstance(spec, tuple) and 2 <= len(spec) <= 3:
         return InputMetadata(*spec)
@@ -194,6 +199,8 @@ cdef tuple _check_input_metadata(input_metadata):
         if metadata is not None and not isinstance(metadata, InputMetadata):
             raise TypeError(f"input_metadata[{i}] must be an InputMetadata or None, got "
                             f"{type(metadata).__name__}")
+        if metadata is not None and (<InputMetadata>metadata).shape is None:
+            raise TypeError(uninitialized_metadata_message(f"input_metadata[{i}]"))
     return input_metadata
 
 

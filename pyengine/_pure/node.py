@@ -26,6 +26,7 @@ from .._shared.messages import (
     _leaf_state_error,
     node_name,
     not_initialized_message,
+    uninitialized_metadata_message,
 )
 from .._shared.node_streams import _creation_stream
 from ..backends import backend_of
@@ -107,7 +108,11 @@ class InputMetadata:
 def as_input_metadata(spec):
     """An InputMetadata from an InputMetadata, ``None``, a ``(shape, dtype[, device])``
     tuple or a value to read it from."""
-    if spec is None or isinstance(spec, InputMetadata):
+    if spec is None:
+        return spec
+    if isinstance(spec, InputMetadata):
+        if getattr(spec, "shape", None) is None:
+            raise TypeError(uninitialized_metadata_message("an input's metadata"))
         return spec
     if isinstance(spec, tuple) and 2 <= len(spec) <= 3:
         return InputMetadata(*spec)
@@ -208,6 +213,8 @@ def _check_input_metadata(input_metadata):
         if metadata is not None and not isinstance(metadata, InputMetadata):
             raise TypeError(f"input_metadata[{i}] must be an InputMetadata or None, got "
                             f"{type(metadata).__name__}")
+        if metadata is not None and getattr(metadata, "shape", None) is None:
+            raise TypeError(uninitialized_metadata_message(f"input_metadata[{i}]"))
     return input_metadata
 
 

@@ -39,6 +39,12 @@ def lock_taken_again_message():
             "nested backward that ran one of its nodes)")
 
 
+def uninitialized_metadata_message(where):
+    """An InputMetadata made with ``InputMetadata.__new__`` alone: its
+    fields were never set, so no slot can use it."""
+    return f"{where} is an InputMetadata whose __init__ never ran"
+
+
 def init_to_execute_refused_message(reason):
     """Why init_to_execute refused a graph task: ``"planning"`` (another call
     is running on it), ``"planned"`` or ``"started"``."""
