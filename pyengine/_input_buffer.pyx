@@ -43,6 +43,8 @@ cdef class InputBuffer:
     """
 
     def __init__(self, Py_ssize_t size):
+        if size < 0:
+            raise ValueError(f"InputBuffer size {size} is negative")
         self.buffer = _none_list(size)
 
     cpdef int add(self, Py_ssize_t pos, object value, bint create_graph) except -1:
@@ -86,6 +88,11 @@ cdef class InputBuffer:
             total = backend_of(old).add_(old, value)
         else:
             total = backend_of(old).add(old, value)
+        # The sum ran Python code (a backend, an object array's elements'
+        # __add__), which may have reached these lists and shortened them.
+        if pos >= PyList_GET_SIZE(buffer) or pos >= PyList_GET_SIZE(self._owned):
+            raise RuntimeError(f"InputBuffer slot {pos} went away while a gradient was added "
+                               "into it")
         buffer[pos] = total
         self._owned[pos] = total
         return 0

@@ -11,6 +11,7 @@ fields' guards (all guarded by the GIL).
 
 cimport cython
 cimport numpy as cnp
+from cpython.list cimport PyList_GET_SIZE
 from cpython.number cimport PyNumber_Add, PyNumber_Index, PyNumber_InPlaceAdd
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_REFCNT
@@ -33,8 +34,8 @@ from pyengine._shared import task_queries as _task_queries
 from pyengine._shared.gradient_checks import REDUCE, gradient_policy_of
 from pyengine._shared.hooks import call_post_accumulate_grad_hooks
 from pyengine._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
-                                       node_name, not_initialized_message,
-                                       uninitialized_metadata_message)
+                                       accumulate_grad_grads_message, node_name,
+                                       not_initialized_message, uninitialized_metadata_message)
 from pyengine._shared.node_streams import _creation_stream
 from pyengine._state import get_current_node
 
@@ -564,7 +565,10 @@ cdef class AccumulateGradBase(NodeBase):
     def leaf_state(self):
         _cannot_delete("leaf_state")
 
-    def apply(self, list grads):
+    def apply(self, grads):
+        if type(grads) is not list or PyList_GET_SIZE(<list>grads) == 0:
+            raise (TypeError if type(grads) is not list else ValueError)(
+                accumulate_grad_grads_message(grads))
         new_grad = grads[0]
         cdef object variable = self.variable
         cdef LeafState leaf_state = self.leaf_state

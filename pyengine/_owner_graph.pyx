@@ -29,7 +29,8 @@ from pyengine._state cimport ThreadState, anomaly_check_nan, anomaly_enabled, pr
 
 from time import perf_counter_ns as _perf_counter_ns
 
-from pyengine._shared.owner_graph_checks import (EXACT, REDUCE, RETURNS, WRITES, OwnerRun,
+from pyengine._shared.owner_graph_checks import (EXACT, GRADIENTS_CHANGED, REDUCE, RETURNS, WRITES,
+                                                OwnerRun,
                                                 accumulate_grad, add_owner_note,
                                                 check_hook_result, check_nan, check_options,
                                                 check_reader, cycle_error, format_owner_error,
@@ -420,9 +421,16 @@ cdef int dense_grads(OwnerGraph graph, list grads) except -1:
     value but not a numpy array (See Note [Owner graphs])."""
     cdef Py_ssize_t k
     for k in range(len(grads)):
+        # dense_gradient is Python code, which may reach the list (it is the
+        # owner's InputBuffer's) and shorten it.
+        if k >= len(grads):
+            raise RuntimeError(GRADIENTS_CHANGED)
         grad = grads[k]
         if grad is not None and type(grad) is not cnp.ndarray:
-            grads[k] = graph.dense_gradient(grad)
+            dense = graph.dense_gradient(grad)
+            if k >= len(grads):
+                raise RuntimeError(GRADIENTS_CHANGED)
+            grads[k] = dense
     return 0
 
 
@@ -485,7 +493,9 @@ cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** i
     gradients and sum them into its parents' InputBuffers."""
     cdef bint returns = graph.returns
     if graph.pre_hook is not None:
-        result = graph.pre_hook(owner, grads if returns else [])
+        # A tuple, as a Node's pre-hooks get: the hook cannot keep or edit
+        # the owner's own list, which the engine reads after it.
+        result = graph.pre_hook(owner, tuple(grads) if returns else ())
         if result is not None:
             if not returns:
                 raise TypeError(f"pre_hook of a {owner_name(owner)} returned "
@@ -503,7 +513,7 @@ cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** i
     outputs = call_backward(graph, owner, grads, extra)
     if not returns:
         if graph.post_hook is not None:
-            result = graph.post_hook(owner, [], [])
+            result = graph.post_hook(owner, (), ())
             if result is not None:
                 raise TypeError(f"post_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
@@ -516,9 +526,9 @@ cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** i
                             outputs if PyTuple_CheckExact(outputs) else list(outputs),
                             items, n_items, owners, metadata_of)
     if graph.post_hook is not None:
-        if not PyList_CheckExact(checked):
-            checked = list(checked)
-        result = graph.post_hook(owner, checked, grads)
+        # Tuples, as a Node's hooks get: the hook returns new gradients,
+        # and cannot keep or edit the list the engine passes on.
+        result = graph.post_hook(owner, tuple(checked), tuple(grads))
         if result is not None:
             checked = check_outputs(graph, owner,
                                     check_hook_result(owner, "post_hook", result, n_items),
@@ -591,11 +601,15 @@ cdef int route_gradients(object owner, object outputs, PyObject** items, Py_ssiz
     cdef OwnerEntry* entry
     cdef InputBuffer buffer
     for i in range(len(outputs)):
+        # The sum below runs Python code, which may reach the list and
+        # shorten it.
+        if i >= len(outputs):
+            raise RuntimeError(GRADIENTS_CHANGED)
         grad = outputs[i]
         if grad is None:
             continue
         if i >= n_items:
-            # The twin's items[i]: a post_hook lengthened the list it was given.
+            # The twin's items[i] (check_outputs returns one per item).
             raise IndexError("tuple index out of range")
         split_item(<object>items[i], owner, &parent, &input_nr)
         # Found again for each gradient: the sum below runs Python code.

@@ -451,7 +451,7 @@ def test_hooks_see_and_replace_gradients():
         make_graph(pre_hook=lambda owner, grads: [1, 2]).backward(item_of(y), np.ones(3))
 
 
-def test_writes_mode_hooks_get_empty_lists_and_return_none():
+def test_writes_mode_hooks_get_empty_tuples_and_return_none():
     class W:
         def __init__(self, children, log):
             self.children, self.log = children, log
@@ -463,7 +463,7 @@ def test_writes_mode_hooks_get_empty_lists_and_return_none():
     root = W((W((), log),), log)
     pyengine.OwnerGraph("children", "run", pre_hook=lambda o, g: log.append(("pre", g)),
                         post_hook=lambda o, gi, g: log.append(("post", gi, g))).backward(root)
-    assert log == [("pre", []), "run", ("post", [], [])]
+    assert log == [("pre", ()), "run", ("post", (), ())]
     with pytest.raises(TypeError, match="in mode='writes' hooks return None"):
         pyengine.OwnerGraph("children", "run", pre_hook=lambda o, g: [1]).backward(root)
 
@@ -876,21 +876,24 @@ def test_an_error_releases_the_gradients_still_waiting(core):
 
 
 @pytest.mark.parametrize("core", ["compiled", "pure"])
-def test_a_post_hook_that_lengthens_its_list_gets_an_index_error(core):
+def test_a_post_hook_cannot_lengthen_what_the_engine_routes(core):
     # The compiled walk reads an owner's items from a C array (See
-    # pyengine/_owner_table.h): a gradient past them is the twin's
-    # IndexError on its tuple, not a read past the array.
+    # pyengine/_owner_table.h), so no gradient may come past them. A hook
+    # gets tuples (it once got the engine's own list and could append to
+    # it), and a longer list it returns is refused by count.
     module = owner_graph_module(core)
     x = Value([1.0, 2.0])
     y = Sin(x).outputs()
 
-    def post_hook(owner, outputs, grads):
-        outputs.append(None)  # no gradient: nothing to route, no error
+    def appends(owner, outputs, grads):
         outputs.append(np.ones(2))
 
-    graph = make_graph(module, post_hook=post_hook)
-    with pytest.raises(IndexError, match="tuple index out of range"):
-        graph.backward(item_of(y), np.ones(2))
+    with pytest.raises(AttributeError, match="'tuple' object has no attribute 'append'"):
+        make_graph(module, post_hook=appends).backward(item_of(y), np.ones(2))
+    with pytest.raises(RuntimeError, match="post_hook of a Sin returned 2 values; expected None "
+                                           "or a list of 1 gradients"):
+        make_graph(module, post_hook=lambda owner, outputs, grads: list(outputs) + [None]
+                   ).backward(item_of(y), np.ones(2))
     assert x.grad is None
 
 

@@ -413,6 +413,131 @@ def test_a_returned_list_shortened_while_the_engine_reads_it():
                      "done"]
 
 
+def test_lists_shortened_by_python_code_the_engine_runs_elsewhere():
+    # Where else the engine reads a list while Python code it calls may
+    # shorten it: an owner graph's gradients while dense_gradient runs and
+    # while a sum runs (an object array's elements' __add__), and an
+    # InputBuffer's slots while a backend adds. The compiled core read or
+    # wrote past their ends (SIGSEGV); the twin raised IndexError. Owner
+    # graph hooks get tuples (they got the engine's own lists), and
+    # AccumulateGrad.apply takes a list with the gradient (it read an
+    # empty one's first item).
+    lines = run_isolated('''
+        import gc
+
+        from pyengine import AccumulateGrad, OwnerGraph
+        from pyengine._core import InputBuffer
+
+        made = []
+
+
+        def clear_lists_holding(value, length):
+            for referrer in gc.get_referrers(value):
+                if type(referrer) is list and referrer is not made and len(referrer) == length:
+                    referrer.clear()
+
+
+        class Element:
+            """An object array's element whose sum empties the 5-gradient lists."""
+            def __init__(self, v):
+                self.v = v
+
+            def __add__(self, other):
+                for array in made:
+                    clear_lists_holding(array, 5)
+                return Element(self.v + (other.v if isinstance(other, Element) else other))
+
+            __radd__ = __add__
+
+
+        def element_array(v):
+            array = np.empty(1, dtype=object)
+            array[0] = Element(v)
+            made.append(array)
+            return array
+
+
+        class Owner:
+            def __init__(self, parents=(), slots=1):
+                self.parents, self.grad, self.slots = list(parents), None, slots
+
+            def vjp(self, grads):
+                return [element_array(1.0) for _ in self.parents]
+
+
+        hooks_got = []
+        graph = OwnerGraph("parents", "vjp", mode="returns",
+                           pre_hook=lambda owner, grads: hooks_got.append(type(grads).__name__),
+                           post_hook=lambda owner, out, grads: hooks_got.append(
+                               (type(out).__name__, type(grads).__name__)))
+        p, q = Owner(), Owner()
+        report("owner graph sum", lambda: graph.backward(Owner([p, p, q, q, q]),
+                                                         element_array(1.0)))
+        print("hooks got", hooks_got[:2])
+
+
+        def dense(value):
+            clear_lists_holding(value, 4)
+            return np.asarray(value, dtype=float)
+
+
+        class Sub(np.ndarray):
+            pass
+
+
+        class Subs(Owner):
+            def vjp(self, grads):
+                return [np.ones(2).view(Sub) for _ in self.parents]
+
+
+        leaf = Subs()
+        mid = Subs([leaf], slots=4)
+        graph = OwnerGraph("parents", "vjp", mode="returns", dense_gradient=dense,
+                           num_inputs=lambda owner: owner.slots)
+        report("owner graph dense_gradient",
+               lambda: graph.backward(Subs([(mid, 0), (mid, 1), (mid, 2), (mid, 3)]), np.ones(2)))
+
+
+        buffer = InputBuffer(3)
+
+
+        class Clears(np.ndarray):
+            def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+                buffer.buffer.clear()
+                return getattr(ufunc, method)(*[np.asarray(i) for i in inputs], **kwargs)
+
+
+        buffer.add(2, np.ones(2).view(Clears), False)
+        report("InputBuffer add", lambda: buffer.add(2, np.ones(2), False))
+        report("InputBuffer(-1)", lambda: InputBuffer(-1).buffer)
+
+
+        class Leaf:
+            def __init__(self):
+                self.data, self.grad, self.requires_grad = np.ones(2), None, True
+                self.grad_fn, self.output_nr = None, 0
+
+
+        accumulate = AccumulateGrad(Leaf())
+        report("AccumulateGrad []", lambda: accumulate.apply([]))
+        report("AccumulateGrad tuple", lambda: accumulate.apply((np.ones(2),)))
+        print("done")
+    ''')
+    changed = "RuntimeError: an owner's gradients changed while the engine read them"
+    assert lines == [
+        f"owner graph sum -> {changed}",
+        "hooks got ['tuple', ('tuple', 'tuple')]",
+        f"owner graph dense_gradient -> {changed}",
+        "InputBuffer add -> RuntimeError: InputBuffer slot 2 went away while a gradient was "
+        "added into it",
+        "InputBuffer(-1) -> ValueError: InputBuffer size -1 is negative",
+        "AccumulateGrad [] -> ValueError: AccumulateGrad.apply expects a list with the leaf's "
+        "gradient, got an empty list",
+        "AccumulateGrad tuple -> TypeError: Argument 'grads' has incorrect type (expected list, "
+        "got tuple)",
+        "done"]
+
+
 def test_execute_checks_outputs_before_anything_runs():
     # The compiled core read object() as an Edge and returned [None]; the
     # twin raised AttributeError after compute_dependencies.

@@ -23,6 +23,8 @@ the gradients' devices only for a node that declared no non-CPU metadata),
 and an InputBuffer keeps no device.
 """
 
+import operator
+
 import numpy as np
 
 from ..backends import backend_of
@@ -40,6 +42,9 @@ class InputBuffer:
     __slots__ = ("buffer", "_owned")
 
     def __init__(self, size):
+        size = operator.index(size)
+        if size < 0:
+            raise ValueError(f"InputBuffer size {size} is negative")
         self.buffer = [None] * size
         # _owned[i] is the value the buffer allocated for slot i, or None.
         self._owned = None
@@ -86,5 +91,10 @@ class InputBuffer:
             total = backend_of(old).add_(old, value)
         else:
             total = backend_of(old).add(old, value)
+        # The sum ran Python code (a backend, an object array's elements'
+        # __add__), which may have reached these lists and shortened them.
+        if pos >= len(buffer) or pos >= len(owned):
+            raise RuntimeError(f"InputBuffer slot {pos} went away while a gradient was added "
+                               "into it")
         buffer[pos] = total
         owned[pos] = total

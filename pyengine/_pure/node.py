@@ -24,6 +24,7 @@ from .._shared.messages import (
     _cannot_delete,
     _input_nr_error,
     _leaf_state_error,
+    accumulate_grad_grads_message,
     node_name,
     not_initialized_message,
     uninitialized_metadata_message,
@@ -802,6 +803,9 @@ class AccumulateGradBase(NodeBase):
         _cannot_delete("leaf_state")
 
     def apply(self, grads):
+        if type(grads) is not list or len(grads) == 0:
+            raise (TypeError if type(grads) is not list else ValueError)(
+                accumulate_grad_grads_message(grads))
         new_grad = grads[0]
         variable = self.variable
         leaf_state = self.leaf_state

@@ -136,8 +136,9 @@ graph task is one level deeper. Around each owner's backward (leaves'
 ``accumulate`` excluded), ``pre_hook(owner, grads)`` may return new
 gradients, and ``post_hook(owner, grad_inputs, grads)`` new returned
 gradients, as a Node's pre-hooks and hooks do (Chainer's function hooks
-are protocol-wide too); in writes mode they get empty lists and must
-return None. In anomaly mode an error names the owner in a note, and the
+are protocol-wide too); like those, they get tuples, so that they cannot
+keep or edit the lists the engine goes on to read; in writes mode they get
+empty tuples and must return None. In anomaly mode an error names the owner in a note, and the
 returned gradients are checked for NaN where ``check_nan`` is on. With a
 profiler, each owner run (an accumulated leaf included) is one event,
 named after the owner's type, whose ``sequence_nr`` is its index in the
@@ -172,6 +173,7 @@ import numpy as np
 from .._shared.gradient_checks import validate_gradient, validate_gradient_exact
 from .._shared.owner_graph_checks import (
     EXACT,
+    GRADIENTS_CHANGED,
     REDUCE,
     RETURNS,
     WRITES,
@@ -378,9 +380,16 @@ def dense_grads(graph, grads):
     """``dense_gradient`` applied, in place, to each of ``grads`` that is a
     value but not a numpy array (See Note [Owner graphs])."""
     for k in range(len(grads)):
+        # dense_gradient is Python code, which may reach the list (it is the
+        # owner's InputBuffer's) and shorten it.
+        if k >= len(grads):
+            raise RuntimeError(GRADIENTS_CHANGED)
         grad = grads[k]
         if grad is not None and type(grad) is not np.ndarray:
-            grads[k] = graph.dense_gradient(grad)
+            dense = graph.dense_gradient(grad)
+            if k >= len(grads):
+                raise RuntimeError(GRADIENTS_CHANGED)
+            grads[k] = dense
 
 
 def should_compute_outputs(owner, items, slots, exec_info):
@@ -428,7 +437,9 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec
     gradients and sum them into its parents' InputBuffers."""
     returns = graph.returns
     if graph.pre_hook is not None:
-        result = graph.pre_hook(owner, grads if returns else [])
+        # A tuple, as a Node's pre-hooks get: the hook cannot keep or edit
+        # the owner's own list, which the engine reads after it.
+        result = graph.pre_hook(owner, tuple(grads) if returns else ())
         if result is not None:
             if not returns:
                 raise TypeError(f"pre_hook of a {owner_name(owner)} returned "
@@ -446,7 +457,7 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec
     outputs = call_backward(graph, owner, grads, extra)
     if not returns:
         if graph.post_hook is not None:
-            result = graph.post_hook(owner, [], [])
+            result = graph.post_hook(owner, (), ())
             if result is not None:
                 raise TypeError(f"post_hook of a {owner_name(owner)} returned "
                                 f"{type(result).__name__}; in mode={WRITES!r} hooks return None")
@@ -458,9 +469,9 @@ def evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec
     outputs = check_outputs(graph, owner, outputs if type(outputs) is tuple else list(outputs),
                             items, slots, metadata_of)
     if graph.post_hook is not None:
-        if type(outputs) is not list:
-            outputs = list(outputs)
-        result = graph.post_hook(owner, outputs, grads)
+        # Tuples, as a Node's hooks get: the hook returns new gradients,
+        # and cannot keep or edit the list the engine passes on.
+        result = graph.post_hook(owner, tuple(outputs), tuple(grads))
         if result is not None:
             outputs = check_outputs(graph, owner,
                                     check_hook_result(owner, "post_hook", result, len(items)),
@@ -519,6 +530,10 @@ def gradient_matches(metadata, grad):
 def route_gradients(owner, outputs, items, buffers, slots):
     """Sum each gradient into its parent's InputBuffer, made on the first."""
     for i in range(len(outputs)):
+        # The sum below runs Python code, which may reach the list and
+        # shorten it.
+        if i >= len(outputs):
+            raise RuntimeError(GRADIENTS_CHANGED)
         grad = outputs[i]
         if grad is None:
             continue

@@ -45,6 +45,14 @@ def uninitialized_metadata_message(where):
     return f"{where} is an InputMetadata whose __init__ never ran"
 
 
+def accumulate_grad_grads_message(grads):
+    """What AccumulateGrad.apply refuses: anything but a list holding the
+    leaf's gradient first (the engine gives it its InputBuffer's list)."""
+    if type(grads) is not list:
+        return f"Argument 'grads' has incorrect type (expected list, got {type(grads).__name__})"
+    return "AccumulateGrad.apply expects a list with the leaf's gradient, got an empty list"
+
+
 def init_to_execute_refused_message(reason):
     """Why init_to_execute refused a graph task: ``"planning"`` (another call
     is running on it), ``"planned"`` or ``"started"``."""

@@ -171,6 +171,11 @@ def format_owner_error(owner):
     return lambda message: f"the backward of a {name}: {message}"
 
 
+# A list of an owner's gradients got shorter while the engine read it:
+# Python code it ran (dense_gradient, a backend's add) reached the list.
+GRADIENTS_CHANGED = "an owner's gradients changed while the engine read them"
+
+
 def check_hook_result(owner, what, result, count):
     """A hook's replacement gradients as a list of ``count``."""
     if not isinstance(result, (list, tuple)) or len(result) != count:
