@@ -5,6 +5,8 @@
 - ``signals_not_swallowed``: SIGINT raises KeyboardInterrupt (even in a
   background job, which starts with SIGINT ignored), and no gc callback
   may swallow it.
+- ``run_on_this_core``: code in a subprocess on the test's core, which must
+  exit normally (for what once crashed or hung the interpreter).
 - ``engine_with_depth``: swaps in an Engine with a given max_recursion_depth.
 - ``Counter`` / ``make_logger``: nodes that count their calls or log their
   names, to check which nodes ran and in what order.
@@ -88,6 +90,30 @@ def signals_not_swallowed():
             gc.enable()
         if previous_handler is not signal.default_int_handler:
             signal.signal(signal.SIGINT, previous_handler)
+
+
+def run_on_this_core(code: str, timeout: float) -> list[str]:
+    """Run ``code`` in a fresh interpreter on the core this test runs on
+    (``PYENGINE_PURE`` and the repository on ``PYTHONPATH`` pass through).
+    It must exit normally (no crash) within ``timeout`` seconds (else the
+    test fails as a hang). Returns its output lines."""
+    import subprocess
+
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
+    if pyengine.IMPLEMENTATION == "pure":
+        env["PYENGINE_PURE"] = "1"
+    else:
+        env.pop("PYENGINE_PURE", None)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"no exit within {timeout} s: a hang or a deadlock")
+    assert proc.returncode == 0, (
+        f"exit status {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc.stdout.splitlines()
 
 
 @pytest.fixture

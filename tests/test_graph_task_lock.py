@@ -18,16 +18,9 @@ and that every backward returns.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
-
-import pyengine
-
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
+from conftest import run_on_this_core
 
 _PRELUDE = '''
 import numpy as np
@@ -68,22 +61,9 @@ def run(root):
 
 
 def run_isolated(code: str) -> list[str]:
-    """Run ``code`` after the prelude in a fresh interpreter on this test's
-    core; it must exit normally within 60 s. Returns its output lines."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, os.environ.get("PYTHONPATH")]))
-    if pyengine.IMPLEMENTATION == "pure":
-        env["PYENGINE_PURE"] = "1"
-    else:
-        env.pop("PYENGINE_PURE", None)
-    try:
-        proc = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(code)], env=env,
-                              capture_output=True, text=True, timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail("no exit within 60 s: a deadlock")
-    assert proc.returncode == 0, (
-        f"exit status {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc.stdout.splitlines()
+    """Run ``code`` after the prelude on this test's core: See
+    ``run_on_this_core`` in conftest.py."""
+    return run_on_this_core(_PRELUDE + textwrap.dedent(code), timeout=60)
 
 
 TAKEN_AGAIN = ("RuntimeError: a thread asked for the graph task's lock while it held it: Python "

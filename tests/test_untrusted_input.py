@@ -12,18 +12,14 @@ Oracles: the error texts below, and the analytic gradients of small graphs
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+from conftest import run_on_this_core
 
 import pyengine
 from pyengine import Edge, Node
-
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
 
 # The graph every subprocess builds: ``Fan`` hands ``grads[0] * (i + 1)``
 # to its edge ``i``; each ``Sink`` records what reaches its slot 0.
@@ -72,19 +68,9 @@ def report(what, fn):
 
 
 def run_isolated(code: str) -> list[str]:
-    """Run ``code`` after the prelude in a fresh interpreter on this test's
-    core; it must exit normally (no crash). Returns its output lines."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, os.environ.get("PYTHONPATH")]))
-    if pyengine.IMPLEMENTATION == "pure":
-        env["PYENGINE_PURE"] = "1"
-    else:
-        env.pop("PYENGINE_PURE", None)
-    proc = subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, (
-        f"exit status {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc.stdout.splitlines()
+    """Run ``code`` after the prelude on this test's core: See
+    ``run_on_this_core`` in conftest.py."""
+    return run_on_this_core(_PRELUDE + textwrap.dedent(code), timeout=120)
 
 
 # -- Edge input_nr: See Note [Edge input_nr] in pyengine/_shared/messages.py --
