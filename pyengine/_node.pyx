@@ -566,9 +566,10 @@ cdef class AccumulateGradBase(NodeBase):
         _cannot_delete("leaf_state")
 
     def apply(self, grads):
-        if type(grads) is not list or PyList_GET_SIZE(<list>grads) == 0:
-            raise (TypeError if type(grads) is not list else ValueError)(
-                accumulate_grad_grads_message(grads))
+        if type(grads) is not list:
+            raise TypeError(accumulate_grad_grads_message(grads))
+        if PyList_GET_SIZE(<list>grads) == 0:
+            raise ValueError(accumulate_grad_grads_message(grads))
         new_grad = grads[0]
         cdef object variable = self.variable
         cdef LeafState leaf_state = self.leaf_state

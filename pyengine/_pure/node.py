@@ -803,9 +803,10 @@ class AccumulateGradBase(NodeBase):
         _cannot_delete("leaf_state")
 
     def apply(self, grads):
-        if type(grads) is not list or len(grads) == 0:
-            raise (TypeError if type(grads) is not list else ValueError)(
-                accumulate_grad_grads_message(grads))
+        if type(grads) is not list:
+            raise TypeError(accumulate_grad_grads_message(grads))
+        if len(grads) == 0:
+            raise ValueError(accumulate_grad_grads_message(grads))
         new_grad = grads[0]
         variable = self.variable
         leaf_state = self.leaf_state
