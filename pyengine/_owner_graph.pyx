@@ -30,8 +30,7 @@ from pyengine._state cimport ThreadState, anomaly_check_nan, anomaly_enabled, pr
 from time import perf_counter_ns as _perf_counter_ns
 
 from pyengine._shared.owner_graph_checks import (EXACT, GRADIENTS_CHANGED, REDUCE, RETURNS, WRITES,
-                                                OwnerRun,
-                                                accumulate_grad, add_owner_note,
+                                                OwnerRun, accumulate_grad, add_owner_note,
                                                 check_hook_result, check_nan, check_options,
                                                 check_reader, cycle_error, format_owner_error,
                                                 format_root_error, mark_needed, owner_name,
@@ -609,7 +608,9 @@ cdef int route_gradients(object owner, object outputs, PyObject** items, Py_ssiz
         if grad is None:
             continue
         if i >= n_items:
-            # The twin's items[i] (check_outputs returns one per item).
+            # Past the C items array: the twin's items[i]. check_outputs
+            # returns one gradient per item, but code that reached the list
+            # (as above) may have lengthened it.
             raise IndexError("tuple index out of range")
         split_item(<object>items[i], owner, &parent, &input_nr)
         # Found again for each gradient: the sum below runs Python code.

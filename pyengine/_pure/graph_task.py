@@ -41,9 +41,9 @@ def refuse_lock_taken_again(graph_task):
     asks for the lock again, the thread would wait for itself forever. The
     lock is a ``threading.RLock`` only so that its owner can be asked; it is
     never taken twice. A signal ends its wait for another thread's hold
-    (KeyboardInterrupt), as it ends any lock's wait. The compiled core's ``lock_mutex``
-    gives the same two answers: See Note [A lock the GIL guards] in
-    ``pyengine/_gil_guarded_lock.h``."""
+    (KeyboardInterrupt), as it ends any lock's wait. The compiled core's
+    ``lock_mutex`` gives the same two answers: See Note [A lock the GIL
+    guards] in ``pyengine/_gil_guarded_lock.h``."""
     # _is_owned: the C RLock's own check, which threading.Condition uses.
     if graph_task.mutex._is_owned():
         raise RuntimeError(lock_taken_again_message())

@@ -138,8 +138,9 @@ gradients, and ``post_hook(owner, grad_inputs, grads)`` new returned
 gradients, as a Node's pre-hooks and hooks do (Chainer's function hooks
 are protocol-wide too); like those, they get tuples, so that they cannot
 keep or edit the lists the engine goes on to read; in writes mode they get
-empty tuples and must return None. In anomaly mode an error names the owner in a note, and the
-returned gradients are checked for NaN where ``check_nan`` is on. With a
+empty tuples and must return None. In anomaly mode an error names the
+owner in a note, and the returned gradients are checked for NaN where
+``check_nan`` is on. With a
 profiler, each owner run (an accumulated leaf included) is one event,
 named after the owner's type, whose ``sequence_nr`` is its index in the
 post-order. An owner-graph run is no call of the engine's ``execute``, so
