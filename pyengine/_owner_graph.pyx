@@ -38,12 +38,15 @@ from pyengine._shared.owner_graph_checks import (EXACT, GRADIENTS_CHANGED, REDUC
 from pyengine._shared.owner_graph_checks import check_input_nr as check_input_nr_slow
 from pyengine._shared.owner_graph_checks import count_slots as count_slots_slow
 from pyengine._shared.owner_graph_checks import split_item as split_item_slow
+from pyengine._shared.messages import MAX_INPUT_NR
 from pyengine._node import as_input_metadata
 from pyengine._shared.gradient_checks import validate_gradient, validate_gradient_exact
 
 __all__ = ["OwnerGraph", "run_owner_graph"]
 
 cnp.import_array()
+# count_slots' limit as a C integer, for split_item's check per item.
+cdef Py_ssize_t max_input_nr = MAX_INPUT_NR
 
 cdef extern from "_table_growth.h":
     size_t TABLE_GROWTH_STEP "pyengine_TABLE_GROWTH_STEP"
@@ -82,6 +85,11 @@ cdef extern from "Python.h":
     bint PyList_CheckExact(object obj)
     bint PyLong_Check(object obj)
     bint PyBool_Check(object obj)
+    # Checked by hand (split_item), so that an int too big is the twin's
+    # IndexError, not Cython's OverflowError.
+    Py_ssize_t PyLong_AsSsize_t(object obj) noexcept
+    PyObject* PyErr_Occurred() noexcept
+    void PyErr_Clear() noexcept
     # On the arena's owned pointers, without a reference per use.
     void decref "Py_DECREF"(PyObject* obj)
     # id(): the same int, without a Python call and its audit event.
@@ -173,16 +181,24 @@ cdef inline int split_item(object item, object holder, PyObject** parent,
     """Set ``parent`` and ``input_nr`` from a parent item of ``holder``;
     return 0 where no gradient flows (None, or a pair whose owner is None),
     else 1. Makes no object."""
+    cdef Py_ssize_t nr
     if item is None:
         return 0
     if PyTuple_CheckExact(item):
         if (len(<tuple>item) != 2 or not PyLong_Check((<tuple>item)[1])
                 or PyBool_Check((<tuple>item)[1])):
             split_item_slow(item, holder)  # raises, with the twin's message
+        # An int past Py_ssize_t reads as -1 here, and so goes the slow
+        # way to the twin's IndexError rather than an OverflowError.
+        nr = PyLong_AsSsize_t((<tuple>item)[1])
+        if nr == -1 and PyErr_Occurred() != NULL:
+            PyErr_Clear()
+        if not 0 <= nr < max_input_nr:
+            split_item_slow(item, holder)  # raises, with the twin's message
         if (<tuple>item)[0] is None:
             return 0
         parent[0] = <PyObject*>(<tuple>item)[0]
-        input_nr[0] = (<tuple>item)[1]
+        input_nr[0] = nr
         return 1
     parent[0] = <PyObject*>item
     input_nr[0] = 0

@@ -410,3 +410,17 @@ def test_the_owners_are_held_while_the_methods_run():
     del below
     run_owner_graph(root)
     assert log == ["root", "dropping", "below"]
+
+
+@pytest.mark.parametrize("input_nr", [-1, 1 << 16, 1 << 64])
+def test_a_parent_item_naming_a_slot_no_owner_can_have(input_nr):
+    # Writes mode reads no slot, but a slot no owner can have is a mistake
+    # in the graph all the same, and both cores say so in the same words.
+    log = []
+    root = Owner("root", ((Owner("leaf", (), log), input_nr),), log)
+    message = f"a parent item of a Owner names slot {input_nr}: a slot is at least 0 and below 65536"
+    for run in (run_owner_graph, run_translation):
+        with pytest.raises(IndexError, match=message):
+            run(root)
+    assert log == []
+    assert_engine_still_works()

@@ -662,6 +662,13 @@ BAD_CASES = {
                "a parent item of a Bad is a tuple of 3: expected an owner, None, or a pair"),
     "input_nr": (dict(items=[(Split(Value(1.0)), 2)]), IndexError,
                  "a parent item of a Bad names slot 2 of a Split, which has 2 slots"),
+    "negative input_nr": (dict(items=[(Split(Value(1.0)), -1)]), IndexError,
+                          "a parent item of a Bad names slot -1: a slot is at least 0 and below "
+                          "65536"),
+    # Past a C integer: the compiled walk's OverflowError before, not the twin's IndexError.
+    "input_nr past 64 bits": (dict(items=[(Split(Value(1.0)), 1 << 64)]), IndexError,
+                              "a parent item of a Bad names slot 18446744073709551616: a slot is "
+                              "at least 0 and below 65536"),
     "slots": (dict(slots=0), TypeError, "num_inputs.Bad. must be an int of at least 1, got 0"),
     "huge": (dict(slots=1 << 40), ValueError, "num_inputs.Bad. is 1099511627776; at most 65536"),
 }
@@ -687,6 +694,9 @@ def test_bad_roots_and_cycles():
         graph.backward(Value(1.0))
     with pytest.raises(IndexError, match="the root names slot 3 of a Split"):
         graph.backward((Split(Value(1.0)), 3), np.ones(3))
+    with pytest.raises(IndexError, match="the root names slot 9223372036854775808: a slot is "
+                                         "at least 0 and below 65536"):
+        graph.backward((Split(Value(1.0)), 1 << 63), np.ones(3))
     a = Bad(items=[])
     b = Bad(items=[a])
     a.items.append(b)

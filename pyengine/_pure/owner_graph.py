@@ -20,7 +20,8 @@ owner of it, with no pyengine Node made at forward or at backward.
 - ``parents`` (an attribute name, or a callable ``owner -> iterable``): the
   owner's *parent items*. Each item is an owner, a pair ``(owner,
   input_nr)`` (an exact ``tuple`` of two, for owners with more than one
-  gradient slot), or None (no gradient flows there). An owner whose items
+  gradient slot; ``input_nr`` an int from 0 to ``MAX_INPUT_NR - 1``, in
+  either mode, else IndexError), or None (no gradient flows there). An owner whose items
   are none at all (an empty collection, or None) is a *leaf*.
 - ``backward`` (a method name, or a callable taking the owner first), in
   one of two modes:

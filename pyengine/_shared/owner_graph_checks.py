@@ -105,6 +105,12 @@ def split_item(item, holder):
             raise TypeError(f"a parent item of a {owner_name(holder)} is a tuple of "
                             f"{len(item)}: expected an owner, None, or a pair (owner, input_nr) "
                             "with an int input_nr")
+        if not 0 <= item[1] < MAX_INPUT_NR:
+            # No owner has a slot there (count_slots' limit); and the
+            # compiled walk keeps input_nr in a C integer.
+            holder = "the root" if holder is None else f"a parent item of a {owner_name(holder)}"
+            raise IndexError(f"{holder} names slot {item[1]}: a slot is at least 0 and "
+                             f"below {MAX_INPUT_NR}")
         if item[0] is None:
             return None
         return item
