@@ -9,7 +9,7 @@ cimport cython
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 
-from pyengine.backends import backend_of
+from pyengine.backends import backend_to_add
 
 cimport numpy as cnp
 
@@ -85,9 +85,9 @@ cdef class InputBuffer:
                     # as the numpy backend's add does.
                     total = cnp.PyArray_FROM_O(total)
         elif in_place:
-            total = backend_of(old).add_(old, value)
+            total = backend_to_add(old, f"InputBuffer slot {pos}").add_(old, value)
         else:
-            total = backend_of(old).add(old, value)
+            total = backend_to_add(old, f"InputBuffer slot {pos}").add(old, value)
         # The sum ran Python code (a backend, an object array's elements'
         # __add__), which may have reached these lists and shortened them.
         if pos >= PyList_GET_SIZE(buffer) or pos >= PyList_GET_SIZE(self._owned):

@@ -26,7 +26,7 @@ from _thread import allocate_lock as _allocate_lock
 import numpy as np
 
 from pyengine import backends as _backends
-from pyengine.backends import backend_of
+from pyengine.backends import backend_of, backend_to_add
 from pyengine.device import CPU
 from pyengine.indexed import IndexedGradient
 
@@ -497,13 +497,13 @@ cdef object add_in_place(object grad, object new_grad):
             # np.add(grad, new_grad, out=grad), the numpy backend's add_.
             return PyNumber_InPlaceAdd(grad, new_grad)
         return add_arrays(grad, new_grad)
-    return backend_of(grad).add_(grad, new_grad)
+    return backend_to_add(grad, "the variable's .grad").add_(grad, new_grad)
 
 
 cdef object add_values(object grad, object new_grad):
     if is_numpy_array(grad) and type(new_grad) is cnp.ndarray:
         return add_arrays(grad, new_grad)
-    return backend_of(grad).add(grad, new_grad)
+    return backend_to_add(grad, "the variable's .grad").add(grad, new_grad)
 
 
 @cython.final

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .backends import backend_of
+from .backends import backend_of, backend_to_add
 from .engine import get_default_engine
 from .node import AccumulateGrad, Edge, Node, RemovableHandle, leaf_state
 
@@ -165,7 +165,7 @@ def retain_grad(tensor) -> None:
             if old_grad is None:
                 owner.grad = backend_of(new_grad).copy(new_grad)
             else:
-                owner.grad = backend_of(old_grad).add(old_grad, new_grad)
+                owner.grad = backend_to_add(old_grad, "the tensor's .grad").add(old_grad, new_grad)
 
     grad_fn.set_retains_grad_hook(getattr(tensor, "output_nr", 0), retains_grad_hook)
 

@@ -349,6 +349,18 @@ def backend_of(value) -> ArrayBackend | None:
     return found
 
 
+def backend_to_add(value, holder):
+    """``backend_of(value)``, for a sum into ``value``; TypeError where no
+    backend handles it. ``holder`` names where ``value`` was found (a
+    ``.grad`` or a buffer slot, which Python code can set to anything)."""
+    backend = backend_of(value)
+    if backend is None:
+        raise TypeError(f"{holder} holds a {type(value).__name__}, which no registered backend "
+                        "adds a gradient to: expected a value of a registered backend (see "
+                        "pyengine.register_backend)")
+    return backend
+
+
 def _find_backend(value_type):
     """The backend registered for ``value_type`` or its nearest base, or None."""
     for base in value_type.__mro__:

@@ -663,6 +663,21 @@ _WRITES = [
      "write IndexError: InputBuffer slot -1 is negative"),
     ("input buffer list", "b = InputBuffer(1); b.buffer = None; b.add(0, np.ones(3), False)",
      "write TypeError"),
+    ("input buffer tuple", "InputBuffer(1).buffer = (np.ones(3),)",
+     "write TypeError: Expected list, got tuple"),
+    ("input buffer list subclass", "InputBuffer(1).buffer = type('L', (list,), {})([None])",
+     "write TypeError: Expected list, got L"),
+    ("del input buffer list",
+     "b = InputBuffer(1); del b.buffer; assert b.buffer is None; b.add(0, np.ones(3), False)",
+     "write TypeError: InputBuffer.buffer is None; expected a list"),
+    ("input buffer never initialized",
+     "b = InputBuffer.__new__(InputBuffer); assert b.buffer is None; b.buffer = [None]; "
+     "b.add(0, np.ones(3), False); b.add(0, np.ones(3), False); assert b.buffer[0].tolist() == [2.0] * 3",
+     "backward -> []"),
+    ("input buffer slot of no backend",
+     "b = InputBuffer(1); b.buffer = [1.5]; b.add(0, np.ones(3), False)",
+     "write TypeError: InputBuffer slot 0 holds a float, which no registered backend adds a "
+     "gradient to"),
 ]
 
 
@@ -735,3 +750,32 @@ def test_fields_keep_their_value_after_a_refused_write():
     assert type(mid._next_edges) is tuple and type(mid._input_metadata) is tuple
     _backward(Scale([Edge(mid, 0)], 4.0))
     assert sink.got == [] and other.got == [[[4.0] * 3]]
+
+
+@pytest.mark.parametrize("name", ["Edge", "InputMetadata", "LeafState", "InputBuffer",
+                                  "GraphTask", "NodeTask", "ReadyQueue"])
+def test_the_cores_value_classes_are_final_in_both(name):
+    # The compiled core declares them final, so that its C code reads the
+    # fields it was compiled for; the twin refused nothing before.
+    with pytest.raises(TypeError, match=f"type 'pyengine.*{name}' is not an acceptable base type"):
+        type("Extended", (getattr(pyengine._core, name),), {})
+
+
+def test_a_grad_no_backend_adds_to_is_named_and_kept():
+    # A leaf's .grad is the framework's attribute, so Python code can set it
+    # to anything; the sum into it names what it found, in both cores.
+    class Variable:
+        def __init__(self):
+            self.data = np.ones(3)
+            self.grad = None
+
+    variable = Variable()
+    accumulate = pyengine.AccumulateGrad(variable)
+    variable.grad = [1.0, 1.0, 1.0]
+    with pytest.raises(TypeError, match="the variable's .grad holds a list, which no registered "
+                                        "backend adds a gradient to"):
+        _backward(Scale([Edge(accumulate, 0)], 1.0))
+    assert variable.grad == [1.0, 1.0, 1.0]
+    variable.grad = None
+    _backward(Scale([Edge(accumulate, 0)], 2.0))
+    assert variable.grad.tolist() == [2.0] * 3

@@ -10,9 +10,11 @@ from .. import streams
 from .._shared import node_streams, task_queries
 from .._shared.messages import lock_taken_again_message, not_ready_message
 from . import state
+from .final import final
 from .ready_queue import is_main_thread, wait_honouring_signals
 
 
+@final
 class ExecInfo:
     """Whether a node runs under ``grad(inputs=)`` / ``backward(inputs=)``
     pruning, and which of its inputs to capture as results.
@@ -49,6 +51,7 @@ def refuse_lock_taken_again(graph_task):
         raise RuntimeError(lock_taken_again_message())
 
 
+@final
 class GraphTask:
     """Fields and how they are guarded:
 

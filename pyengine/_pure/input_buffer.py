@@ -27,10 +27,12 @@ import operator
 
 import numpy as np
 
-from ..backends import backend_of
+from ..backends import backend_to_add
+from .final import final
 from .node import is_numpy_array
 
 
+@final
 class InputBuffer:
     """Per-slot gradient sums for one node.
 
@@ -39,7 +41,15 @@ class InputBuffer:
     GraphTask's ``not_ready`` map, whose lock guards it.
     """
 
-    __slots__ = ("buffer", "_owned")
+    __slots__ = ("_buffer", "_owned")
+
+    def __new__(cls, *args, **kwargs):
+        # As the compiled type's fields: None until set, even where
+        # ``__init__`` never runs (``InputBuffer.__new__(InputBuffer)``).
+        self = object.__new__(cls)
+        self._buffer = None
+        self._owned = None
+        return self
 
     def __init__(self, size):
         size = operator.index(size)
@@ -48,6 +58,22 @@ class InputBuffer:
         self.buffer = [None] * size
         # _owned[i] is the value the buffer allocated for slot i, or None.
         self._owned = None
+
+    @property
+    def buffer(self):
+        return self._buffer
+
+    # The compiled core's ``cdef public list buffer``: Python code may set
+    # an exact list or None, and ``del`` sets None.
+    @buffer.setter
+    def buffer(self, value):
+        if value is not None and type(value) is not list:
+            raise TypeError(f"Expected list, got {type(value).__name__}")
+        self._buffer = value
+
+    @buffer.deleter
+    def buffer(self):
+        self._buffer = None
 
     def add(self, pos, value, create_graph):
         """Add ``value`` into slot ``pos`` (See Note [InputBuffer ownership])."""
@@ -88,9 +114,9 @@ class InputBuffer:
                     # as the numpy backend's add does.
                     total = np.asarray(total)
         elif in_place:
-            total = backend_of(old).add_(old, value)
+            total = backend_to_add(old, f"InputBuffer slot {pos}").add_(old, value)
         else:
-            total = backend_of(old).add(old, value)
+            total = backend_to_add(old, f"InputBuffer slot {pos}").add(old, value)
         # The sum ran Python code (a backend, an object array's elements'
         # __add__), which may have reached these lists and shortened them.
         if pos >= len(buffer) or pos >= len(owned):

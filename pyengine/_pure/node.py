@@ -30,10 +30,11 @@ from .._shared.messages import (
     uninitialized_metadata_message,
 )
 from .._shared.node_streams import _creation_stream
-from ..backends import backend_of
+from ..backends import backend_of, backend_to_add
 from ..device import CPU
 from ..indexed import IndexedGradient
 from . import state
+from .final import final
 
 # AccumulateGrad sorts before every other node: See Note [AccumulateGrad first].
 ACCUMULATE_GRAD_SEQUENCE_NR = 2**64 - 1
@@ -63,6 +64,7 @@ def _not_writable(self, name, value=None):
     raise AttributeError(f"attribute '{name}' of '{type(self).__name__}' objects is not writable")
 
 
+@final
 class InputMetadata:
     """Shape, dtype and device of the forward output an input slot stands for.
 
@@ -132,6 +134,7 @@ def _check_input_nr(node, input_nr):
     return index
 
 
+@final
 class Edge:
     """Which input slot (``input_nr``) of which ``node`` a gradient flows into.
 
@@ -708,15 +711,16 @@ def add_in_place(grad, new_grad):
             grad += new_grad  # np.add(grad, new_grad, out=grad), the numpy backend's add_
             return grad
         return add_arrays(grad, new_grad)
-    return backend_of(grad).add_(grad, new_grad)
+    return backend_to_add(grad, "the variable's .grad").add_(grad, new_grad)
 
 
 def add_values(grad, new_grad):
     if is_numpy_array(grad) and type(new_grad) is np.ndarray:
         return add_arrays(grad, new_grad)
-    return backend_of(grad).add(grad, new_grad)
+    return backend_to_add(grad, "the variable's .grad").add(grad, new_grad)
 
 
+@final
 class LeafState:
     """What pyengine keeps on a leaf tensor (a framework keeps it where it
     likes; :func:`pyengine.node.leaf_state` puts it in ``_pyengine_leaf``).

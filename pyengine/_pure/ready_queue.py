@@ -62,6 +62,8 @@ hook order against PyTorch.
 
 import threading
 
+from .final import final
+
 # See Note [Waits honour signals] in pyengine/_locks.pxd: the compiled
 # core's WAIT_SLICE_MS, in seconds.
 WAIT_SLICE = 0.020
@@ -84,6 +86,7 @@ def is_main_thread():
     return threading.current_thread() is threading.main_thread()
 
 
+@final
 class NodeTask:
     """One unit of work: run ``node`` of ``graph_task`` on ``inputs``, the list
     of gradients its InputBuffer summed (one per input slot).
@@ -186,6 +189,7 @@ def make_heap(heap):
         adjust_heap(heap, parent, length, heap[parent])
 
 
+@final
 class ReadyQueue:
     """A priority queue of NodeTasks under a lock and a condition variable.
 
