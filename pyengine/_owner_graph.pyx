@@ -276,6 +276,7 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     cdef object parents = graph.parents
     cdef object needs_no_gradient = graph.needs_no_gradient
     cdef DependencyMap seen  # writes mode's search states: See enter_owner
+    cdef dict refusals = {}  # the twin's: See refuses
     cdef vector[Frame] stack
     cdef vector[PyObject*] arena
     cdef Frame* frame
@@ -319,7 +320,8 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
             frame.next += 1
             if not split_item(item, <object>frame.owner, &parent, &input_nr):
                 continue
-            if needs_no_gradient is not None and needs_no_gradient(<object>parent):
+            if needs_no_gradient is not None and refuses(needs_no_gradient, <object>parent,
+                                                         refusals, held):
                 continue
             parent_state = enter_owner(graph.returns, &seen, owners, parent, &slot)
             if parent_state == ON_PATH:
@@ -337,6 +339,17 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
         # seen is not released into the kept tables: See Note [Tables kept
         # between backward calls].
     return 0
+
+
+cdef bint refuses(object needs_no_gradient, object owner, dict refusals, list held) except -1:
+    """``needs_no_gradient(owner)``, asked once per owner in a search: See
+    the twin's ``refuses``."""
+    key = address(<void*>owner)
+    answer = refusals.get(key)
+    if answer is None:
+        answer = refusals[key] = bool(needs_no_gradient(owner))
+        held.append(owner)  # its address stays its own while refusals holds it
+    return answer
 
 
 cdef int enter_owner(bint returns, DependencyMap* seen, OwnerTable* owners, PyObject* owner,

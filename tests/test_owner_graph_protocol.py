@@ -383,6 +383,32 @@ def test_needs_no_gradient_prunes_the_search():
         graph.backward(constant, np.ones(3))
 
 
+@pytest.mark.parametrize("first_answer", [True, False])
+def test_needs_no_gradient_is_asked_once_per_owner(first_answer):
+    # y = a*a + 2a through one Split, whose two slots are two items of the
+    # Add. Its first answer holds for both: before, a predicate that changed
+    # its mind gave the Split the gradient of an item it had refused.
+    a = Value([1.0, 2.0, 3.0])
+    split = Split(a)
+    double, square = split.outputs()
+    y = Add(square, double).outputs()
+    asked = []
+
+    def needs_no_gradient(owner):
+        asked.append(owner)
+        if owner is not split:
+            return False
+        return first_answer if asked.count(owner) == 1 else not first_answer
+
+    make_graph(needs_no_gradient=needs_no_gradient).backward(item_of(y), np.ones(3))
+    expected = [y.creator, split] if first_answer else [y.creator, split, a]
+    assert [id(owner) for owner in asked] == [id(owner) for owner in expected]
+    if first_answer:
+        assert a.grad is None
+    else:
+        np.testing.assert_array_equal(a.grad, 2 + 2 * a.data)
+
+
 # -- grad(inputs=) ---------------------------------------------------------------------------------
 
 

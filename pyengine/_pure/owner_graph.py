@@ -94,8 +94,9 @@ once, in their iteration order, into a snapshot of its own when it first
 reaches the owner (so a collection edited while the search runs changes
 nothing read already, and both cores read the same owners in the same
 order), skips None items and the owners ``needs_no_gradient`` (optional)
-says need no gradient (asked per item read: they are neither searched nor
-given gradients), and appends each owner to the *post-order* when its
+says need no gradient (asked once per owner, at the first item that names
+it, so that one answer holds for every item: a refused owner is neither
+searched nor given gradients), and appends each owner to the *post-order* when its
 search finishes (a leaf: when first reached). Owners are told apart by
 identity, whatever their ``==``. A cycle (an owner among its own
 descendants) is an error: no order runs it. ``visit(owner)`` (optional) is
@@ -306,6 +307,7 @@ def search(graph, root, order, is_leaf, items_of, slots, held, keep_items):
     needs_no_gradient = graph.needs_no_gradient
     returns = graph.returns
     seen = {}
+    refusals = {}  # needs_no_gradient's answers, by id (the owner is held)
     stack = []  # frames: [owner, items, index of the next item]
     reach_owner(graph, root, seen, stack, order, is_leaf, items_of, slots, held, keep_items)
     while stack:
@@ -326,7 +328,7 @@ def search(graph, root, order, is_leaf, items_of, slots, held, keep_items):
         if pair is None:
             continue
         parent = pair[0]
-        if needs_no_gradient is not None and needs_no_gradient(parent):
+        if needs_no_gradient is not None and refuses(needs_no_gradient, parent, refusals, held):
             continue
         parent_state = seen.get(id(parent))
         if parent_state is None:
@@ -336,6 +338,18 @@ def search(graph, root, order, is_leaf, items_of, slots, held, keep_items):
             raise cycle_error(parent, parents)
         if returns and pair[1] != 0:  # every owner has slot 0
             check_input_nr(parent, pair[1], slots, frame[0])
+
+
+def refuses(needs_no_gradient, owner, refusals, held):
+    """``needs_no_gradient(owner)``, asked once per owner in a search. An
+    answer that changed between two items would let one item's gradient
+    reach an owner another item's answer refused, unchecked: the search
+    reads no slot count of a refused owner."""
+    answer = refusals.get(id(owner))
+    if answer is None:
+        answer = refusals[id(owner)] = bool(needs_no_gradient(owner))
+        held.append(owner)  # its id stays its own while refusals holds it
+    return answer
 
 
 def reach_owner(graph, owner, seen, stack, order, is_leaf, items_of, slots, held, keep_items):
