@@ -656,9 +656,11 @@ _WRITES = [
      "write TypeError: InputMetadata is immutable: its __init__ ran already"),
     ("leaf_state lock", "acc.leaf_state.lock = None", "write AttributeError"),
     # The core's validate_outputs (private) from Python: the compiled one
-    # read object() as an Edge; the twin's raises AttributeError. Either is
-    # an error, never a crash.
-    ("validate_outputs edges", "validate_outputs([object()], [np.ones(3)], str)", "write "),
+    # read object() as an Edge once; both check what Python code passes.
+    ("validate_outputs edges", "validate_outputs([object()], [np.ones(3)], str)",
+     "write TypeError: edges[0] must be an Edge or None, got object"),
+    ("validate_outputs grads", "validate_outputs([None], (np.ones(3),), str)",
+     "write TypeError: Argument 'grads' has incorrect type (expected list, got tuple)"),
     ("input buffer slot", "InputBuffer(1).add(-1, np.ones(3), False)",
      "write IndexError: InputBuffer slot -1 is negative"),
     ("input buffer list", "b = InputBuffer(1); b.buffer = None; b.add(0, np.ones(3), False)",

@@ -20,7 +20,7 @@ from .._shared.gradient_checks import (
     validate_node_gradient,
 )
 from .._shared.messages import gradients_changed_message
-from .node import NodeBase
+from .node import Edge, NodeBase
 
 
 def validate_outputs(edges, grads, format_error, gradient_policy="reduce", node=None):
@@ -38,6 +38,15 @@ def validate_outputs(edges, grads, format_error, gradient_policy="reduce", node=
     read only for a gradient that is not already its slot's value.
     """
     exact = checked_gradient_policy(gradient_policy, "validate_outputs") is EXACT
+    # The compiled signature's ``list grads``: a list (not a subclass) or None.
+    if grads is not None and type(grads) is not list:
+        raise TypeError(f"Argument 'grads' has incorrect type (expected list, got "
+                        f"{type(grads).__name__})")
+    edges = tuple(edges)
+    # Only a caller from Python: the engine passes a node's checked edges.
+    for i, edge in enumerate(edges):
+        if edge is not None and not isinstance(edge, Edge):
+            raise TypeError(f"edges[{i}] must be an Edge or None, got {type(edge).__name__}")
     if node is not None and not isinstance(node, NodeBase):
         raise TypeError(f"node must be a Node or None, got {type(node).__name__}")
     if len(grads) != len(edges):
