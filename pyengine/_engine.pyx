@@ -641,7 +641,7 @@ cdef class Engine:
                 return graph_task.cpu_ready_queue
         return self.ready_queue(graph_task, node_device(node, gradients))
 
-    def ready_queue(self, GraphTask graph_task, device):
+    def ready_queue(self, GraphTask graph_task not None, device):
         """The queue a task of ``graph_task`` for ``device`` goes to, starting
         the device's worker thread on first use."""
         if device == _CPU or not graph_task.multithreading:
@@ -654,7 +654,7 @@ cdef class Engine:
             return cpu_ready_queue
         return self._devices.queue_by_index(device_id)
 
-    def _device_thread_main(self, int device_id, ReadyQueue queue):
+    def _device_thread_main(self, int device_id, ReadyQueue queue not None):
         cdef WorkerState worker = get_worker_state()
         worker.worker_device = device_id
         worker.local_ready_queue = queue
@@ -662,7 +662,7 @@ cdef class Engine:
 
     # -- reentrant pool --
 
-    def _run_pool_task(self, GraphTask graph_task):
+    def _run_pool_task(self, GraphTask graph_task not None):
         """Run ``graph_task``, handed off to the reentrant pool, on this pool
         thread until it completes: the pool's call back into the engine
         (See Note [Reentrant backward] in pyengine/_pure/thread_pool.py)."""

@@ -611,6 +611,6 @@ def _record_forward_traceback(node):
     node.metadata["traceback_"] = "".join(traceback.format_stack())
 
 
-def _set_sequence_nr(NodeBase node, uint64_t sequence_nr):
+def _set_sequence_nr(NodeBase node not None, uint64_t sequence_nr):
     """Give ``node`` a fixed sequence number (AccumulateGrad); engine use only."""
     node._sequence_nr = sequence_nr

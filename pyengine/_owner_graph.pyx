@@ -721,6 +721,9 @@ def split_root(graph, root, what):
 cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
     """Backward over the owner graph under ``root``: See Note [Owner graphs].
     Returns the captured gradients with ``inputs``, else None."""
+    if graph is None:  # a cpdef function's argument cannot say ``not None``
+        raise TypeError("Argument 'graph' has incorrect type (expected "
+                        "pyengine._owner_graph.OwnerGraph, got NoneType)")
     cdef bint returns = graph.returns
     if not returns and (grad is not None or inputs is not None):
         raise TypeError(f"mode={WRITES!r} takes no gradient and no inputs: the owners write "

@@ -160,7 +160,7 @@ cdef class ReadyQueue:
             release_record(&dropped[i])
         return dropped.size()
 
-    def push(self, NodeTask task, increment_outstanding_tasks=True):
+    def push(self, NodeTask task not None, increment_outstanding_tasks=True):
         """Queue ``task``; count it as outstanding in its graph task unless it is
         a wake-up or shutdown task or ``increment_outstanding_tasks`` is false."""
         if increment_outstanding_tasks and task.node is not None:
@@ -170,7 +170,7 @@ cdef class ReadyQueue:
         record.is_shutdown = task.is_shutdown
         self.push_record(record)
 
-    def push_pop(self, NodeTask task, increment_outstanding_tasks=True):
+    def push_pop(self, NodeTask task not None, increment_outstanding_tasks=True):
         """What ``push(task)`` and then ``pop()`` return, in one step, never
         waiting: ``task`` itself while nothing is queued."""
         if increment_outstanding_tasks and task.node is not None:

@@ -109,7 +109,7 @@ cdef int start_pool_thread(_ThreadPoolShared pool, GraphTask graph_task,
     return 0
 
 
-def _reentrant_thread_main(_ThreadPoolShared pool, run_graph_task):
+def _reentrant_thread_main(_ThreadPoolShared pool not None, run_graph_task):
     """A pool thread: run the graph tasks handed off, with
     ``run_graph_task(graph_task)``, until the pool stops."""
     cdef PyObject* next_graph_task = NULL

@@ -1,7 +1,11 @@
 """Grad mode: whether frontends record backward graphs, per thread.
 
 ``no_grad``, ``enable_grad`` and ``set_grad_enabled`` work as context
-managers and decorators, as in ``torch``. The engine itself sets grad mode
+managers and decorators, as in ``torch``: a decorated function runs under
+the mode, and a decorated generator function runs under it each time it
+resumes (the caller's mode is back between two values). Decorating with
+``set_grad_enabled(mode)`` leaves the mode as it was before the call that
+made the decorator. The engine itself sets grad mode
 to ``create_graph`` while a node runs, so that a frontend consulting
 :func:`is_grad_enabled` records the backward pass only under
 ``create_graph=True``.
@@ -10,6 +14,7 @@ to ``create_graph`` while a node runs, so that a frontend consulting
 from __future__ import annotations
 
 import functools
+import inspect
 
 from ._core import is_grad_enabled
 from ._core import set_grad_enabled as _set_grad_enabled
@@ -33,6 +38,12 @@ class _GradModeContext:
 
     def __call__(self, function):
         enabled = self._enabled
+        if inspect.isgeneratorfunction(function):
+            @functools.wraps(function)
+            def generator_wrapper(*args, **kwargs):
+                return (yield from _resumed_under(enabled, function(*args, **kwargs)))
+
+            return generator_wrapper
 
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
@@ -40,6 +51,32 @@ class _GradModeContext:
                 return function(*args, **kwargs)
 
         return wrapper
+
+
+def _resumed_under(enabled, generator):
+    """What ``generator`` yields, each of its steps run with grad mode
+    ``enabled``, and the consumer's mode in place while it holds a value:
+    a ``with`` around the whole generator would leak the mode to the
+    consumer at each ``yield``. Values sent and errors thrown in are
+    passed on, as ``yield from`` does."""
+    step = generator.send
+    argument = None
+    while True:
+        try:
+            with set_grad_enabled(enabled):
+                value = step(argument)
+        except StopIteration as stop:
+            return stop.value
+        try:
+            argument = yield value
+            step = generator.send
+        except GeneratorExit:
+            with set_grad_enabled(enabled):
+                generator.close()
+            raise
+        except BaseException as error:
+            step = generator.throw
+            argument = error
 
 
 class no_grad(_GradModeContext):
@@ -65,3 +102,9 @@ class set_grad_enabled(_GradModeContext):
 
     def __enter__(self):
         return self
+
+    def __call__(self, function):
+        # Made for a decorator, not a call: the mode it set at once goes
+        # back, as torch's does.
+        _set_grad_enabled(self._previous)
+        return super().__call__(function)

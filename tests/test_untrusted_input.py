@@ -781,3 +781,48 @@ def test_a_grad_no_backend_adds_to_is_named_and_kept():
     variable.grad = None
     _backward(Scale([Edge(accumulate, 0)], 2.0))
     assert variable.grad.tolist() == [2.0] * 3
+
+
+# Each names an argument the compiled function reads as an extension type
+# at once: None there was read as one (SIGSEGV, or a write into None).
+_NONE_ARGUMENTS = [
+    ("graph_task", "engine.ready_queue(None, pyengine.CPU)"),
+    ("queue", "engine._device_thread_main(1, None)"),
+    ("graph_task", "engine._run_pool_task(None)"),
+    ("cpu_ready_queue", "core.GraphTask(False, False, 0, None)"),
+    ("node", "core.set_sequence_nr(None, 0)"),
+    ("graph", "core.owner_graph_module.run_owner_graph(None, None, None, None, False)"),
+    ("task", "core.ReadyQueue().push(None)"),
+    ("task", "core.ReadyQueue().push_pop(None)"),
+    ("pool", "thread_pool._reentrant_thread_main(None, None)"),
+]
+
+
+def test_none_where_the_compiled_core_reads_an_extension_type():
+    lines = run_isolated(f'''
+        import gc
+        import importlib
+        import pyengine._core as core
+
+        thread_pool = importlib.import_module(
+            "pyengine._thread_pool" if core.IMPLEMENTATION == "compiled"
+            else "pyengine._pure.thread_pool")
+        for name, statement in {_NONE_ARGUMENTS!r}:
+            try:
+                exec(statement)
+            except TypeError as error:
+                print(name, "|", error)
+            else:
+                print(name, "| no error")
+            gc.collect()
+        sink = Sink("sink")
+        run(Fan([Edge(sink, 0)]))
+        print("after", sink.got)
+    ''')
+    assert len(lines) == len(_NONE_ARGUMENTS) + 1
+    for (name, _), line in zip(_NONE_ARGUMENTS, lines):
+        argument, error = line.split(" | ")
+        assert argument == name
+        assert error.startswith(f"Argument '{name}' has incorrect type (expected pyengine."), line
+        assert error.endswith(", got NoneType)"), line
+    assert lines[-1] == "after [[1.0, 1.0, 1.0]]"

@@ -155,6 +155,7 @@ from .graph_task import GraphTask, cancel_graph_task, refuse_lock_taken_again, t
 from .input_buffer import InputBuffer
 from .node import Edge, NodeBase, on_cpu
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
+from .static_types import check_argument
 from .thread_pool import _ThreadPoolShared, add_thread_pool_task
 from .validate_outputs import validate_outputs
 
@@ -598,6 +599,7 @@ class Engine:
         """The queue a task of ``graph_task`` for ``device`` goes to: the
         device's worker, or, for the CPU or with multithreading disabled, the
         graph task's CPU queue (the caller's)."""
+        check_argument("graph_task", graph_task, GraphTask)
         if device == CPU or not graph_task.multithreading:
             return graph_task.cpu_ready_queue
         return self._devices.queue_for(device, graph_task, self._device_thread_main)
@@ -609,6 +611,7 @@ class Engine:
         return self._devices.queue_by_index(device_id)
 
     def _device_thread_main(self, device_id, queue):
+        check_argument("queue", queue, ReadyQueue)
         worker = _worker_state
         worker.worker_device = device_id
         worker.local_ready_queue = queue
@@ -620,6 +623,7 @@ class Engine:
         """Run ``graph_task``, handed off to the reentrant pool, on this pool
         thread until it completes: the pool's call back into the engine
         (See Note [Reentrant backward] in pyengine/_pure/thread_pool.py)."""
+        check_argument("graph_task", graph_task, GraphTask)
         worker = _worker_state
         worker.worker_device = graph_task.owner
         worker.local_ready_queue = graph_task.cpu_ready_queue

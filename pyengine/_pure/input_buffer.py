@@ -28,8 +28,8 @@ import operator
 import numpy as np
 
 from ..backends import backend_to_add
-from .final import final
 from .node import is_numpy_array
+from .static_types import final
 
 
 @final

@@ -34,7 +34,7 @@ from ..backends import backend_of, backend_to_add
 from ..device import CPU
 from ..indexed import IndexedGradient
 from . import state
-from .final import final
+from .static_types import check_argument, final
 
 # AccumulateGrad sorts before every other node: See Note [AccumulateGrad first].
 ACCUMULATE_GRAD_SEQUENCE_NR = 2**64 - 1
@@ -884,4 +884,5 @@ def _record_forward_traceback(node):
 
 def _set_sequence_nr(node, sequence_nr):
     """Give ``node`` a fixed sequence number (AccumulateGrad); engine use only."""
+    check_argument("node", node, NodeBase)
     object.__setattr__(node, "_sequence_nr_", sequence_nr)

@@ -201,6 +201,7 @@ from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer
 from .node import InputMetadata, as_input_metadata
+from .static_types import check_argument
 from .validate_outputs import known_value_type
 
 __all__ = ["OwnerGraph", "OwnerRun", "WRITES", "RETURNS", "check_reader", "cycle_error",
@@ -616,6 +617,7 @@ def split_root(graph, root, what):
 def run_owner_graph(graph, root, grad, inputs, allow_unused):
     """Backward over the owner graph under ``root``: See Note [Owner graphs].
     Returns the captured gradients with ``inputs``, else None."""
+    check_argument("graph", graph, OwnerGraph)
     returns = graph.returns
     if not returns and (grad is not None or inputs is not None):
         raise TypeError(f"mode={WRITES!r} takes no gradient and no inputs: the owners write "

@@ -62,7 +62,7 @@ hook order against PyTorch.
 
 import threading
 
-from .final import final
+from .static_types import check_argument, final
 
 # See Note [Waits honour signals] in pyengine/_locks.pxd: the compiled
 # core's WAIT_SLICE_MS, in seconds.
@@ -203,6 +203,7 @@ class ReadyQueue:
     def push(self, task, increment_outstanding_tasks=True):
         """Queue ``task``; count it as outstanding in its graph task unless it is
         a wake-up or shutdown task or ``increment_outstanding_tasks`` is false."""
+        check_argument("task", task, NodeTask)
         with self._not_empty:
             if increment_outstanding_tasks and task.node is not None:
                 task.graph_task.increment_outstanding_tasks()
@@ -214,6 +215,7 @@ class ReadyQueue:
         waiting: ``task`` itself while nothing is queued, without the lock (a
         push another thread makes at that moment comes after this pop). See
         Note [The next task skips the queue] in ``pyengine/_pure/engine.py``."""
+        check_argument("task", task, NodeTask)
         if increment_outstanding_tasks and task.node is not None:
             task.graph_task.increment_outstanding_tasks()
         if not self._heap:

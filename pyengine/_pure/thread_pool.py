@@ -67,6 +67,7 @@ import threading
 
 from .._shared.messages import pool_full_message
 from .graph_task import cancel_graph_task
+from .static_types import check_argument
 
 
 class _ThreadPoolShared:
@@ -149,6 +150,7 @@ def start_pool_thread(pool, graph_task, run_graph_task):
 def _reentrant_thread_main(pool, run_graph_task):
     """A pool thread: run the graph tasks handed off, with
     ``run_graph_task(graph_task)``, until the pool stops."""
+    check_argument("pool", pool, _ThreadPoolShared)
     # Whether this thread is counted in num_idle: from its start, and
     # again from the moment it finishes a task (See Note [A pool thread
     # is back before its caller]).
