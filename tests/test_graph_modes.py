@@ -358,6 +358,51 @@ def test_no_grad_and_enable_grad_as_decorators():
     assert pyengine.is_grad_enabled()
 
 
+def test_set_grad_enabled_as_a_decorator_leaves_the_mode_as_it_was():
+    # torch.set_grad_enabled(False) as a decorator restores the mode it set
+    # at once; before, the thread stayed in no-grad mode after decorating.
+    @pyengine.set_grad_enabled(False)
+    def off():
+        return pyengine.is_grad_enabled()
+
+    assert pyengine.is_grad_enabled()
+    assert off() is False
+    assert pyengine.is_grad_enabled()
+
+
+@pytest.mark.parametrize("decorator, inside", [(pyengine.no_grad, False),
+                                               (pyengine.enable_grad, True),
+                                               (lambda: pyengine.set_grad_enabled(False), False)])
+def test_a_decorated_generator_runs_under_the_mode_at_each_step(decorator, inside):
+    # The oracle is torch's rule: each resume of the generator runs under
+    # the decorator's mode; the consumer keeps its own between two values.
+    @decorator()
+    def steps():
+        received = yield pyengine.is_grad_enabled()
+        try:
+            yield (received, pyengine.is_grad_enabled())
+        except KeyError as error:
+            yield ("thrown", str(error), pyengine.is_grad_enabled())
+        return "done"
+
+    outside = not inside
+    with pyengine.set_grad_enabled(outside):
+        generator = steps()
+        assert next(generator) is inside
+        assert pyengine.is_grad_enabled() is outside
+        assert generator.send("sent") == ("sent", inside)
+        assert generator.throw(KeyError("k")) == ("thrown", "'k'", inside)
+        assert pyengine.is_grad_enabled() is outside
+        with pytest.raises(StopIteration) as stop:
+            next(generator)
+        assert stop.value.value == "done"
+        closed = steps()
+        next(closed)
+        closed.close()
+        assert pyengine.is_grad_enabled() is outside
+    assert pyengine.is_grad_enabled()
+
+
 def test_set_grad_enabled_function_and_context():
     pyengine.set_grad_enabled(False)
     try:
