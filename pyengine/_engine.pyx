@@ -62,7 +62,8 @@ from pyengine import backends as _backends
 from pyengine import streams as _streams
 from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
-from pyengine._shared.messages import gradients_changed_message, total_depth_message
+from pyengine._shared.messages import (gradients_changed_message, no_ready_queue_message,
+                                      total_depth_message)
 from pyengine._validate_outputs import plain_error_format, validate_outputs
 from pyengine.indexed import IndexedGradient
 
@@ -666,6 +667,8 @@ cdef class Engine:
         """Run ``graph_task``, handed off to the reentrant pool, on this pool
         thread until it completes: the pool's call back into the engine
         (See Note [Reentrant backward] in pyengine/_pure/thread_pool.py)."""
+        if graph_task.cpu_ready_queue is None:  # thread_main would pop from it
+            raise ValueError(no_ready_queue_message())
         cdef WorkerState worker = get_worker_state()
         worker.worker_device = graph_task.owner
         worker.local_ready_queue = graph_task.cpu_ready_queue

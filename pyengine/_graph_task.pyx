@@ -85,8 +85,7 @@ cdef class GraphTask:
     """See the twin's docstring for each field; the .pxd says how each is guarded."""
 
     def __init__(self, bint keep_graph, bint grad_mode, int reentrant_depth,
-                 ReadyQueue cpu_ready_queue not None, bint exit_on_error=False,
-                 bint multithreading=True):
+                 ReadyQueue cpu_ready_queue, bint exit_on_error=False, bint multithreading=True):
         self._init_fields(keep_graph, grad_mode, reentrant_depth, cpu_ready_queue, exit_on_error,
                           multithreading)
 

@@ -789,7 +789,6 @@ _NONE_ARGUMENTS = [
     ("graph_task", "engine.ready_queue(None, pyengine.CPU)"),
     ("queue", "engine._device_thread_main(1, None)"),
     ("graph_task", "engine._run_pool_task(None)"),
-    ("cpu_ready_queue", "core.GraphTask(False, False, 0, None)"),
     ("node", "core.set_sequence_nr(None, 0)"),
     ("graph", "core.owner_graph_module.run_owner_graph(None, None, None, None, False)"),
     ("task", "core.ReadyQueue().push(None)"),
@@ -815,11 +814,19 @@ def test_none_where_the_compiled_core_reads_an_extension_type():
             else:
                 print(name, "| no error")
             gc.collect()
+        # A graph task may lack a queue (an owner graph's has none); no
+        # thread may then run it.
+        try:
+            engine._run_pool_task(core.GraphTask(False, False, 0, None))
+        except ValueError as error:
+            print("no queue |", error)
         sink = Sink("sink")
         run(Fan([Edge(sink, 0)]))
         print("after", sink.got)
     ''')
-    assert len(lines) == len(_NONE_ARGUMENTS) + 1
+    assert len(lines) == len(_NONE_ARGUMENTS) + 2
+    assert lines[-2] == ("no queue | this graph task has no CPU ready queue (an owner graph's, or "
+                         "one made with cpu_ready_queue=None): no thread can run its nodes")
     for (name, _), line in zip(_NONE_ARGUMENTS, lines):
         argument, error = line.split(" | ")
         assert argument == name

@@ -147,7 +147,12 @@ from .. import streams
 from .._shared import hooks
 from .._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
-from .._shared.messages import gradients_changed_message, node_name, total_depth_message
+from .._shared.messages import (
+    gradients_changed_message,
+    no_ready_queue_message,
+    node_name,
+    total_depth_message,
+)
 from ..device import CPU
 from . import state
 from .dependencies import compute_dependencies, init_to_execute
@@ -624,6 +629,8 @@ class Engine:
         thread until it completes: the pool's call back into the engine
         (See Note [Reentrant backward] in pyengine/_pure/thread_pool.py)."""
         check_argument("graph_task", graph_task, GraphTask)
+        if graph_task.cpu_ready_queue is None:  # thread_main would pop from it
+            raise ValueError(no_ready_queue_message())
         worker = _worker_state
         worker.worker_device = graph_task.owner
         worker.local_ready_queue = graph_task.cpu_ready_queue

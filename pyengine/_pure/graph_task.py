@@ -10,8 +10,8 @@ from .. import streams
 from .._shared import node_streams, task_queries
 from .._shared.messages import lock_taken_again_message, not_ready_message
 from . import state
-from .ready_queue import ReadyQueue, is_main_thread, wait_honouring_signals
-from .static_types import check_argument, final
+from .ready_queue import is_main_thread, wait_honouring_signals
+from .static_types import final
 
 
 @final
@@ -74,7 +74,6 @@ class GraphTask:
 
     def __init__(self, keep_graph, grad_mode, reentrant_depth, cpu_ready_queue, exit_on_error=False,
                  multithreading=True):
-        check_argument("cpu_ready_queue", cpu_ready_queue, ReadyQueue)
         self.keep_graph = keep_graph
         self.grad_mode = grad_mode
         self.reentrant_depth = reentrant_depth

@@ -104,6 +104,11 @@ def _input_nr_error(node, input_nr):
             f"the slot with input_metadata first")
 
 
+def no_ready_queue_message():
+    return ("this graph task has no CPU ready queue (an owner graph's, or one made with "
+            "cpu_ready_queue=None): no thread can run its nodes")
+
+
 def total_depth_message(depth, limit):
     return (f"reentrant backward nested {depth} levels deep, past the engine's "
             f"max_total_depth of {limit} (a hook or node that calls backward on its own graph "
