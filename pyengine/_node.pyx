@@ -23,6 +23,7 @@ from pyengine._state cimport ThreadState, anomaly_enabled, thread_state
 
 from _thread import allocate_lock as _allocate_lock
 
+import operator
 import numpy as np
 
 from pyengine import backends as _backends
@@ -514,6 +515,10 @@ cdef class LeafState:
     def __cinit__(self):
         self.lock = _allocate_lock()
 
+    def __init__(self):
+        # A __cinit__ of self alone ignores arguments; the twin's takes none.
+        pass
+
     def __reduce__(self):
         # A copied or pickled tensor starts with fresh engine state (as the twin).
         return (LeafState, ())
@@ -611,6 +616,7 @@ def _record_forward_traceback(node):
     node.metadata["traceback_"] = "".join(traceback.format_stack())
 
 
-def _set_sequence_nr(NodeBase node not None, uint64_t sequence_nr):
+def _set_sequence_nr(NodeBase node not None, sequence_nr):
     """Give ``node`` a fixed sequence number (AccumulateGrad); engine use only."""
-    node._sequence_nr = sequence_nr
+    # An int, as the twin asks: a uint64_t argument would take 1.5 as 1.
+    node._sequence_nr = operator.index(sequence_nr)

@@ -86,6 +86,10 @@ cdef NodeTask task_of_record(NodeTaskRecord* record):
 cdef class ReadyQueue:
     """A priority queue of tasks under a mutex and a condition variable."""
 
+    def __init__(self):
+        # Without it the type would take any arguments; the twin's takes none.
+        pass
+
     def __dealloc__(self):
         for i in range(self.heap.size()):
             release_record(&self.heap[i])

@@ -97,12 +97,17 @@ def run_on_this_core(code: str, timeout: float) -> list[str]:
     (``PYENGINE_PURE`` and the repository on ``PYTHONPATH`` pass through).
     It must exit normally (no crash) within ``timeout`` seconds (else the
     test fails as a hang). Returns its output lines."""
+    return run_on_core(code, pyengine.IMPLEMENTATION == "pure", timeout)
+
+
+def run_on_core(code: str, pure: bool, timeout: float) -> list[str]:
+    """``run_on_this_core`` on the twin (``pure``) or the compiled core."""
     import subprocess
 
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
-    if pyengine.IMPLEMENTATION == "pure":
+    if pure:
         env["PYENGINE_PURE"] = "1"
     else:
         env.pop("PYENGINE_PURE", None)

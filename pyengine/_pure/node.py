@@ -885,4 +885,8 @@ def _record_forward_traceback(node):
 def _set_sequence_nr(node, sequence_nr):
     """Give ``node`` a fixed sequence number (AccumulateGrad); engine use only."""
     check_argument("node", node, NodeBase)
+    # As the compiled field (a uint64_t) takes it.
+    sequence_nr = operator.index(sequence_nr)
+    if not 0 <= sequence_nr < 2**64:
+        raise OverflowError(f"sequence_nr {sequence_nr} does not fit uint64_t")
     object.__setattr__(node, "_sequence_nr_", sequence_nr)

@@ -1,0 +1,98 @@
+"""The two cores answer odd arguments alike: each public constructor and
+core function, called with none, one or two values from a pool of odd ones
+(None, negative and huge ints, floats, strings, empty and wrong
+containers, arrays, a node, an edge...), either returns in both cores or
+raises the same exception type in both, and neither crashes.
+
+The oracle is the other core, and a clean exit: each core runs the sweep in
+a fresh interpreter (a crash fails the test with its exit status). The
+exception types are compared, not the words: Cython's argument errors and
+the twin's differ in module paths and phrasing. This sweep found None read
+as an extension type (SIGSEGV) in five functions, a write into None, and
+the twin accepting what the compiled core refuses (issue notes of
+2026-12-02).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from conftest import run_on_core
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("pyengine._engine") is None,
+                                reason="no compiled core to compare with")
+
+_SWEEP = r'''
+import gc
+import itertools
+
+import numpy as np
+
+import pyengine
+import pyengine._core as core
+from pyengine import Edge, InputMetadata, Node
+
+
+class Sink(Node):
+    def __init__(self):
+        super().__init__(input_metadata=[((3,), np.float64)])
+
+    def apply(self, grads):
+        return ()
+
+
+class Variable:
+    def __init__(self):
+        self.data = np.ones(3)
+        self.grad = None
+        self.requires_grad = True
+
+
+POOL = {"None": lambda: None, "0": lambda: 0, "-1": lambda: -1, "2**64": lambda: 2**64,
+        "1.5": lambda: 1.5, "'x'": lambda: "x", "()": lambda: (), "[]": lambda: [],
+        "[None]": lambda: [None], "(3,)": lambda: (3,), "object()": object,
+        "array": lambda: np.ones(3), "0-d": lambda: np.float64(1.0), "True": lambda: True,
+        "int8": lambda: np.int8(3), "dtype": lambda: np.float64, "node": Sink,
+        "edge": lambda: Edge(Sink(), 0), "metadata": lambda: InputMetadata((3,), np.float64),
+        "variable": Variable}
+TARGETS = {
+    "Edge": core.Edge, "InputMetadata": core.InputMetadata, "InputBuffer": core.InputBuffer,
+    "LeafState": core.LeafState, "OwnerGraph": core.OwnerGraph, "GraphRoot": core.GraphRoot,
+    "AccumulateGrad": pyengine.AccumulateGrad, "GradientFreeNode": pyengine.GradientFreeNode,
+    "ReadyQueue": core.ReadyQueue, "NodeTask": core.NodeTask,
+    "validate_outputs": core.validate_outputs, "set_sequence_nr": core.set_sequence_nr,
+    "gradient_edge": pyengine.gradient_edge, "grad_accumulator": pyengine.grad_accumulator,
+    "retain_grad": pyengine.retain_grad, "register_tensor_hook": pyengine.register_tensor_hook,
+    "register_post_accumulate_grad_hook": pyengine.register_post_accumulate_grad_hook,
+    "keep_indexed_grad": pyengine.keep_indexed_grad, "densify": pyengine.densify,
+    "IndexedGradient": pyengine.IndexedGradient, "Device": pyengine.Device,
+    "GradientEdge": pyengine.GradientEdge,
+    "ReadyQueue().push": lambda *args: core.ReadyQueue().push(*args),
+    "ReadyQueue().push_pop": lambda *args: core.ReadyQueue().push_pop(*args),
+    "InputBuffer(2).add": lambda *args: core.InputBuffer(2).add(*args),
+}
+
+
+def outcome(function, names):
+    try:
+        function(*(POOL[name]() for name in names))
+    except Exception as error:
+        return type(error).__name__
+    return "returns"
+
+
+for target, function in TARGETS.items():
+    for count in range(3):
+        for names in itertools.product(sorted(POOL), repeat=count):
+            print(f"{target}({', '.join(names)}) -> {outcome(function, names)}")
+    gc.collect()
+'''
+
+
+def test_both_cores_answer_odd_arguments_alike():
+    compiled = run_on_core(_SWEEP, pure=False, timeout=300)
+    pure = run_on_core(_SWEEP, pure=True, timeout=300)
+    assert len(compiled) == len(pure) > 10_000
+    differences = [(a, b) for a, b in zip(compiled, pure) if a != b]
+    assert differences == [], f"{len(differences)} calls differ, the first: {differences[:5]}"
