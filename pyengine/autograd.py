@@ -23,7 +23,7 @@ import numpy as np
 
 from .backends import backend_of, backend_to_add
 from .engine import get_default_engine
-from .node import AccumulateGrad, Edge, Node, RemovableHandle, leaf_state
+from .node import HOOK_LISTS_LOCK, AccumulateGrad, Edge, Node, RemovableHandle, leaf_state
 
 __all__ = [
     "backward",
@@ -98,14 +98,17 @@ def register_tensor_hook(tensor, fn) -> RemovableHandle:
         return grad_fn.register_tensor_prehook(getattr(tensor, "output_nr", 0), fn)
     hooks = leaf_state(tensor)
 
+    # See Note [Hook lists are rebound under one lock] in pyengine/node.py.
     def remove(handle_id):
-        hooks.tensor_pre_hooks = [entry for entry in hooks.tensor_pre_hooks or ()
-                                  if entry[0] != handle_id] or None
-        _sync_accumulator_hooks(tensor, hooks)
+        with HOOK_LISTS_LOCK:
+            hooks.tensor_pre_hooks = [entry for entry in hooks.tensor_pre_hooks or ()
+                                      if entry[0] != handle_id] or None
+            _sync_accumulator_hooks(tensor, hooks)
 
     handle = RemovableHandle(remove)
-    hooks.tensor_pre_hooks = (hooks.tensor_pre_hooks or []) + [(handle.id, 0, fn)]
-    _sync_accumulator_hooks(tensor, hooks)
+    with HOOK_LISTS_LOCK:
+        hooks.tensor_pre_hooks = (hooks.tensor_pre_hooks or []) + [(handle.id, 0, fn)]
+        _sync_accumulator_hooks(tensor, hooks)
     return handle
 
 
@@ -123,12 +126,17 @@ def register_post_accumulate_grad_hook(tensor, fn) -> RemovableHandle:
         raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
     hooks = leaf_state(tensor)
 
+    # See Note [Hook lists are rebound under one lock] in pyengine/node.py.
     def remove(handle_id):
-        hooks.post_accumulate_grad_hooks = [
-            entry for entry in hooks.post_accumulate_grad_hooks or () if entry[0] != handle_id] or None
+        with HOOK_LISTS_LOCK:
+            hooks.post_accumulate_grad_hooks = [
+                entry for entry in hooks.post_accumulate_grad_hooks or ()
+                if entry[0] != handle_id] or None
 
     handle = RemovableHandle(remove)
-    hooks.post_accumulate_grad_hooks = (hooks.post_accumulate_grad_hooks or []) + [(handle.id, fn)]
+    with HOOK_LISTS_LOCK:
+        hooks.post_accumulate_grad_hooks = ((hooks.post_accumulate_grad_hooks or [])
+                                            + [(handle.id, fn)])
     return handle
 
 
