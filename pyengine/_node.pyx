@@ -28,7 +28,7 @@ import numpy as np
 
 from pyengine import backends as _backends
 from pyengine.backends import backend_of, backend_to_add
-from pyengine.device import CPU
+from pyengine.device import CPU, Device, as_device
 from pyengine.indexed import IndexedGradient
 
 from pyengine._shared import task_queries as _task_queries
@@ -64,6 +64,8 @@ def _normalize_dtype(dtype):
 cdef class InputMetadata:
     """Shape, dtype and device of the forward output an input slot stands for.
 
+    ``device`` is a :class:`pyengine.Device` or a str that names one
+    (``"cpu"``, ``"cuda:1"``: See ``as_device`` in ``pyengine/device.py``).
     Immutable after construction.
     """
 
@@ -73,6 +75,8 @@ cdef class InputMetadata:
             raise TypeError("InputMetadata is immutable: its __init__ ran already")
         self.shape = tuple([int(size) for size in shape])
         self.dtype = _normalize_dtype(dtype)
+        if type(device) is not Device:
+            device = as_device(device)
         self.device = device
         self.is_cpu = device == CPU
         # A numeric slot may take the fast path, which passes only a gradient

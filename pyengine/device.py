@@ -9,7 +9,7 @@ immutable, hashable and compare by value; ``Device.parse("cuda:1")`` and
 
 from __future__ import annotations
 
-__all__ = ["Device", "CPU"]
+__all__ = ["Device", "CPU", "as_device"]
 
 
 class Device:
@@ -60,3 +60,15 @@ class Device:
 
 
 CPU = Device("cpu")
+
+
+def as_device(device) -> Device:
+    """``device`` as a Device: a Device as it is, a str read by
+    :meth:`Device.parse` (``"cpu"``, ``"cuda:1"``, as torch takes them);
+    anything else is a TypeError naming what it got."""
+    if isinstance(device, Device):
+        return device
+    if isinstance(device, str):
+        return Device.parse(device)
+    raise TypeError(f"device must be a pyengine.Device or a str such as 'cpu' or 'cuda:1', "
+                    f"got {type(device).__name__}")

@@ -131,3 +131,32 @@ CASES = [
 def test_bad_input_is_named_and_the_engine_recovers(name, action, error_type, message):
     with pytest.raises(error_type, match=re.escape(message)):
         action()
+
+
+@pytest.mark.parametrize("device, expected", [("cpu", pyengine.CPU),
+                                              ("fake:1", pyengine.Device("fake", 1)),
+                                              (pyengine.CPU, pyengine.CPU)])
+def test_a_metadata_device_may_be_named_by_a_str(device, expected):
+    # As torch takes "cuda:1": before, a str device reached the checks as it
+    # was, and failed there ("'str' object has no attribute 'type'", or
+    # "expected device cpu but got cpu" in an owner graph).
+    metadata = pyengine.InputMetadata((2,), np.float64, device)
+    assert metadata.device == expected and metadata.is_cpu == (expected == pyengine.CPU)
+
+    class Value:
+        def __init__(self, parents=()):
+            self.parents = parents
+            self.grad = None
+
+    leaf = Value()
+    graph = pyengine.OwnerGraph("parents", lambda owner, grads: [grads[0] * 2], mode="returns",
+                                metadata=lambda owner: [((2,), np.float64, "cpu")])
+    graph.backward(Value([leaf]), np.ones(2))
+    np.testing.assert_array_equal(leaf.grad, [2.0, 2.0])
+
+
+@pytest.mark.parametrize("device", [None, 0, ("cpu",), object()])
+def test_a_metadata_device_of_another_type_is_refused_where_it_is_made(device):
+    with pytest.raises(TypeError, match="device must be a pyengine.Device or a str such as "
+                                        f"'cpu' or 'cuda:1', got {type(device).__name__}"):
+        pyengine.InputMetadata((2,), np.float64, device)

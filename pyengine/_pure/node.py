@@ -31,7 +31,7 @@ from .._shared.messages import (
 )
 from .._shared.node_streams import _creation_stream
 from ..backends import backend_of, backend_to_add
-from ..device import CPU
+from ..device import CPU, Device, as_device
 from ..indexed import IndexedGradient
 from . import state
 from .static_types import check_argument, final
@@ -68,6 +68,8 @@ def _not_writable(self, name, value=None):
 class InputMetadata:
     """Shape, dtype and device of the forward output an input slot stands for.
 
+    ``device`` is a :class:`pyengine.Device` or a str that names one
+    (``"cpu"``, ``"cuda:1"``: See ``as_device`` in ``pyengine/device.py``).
     Immutable after construction.
     """
 
@@ -80,6 +82,8 @@ class InputMetadata:
         set_field = object.__setattr__
         set_field(self, "shape", tuple(int(size) for size in shape))
         set_field(self, "dtype", _normalize_dtype(dtype))
+        if type(device) is not Device:
+            device = as_device(device)
         set_field(self, "device", device)
         set_field(self, "is_cpu", device == CPU)
 
