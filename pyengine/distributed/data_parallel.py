@@ -336,7 +336,9 @@ class DataParallel:
             if not getattr(parameter, "requires_grad", True):
                 raise ValueError(f"DataParallel: parameter {name!r} does not require grad; pass the "
                                  "trainable parameters only (a list or dict)")
-        self._check_same_parameters(user_comm, arrays)
+        self._check_same_parameters(user_comm, arrays, {
+            "bucket_cap_bytes": bucket_cap_bytes, "broadcast": bool(broadcast),
+            "overlap": self.overlap})
         # Collective, in the same order on every rank.
         self.comm = user_comm.Dup()
         self._control = user_comm.Dup()
@@ -354,12 +356,21 @@ class DataParallel:
 
     # -- construction -----------------------------------------------------------
 
-    def _check_same_parameters(self, comm, arrays):
-        """Every rank must hold the same parameters; the first that differs is
-        an error on every rank (the views are gathered, so all see it)."""
+    def _check_same_parameters(self, comm, arrays, settings):
+        """Every rank must hold the same parameters, and pass the same
+        ``settings`` (those that decide the collectives: the buckets, the
+        broadcast); the first that differs is an error on every rank (the
+        views are gathered, so all see it)."""
         mine = [(name, tuple(array.shape), np.dtype(array.dtype).str, _array_kind(array))
                 for name, array in zip(self.names, arrays)]
-        everyone = comm.allgather(mine)
+        everyone = comm.allgather((mine, settings))
+        for rank, (_, theirs) in enumerate(everyone[1:], start=1):
+            for setting, value in everyone[0][1].items():
+                if theirs[setting] != value:
+                    raise ValueError(f"DataParallel: {setting} differs across ranks: rank {rank} "
+                                     f"passed {theirs[setting]!r}, rank 0 {value!r}; the ranks' "
+                                     "collectives would not match")
+        everyone = [parameters for parameters, _ in everyone]
         reference = everyone[0]
         for rank, theirs in enumerate(everyone[1:], start=1):
             if len(theirs) != len(reference):

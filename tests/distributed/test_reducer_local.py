@@ -239,16 +239,34 @@ def test_a_notice_ends_the_wait_at_once(make_ddp):
 def test_shapes_that_differ_across_ranks(make_ddp):
     model, _ = model_and_reference()
 
-    def views(rank, mine):
+    def views(rank, view):
+        mine, settings = view
         if rank == 2:
             name, shape, dtype, kind = mine[1]
-            return [mine[0], (name, (9,), dtype, kind)] + mine[2:]
-        return mine
+            return [mine[0], (name, (9,), dtype, kind)] + mine[2:], settings
+        return view
 
     with pytest.raises(ValueError, match=r"parameter 1 differs across ranks: rank 2 has 'modules.0.bias' "
                                          r"with shape \(9,\), dtype float64 \(numpy\); rank 0 has "
                                          r"'modules.0.bias' with shape \(8,\)"):
         make_ddp(model, FakeComm(views=views))
+
+
+@pytest.mark.parametrize("setting, theirs", [("bucket_cap_bytes", 1 << 20), ("broadcast", False),
+                                             ("overlap", False)])
+def test_settings_that_differ_across_ranks(make_ddp, setting, theirs):
+    # Each decides the collectives: different buckets reached MPI as a bare
+    # "MPI_ERR_TRUNCATE: message truncated" on one rank before.
+    model, _ = model_and_reference()
+    mine = dict(bucket_cap_bytes=800, broadcast=True, overlap=True)
+
+    def views(rank, view):
+        parameters, settings = view
+        return (parameters, dict(settings, **{setting: theirs})) if rank == 1 else view
+
+    with pytest.raises(ValueError, match=f"DataParallel: {setting} differs across ranks: rank 1 "
+                                         f"passed {theirs!r}, rank 0 {mine[setting]!r}"):
+        make_ddp(model, FakeComm(views=views), **mine)
 
 
 @pytest.mark.parametrize("kwargs, message", [
