@@ -546,19 +546,24 @@ def grad(outputs, inputs, grad_outputs=None, grad_inputs=None, set_grad=False,
 
     if grad_outputs is None:
         grad_outputs = (None,) * len(outputs)
-    pairs = []
+    # Chainer's gradient table, set (not summed) per node: an output given
+    # twice starts with its last gradient, as in Chainer (torch.autograd.grad
+    # would sum both).
+    table = {}
     for y, gy in zip(outputs, grad_outputs):
         if gy is None:
             with chainer.using_device(y.device):
                 gy = Variable(y.device.xp.ones_like(y.array), requires_grad=False)
                 if loss_scale is not None:
                     gy.data *= loss_scale
-        pairs.append((y.node, gy))
+        table[y.node] = gy
     if grad_inputs is not None:
-        # Chainer's gradient table starts with them: they are summed into
-        # the inputs' gradients and flow on from there.
-        pairs += [(x.node, gx) for x, gx in zip(inputs, grad_inputs) if gx is not None]
-    root, seed = _root_of(pairs)
+        # The table starts with them too: they are summed into the inputs'
+        # gradients and flow on from there.
+        for x, gx in zip(inputs, grad_inputs):
+            if gx is not None:
+                table[x.node] = gx
+    root, seed = _root_of(list(table.items()))
     input_items = [_item_of(x.node) for x in inputs]
     with chainer.using_config("enable_backprop", enable_double_backprop):
         if root is None or all(item is None for item in input_items):

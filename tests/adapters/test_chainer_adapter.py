@@ -281,6 +281,19 @@ def test_chainer_grad():
     check(program)
 
 
+def test_chainer_grad_of_an_output_given_twice():
+    # Chainer sets each output's gradient in its table, so the last one
+    # given counts, once; the adapter summed both before.
+    def program():
+        x = chainer.Variable(np.array([0.5, -1.0, 2.0]))
+        y = F.sum(x * x)
+        once = chainer.grad([y, y], [x])
+        last = chainer.grad([y, y], [x], grad_outputs=[chainer.Variable(np.array(1.0)),
+                                                       chainer.Variable(np.array(3.0))])
+        return once + last
+    check(program)
+
+
 def test_chainer_grad_options():
     def program():
         x, w, h, a, b, y = shared_graph()
