@@ -9,7 +9,7 @@ cimport cython
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 
-from pyengine.backends import backend_to_add
+from pyengine.backends import backend_of, backend_to_add, check_same_device
 
 cimport numpy as cnp
 
@@ -84,10 +84,17 @@ cdef class InputBuffer:
                     # A 0-d sum is a numpy scalar: keep the operands' type,
                     # as the numpy backend's add does.
                     total = cnp.PyArray_FROM_O(total)
-        elif in_place:
-            total = backend_to_add(old, f"InputBuffer slot {pos}").add_(old, value)
         else:
-            total = backend_to_add(old, f"InputBuffer slot {pos}").add(old, value)
+            backend = backend_to_add(old, f"InputBuffer slot {pos}")
+            if backend_of(value) is not backend:
+                # Two array types: the sum may convert one to the other's
+                # device without a word, so the devices are compared first.
+                check_same_device(f"InputBuffer slot {pos}", old, value)
+            try:
+                total = backend.add_(old, value) if in_place else backend.add(old, value)
+            except Exception:
+                check_same_device(f"InputBuffer slot {pos}", old, value)
+                raise
         # The sum ran Python code (a backend, an object array's elements'
         # __add__), which may have reached these lists and shortened them.
         if pos >= PyList_GET_SIZE(buffer) or pos >= PyList_GET_SIZE(self._owned):

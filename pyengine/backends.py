@@ -361,6 +361,21 @@ def backend_to_add(value, holder):
     return backend
 
 
+def check_same_device(holder, value, other):
+    """Before a sum of ``value`` and ``other`` (of two array types) into
+    ``holder``, or after one failed: a RuntimeError where the two are on
+    different devices (a slot without metadata checks no device before
+    the sum); else nothing."""
+    backend, other_backend = backend_of(value), backend_of(other)
+    if backend is None or other_backend is None:
+        return
+    device, other_device = backend.device(value), other_backend.device(other)
+    if device != other_device:
+        raise RuntimeError(f"{holder}: gradients on two devices ({device} and {other_device}) "
+                           "cannot be summed; give the slot metadata (its device) so that "
+                           "each gradient is checked, or send them from one device")
+
+
 def _find_backend(value_type):
     """The backend registered for ``value_type`` or its nearest base, or None."""
     for base in value_type.__mro__:

@@ -463,3 +463,34 @@ def test_fork_after_device_backward_gives_the_child_a_fresh_engine():
     """)
     assert result.returncode == 0, result.stderr
     assert "child 0" in result.stdout
+
+
+@pytest.mark.parametrize("devices", [(F0, F1), (CPU, F0), (F0, CPU)])
+def test_a_slot_without_metadata_refuses_gradients_from_two_devices(devices):
+    # No metadata, no device check before the sum: before, fake:0 + fake:1
+    # said only "operands are on different devices", and a numpy array plus
+    # a fake one failed later in a cast, naming neither slot nor device.
+    class Consumer(pyengine.Node):
+        def apply(self, grads):
+            return [on(grads[0], CPU)]
+
+    class Fork(pyengine.Node):
+        def __init__(self, edges):
+            super().__init__(edges, [pyengine.InputMetadata((3,), np.float64, CPU)])
+
+        def apply(self, grads):
+            return [on(grads[0], device) for device in devices]
+
+    x = Leaf(np.ones(3))
+    consumer = Consumer([pyengine.gradient_edge(x)], [None])
+    fork = Fork([pyengine.Edge(consumer, 0), pyengine.Edge(consumer, 0)])
+    with pytest.raises(RuntimeError, match=f"InputBuffer slot 0: gradients on two devices "
+                                           f"\\({devices[0]} and {devices[1]}\\) cannot be summed"):
+        pyengine.get_default_engine().execute([pyengine.Edge(fork, 0)], [np.ones(3)], False,
+                                              False, True)
+    assert x.grad is None
+    # One device is fine: the oracle is the sum, 1 + 1 per element.
+    devices = (F1, F1)
+    pyengine.get_default_engine().execute([pyengine.Edge(fork, 0)], [np.ones(3)], False, False,
+                                          True)
+    np.testing.assert_array_equal(x.grad, [2.0, 2.0, 2.0])

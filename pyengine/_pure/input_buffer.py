@@ -27,7 +27,7 @@ import operator
 
 import numpy as np
 
-from ..backends import backend_to_add
+from ..backends import backend_of, backend_to_add, check_same_device
 from .node import is_numpy_array
 from .static_types import final
 
@@ -113,10 +113,17 @@ class InputBuffer:
                     # A 0-d sum is a numpy scalar: keep the operands' type,
                     # as the numpy backend's add does.
                     total = np.asarray(total)
-        elif in_place:
-            total = backend_to_add(old, f"InputBuffer slot {pos}").add_(old, value)
         else:
-            total = backend_to_add(old, f"InputBuffer slot {pos}").add(old, value)
+            backend = backend_to_add(old, f"InputBuffer slot {pos}")
+            if backend_of(value) is not backend:
+                # Two array types: the sum may convert one to the other's
+                # device without a word, so the devices are compared first.
+                check_same_device(f"InputBuffer slot {pos}", old, value)
+            try:
+                total = backend.add_(old, value) if in_place else backend.add(old, value)
+            except Exception:
+                check_same_device(f"InputBuffer slot {pos}", old, value)
+                raise
         # The sum ran Python code (a backend, an object array's elements'
         # __add__), which may have reached these lists and shortened them.
         if pos >= len(buffer) or pos >= len(owned):
