@@ -50,6 +50,7 @@ from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase,
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
 from pyengine._validate_outputs cimport gradient_passes_as_is, validate_outputs_impl
 from pyengine._thread_pool cimport _ThreadPoolShared, add_thread_pool_task
+from pyengine._thread_pool import stop_thread_pool
 from pyengine._state cimport (ThreadState, anomaly_check_nan, anomaly_enabled, profiler,
                               thread_state)
 
@@ -695,12 +696,9 @@ cdef class Engine:
                     make_record(None, None, None, 0, 0))
         for queue in device_queues:
             (<ReadyQueue>queue).push_shutdown()
-        cdef _ThreadPoolShared pool = self._pool
-        lock_releasing_gil(pool.mutex_)
-        pool.stopping = True
-        pool.mutex_.unlock()
-        pool.work.notify_all()
-        for thread in device_threads + list(pool.threads):
+        # See Note [Stopping the pool] in pyengine/_pure/thread_pool.py.
+        threads = stop_thread_pool(self._pool)
+        for thread in device_threads + threads:
             if thread.ident is not None:  # not one that another thread is starting
                 thread.join(timeout)
 

@@ -3,7 +3,7 @@ nested too deep to run inline, and the threads that run them.
 
 The compiled twin of ``pyengine/_pure/thread_pool.py``, whose Notes explain
 it: Note [Reentrant backward], Note [Bounds on reentrant backward], Note [A
-pool thread is back before its caller]. The engine hands a graph task off
+pool thread is back before its caller], Note [Stopping the pool]. The engine hands a graph task off
 with ``add_thread_pool_task`` once per hand-off, never per node; a pool
 thread runs the task through ``run_graph_task`` (the engine's
 ``_run_pool_task``), a Python call back into the engine, so this module
@@ -22,7 +22,7 @@ from pyengine._locks cimport lock_releasing_gil
 
 import threading
 
-from pyengine._shared.messages import pool_full_message
+from pyengine._shared.messages import pool_full_message, pool_stopped_message
 
 
 @cython.final
@@ -53,6 +53,12 @@ cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
     lock_releasing_gil(pool.mutex_)
     # PyTorch's rule: a new thread unless an idle one is left over for it.
     cdef bint start_thread = pool.num_idle <= pool.graph_tasks.size()
+    if pool.stopping:
+        # See Note [Stopping the pool] in the twin.
+        pool.mutex_.unlock()
+        error = RuntimeError(pool_stopped_message(graph_task.reentrant_depth))
+        cancel_graph_task(graph_task, error)
+        raise error
     if start_thread and pool.num_threads >= max_pool_threads:
         pool.mutex_.unlock()
         error = RuntimeError(pool_full_message(graph_task.reentrant_depth, max_pool_threads))
@@ -178,3 +184,27 @@ cdef int withdraw_pool_task(_ThreadPoolShared pool, GraphTask graph_task) except
     if found:
         Py_DECREF(graph_task)  # the pool's reference
     return 0
+
+
+def stop_thread_pool(_ThreadPoolShared pool):
+    """Make every pool thread end once it has no graph task, refuse new
+    hand-offs, and fail the graph tasks handed off that no thread took;
+    return the pool's threads, for ``Engine.stop`` to join. See Note
+    [Stopping the pool] in the twin."""
+    cdef list orphans = []
+    cdef GraphTask graph_task
+    lock_releasing_gil(pool.mutex_)
+    pool.stopping = True
+    while not pool.graph_tasks.empty():
+        # The pool's reference goes to the list (append takes its own).
+        orphans.append(<object>pool.graph_tasks.front())
+        Py_DECREF(<object>pool.graph_tasks.front())
+        pool.graph_tasks.pop_front()
+    pool.mutex_.unlock()
+    pool.work.notify_all()
+    threads = list(pool.threads)
+    for orphan in orphans:
+        graph_task = <GraphTask>orphan
+        graph_task.cpu_ready_queue.discard_graph_task_records(graph_task)
+        graph_task.set_exception(RuntimeError(pool_stopped_message(graph_task.reentrant_depth)))
+    return threads

@@ -12,6 +12,7 @@ inline before handing off.
 
 import os
 import sys
+import textwrap
 import threading
 import time
 
@@ -21,6 +22,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 import linear_graphs as lg  # noqa: E402
+from conftest import run_on_this_core  # noqa: E402
 
 import pyengine  # noqa: E402
 from pyengine._core import set_sequence_nr  # noqa: E402
@@ -491,3 +493,74 @@ def test_a_pool_thread_that_fails_to_start_is_reported_and_cleaned_up(engine_wit
     # it is started" when a failed one stayed in the pool's list).
     engine.stop()
     assert _reentrant_threads() == before
+
+
+# -- after Engine.stop: See Note [Stopping the pool] -------------------------------------------
+
+_AFTER_STOP_PRELUDE = f'''
+import sys, threading
+import numpy as np
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+import pyengine
+from test_reentrant import G, _level_chain, value
+
+# Every level past the first hands off to a pool thread.
+engine = pyengine.Engine(max_recursion_depth=0)
+pyengine.set_default_engine(engine)
+
+
+def backward_of_chain(n):
+    levels = _level_chain(n, None)
+    try:
+        pyengine.backward(value(levels.nodes[-1]), grad_tensors=G)
+    except RuntimeError as error:
+        print("RuntimeError:", error)
+    print("grads:", [None if x.grad is None else x.grad.tolist() for x in levels.leaves])
+'''
+
+_POOL_STOPPED = ("RuntimeError: cannot run a reentrant backward nested 1 levels deep on a pool "
+                 "thread: the engine's reentrant pool threads have stopped (Engine.stop(), which "
+                 "runs at interpreter exit)")
+
+
+def _after_stop(code):
+    """``code`` after the prelude, in a subprocess: the hang this guards
+    against waits forever without the GIL."""
+    return run_on_this_core(_AFTER_STOP_PRELUDE + textwrap.dedent(code), timeout=60)
+
+
+def test_a_reentrant_backward_after_stop_raises_instead_of_hanging():
+    # An atexit handler that runs backward after the engine's own stop()
+    # hung the exit here: the hand-off started a pool thread, which saw
+    # the pool stopping and returned, and the caller waited for it forever.
+    lines = _after_stop("""
+        backward_of_chain(2)
+        engine.stop()
+        backward_of_chain(1)  # no hand-off: runs as before
+        backward_of_chain(2)
+        backward_of_chain(2)  # the refused task left nothing behind
+    """)
+    assert lines == ["grads: [None, [2.0, 4.0]]",
+                     "grads: [[1.0, 2.0]]",
+                     _POOL_STOPPED, "grads: [None, None]",
+                     _POOL_STOPPED, "grads: [None, None]"]
+
+
+def test_a_hand_off_that_no_pool_thread_took_before_stop_fails():
+    # stop() comes after the graph task was queued for the pool and before
+    # the thread started for it runs: the thread sees the pool stopping and
+    # ends, so stop() itself fails the task its caller waits for.
+    lines = _after_stop("""
+        start = threading.Thread.start
+
+        def stop_first(thread):
+            if thread.name == "pyengine-reentrant":
+                engine.stop()
+            start(thread)
+
+        threading.Thread.start = stop_first
+        backward_of_chain(2)
+        threading.Thread.start = start
+        backward_of_chain(1)
+    """)
+    assert lines == [_POOL_STOPPED, "grads: [None, None]", "grads: [[1.0, 2.0]]"]

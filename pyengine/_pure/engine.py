@@ -161,7 +161,7 @@ from .input_buffer import InputBuffer
 from .node import Edge, NodeBase, on_cpu
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
 from .static_types import check_argument
-from .thread_pool import _ThreadPoolShared, add_thread_pool_task
+from .thread_pool import _ThreadPoolShared, add_thread_pool_task, stop_thread_pool
 from .validate_outputs import validate_outputs
 
 # worker_device values: the thread runs no engine loop, or the CPU loop.
@@ -655,11 +655,8 @@ class Engine:
                     NodeTask(None, None, None))
         for queue in device_queues:
             queue.push_shutdown()
-        pool = self._pool
-        with pool.condition:
-            pool.stopping = True
-            threads = list(pool.threads)
-            pool.condition.notify_all()
+        # See Note [Stopping the pool] in pyengine/_pure/thread_pool.py.
+        threads = stop_thread_pool(self._pool)
         for thread in device_threads + threads:
             if thread.ident is not None:  # not one that another thread is starting
                 thread.join(timeout)

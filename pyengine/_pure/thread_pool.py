@@ -61,11 +61,35 @@ caller, once its task completed, waits for the mark to clear. The wait is
 short (the thread needs only the GIL, which the caller does not hold), and
 a backward that returns has every pool thread it used idle again. A caller
 that cancels its task (Ctrl-C, a thread that did not start) does not wait.
+
+Note [Stopping the pool]
+~~~~~~~~~~~~~~~~~~~~~~~~
+``Engine.stop`` (at interpreter exit, or called by hand) ends the pool
+threads: ``stop_thread_pool`` sets ``stopping``, and an idle thread that
+sees it returns without taking another graph task. A graph task handed off
+after that, or handed off before it but taken by no thread yet, would wait
+forever for a thread that never comes, and its caller with it (an atexit
+handler that runs a deep reentrant backward after the engine's own stopped
+hung the exit). So, under the pool's lock that sets ``stopping``:
+
+- ``add_thread_pool_task`` refuses a hand-off once ``stopping`` is set:
+  the graph task is cancelled (See Note [Cancelling a graph task] in
+  ``pyengine/_pure/engine.py``) and the reentrant ``execute`` raises
+  RuntimeError saying that the pool threads have stopped, as a device task
+  after ``stop`` raises that the device threads have;
+- ``stop_thread_pool`` takes every graph task still queued off the queue
+  and fails it with that RuntimeError, after dropping its tasks from its
+  CPU queue: its caller, waiting in ``add_thread_pool_task``, wakes and
+  raises it from its ``execute``.
+
+A graph task a pool thread already took runs to completion (or fails on a
+stopped device: See Note [A shutdown task is the device worker's] in
+``pyengine/_pure/engine.py``); the thread then sees ``stopping`` and ends.
 """
 
 import threading
 
-from .._shared.messages import pool_full_message
+from .._shared.messages import pool_full_message, pool_stopped_message
 from .graph_task import cancel_graph_task
 from .static_types import check_argument
 
@@ -90,19 +114,21 @@ def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
     """Hand ``graph_task`` to a pool thread and block until it completes.
     ``run_graph_task(graph_task)`` runs it on the pool thread. See Note
     [Reentrant backward] and Note [Bounds on reentrant backward]."""
+    refused = None
     with pool.condition:
         # PyTorch's rule: a new thread unless an idle one is left over for it.
         start_thread = pool.num_idle <= len(pool.graph_tasks)
-        if start_thread and pool.num_threads >= max_pool_threads:
-            full = True
+        if pool.stopping:
+            # See Note [Stopping the pool].
+            refused = pool_stopped_message(graph_task.reentrant_depth)
+        elif start_thread and pool.num_threads >= max_pool_threads:
+            refused = pool_full_message(graph_task.reentrant_depth, max_pool_threads)
         else:
-            full = False
             if start_thread:
                 pool.num_threads += 1
             pool.graph_tasks.append(graph_task)
-    if full:
-        error = RuntimeError(pool_full_message(graph_task.reentrant_depth,
-                                               max_pool_threads))
+    if refused is not None:
+        error = RuntimeError(refused)
         cancel_graph_task(graph_task, error)
         raise error
     try:
@@ -194,3 +220,19 @@ def withdraw_pool_task(pool, graph_task):
             if queued is graph_task:
                 del pool.graph_tasks[i]
                 break
+
+
+def stop_thread_pool(pool):
+    """Make every pool thread end once it has no graph task, refuse new
+    hand-offs, and fail the graph tasks handed off that no thread took;
+    return the pool's threads, for ``Engine.stop`` to join. See Note
+    [Stopping the pool]."""
+    with pool.condition:
+        pool.stopping = True
+        orphans, pool.graph_tasks = pool.graph_tasks, []
+        threads = list(pool.threads)
+        pool.condition.notify_all()
+    for graph_task in orphans:
+        graph_task.cpu_ready_queue.discard_graph_task(graph_task)
+        graph_task.set_exception(RuntimeError(pool_stopped_message(graph_task.reentrant_depth)))
+    return threads

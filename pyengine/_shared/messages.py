@@ -124,6 +124,13 @@ def pool_full_message(depth, limit):
             f"Engine(max_pool_threads=...) to allow more")
 
 
+def pool_stopped_message(depth):
+    """See Note [Stopping the pool] in pyengine/_pure/thread_pool.py."""
+    return (f"cannot run a reentrant backward nested {depth} levels deep on a pool thread: "
+            "the engine's reentrant pool threads have stopped (Engine.stop(), which runs at "
+            "interpreter exit)")
+
+
 def not_ready_message(count):
     """See Note [Gradients left in not ready] in pyengine/_pure/graph_task.py."""
     return (f"could not compute gradients for some functions: {count} "
