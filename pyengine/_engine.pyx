@@ -373,6 +373,10 @@ cdef class Engine:
         cdef ThreadState previous
         # See Note [Waits honour signals].
         cdef bint on_main_thread = graph_task is not None and worker.on_main_thread
+        # A shutdown task this loop popped and holds for the device worker:
+        # See Note [A shutdown task is the device worker's] in
+        # pyengine/_pure/engine.py.
+        cdef bint shutdown_held = False
         try:
             while graph_task is None or not graph_task.future_completed_.load():
                 if worker.has_next_task:
@@ -387,7 +391,10 @@ cdef class Engine:
                         queue.pop_record(&record, on_main_thread)
                 if record.is_shutdown:
                     release_record(&record)
-                    break
+                    if graph_task is None:
+                        break
+                    shutdown_held = True
+                    continue
                 if record.node == NULL:
                     # A wake-up task: loop back and look at graph_task again.
                     release_record(&record)
@@ -456,11 +463,15 @@ cdef class Engine:
             # A wait interrupted (See Note [Waits honour signals]), or an error
             # outside any node: the graph task this loop drives ends with it.
             flush_next_task(worker)
+            if shutdown_held:
+                queue.push_shutdown()
             if graph_task is not None:
                 cancel_graph_task(graph_task, error)
             raise
         # A task held back for the loop goes to the queue, as if never held.
         flush_next_task(worker)
+        if shutdown_held:
+            queue.push_shutdown()
         if graph_task is not None and graph_task.has_error_.load():
             queue.discard_graph_task_records(graph_task)
         return 0

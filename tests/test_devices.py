@@ -444,6 +444,57 @@ def test_a_backward_waiting_on_stopped_device_threads_gets_an_error():
     assert "joined" in result.stdout and "device threads stopped" in result.stdout
 
 
+@pytest.mark.parametrize("max_recursion_depth", [0, 60])
+def test_stop_ends_a_device_worker_whose_reentrant_backward_is_running(max_recursion_depth):
+    # A device node runs a reentrant backward (on a pool thread with
+    # max_recursion_depth 0, else inline on the device worker) when stop()
+    # pushes the worker's shutdown task: the nested loop popped it and ended
+    # without finishing its graph task, and the worker, waiting for that
+    # task, stayed alive forever. See Note [A shutdown task is the device
+    # worker's].
+    result = run_script(f"""
+        pyengine.get_default_engine().max_recursion_depth = {max_recursion_depth}
+        entered, release = threading.Event(), threading.Event()
+        y = Leaf(np.ones(3))
+        class Held(pyengine.Node):
+            def apply(self, grads):
+                entered.set()
+                release.wait(10)
+                return [2.0 * grads[0]]
+        class Reenter(pyengine.Node):
+            def apply(self, grads):
+                held = Held([pyengine.gradient_edge(y)], [pyengine.InputMetadata((3,), np.float64)])
+                run(held, np.ones(3))
+                return [host(grads[0])]
+        x = Leaf(np.ones(3))
+        node = Reenter([pyengine.gradient_edge(x)], [pyengine.InputMetadata((3,), np.float64, F1)])
+        errors = []
+        def backward():
+            try:
+                run(node, on(np.ones(3), F1))
+            except RuntimeError as error:
+                errors.append(str(error))
+        thread = threading.Thread(target=backward)
+        thread.start()
+        entered.wait(10)
+        pyengine.get_default_engine().stop(timeout=0.1)
+        release.set()
+        thread.join(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+                t.name.startswith("pyengine-") for t in threading.enumerate()):
+            time.sleep(0.01)
+        print("backward", "alive" if thread.is_alive() else "joined", errors)
+        print("child grad", y.grad if y.grad is None else y.grad.tolist(), "outer grad", x.grad)
+        print("threads left", [t.name for t in threading.enumerate() if t.name.startswith("pyengine-")])
+    """)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("backward joined") and "device threads stopped" in lines[0]
+    # The nested backward ran to the end; the outer one was stopped.
+    assert lines[1:] == ["child grad [2.0, 2.0, 2.0] outer grad None", "threads left []"]
+
+
 def test_fork_after_device_backward_gives_the_child_a_fresh_engine():
     if not hasattr(os, "fork"):
         pytest.skip("no fork on this platform")

@@ -39,6 +39,23 @@ graph task whatever escapes its loop, and ``discard_graph_task`` rebuilds
 the queue's heap. Pool and device threads never see a signal: they keep
 serving, and the engine works afterwards.
 
+Note [A shutdown task is the device worker's]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``Engine.stop`` pushes one shutdown task onto each device's queue, for the
+device's worker, whose outermost ``thread_main`` (the one with no graph
+task) ends when it pops it. Other loops serve that queue too: a reentrant
+backward run inline on the worker, and a pool thread that runs a graph
+task handed off from it (See Note [Reentrant backward] in
+``pyengine/_pure/thread_pool.py``). Such a loop that pops the shutdown task
+and ends with it (as PyTorch's ``thread_main`` does, with a TODO) leaves its
+graph task unfinished: the worker, waiting for it, never comes back to its
+own loop, and stays alive after ``stop``. So a loop that drives a graph
+task holds the shutdown task instead and goes on until its graph task
+completes (a task that needs a stopped device has already failed: ``stop``
+failed it), then pushes it back as it leaves; each loop out passes it on,
+and the worker's own loop consumes it. The shutdown task sorts first, so
+it is always the next task the outer loop pops.
+
 Note [AccumulateGrad first]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 AccumulateGrad nodes carry the largest sequence number, so a leaf's
@@ -385,6 +402,9 @@ class Engine:
         queue = worker.local_ready_queue
         # See Note [Waits honour signals].
         on_main_thread = graph_task is not None and worker.on_main_thread
+        # A shutdown task this loop popped and holds for the device worker:
+        # See Note [A shutdown task is the device worker's].
+        shutdown_held = False
         try:
             while graph_task is None or not graph_task.future_completed:
                 if worker.next_task is not None:
@@ -395,7 +415,10 @@ class Engine:
                 else:
                     task = queue.pop(on_main_thread)
                 if task.is_shutdown:
-                    break
+                    if graph_task is None:
+                        break
+                    shutdown_held = True
+                    continue
                 local_graph_task = task.graph_task
                 if task.node is None:
                     # A wake-up task: loop back and look at graph_task again.
@@ -459,11 +482,15 @@ class Engine:
             # A wait interrupted (See Note [Waits honour signals]), or an error
             # outside any node: the graph task this loop drives ends with it.
             flush_next_task(worker)
+            if shutdown_held:
+                queue.push_shutdown()
             if graph_task is not None:
                 cancel_graph_task(graph_task, error)
             raise
         # A task held back for the loop goes to the queue, as if never held.
         flush_next_task(worker)
+        if shutdown_held:
+            queue.push_shutdown()
         if graph_task is not None and graph_task.has_error:
             queue.discard_graph_task(graph_task)
 
