@@ -116,7 +116,6 @@ owner_graph_edge = translation_module.owner_graph_edge
 
 GraphRoot = engine_module.GraphRoot
 validate_outputs = validate_outputs_module.validate_outputs
-register_engine = engine_module._register_engine
 
 is_grad_enabled = state_module.is_grad_enabled
 set_grad_enabled = state_module.set_grad_enabled

@@ -54,7 +54,6 @@ from pyengine._thread_pool import stop_thread_pool
 from pyengine._state cimport (ThreadState, anomaly_check_nan, anomaly_enabled, profiler,
                               thread_state)
 
-import atexit
 import os
 import threading
 from time import perf_counter_ns as _perf_counter_ns
@@ -63,6 +62,7 @@ from pyengine import backends as _backends
 from pyengine import streams as _streams
 from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
+from pyengine._shared.engine_registry import register_engine
 from pyengine._shared.messages import (gradients_changed_message, no_ready_queue_message,
                                       total_depth_message)
 from pyengine._validate_outputs import plain_error_format, validate_outputs
@@ -237,6 +237,8 @@ cdef class Engine:
     cdef public int max_pool_threads
     cdef _ThreadPoolShared _pool
     cdef object _devices
+    # Held weakly by the engine registry (pyengine/_shared/engine_registry.py).
+    cdef object __weakref__
 
     def __init__(self, int max_recursion_depth=MAX_RECURSION_DEPTH,
                  int max_total_depth=MAX_TOTAL_DEPTH, int max_pool_threads=MAX_POOL_THREADS):
@@ -250,6 +252,9 @@ cdef class Engine:
         self.max_pool_threads = max_pool_threads
         self._pool = _ThreadPoolShared()
         self._devices = _DeviceThreads(ReadyQueue)
+        # See Note [Every engine is stopped at exit and reset after fork] in
+        # pyengine/_shared/engine_registry.py.
+        register_engine(self)
 
     # -- entry point --
 
@@ -846,13 +851,6 @@ cdef void keep_spare_list(WorkerState worker, NodeTaskRecord* record) noexcept:
 def _reset_worker_state_after_fork():
     global _thread_local
     _thread_local = threading.local()
-
-
-def _register_engine(engine):
-    """Stop ``engine``'s pool at exit and reset it in a forked child."""
-    atexit.register(engine.stop)
-    if hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=engine._reset_after_fork)
 
 
 if hasattr(os, "register_at_fork"):

@@ -11,14 +11,13 @@ mode (an owner graph runs on the core's own walk, not through ``execute``).
 
 from __future__ import annotations
 
-from ._core import Engine, OwnerGraph, is_multithreading_enabled, register_engine
+from ._core import Engine, OwnerGraph, is_multithreading_enabled
 from ._core import set_multithreading_enabled as _set_multithreading_enabled
 
 __all__ = ["Engine", "OwnerGraph", "get_default_engine", "set_default_engine", "queue_callback",
            "execute_owner_graph", "set_multithreading_enabled", "is_multithreading_enabled"]
 
 _default_engine = Engine()
-register_engine(_default_engine)
 
 
 def get_default_engine():

@@ -10,15 +10,18 @@ the result into NaN.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
+from conftest import run_on_this_core
 
 import pyengine
 from pyengine import fake_device as fd
@@ -545,3 +548,85 @@ def test_a_slot_without_metadata_refuses_gradients_from_two_devices(devices):
     pyengine.get_default_engine().execute([pyengine.Edge(fork, 0)], [np.ones(3)], False, False,
                                           True)
     np.testing.assert_array_equal(x.grad, [2.0, 2.0, 2.0])
+
+
+def test_fork_gives_an_engine_the_user_made_fresh_threads_too():
+    # Only the default engine was reset after fork: the child's backward
+    # on a user's engine waited for device and pool threads it does not
+    # have. See Note [Every engine is stopped at exit and reset after fork].
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    result = run_script("""
+        import signal, warnings
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
+        import linear_graphs as lg
+        engine = pyengine.Engine(max_recursion_depth=0)  # every level on a pool thread
+        def backward_on_both():
+            x, root = cross_device_chain()
+            engine.execute([pyengine.Edge(root, 0)], [on(np.ones(3), F1)], False, False, True)
+            nodes, leaves = lg.reentrant_chain(3)
+            previous = pyengine.set_default_engine(engine)  # the levels' own backward
+            try:
+                engine.execute([pyengine.Edge(nodes[-1], 0)], [np.ones(2)], False, False, True)
+            finally:
+                pyengine.set_default_engine(previous)
+            return host(x.grad).tolist(), leaves[-1].grad.tolist()
+        print("parent", backward_on_both(), flush=True)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a hang ends the child with SIGALRM
+            print("child", backward_on_both(), flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status))
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["parent ([30.0, 30.0, 30.0], [3.0, 3.0])",
+                                          "child ([30.0, 30.0, 30.0], [3.0, 3.0])",
+                                          "child exit 0"]
+
+
+def test_an_engine_the_user_made_is_stopped_at_exit():
+    # Only the default engine was stopped at exit: a user's engine kept its
+    # device threads and took device work after the engine's exit handler.
+    lines = run_on_this_core(f"""
+import atexit, sys, threading
+def after_the_engines_exit_handler():  # registered first, so it runs last
+    x = Leaf(np.ones(3))
+    node = Scale(pyengine.gradient_edge(x), F0, 2.0, CPU)
+    try:
+        engine.execute([pyengine.Edge(node, 0)], [on(np.ones(3), F0)], False, False, True)
+        print("device work ran after exit:", host(x.grad).tolist())
+    except RuntimeError as error:
+        print(error)
+    print("threads left", [t.name for t in threading.enumerate() if t.name.startswith("pyengine-")])
+atexit.register(after_the_engines_exit_handler)
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+import numpy as np
+import pyengine
+from pyengine.device import CPU
+from test_devices import Leaf, Scale, cross_device_chain, host, on, F0, F1
+engine = pyengine.Engine()
+x, root = cross_device_chain()
+engine.execute([pyengine.Edge(root, 0)], [on(np.ones(3), F1)], False, False, True)
+print(host(x.grad).tolist())
+""", timeout=60)
+    assert lines == ["[30.0, 30.0, 30.0]",
+                     "cannot run a task on fake:0: the engine's device threads have stopped "
+                     "(interpreter shutdown)",
+                     "threads left []"]
+
+
+def test_an_engine_is_held_weakly_and_still_collected():
+    # Registered for exit and fork, and collected once unused. (One whose
+    # device or pool threads started stays alive with them, as it did
+    # before it was registered: a thread runs a method of its engine.)
+    engine = pyengine.Engine()
+    ref = weakref.ref(engine)
+    x = Leaf(np.ones(3))
+    node = Scale(pyengine.gradient_edge(x), CPU, 2.0, CPU)
+    engine.execute([pyengine.Edge(node, 0)], [np.ones(3)], False, False, True)
+    np.testing.assert_array_equal(x.grad, [2.0] * 3)
+    del engine
+    gc.collect()
+    assert ref() is None

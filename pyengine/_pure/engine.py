@@ -152,7 +152,6 @@ has run when one is wrong, and the compiled engine never reads an object of
 the wrong type as an Edge.
 """
 
-import atexit
 import os
 import sys
 import threading
@@ -163,6 +162,7 @@ import numpy as np
 from .. import streams
 from .._shared import hooks
 from .._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
+from .._shared.engine_registry import register_engine
 from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
 from .._shared.messages import (
     gradients_changed_message,
@@ -295,6 +295,9 @@ class Engine:
         self.max_pool_threads = int(max_pool_threads)
         self._pool = _ThreadPoolShared()
         self._devices = _DeviceThreads(ReadyQueue)
+        # See Note [Every engine is stopped at exit and reset after fork] in
+        # pyengine/_shared/engine_registry.py.
+        register_engine(self)
 
     # -- entry point --
 
@@ -799,13 +802,6 @@ def accumulate_on_streams(input_buffer, input_nr, gradient, grad_mode, producer_
 def _reset_worker_state_after_fork():
     global _worker_state
     _worker_state = WorkerState()
-
-
-def _register_engine(engine):
-    """Stop ``engine``'s pool at exit and reset it in a forked child."""
-    atexit.register(engine.stop)
-    if hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=engine._reset_after_fork)
 
 
 if hasattr(os, "register_at_fork"):
