@@ -11,6 +11,7 @@ inline before handing off.
 """
 
 import os
+import re
 import sys
 import textwrap
 import threading
@@ -354,6 +355,52 @@ def test_default_bounds():
     engine = pyengine.Engine()
     assert engine.max_total_depth == 4096
     assert engine.max_pool_threads == 256
+
+
+class _OnlyIndex:
+    def __index__(self):
+        return 3
+
+
+class _Int:
+    def __int__(self):
+        return 3
+
+
+@pytest.mark.parametrize("name", ["max_recursion_depth", "max_total_depth", "max_pool_threads"])
+@pytest.mark.parametrize("given, expected", [
+    (3, 3), (True, 1), (np.int64(3), 3), (2.9, 2), (-2.9, -2), (_Int(), 3),
+    (2**31 - 1, 2**31 - 1), (-2**31, -2**31),
+    ("3", (TypeError, "an integer is required")),
+    (None, (TypeError, "an integer is required")),
+    (_OnlyIndex(), (TypeError, "an integer is required")),
+    (2**31, (OverflowError, "value too large to convert to int")),
+    (-2**31 - 1, (OverflowError, "value too large to convert to int")),
+    (2**40, (OverflowError, "value too large to convert to int")),
+    (2**64, (OverflowError, "Python int too large to convert to C long")),
+    (float("nan"), (ValueError, "cannot convert float NaN to integer")),
+])
+def test_the_bounds_are_c_ints_in_both_cores(name, given, expected):
+    # The compiled Engine keeps them in C ints, converted as Cython converts
+    # an int argument; the twin took anything int() takes ("3", 2**40).
+    # The oracle is what the compiled core does. See Note [The engine's
+    # bounds are C ints] in pyengine/_pure/engine.py.
+    if isinstance(expected, tuple):
+        error, message = expected
+        with pytest.raises(error, match=re.escape(message)):
+            pyengine.Engine(**{name: given})
+        engine = pyengine.Engine()
+        before = getattr(engine, name)
+        with pytest.raises(error, match=re.escape(message)):
+            setattr(engine, name, given)
+        assert getattr(engine, name) == before
+    else:
+        assert type(getattr(pyengine.Engine(**{name: given}), name)) is int
+        assert getattr(pyengine.Engine(**{name: given}), name) == expected
+        engine = pyengine.Engine()
+        setattr(engine, name, given)
+        assert type(getattr(engine, name)) is int
+        assert getattr(engine, name) == expected
 
 
 def test_a_hook_that_runs_backward_on_its_own_graph_ends_in_recursion_error():

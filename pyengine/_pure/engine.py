@@ -153,6 +153,7 @@ the wrong type as an Edge.
 """
 
 import os
+import struct
 import sys
 import threading
 import time
@@ -220,6 +221,39 @@ class WorkerState(threading.local):
 
 
 _worker_state = WorkerState()
+
+
+# Note [The engine's bounds are C ints]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The compiled Engine keeps max_recursion_depth, max_total_depth and
+# max_pool_threads in C ints, converted as Cython converts any argument
+# typed int: an int (bool included) as it is; anything else through its
+# __int__ (a float is truncated, as int() does; an object with only
+# __index__, or a str, is refused: TypeError "an integer is required");
+# beyond a C long, OverflowError "Python int too large to convert to C
+# long"; beyond a C int, OverflowError "value too large to convert to int".
+# The twin converts the same way (as_c_int), in __init__ and when one is
+# set, so that both cores accept and refuse the same values with the same
+# errors (int() took "3" and 2**40, which the compiled core refuses).
+_C_INT_BITS = struct.calcsize("i") * 8
+_C_LONG_BITS = struct.calcsize("l") * 8
+
+
+def as_c_int(value):
+    """``value`` as the compiled core's C int fields take it: See Note [The
+    engine's bounds are C ints]."""
+    if not isinstance(value, int):
+        to_int = getattr(type(value), "__int__", None)
+        if to_int is None:
+            raise TypeError("an integer is required")
+        value = to_int(value)
+        if not isinstance(value, int):
+            raise TypeError(f"__int__ returned non-int (type {type(value).__name__})")
+    if not -(1 << (_C_LONG_BITS - 1)) <= value < 1 << (_C_LONG_BITS - 1):
+        raise OverflowError("Python int too large to convert to C long")
+    if not -(1 << (_C_INT_BITS - 1)) <= value < 1 << (_C_INT_BITS - 1):
+        raise OverflowError("value too large to convert to int")
+    return int(value)
 
 
 # -- GraphRoot --------------------------------------------------------------
@@ -290,14 +324,26 @@ class Engine:
         backward raises RecursionError; ``max_pool_threads``: threads of the
         reentrant pool, past which a hand-off raises RuntimeError. See
         Note [Bounds on reentrant backward]."""
-        self.max_recursion_depth = int(max_recursion_depth)
-        self.max_total_depth = int(max_total_depth)
-        self.max_pool_threads = int(max_pool_threads)
+        self.max_recursion_depth = max_recursion_depth
+        self.max_total_depth = max_total_depth
+        self.max_pool_threads = max_pool_threads
         self._pool = _ThreadPoolShared()
         self._devices = _DeviceThreads(ReadyQueue)
         # See Note [Every engine is stopped at exit and reset after fork] in
         # pyengine/_shared/engine_registry.py.
         register_engine(self)
+
+    # The bounds are C ints in the compiled core: See Note [The engine's
+    # bounds are C ints].
+    max_recursion_depth = property(lambda self: self._max_recursion_depth,
+                                   lambda self, value: setattr(self, "_max_recursion_depth",
+                                                               as_c_int(value)))
+    max_total_depth = property(lambda self: self._max_total_depth,
+                               lambda self, value: setattr(self, "_max_total_depth",
+                                                           as_c_int(value)))
+    max_pool_threads = property(lambda self: self._max_pool_threads,
+                                lambda self, value: setattr(self, "_max_pool_threads",
+                                                            as_c_int(value)))
 
     # -- entry point --
 
