@@ -186,7 +186,7 @@ cdef int withdraw_pool_task(_ThreadPoolShared pool, GraphTask graph_task) except
     return 0
 
 
-def stop_thread_pool(_ThreadPoolShared pool):
+def stop_thread_pool(_ThreadPoolShared pool not None):
     """Make every pool thread end once it has no graph task, refuse new
     hand-offs, and fail the graph tasks handed off that no thread took;
     return the pool's threads, for ``Engine.stop`` to join. See Note

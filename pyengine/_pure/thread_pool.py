@@ -227,6 +227,7 @@ def stop_thread_pool(pool):
     hand-offs, and fail the graph tasks handed off that no thread took;
     return the pool's threads, for ``Engine.stop`` to join. See Note
     [Stopping the pool]."""
+    check_argument("pool", pool, _ThreadPoolShared)
     with pool.condition:
         pool.stopping = True
         orphans, pool.graph_tasks = pool.graph_tasks, []
