@@ -61,7 +61,9 @@ What differs from Chainer's engine:
   backprop.
 - A leaf's ``.grad`` is written when the engine reaches the leaf (after
   every function that feeds it has run), not all at once when the backward
-  ends.
+  ends. So when a function's backward raises, the leaves the engine
+  reached before it keep their new ``.grad`` (as PyTorch's leaves do),
+  where Chainer leaves every ``.grad`` as it was.
 - ``chainer.grad(..., retain_grad=True)``: Chainer also runs the creator of
   an output that is on no path to an ``inputs`` Variable (only to store its
   output gradients); the engine does not run it, so such an output keeps
