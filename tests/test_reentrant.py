@@ -384,7 +384,7 @@ def test_the_bounds_are_c_ints_in_both_cores(name, given, expected):
     # The compiled Engine keeps them in C ints, converted as Cython converts
     # an int argument; the twin took anything int() takes ("3", 2**40).
     # The oracle is what the compiled core does. See Note [The engine's
-    # bounds are C ints] in pyengine/_pure/engine.py.
+    # bounds are C ints] in pyengine/_pure/static_types.py.
     if isinstance(expected, tuple):
         error, message = expected
         with pytest.raises(error, match=re.escape(message)):

@@ -61,6 +61,8 @@ TARGETS = {
     "LeafState": core.LeafState, "OwnerGraph": core.OwnerGraph, "GraphRoot": core.GraphRoot,
     "AccumulateGrad": pyengine.AccumulateGrad, "GradientFreeNode": pyengine.GradientFreeNode,
     "ReadyQueue": core.ReadyQueue, "NodeTask": core.NodeTask, "Engine": core.Engine,
+    "GraphTask(...).buffered_gradient": lambda *args: core.GraphTask(
+        False, False, 0, core.ReadyQueue()).buffered_gradient(*args),
     "validate_outputs": core.validate_outputs, "set_sequence_nr": core.set_sequence_nr,
     "gradient_edge": pyengine.gradient_edge, "grad_accumulator": pyengine.grad_accumulator,
     "retain_grad": pyengine.retain_grad, "register_tensor_hook": pyengine.register_tensor_hook,

@@ -153,7 +153,6 @@ the wrong type as an Edge.
 """
 
 import os
-import struct
 import sys
 import threading
 import time
@@ -178,7 +177,7 @@ from .graph_task import GraphTask, cancel_graph_task, refuse_lock_taken_again, t
 from .input_buffer import InputBuffer
 from .node import Edge, NodeBase, on_cpu
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
-from .static_types import check_argument
+from .static_types import as_c_int, check_argument
 from .thread_pool import _ThreadPoolShared, add_thread_pool_task, stop_thread_pool
 from .validate_outputs import validate_outputs
 
@@ -221,39 +220,6 @@ class WorkerState(threading.local):
 
 
 _worker_state = WorkerState()
-
-
-# Note [The engine's bounds are C ints]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The compiled Engine keeps max_recursion_depth, max_total_depth and
-# max_pool_threads in C ints, converted as Cython converts any argument
-# typed int: an int (bool included) as it is; anything else through its
-# __int__ (a float is truncated, as int() does; an object with only
-# __index__, or a str, is refused: TypeError "an integer is required");
-# beyond a C long, OverflowError "Python int too large to convert to C
-# long"; beyond a C int, OverflowError "value too large to convert to int".
-# The twin converts the same way (as_c_int), in __init__ and when one is
-# set, so that both cores accept and refuse the same values with the same
-# errors (int() took "3" and 2**40, which the compiled core refuses).
-_C_INT_BITS = struct.calcsize("i") * 8
-_C_LONG_BITS = struct.calcsize("l") * 8
-
-
-def as_c_int(value):
-    """``value`` as the compiled core's C int fields take it: See Note [The
-    engine's bounds are C ints]."""
-    if not isinstance(value, int):
-        to_int = getattr(type(value), "__int__", None)
-        if to_int is None:
-            raise TypeError("an integer is required")
-        value = to_int(value)
-        if not isinstance(value, int):
-            raise TypeError(f"__int__ returned non-int (type {type(value).__name__})")
-    if not -(1 << (_C_LONG_BITS - 1)) <= value < 1 << (_C_LONG_BITS - 1):
-        raise OverflowError("Python int too large to convert to C long")
-    if not -(1 << (_C_INT_BITS - 1)) <= value < 1 << (_C_INT_BITS - 1):
-        raise OverflowError("value too large to convert to int")
-    return int(value)
 
 
 # -- GraphRoot --------------------------------------------------------------
@@ -334,7 +300,7 @@ class Engine:
         register_engine(self)
 
     # The bounds are C ints in the compiled core: See Note [The engine's
-    # bounds are C ints].
+    # bounds are C ints] in pyengine/_pure/static_types.py.
     max_recursion_depth = property(lambda self: self._max_recursion_depth,
                                    lambda self, value: setattr(self, "_max_recursion_depth",
                                                                as_c_int(value)))

@@ -11,7 +11,7 @@ from .._shared import node_streams, task_queries
 from .._shared.messages import lock_taken_again_message, not_ready_message
 from . import state
 from .ready_queue import is_main_thread, wait_honouring_signals
-from .static_types import final
+from .static_types import as_ssize_t, final
 
 
 @final
@@ -150,6 +150,7 @@ class GraphTask:
     def buffered_gradient(self, node, input_nr):
         """A copy of what ``node``'s InputBuffer in not_ready holds at
         ``input_nr``, made under the mutex; None where it holds nothing."""
+        input_nr = as_ssize_t(input_nr)
         refuse_lock_taken_again(self)
         with self.mutex:
             input_buffer = self.not_ready.get(id(node))

@@ -8,9 +8,15 @@ before a compiled function's body runs, the twin refuses in the same words.
 - Arguments typed with an extension type and ``not None``: the compiled
   body reads the object's C fields at once (None would be read as one).
   ``check_argument`` is the same check for the twin's function.
+- Arguments and fields typed with a C integer: ``as_c_int`` (an ``int``)
+  and ``as_ssize_t`` (a ``Py_ssize_t``) convert as Cython does, with its
+  errors.
 """
 
-__all__ = ["check_argument", "final"]
+import operator
+import struct
+
+__all__ = ["as_c_int", "as_ssize_t", "check_argument", "final"]
 
 
 def final(cls):
@@ -29,3 +35,49 @@ def check_argument(name, value, expected):
         raise TypeError(f"Argument '{name}' has incorrect type (expected "
                         f"{expected.__module__}.{expected.__qualname__}, got "
                         f"{type(value).__name__})")
+
+
+# Note [The engine's bounds are C ints]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The compiled Engine keeps max_recursion_depth, max_total_depth and
+# max_pool_threads in C ints, converted as Cython converts any argument
+# typed int: an int (bool included) as it is; anything else through its
+# __int__ (a float is truncated, as int() does; an object with only
+# __index__, or a str, is refused: TypeError "an integer is required");
+# beyond a C long, OverflowError "Python int too large to convert to C
+# long"; beyond a C int, OverflowError "value too large to convert to int".
+# The twin converts the same way (as_c_int), in __init__ and when one is
+# set, so that both cores accept and refuse the same values with the same
+# errors (int() took "3" and 2**40, which the compiled core refuses).
+_C_INT_BITS = struct.calcsize("i") * 8
+_C_LONG_BITS = struct.calcsize("l") * 8
+
+
+def as_c_int(value):
+    """``value`` as the compiled core's C int fields take it: See Note [The
+    engine's bounds are C ints]."""
+    if not isinstance(value, int):
+        to_int = getattr(type(value), "__int__", None)
+        if to_int is None:
+            raise TypeError("an integer is required")
+        value = to_int(value)
+        if not isinstance(value, int):
+            raise TypeError(f"__int__ returned non-int (type {type(value).__name__})")
+    if not -(1 << (_C_LONG_BITS - 1)) <= value < 1 << (_C_LONG_BITS - 1):
+        raise OverflowError("Python int too large to convert to C long")
+    if not -(1 << (_C_INT_BITS - 1)) <= value < 1 << (_C_INT_BITS - 1):
+        raise OverflowError("value too large to convert to int")
+    return int(value)
+
+
+_SSIZE_T_BITS = struct.calcsize("n") * 8
+
+
+def as_ssize_t(value):
+    """``value`` as Cython converts an argument typed ``Py_ssize_t``: through
+    ``__index__`` (a float or a str is a TypeError), OverflowError beyond
+    the C type."""
+    value = operator.index(value)
+    if not -(1 << (_SSIZE_T_BITS - 1)) <= value < 1 << (_SSIZE_T_BITS - 1):
+        raise OverflowError("Python int too large to convert to C ssize_t")
+    return value
