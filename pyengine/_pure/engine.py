@@ -283,6 +283,11 @@ class Engine:
     """PyTorch's autograd engine. One default instance serves every thread;
     see :func:`pyengine.get_default_engine`."""
 
+    # The compiled Engine's fields, and no others: its methods cannot be
+    # replaced on an instance, nor attributes added (a subclass may).
+    __slots__ = ("_max_recursion_depth", "_max_total_depth", "_max_pool_threads", "_pool",
+                 "_devices", "__weakref__")
+
     def __init__(self, max_recursion_depth=MAX_RECURSION_DEPTH, max_total_depth=MAX_TOTAL_DEPTH,
                  max_pool_threads=MAX_POOL_THREADS):
         """``max_recursion_depth``: reentrant levels run inline on one thread;
