@@ -377,7 +377,9 @@ class _Int:
     (2**31, (OverflowError, "value too large to convert to int")),
     (-2**31 - 1, (OverflowError, "value too large to convert to int")),
     (2**40, (OverflowError, "value too large to convert to int")),
-    (2**64, (OverflowError, "Python int too large to convert to C long")),
+    # "C long" up to CPython 3.12, "C int" from 3.13 (the compiled core's
+    # conversion changed with it); the type is what both cores share.
+    (2**64, (OverflowError, "Python int too large to convert to C ")),
     (float("nan"), (ValueError, "cannot convert float NaN to integer")),
 ])
 def test_the_bounds_are_c_ints_in_both_cores(name, given, expected):
