@@ -57,6 +57,14 @@ POOL = {"None": lambda: None, "0": lambda: 0, "-1": lambda: -1, "2**64": lambda:
         "int8": lambda: np.int8(3), "dtype": lambda: np.float64, "node": Sink,
         "edge": lambda: Edge(Sink(), 0), "metadata": lambda: InputMetadata((3,), np.float64),
         "variable": Variable}
+def outcome(function, names):
+    try:
+        function(*(POOL[name]() for name in names))
+    except Exception as error:
+        return type(error).__name__
+    return "returns"
+
+
 TARGETS = {
     "Edge": core.Edge, "InputMetadata": core.InputMetadata, "InputBuffer": core.InputBuffer,
     "LeafState": core.LeafState, "OwnerGraph": core.OwnerGraph, "GraphRoot": core.GraphRoot,
@@ -76,13 +84,6 @@ TARGETS = {
     "InputBuffer(2).add": lambda *args: core.InputBuffer(2).add(*args),
 }
 
-
-def outcome(function, names):
-    try:
-        function(*(POOL[name]() for name in names))
-    except Exception as error:
-        return type(error).__name__
-    return "returns"
 
 
 for target, function in TARGETS.items():
@@ -119,13 +120,6 @@ MAKERS = {
 # wait) or end the engine's threads.
 WAITS = {"wait", "pop", "thread_main", "stop", "execute_with_graph_task"}
 
-
-def outcome(function, names):
-    try:
-        function(*(POOL[name]() for name in names))
-    except Exception as error:
-        return type(error).__name__
-    return "returns"
 
 
 for maker_name, make in MAKERS.items():
