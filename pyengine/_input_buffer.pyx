@@ -9,7 +9,7 @@ cimport cython
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 
-from pyengine.backends import backend_of, backend_to_add, check_same_device
+from pyengine.backends import backend_of, check_same_device, no_backend_to_add
 
 cimport numpy as cnp
 
@@ -85,7 +85,9 @@ cdef class InputBuffer:
                     # as the numpy backend's add does.
                     total = cnp.PyArray_FROM_O(total)
         else:
-            backend = backend_to_add(old, f"InputBuffer slot {pos}")
+            backend = backend_of(old)
+            if backend is None:  # the slot's name is made only for an error
+                raise no_backend_to_add(old, f"InputBuffer slot {pos}")
             if backend_of(value) is not backend:
                 # Two array types: the sum may convert one to the other's
                 # device without a word, so the devices are compared first.

@@ -3,8 +3,9 @@ nested too deep to run inline, and the threads that run them.
 
 The compiled twin of ``pyengine/_pure/thread_pool.py``, whose Notes explain
 it: Note [Reentrant backward], Note [Bounds on reentrant backward], Note [A
-pool thread is back before its caller], Note [Stopping the pool]. The engine hands a graph task off
-with ``add_thread_pool_task`` once per hand-off, never per node; a pool
+pool thread is back before its caller], Note [Stopping the pool]. The
+engine hands a graph task off with ``add_thread_pool_task`` once per
+hand-off, never per node; a pool
 thread runs the task through ``run_graph_task`` (the engine's
 ``_run_pool_task``), a Python call back into the engine, so this module
 needs nothing from it.

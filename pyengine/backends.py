@@ -355,10 +355,16 @@ def backend_to_add(value, holder):
     ``.grad`` or a buffer slot, which Python code can set to anything)."""
     backend = backend_of(value)
     if backend is None:
-        raise TypeError(f"{holder} holds a {type(value).__name__}, which no registered backend "
-                        "adds a gradient to: expected a value of a registered backend (see "
-                        "pyengine.register_backend)")
+        raise no_backend_to_add(value, holder)
     return backend
+
+
+def no_backend_to_add(value, holder):
+    """``backend_to_add``'s error, for a caller that builds ``holder``'s
+    name only once it is needed (an InputBuffer names its slot)."""
+    return TypeError(f"{holder} holds a {type(value).__name__}, which no registered backend "
+                     "adds a gradient to: expected a value of a registered backend (see "
+                     "pyengine.register_backend)")
 
 
 def check_same_device(holder, value, other):

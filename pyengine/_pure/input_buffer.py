@@ -27,7 +27,7 @@ import operator
 
 import numpy as np
 
-from ..backends import backend_of, backend_to_add, check_same_device
+from ..backends import backend_of, check_same_device, no_backend_to_add
 from .node import is_numpy_array
 from .static_types import final
 
@@ -114,7 +114,9 @@ class InputBuffer:
                     # as the numpy backend's add does.
                     total = np.asarray(total)
         else:
-            backend = backend_to_add(old, f"InputBuffer slot {pos}")
+            backend = backend_of(old)
+            if backend is None:  # the slot's name is made only for an error
+                raise no_backend_to_add(old, f"InputBuffer slot {pos}")
             if backend_of(value) is not backend:
                 # Two array types: the sum may convert one to the other's
                 # device without a word, so the devices are compared first.
