@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "_address_hash.h"
 #include "_table_growth.h"
 
 struct pyengine_DependencySlot {
@@ -66,8 +67,9 @@ static_assert(sizeof(pyengine_DependencySlot) == 16, "a slot is a pointer and a 
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // The count finds each node's slot (add_edge gives its index) and the run
 // looks the node up again to deliver its gradients (remove), a probe
-// sequence of its own: with nodes 160 bytes or more apart, address >> 4
-// wraps the table several times, and a lookup takes two or three probes.
+// sequence of its own: with nodes 160 bytes or more apart, the addresses
+// of a page wrap its block of the table several times (Note [Hashing an
+// address by its page]), and a lookup takes two or three probes.
 // So the count writes the index it got into the node
 // (NodeBase._dependency_slot_, beside the fields it reads), and remove and
 // needed look at that slot first. The index is only a hint, never
@@ -271,21 +273,11 @@ class pyengine_DependencyMap {
         return slot;
     }
 
-    static size_t hash(PyObject *node) {
-        // Objects are 16-byte aligned. Nodes made one after the other lie
-        // close together in memory and run one after the other, so keeping
-        // the address order keeps their slots close, in cache, too (the
-        // hashes tried, and the 1M chain with each: benchmarks/RESULTS.md,
-        // "Figures moved out of code comments"). Keys
-        // collide only at addresses a multiple of 16 x capacity (at least
-        // 32 bytes x nodes) apart, which live objects do not pile up at.
-        return static_cast<size_t>(reinterpret_cast<uintptr_t>(node) >> 4);
-    }
-
     // node's slot, or the empty slot where it would go.
     static size_t find_index(const std::vector<Slot> &slots, PyObject *node, uint64_t generation) {
         const size_t mask = slots.size() - 1;
-        size_t i = hash(node) & mask;
+        // See Note [Hashing an address by its page].
+        size_t i = pyengine_address_hash(node, slots.size());
         while (slots[i].node != node && is_live(slots[i], generation)) {
             i = (i + 1) & mask;
         }

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "_address_hash.h"
 #include "_table_growth.h"
 
 struct pyengine_ExecInfo {
@@ -116,14 +117,10 @@ class pyengine_ExecInfoMap {
     }
 
   private:
-    static size_t hash(PyObject *node) {
-        // As DependencyMap's: see there why the address order is kept.
-        return static_cast<size_t>(reinterpret_cast<uintptr_t>(node) >> 4);
-    }
-
     static size_t find_index(const std::vector<pyengine_ExecInfo> &slots, PyObject *node) {
         const size_t mask = slots.size() - 1;
-        size_t i = hash(node) & mask;
+        // See Note [Hashing an address by its page].
+        size_t i = pyengine_address_hash(node, slots.size());
         while (slots[i].node != nullptr && slots[i].node != node) {
             i = (i + 1) & mask;
         }

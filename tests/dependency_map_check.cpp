@@ -11,6 +11,9 @@
 //   tables and is counted on there);
 // - more than 2^24 uses of one table, and more than 2^24 resets of one
 //   map, so that the generations run out and the table is replaced.
+// - and, before those, the hash on the layout that made the address order
+//   alone probe a slot run per key: dense layers of small objects a
+//   table's span apart (Note [Hashing an address by its page]).
 //
 // The keys are addresses 16 bytes apart in a pool the map never reads
 // through, drawn again and again, so that a table holds stale slots with
@@ -18,6 +21,7 @@
 // given a hint (See Note [A node keeps its slot's index]): the slot the
 // count got for the key, another key's slot, or any number, and must
 // answer the same whichever. Prints "ok", or what went wrong and exits 1.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -162,6 +166,68 @@ struct Wraparound {
     }
 };
 
+// The mean number of slots a key of keys lies past its hash's slot, in a
+// table of size slots that grows no more (linear probing, without wrapping
+// at the end: a bound, not the table's exact figure). The total over the
+// keys does not depend on the order they came in, so it is found from the
+// sorted hashes: each key takes the first slot free at or after its own.
+template <typename Hash>
+double mean_displacement(const std::vector<uintptr_t> &keys, size_t size, Hash hash) {
+    std::vector<size_t> hashes;
+    hashes.reserve(keys.size());
+    for (uintptr_t key : keys) {
+        hashes.push_back(hash(reinterpret_cast<PyObject *>(key), size));
+    }
+    std::sort(hashes.begin(), hashes.end());
+    double total = 0;
+    size_t next_free = 0;
+    for (size_t h : hashes) {
+        const size_t slot = std::max(h, next_free);
+        total += static_cast<double>(slot - h);
+        next_free = slot + 1;
+    }
+    return total / static_cast<double>(keys.size());
+}
+
+// 2^20 keys in a table of 2^22 slots (as a count of them gets): eight
+// layers of 32-byte objects, one after the other in each, the layers a
+// table's span (16 bytes a slot) apart; and the same keys in one run.
+void dense_layers_check() {
+    constexpr size_t keys_count = size_t{1} << 20;
+    constexpr size_t size = size_t{1} << 22;
+    constexpr size_t layers = 8;
+    const uintptr_t base = uintptr_t{1} << 40;
+    std::vector<uintptr_t> layered;
+    std::vector<uintptr_t> run;
+    for (size_t i = 0; i < keys_count; ++i) {
+        layered.push_back(base + (i % layers) * 16 * size + (i / layers) * 32);
+        run.push_back(base + i * 32);
+    }
+    auto address_order = [](PyObject *node, size_t slots) {
+        return (reinterpret_cast<uintptr_t>(node) >> 4) & (slots - 1);
+    };
+    // The layout is the bad one: the address order alone walks hundreds of
+    // thousands of slots a key.
+    if (mean_displacement(layered, size, address_order) < 100000) {
+        fail("the layered keys do not pile up under the address order", 0);
+    }
+    if (mean_displacement(layered, size, pyengine_address_hash) > 1.0) {
+        fail("dense layers pile up under pyengine_address_hash", 0);
+    }
+    if (mean_displacement(run, size, pyengine_address_hash) > 1.0) {
+        fail("one run of keys piles up under pyengine_address_hash", 0);
+    }
+    // A table of one page or less keeps the address order.
+    for (size_t slots : {size_t{16}, size_t{256}}) {
+        for (size_t i = 0; i < 1000; ++i) {
+            PyObject *node = reinterpret_cast<PyObject *>(base + 16 * i);
+            if (pyengine_address_hash(node, slots) != address_order(node, slots)) {
+                fail("a small table does not keep the address order", i);
+            }
+        }
+    }
+}
+
 void one_count(std::mt19937_64 &random, size_t n) {
     pyengine_DependencyMap map;
     map.use_kept_table();
@@ -172,6 +238,7 @@ void one_count(std::mt19937_64 &random, size_t n) {
 }  // namespace
 
 int main() {
+    dense_layers_check();
     std::mt19937_64 random(20261201);
     const size_t sizes[] = {5000, 3, 70000, 1, 140000, 20, 300000, 7, 9000};
     for (int round = 0; round < 3; ++round) {
