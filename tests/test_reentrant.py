@@ -405,6 +405,18 @@ def test_the_bounds_are_c_ints_in_both_cores(name, given, expected):
         assert getattr(engine, name) == expected
 
 
+@pytest.mark.parametrize("name", ["max_recursion_depth", "max_total_depth", "max_pool_threads"])
+def test_a_bound_cannot_be_deleted_in_either_core(name):
+    # A C field cannot be absent: Cython answers ``del`` on a ``cdef public
+    # int`` with NotImplementedError "__del__"; the twin's property had no
+    # deleter (AttributeError). The oracle is the compiled core's answer.
+    engine = pyengine.Engine()
+    before = getattr(engine, name)
+    with pytest.raises(NotImplementedError, match="__del__"):
+        delattr(engine, name)
+    assert getattr(engine, name) == before
+
+
 def test_a_hook_that_runs_backward_on_its_own_graph_ends_in_recursion_error():
     # The runaway of issue 15: before the bound it started a pool thread
     # every 61 levels until the system refused one, minutes later.

@@ -177,7 +177,7 @@ from .graph_task import GraphTask, cancel_graph_task, refuse_lock_taken_again, t
 from .input_buffer import InputBuffer
 from .node import Edge, NodeBase, on_cpu
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
-from .static_types import as_c_int, check_argument
+from .static_types import c_int_attribute, check_argument
 from .thread_pool import _ThreadPoolShared, add_thread_pool_task, stop_thread_pool
 from .validate_outputs import validate_outputs
 
@@ -306,15 +306,9 @@ class Engine:
 
     # The bounds are C ints in the compiled core: See Note [The engine's
     # bounds are C ints] in pyengine/_pure/static_types.py.
-    max_recursion_depth = property(lambda self: self._max_recursion_depth,
-                                   lambda self, value: setattr(self, "_max_recursion_depth",
-                                                               as_c_int(value)))
-    max_total_depth = property(lambda self: self._max_total_depth,
-                               lambda self, value: setattr(self, "_max_total_depth",
-                                                           as_c_int(value)))
-    max_pool_threads = property(lambda self: self._max_pool_threads,
-                                lambda self, value: setattr(self, "_max_pool_threads",
-                                                            as_c_int(value)))
+    max_recursion_depth = c_int_attribute("_max_recursion_depth")
+    max_total_depth = c_int_attribute("_max_total_depth")
+    max_pool_threads = c_int_attribute("_max_pool_threads")
 
     # -- entry point --
 

@@ -70,6 +70,24 @@ def as_c_int(value):
     return int(value)
 
 
+def c_int_attribute(field):
+    """A property over the slot ``field`` that behaves as a Cython ``cdef
+    public int`` attribute: a value set is converted by as_c_int (See Note
+    [The engine's bounds are C ints]), and ``del`` is NotImplementedError
+    "__del__", Cython's answer for a C field that cannot be absent."""
+
+    def get(self):
+        return getattr(self, field)
+
+    def set(self, value):
+        setattr(self, field, as_c_int(value))
+
+    def delete(self):
+        raise NotImplementedError("__del__")
+
+    return property(get, set, delete)
+
+
 _SSIZE_T_BITS = struct.calcsize("n") * 8
 
 
