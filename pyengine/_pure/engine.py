@@ -281,7 +281,14 @@ def call_function(graph_task, node, inputs, next_edges):
 
 class Engine:
     """PyTorch's autograd engine. One default instance serves every thread;
-    see :func:`pyengine.get_default_engine`."""
+    see :func:`pyengine.get_default_engine`.
+
+    An engine made here starts its device worker threads and its reentrant
+    pool threads when a backward first needs them, and they run its
+    methods, so an engine whose threads started stays alive, with them,
+    until :meth:`stop` (every engine is stopped at interpreter exit): stop
+    an engine once it is no longer needed. (PyTorch has one engine only,
+    which lives as long as the process.)"""
 
     # The compiled Engine's fields, and no others: its methods cannot be
     # replaced on an instance, nor attributes added (a subclass may).
