@@ -404,3 +404,28 @@ def test_pow_exponent_gradient_at_a_zero_base_matches_torch():
         for i, (x, y) in enumerate(zip(zeros_if_none(second, [a, b]),
                                        zeros_if_none(t_second, [ta, tb]))):
             assert_close(x, y, what=f"{name}/d(input {i})")
+
+
+# -- class indices out of bounds ---------------------------------------------------------
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("name", ["nll_loss", "cross_entropy"])
+@pytest.mark.parametrize("target", [[0, -1, 2], [-3, 1, 1], [0, 1, 4], [4, 0, 0], [0, 9, -2]])
+def test_a_target_out_of_bounds_raises_as_in_torch(name, reduction, target):
+    # numpy indexing counted -1 from the end (a loss and a gradient for the
+    # last class); PyTorch raises IndexError naming the target.
+    if reduction == "none" and target == [0, 9, -2]:
+        target = [0, 9, 1]  # torch's unreduced kernel may name either of two bad targets
+    x = np.log(np.random.default_rng(0).dirichlet(np.ones(4), size=3))
+    with pytest.raises(IndexError) as theirs:
+        getattr(tnn, name)(torch.tensor(x), torch.tensor(target), reduction=reduction)
+    with pytest.raises(IndexError) as ours:
+        getattr(F, name)(F.tensor(x, requires_grad=True), np.array(target), reduction=reduction)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_ignore_index_is_not_supported_so_minus_100_is_refused():
+    # PyTorch ignores a target of -100 (its default ignore_index); the
+    # frontend has no ignore_index and refuses it rather than wrap it.
+    with pytest.raises(IndexError, match=r"^Target -100 is out of bounds\.$"):
+        F.nll_loss(F.tensor(np.zeros((2, 3))), np.array([0, -100]))
