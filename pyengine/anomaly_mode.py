@@ -18,16 +18,35 @@ __all__ = ["detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
            "is_anomaly_check_nan_enabled"]
 
 
+# Note [Where a mode context saves the previous mode]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each context manager saves the mode it restores on exit where torch's
+# does, so that reusing one instance behaves as in torch:
+# - ``detect_anomaly``, ``set_detect_anomaly`` and ``set_grad_enabled``
+#   save it in ``__init__``. The same ``detect_anomaly`` entered twice,
+#   nested, restores the mode of before its construction at both exits;
+#   saving it in ``__enter__`` instead made the inner entry save "on", and
+#   anomaly mode stayed on after both exits. ``set_grad_enabled`` also sets
+#   its mode again in ``__enter__``, so that an instance entered a second
+#   time (after its first exit restored the mode) runs its block under its
+#   mode.
+# - ``no_grad`` and ``enable_grad`` save it in ``__enter__``, as torch's do
+#   (an instance made once and entered many times, as a decorator's is,
+#   restores the mode of each entry).
+
+
 class detect_anomaly:
-    """Context manager (and decorator) that turns anomaly mode on."""
+    """Context manager (and decorator) that turns anomaly mode on, and on
+    exit restores the mode of before it was made (as torch's does)."""
 
     def __init__(self, check_nan: bool = True):
         self.check_nan = check_nan
+        # See Note [Where a mode context saves the previous mode].
+        self._previous = (is_anomaly_enabled(), is_anomaly_check_nan_enabled())
         warnings.warn("Anomaly Detection has been enabled. This mode will increase the runtime "
                       "and should only be enabled for debugging.", stacklevel=2)
 
     def __enter__(self):
-        self._previous = (is_anomaly_enabled(), is_anomaly_check_nan_enabled())
         set_anomaly_enabled(True, self.check_nan)
         return self
 
@@ -48,6 +67,7 @@ class set_detect_anomaly:
     used as a context manager, restores the previous mode on exit."""
 
     def __init__(self, mode: bool, check_nan: bool = True):
+        # See Note [Where a mode context saves the previous mode].
         self._previous = (is_anomaly_enabled(), is_anomaly_check_nan_enabled())
         set_anomaly_enabled(mode, check_nan)
 

@@ -28,6 +28,8 @@ class _GradModeContext:
     _enabled: bool
 
     def __enter__(self):
+        # See Note [Where a mode context saves the previous mode] in
+        # pyengine/anomaly_mode.py.
         self._previous = is_grad_enabled()
         _set_grad_enabled(self._enabled)
         return self
@@ -101,6 +103,10 @@ class set_grad_enabled(_GradModeContext):
         _set_grad_enabled(self._enabled)
 
     def __enter__(self):
+        # Set again, as torch's does.
+        # See Note [Where a mode context saves the previous mode] in
+        # pyengine/anomaly_mode.py.
+        _set_grad_enabled(self._enabled)
         return self
 
     def __call__(self, function):

@@ -35,8 +35,10 @@ every gradient is exact and compared with ``==``. After every batch:
 
 from __future__ import annotations
 
+import argparse
 import faulthandler
 import gc
+import math
 import sys
 import threading
 import time
@@ -414,7 +416,10 @@ def run(duration_s=None, batches=None, seed=0, watchdog_s=60.0, log=None) -> Str
         while True:
             if batches is not None and report.batches >= batches:
                 break
-            if duration_s is not None and time.monotonic() - start >= duration_s:
+            # A time budget runs one batch at least: "passed" after none
+            # would check nothing.
+            if (duration_s is not None and report.batches
+                    and time.monotonic() - start >= duration_s):
                 break
             other_threads_before = len([t for t in threading.enumerate()
                                         if not _engine_thread(t)])
@@ -448,10 +453,48 @@ def run(duration_s=None, batches=None, seed=0, watchdog_s=60.0, log=None) -> Str
 
 # -- python -m pyengine stress ------------------------------------------------------------
 
+def _minutes(text: str) -> float:
+    """``--minutes``: a positive, finite number (nan never ends a run, and a
+    budget of 0 or less would pass having checked nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of minutes, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive, finite number of minutes, got {text!r}")
+    return value
+
+
+def _watchdog_seconds(text: str) -> float:
+    """``--watchdog``: positive (0 fails every call as a deadlock) and at most
+    ``threading.TIMEOUT_MAX``, the longest a thread's join can wait."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (0 < value <= threading.TIMEOUT_MAX):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of seconds up to {threading.TIMEOUT_MAX:g}, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """``--seed``: an integer >= 0, as numpy's default_rng takes."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a seed >= 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("--minutes", type=float, default=1.0, help="time budget (1)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (0)")
-    parser.add_argument("--watchdog", type=float, default=60.0,
+    parser.add_argument("--minutes", type=_minutes, default=1.0,
+                        help="time budget, at least one batch (1)")
+    parser.add_argument("--seed", type=_seed, default=0, help="random seed, >= 0 (0)")
+    parser.add_argument("--watchdog", type=_watchdog_seconds, default=60.0,
                         help="seconds one call may take before it counts as a deadlock (60)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress line: print only the header and the summary")

@@ -68,6 +68,46 @@ def test_stress_quiet_prints_the_header_and_the_summary(capsys):
     assert lines[1].startswith("passed: ") and "deadlocks 0" in lines[1]
 
 
+@pytest.mark.parametrize("argv, option, value", [
+    (["stress", "--minutes", "nan"], "--minutes", "nan"),  # never ended
+    (["stress", "--minutes", "inf"], "--minutes", "inf"),
+    (["stress", "--minutes", "-1"], "--minutes", "-1"),  # "passed" after 0 batches
+    (["stress", "--minutes", "0"], "--minutes", "0"),
+    (["stress", "--watchdog", "0"], "--watchdog", "0"),  # a false deadlock
+    (["stress", "--watchdog", "-1"], "--watchdog", "-1"),
+    (["stress", "--watchdog", "nan"], "--watchdog", "nan"),
+    (["stress", "--watchdog", "1e300"], "--watchdog", "1e300"),  # past threading.TIMEOUT_MAX
+    (["stress", "--seed", "-5"], "--seed", "-5"),  # numpy's ValueError traceback
+    (["stress", "--seed", "1.5"], "--seed", "1.5"),
+    (["bench", "--sizes", "1e400"], "--sizes", "1e400"),  # OverflowError traceback
+    (["bench", "--sizes", "inf"], "--sizes", "inf"),
+    (["bench", "--memory-sizes", "10k", "inf"], "--memory-sizes", "inf"),
+    (["bench", "--lookup-rows", "1e400"], "--lookup-rows", "1e400"),
+])
+def test_a_bad_number_is_a_usage_error_naming_the_option_and_value(capsys, argv, option, value):
+    # argparse's own way out: exit status 2 and one line that names the
+    # option and the value, before anything runs.
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m pyengine " + argv[0])
+    assert f"error: argument {option}: " in err and repr(value) in err
+
+
+def test_stress_command_rejects_a_negative_seed_in_a_process():
+    result = run_python(os.path.dirname(PACKAGE), "-m", "pyengine", "stress", "--seed", "-5",
+                        "--minutes", "0.001", "--quiet", pythonpath=os.path.dirname(PACKAGE))
+    assert result.returncode == 2 and result.stdout == ""
+    assert "error: argument --seed: expected a seed >= 0, got '-5'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_stress_time_budget_runs_one_batch_at_least():
+    report = stress.run(duration_s=1e-9, seed=5)
+    assert report.batches == 1 and report.backward_calls > 0
+
+
 @pytest.mark.parametrize("option", ["--graph", "--trace"])
 def test_demo_refuses_an_unwritable_path_before_training(capsys, tmp_path, option):
     missing = tmp_path / "no such folder" / "out.svg"

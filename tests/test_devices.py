@@ -344,6 +344,33 @@ def test_zero_dim_gradients_are_moved_to_the_slot_device():
     assert x.grad.device == F0 and x.grad.numpy() == 4.0
 
 
+def test_a_gradient_reduced_to_zero_dim_is_moved_to_the_slot_device():
+    # PyTorch's validate_outputs reduces a broadcast gradient first and then
+    # asks grad.dim() of the reduced one: a (3,) host gradient for a 0-dim
+    # slot on fake:0 is summed to 0-dim and moved, not refused.
+    x = Leaf(on(np.ones(()), F0))
+
+    class HostVector(pyengine.Node):
+        def apply(self, grads):
+            return [np.array([1.0, 2.0, 4.0])]
+
+    node = HostVector([pyengine.gradient_edge(x)], [((), np.float64, F0)])
+    run(node, on(np.ones(()), F0))
+    assert x.grad.device == F0 and x.grad.numpy() == 7.0
+    # The rule looks at the reduced dim: a (2, 3) gradient for a (3,) slot
+    # on another device is still refused.
+    y = Leaf(on(np.ones(3), F0))
+
+    class HostMatrix(pyengine.Node):
+        def apply(self, grads):
+            return [np.ones((2, 3))]
+
+    node = HostMatrix([pyengine.gradient_edge(y)], [((3,), np.float64, F0)])
+    with pytest.raises(RuntimeError, match=r"Function HostMatrix returned an invalid gradient at "
+                                           r"index 0 - expected device fake:0 but got cpu"):
+        run(node, on(np.ones(3), F0))
+
+
 @pytest.mark.parametrize("levels", [3, 100])
 def test_reentrant_backward_from_a_device_thread(levels):
     x = Leaf(np.ones(()))

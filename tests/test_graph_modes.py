@@ -548,3 +548,64 @@ def test_anomaly_note_for_node_created_outside(no_anomaly_warning):
                 bad.sum().backward()
     notes = "\n".join(getattr(excinfo.value, "__notes__", []))
     assert "Fail" in notes and "bad = attach" not in notes
+
+
+def _mode_context_reuse(lib):
+    """The grad and anomaly modes seen while one instance of each mode
+    context manager is entered twice, nested and one after the other, in
+    ``lib`` (pyengine, or torch as the oracle)."""
+    if lib is pyengine:
+        anomaly, grad_mode = pyengine, pyengine
+        set_grad, is_grad = pyengine.set_grad_enabled, pyengine.is_grad_enabled
+        is_anomaly = pyengine.is_anomaly_enabled
+    else:
+        anomaly, grad_mode = lib.autograd, lib
+        set_grad, is_grad = lib._C._set_grad_enabled, lib.is_grad_enabled
+        is_anomaly = lib.is_anomaly_enabled
+    seen = []
+    for make in (lambda: anomaly.detect_anomaly(),
+                 lambda: anomaly.detect_anomaly(check_nan=False),
+                 lambda: anomaly.set_detect_anomaly(True)):
+        context = make()
+        with context:
+            with context:
+                seen.append(is_anomaly())
+            seen.append(is_anomaly())
+        seen.append(is_anomaly())
+        with context:
+            seen.append(is_anomaly())
+        seen.append(is_anomaly())
+        anomaly.set_detect_anomaly(False)
+    for start, make in ((True, grad_mode.no_grad), (False, grad_mode.enable_grad),
+                        (True, lambda: grad_mode.set_grad_enabled(False)),
+                        (False, lambda: grad_mode.set_grad_enabled(True))):
+        set_grad(start)
+        context = make()
+        seen.append(is_grad())
+        with context:
+            with context:
+                seen.append(is_grad())
+            seen.append(is_grad())
+        seen.append(is_grad())
+        set_grad(start)
+        with context:
+            seen.append(is_grad())
+        seen.append(is_grad())
+    set_grad(True)
+    return seen
+
+
+def test_mode_contexts_entered_twice_match_torch(torch, no_anomaly_warning):
+    # One detect_anomaly instance entered twice, nested, used to leave
+    # anomaly mode on after both exits (it saved the mode in __enter__),
+    # and a set_grad_enabled instance entered a second time ran its block
+    # under the caller's mode. See Note [Where a mode context saves the
+    # previous mode] in pyengine/anomaly_mode.py.
+    try:
+        assert _mode_context_reuse(pyengine) == _mode_context_reuse(torch)
+    finally:
+        torch.autograd.set_detect_anomaly(False)
+        pyengine.set_detect_anomaly(False)
+        torch.set_grad_enabled(True)
+        pyengine.set_grad_enabled(True)
+    assert not pyengine.is_anomaly_enabled() and pyengine.is_grad_enabled()

@@ -188,6 +188,28 @@ def test_validate_outputs_checks_an_indexed_gradient():
                         fd.to_fake(np.ones((1, COLS)), device), (ROWS, COLS))
 
 
+@pytest.mark.parametrize("slot_shape", [(1, COLS), (COLS,), ()])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_validate_outputs_reduces_a_broadcast_indexed_gradient(slot_shape, dtype):
+    # An indexed gradient of a shape that broadcasts down to its slot is
+    # reduced as a dense one is (sum_to returns a dense array, whose own
+    # backend then casts it and reads its device). Oracle: the dense
+    # gradient summed over the broadcast axes.
+    g = _indexed([1, 3, 3], seed=3)
+    expected = g.to_dense().sum(axis=0, keepdims=len(slot_shape) == 2)
+    if slot_shape == ():
+        expected = expected.sum()
+    leaf = Leaf(np.zeros(slot_shape, dtype=dtype))
+    _run([pyengine.gradient_edge(leaf)], [g])
+    assert type(leaf.grad) is np.ndarray and leaf.grad.dtype == dtype
+    assert leaf.grad.shape == slot_shape
+    np.testing.assert_allclose(leaf.grad, expected.astype(dtype), rtol=1e-6)
+    got = []
+    _run([pyengine.Edge(Sink(got, accepts=True, metadata=(slot_shape, dtype)), 0)], [g])
+    assert type(got[0]) is np.ndarray and got[0].dtype == dtype
+    np.testing.assert_allclose(got[0], expected.astype(dtype), rtol=1e-6)
+
+
 def test_accumulate_grad_densifies_into_a_new_grad_then_adds_in_place():
     leaf = Leaf(np.zeros((ROWS, COLS)))
     a, b = _indexed([1, 1], seed=1), _indexed([0, 6], seed=2)

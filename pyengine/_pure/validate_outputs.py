@@ -29,7 +29,7 @@ def validate_outputs(edges, grads, format_error, gradient_policy="reduce", node=
     For each gradient that flows along an edge into a slot with metadata,
     under ``gradient_policy="reduce"`` (PyTorch's rule): reduce a broadcast
     shape with ``sum_to``, cast to the slot's dtype (as PyTorch: any real
-    gradient to a real slot, a floating one to any slot), move a 0-d value
+    gradient to a real slot, a floating one to any slot), move a value that is 0-d once reduced
     to the slot's device; under ``"exact"`` (Chainer's rule) the gradient
     must have the slot's shape, dtype and device already. Any other
     mismatch raises with ``format_error(message)``, naming the index,

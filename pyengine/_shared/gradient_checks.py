@@ -66,6 +66,10 @@ def validate_gradient(i, grad, metadata, format_error):
                 f"invalid gradient at index {i} - got {shape} but expected shape "
                 f"compatible with {metadata.shape}"))
         grad = backend.sum_to(grad, metadata.shape)
+        # sum_to may return another type (an IndexedGradient reduces to a
+        # dense array): the checks below ask the backend of what it returned.
+        backend = value_backend(i, grad, format_error)
+        shape = metadata.shape
     dtype = backend.dtype(grad)
     if dtype != metadata.dtype:
         # PyTorch's rule: a floating gradient casts to any slot; another one
@@ -79,6 +83,9 @@ def validate_gradient(i, grad, metadata, format_error):
         grad = backend.cast(grad, metadata.dtype)
     device = backend.device(grad)
     if device != metadata.device:
+        # PyTorch moves only a 0-dim gradient, and asks the dim of the
+        # gradient as reduced above (grad.dim() after reduce_grad in
+        # validate_outputs), not of the one the node returned.
         if len(shape) != 0:
             raise RuntimeError(format_error(
                 f"invalid gradient at index {i} - expected device {metadata.device} but got {device}"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shlex
@@ -33,9 +34,12 @@ def parse_size(text: str) -> int:
     cleaned = text.strip().lower().replace("_", "").replace(",", "")
     scale = {"k": 1_000, "m": 1_000_000}.get(cleaned[-1:], 1)
     try:
-        value = int(float(cleaned[:-1] if scale > 1 else cleaned) * scale)
+        number = float(cleaned[:-1] if scale > 1 else cleaned) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1000, 10k or 1M)") from None
+    if not math.isfinite(number):  # inf, 1e400 (inf as a float); int() would raise OverflowError
+        raise argparse.ArgumentTypeError(f"a size must be a finite number, got {text!r}")
+    value = int(number)
     if value < 1:
         raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
     return value

@@ -66,7 +66,13 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 def nll_loss(log_probs, target, reduction="mean"):
     """The negative log-likelihood of class indices ``target`` under
-    ``log_probs`` of shape ``(N, C)``."""
+    ``log_probs`` of shape ``(N, C)``.
+
+    Every target must be a class, ``0 <= target < C``: as PyTorch, an index
+    out of that range raises ``IndexError("Target -1 is out of bounds.")``
+    (naming the first such target) rather than counting from the end as
+    numpy indexing would. There is no ``ignore_index``: a target of -100,
+    which PyTorch ignores by default, is refused the same way."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     data = raw(log_probs)
@@ -77,6 +83,9 @@ def nll_loss(log_probs, target, reduction="mean"):
     if target.shape != data.shape[:1] or target.dtype.kind not in "iu":
         raise ValueError(f"nll_loss expects integer class indices of shape {data.shape[:1]}, got "
                          f"{target.dtype} {target.shape}")
+    out_of_bounds = (target < 0) | (target >= data.shape[1])
+    if out_of_bounds.any():
+        raise IndexError(f"Target {int(target[out_of_bounds][0])} is out of bounds.")
     index = (xp.arange(data.shape[0]), target)
     picked = -data[index]
     if reduction == "mean":

@@ -161,8 +161,12 @@ class PowBackward(OpNode):
         # b's gradient first: See Note [Backward formulas in PyTorch's order].
         grad_a = grad_b = None
         if self.needs(1):
+            # PyTorch's pow_backward_exponent: the mask is applied to
+            # out * log(a) and the incoming gradient multiplies the result,
+            # so a NaN or inf in ``grad`` (or, under create_graph, a second
+            # order gradient through log(0)) still reaches b as NaN.
             base_is_zero = (a == 0) & (b >= 0)
-            grad_b = where(base_is_zero, 0.0, grad * out * log(a))
+            grad_b = grad * where(base_is_zero, 0.0, out * log(a))
         if self.needs(0):
             if self.number_exponent:
                 grad_a = zeros_like_value(grad) if b == 0 else grad * b * a ** (b - 1)

@@ -373,3 +373,59 @@ def test_third_derivative_matches_torch(name, ours, theirs):
         (t_grad,) = torch.autograd.grad(ty, tx, create_graph=True)
         assert_close(x_grad, t_grad, what=f"{name} derivative {order}")
         y, ty = x_grad.sum(), t_grad.sum()
+
+
+# -- pow at a zero base ----------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning",
+                            "ignore:invalid value:RuntimeWarning")  # numpy's log(0), 0 * inf
+def test_pow_exponent_gradient_at_a_zero_base_matches_torch():
+    # PyTorch's pow_backward_exponent is grad * where(a == 0 & b >= 0, 0,
+    # out * log(a)): the mask applies to out * log(a), not to the incoming
+    # gradient, so a NaN or inf there reaches b; and the second derivative
+    # through log(0) is NaN at a zero base.
+    a_values = np.array([0.0, 2.0, 0.0, 0.0, 0.0, 1.0])
+    b_values = np.array([1.0, 1.0, 0.0, 0.5, 2.0, -1.0])
+    incoming = np.array([np.nan, np.inf, 1.0, -np.inf, 1.0, np.nan])
+    b, tb = F.tensor(b_values, requires_grad=True), torch.tensor(b_values, requires_grad=True)
+    (g,) = F.grad(F.tensor(a_values) ** b, [b], grad_outputs=[incoming])
+    (tg,) = torch.autograd.grad(torch.tensor(a_values) ** tb, [tb],
+                                grad_outputs=[torch.tensor(incoming)])
+    assert_close(g, tg, what="pow exponent gradient")
+    a, ta = F.tensor(a_values, requires_grad=True), torch.tensor(a_values, requires_grad=True)
+    b, tb = F.tensor(b_values, requires_grad=True), torch.tensor(b_values, requires_grad=True)
+    ga, gb = F.grad((a ** b).sum(), [a, b], create_graph=True)
+    tga, tgb = torch.autograd.grad((ta ** tb).sum(), [ta, tb], create_graph=True)
+    assert_close(ga, tga, what="pow base gradient")
+    assert_close(gb, tgb, what="pow exponent gradient")
+    for name, ours, theirs in (("d(grad_b)", gb, tgb), ("d(grad_a)", ga, tga)):
+        second = F.grad(ours.sum(), [a, b], allow_unused=True)
+        t_second = torch.autograd.grad(theirs.sum(), [ta, tb], allow_unused=True)
+        for i, (x, y) in enumerate(zip(zeros_if_none(second, [a, b]),
+                                       zeros_if_none(t_second, [ta, tb]))):
+            assert_close(x, y, what=f"{name}/d(input {i})")
+
+
+# -- class indices out of bounds ---------------------------------------------------------
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("name", ["nll_loss", "cross_entropy"])
+@pytest.mark.parametrize("target", [[0, -1, 2], [-3, 1, 1], [0, 1, 4], [4, 0, 0], [0, 9, -2]])
+def test_a_target_out_of_bounds_raises_as_in_torch(name, reduction, target):
+    # numpy indexing counted -1 from the end (a loss and a gradient for the
+    # last class); PyTorch raises IndexError naming the target.
+    if reduction == "none" and target == [0, 9, -2]:
+        target = [0, 9, 1]  # torch's unreduced kernel may name either of two bad targets
+    x = np.log(np.random.default_rng(0).dirichlet(np.ones(4), size=3))
+    with pytest.raises(IndexError) as theirs:
+        getattr(tnn, name)(torch.tensor(x), torch.tensor(target), reduction=reduction)
+    with pytest.raises(IndexError) as ours:
+        getattr(F, name)(F.tensor(x, requires_grad=True), np.array(target), reduction=reduction)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_ignore_index_is_not_supported_so_minus_100_is_refused():
+    # PyTorch ignores a target of -100 (its default ignore_index); the
+    # frontend has no ignore_index and refuses it rather than wrap it.
+    with pytest.raises(IndexError, match=r"^Target -100 is out of bounds\.$"):
+        F.nll_loss(F.tensor(np.zeros((2, 3))), np.array([0, -100]))
