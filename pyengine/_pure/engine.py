@@ -85,13 +85,13 @@ ones that must both happen or neither. Each such pair is made safe:
 - the reentrant pool's slots and queue: See Note [A slot taken for a pool
   thread] in ``pyengine/_pure/thread_pool.py``.
 
-``tests/test_interrupts.py`` raises KeyboardInterrupt at these places, one
-at a time, with a trace function. Not covered: threading.Condition's own
-methods are Python code too (``__exit__``, ``wait``, ``notify``), and an
-interrupt on entering one can leave its lock held or a waiter registered;
-and a heap push or pop cut short on a queue that other threads' tasks share
-(a device's) can leave a task there twice. Both need a second interrupt-safe
-primitive the standard library does not have.
+``tests/test_interrupt_windows.py`` raises KeyboardInterrupt at these
+places, one at a time, with a trace function. Not covered: a second
+interrupt while the first is being handled; threading.Condition's own
+methods, which are Python code too (``__exit__``, ``wait``, ``notify``): by
+their source, an interrupt as one is entered can leave its lock held or a
+waiter registered (not exercised); and a heap push or pop cut short on a queue that other
+threads' tasks share (a device's), which can leave a task there twice.
 
 Note [A shutdown task is the device worker's]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
