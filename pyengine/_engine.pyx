@@ -349,6 +349,13 @@ cdef class Engine:
             push_task(queue, graph_task, graph_root, inputs)
             try:
                 self.thread_main(worker, graph_task)
+                if graph_task.has_error_.load():
+                    # It raises its error: See Note [A backward that raises
+                    # leaves its ready queue] in pyengine/_pure/engine.py.
+                    leave_ready_queue(worker)
+            except BaseException:
+                leave_ready_queue(worker)
+                raise
             finally:
                 worker.worker_device = NO_DEVICE
         else:
@@ -764,6 +771,15 @@ cdef inline void queue_task(WorkerState worker, ReadyQueue queue, GraphTask grap
                                    node._sequence_nr)
     worker.has_next_task = True
     worker.next_task_counted = False
+
+
+cdef inline void leave_ready_queue(WorkerState worker) noexcept:
+    """Leave the thread's ReadyQueue to the pool threads that may still
+    serve it: See Note [A backward that raises leaves its ready queue] in
+    ``pyengine/_pure/engine.py``. The twin also puts back per-thread state
+    that an interrupt may have left half restored there; here nothing is
+    interrupted between two steps."""
+    worker.local_ready_queue = None
 
 
 cdef inline void flush_next_task(WorkerState worker) noexcept:

@@ -94,17 +94,21 @@ cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
 cdef int start_pool_thread(_ThreadPoolShared pool, GraphTask graph_task,
                            object run_graph_task) except -1:
     """Start a pool thread, its slot in ``num_threads`` already taken; if
-    it cannot start, give the slot back and raise RuntimeError."""
-    thread = threading.Thread(target=_reentrant_thread_main, args=(pool, run_graph_task),
-                              name="pyengine-reentrant", daemon=True)
-    pool.threads.append(thread)
+    it cannot start, give the slot back and raise RuntimeError. Ctrl-C may
+    come while Python code makes the thread: See Note [A slot taken for a
+    pool thread] in the twin."""
+    thread = None
     try:
+        thread = threading.Thread(target=_reentrant_thread_main, args=(pool, run_graph_task),
+                                  name="pyengine-reentrant", daemon=True)
+        pool.threads.append(thread)
         thread.start()
     except BaseException as error:
-        if thread.ident is not None:
+        if thread is not None and thread.ident is not None:
             # It started (Ctrl-C came while start() waited for it).
             raise
-        pool.threads.remove(thread)
+        if thread is not None and thread in pool.threads:
+            pool.threads.remove(thread)
         lock_releasing_gil(pool.mutex_)
         pool.num_threads -= 1
         pool.mutex_.unlock()

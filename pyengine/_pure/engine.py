@@ -39,6 +39,60 @@ graph task whatever escapes its loop, and ``discard_graph_task`` rebuilds
 the queue's heap. Pool and device threads never see a signal: they keep
 serving, and the engine works afterwards.
 
+Note [A backward that raises leaves its ready queue]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A caller interrupted while a pool thread runs the graph task it handed off
+(Ctrl-C in ``add_thread_pool_task``'s wait) cancels that graph task and
+raises, but the pool thread finishes the node it is in, and the reentrant
+backwards nested in that node run on to completion on it and on other pool
+threads (See Note [Cancelling a graph task]); all of them serve the
+caller's CPU ReadyQueue. PyTorch's engine lets one loop at a time serve a
+queue: a thread that waits for a hand-off does not pop. If the caller's
+next backward used that queue, two loops would serve it at once: one pops
+and runs a task of the other's graph task (a deeper task sorts first), and
+completes it, while the other sleeps in ``pop`` for it; the wake-up goes only
+to an owner on another device (both loops are CPU_DEVICE), so the sleeper
+stays there, and with it its pool thread and the caller above that, until
+the pool is full. So a thread's outermost backward that raises (through
+its loop, or with its graph task's error) leaves its ReadyQueue to whoever
+still serves it, and the thread's next backward makes a new one; in the
+twin, ``leave_ready_queue`` also puts back the per-thread state (See Note
+[Where the twin's main thread sees an interrupt]). A node that catches the
+KeyboardInterrupt of a backward nested in it, and returns, goes on sharing
+its queue with the pool threads: that case is not covered.
+
+Note [Where the twin's main thread sees an interrupt]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+CPython runs signal handlers on the main thread only, where its bytecode
+checks for them: on entering a Python function, on a loop's back edge,
+after a call returns, and in a blocking lock acquire or wait. What the
+handler raises (KeyboardInterrupt) comes out there. The compiled core's
+engine is C, so there it only comes out of a wait or a call into Python
+(See Note [Waits honour signals]); the twin's engine is Python, so on the
+main thread it comes out between almost any two of its steps, including
+ones that must both happen or neither. Each such pair is made safe:
+
+- a task popped and not run, or counted and not queued, belongs to a graph
+  task that the interrupted thread drives, and fails with it: the loop
+  cancels its graph task whatever escapes it, and the error goes up
+  through the node of each enclosing level (See Note [Cancelling a graph
+  task]);
+- the per-node state (grad mode, current graph task and node, checkpoint
+  valid) and the thread's ``worker_device``, depths and held task, whose
+  restores an interrupt may cut short, are put back by the outermost
+  backward as it raises (``leave_ready_queue``: See Note [A backward that
+  raises leaves its ready queue]);
+- the reentrant pool's slots and queue: See Note [A slot taken for a pool
+  thread] in ``pyengine/_pure/thread_pool.py``.
+
+``tests/test_interrupt_windows.py`` raises KeyboardInterrupt at these
+places, one at a time, with a trace function. Not covered: a second
+interrupt while the first is being handled; threading.Condition's own
+methods, which are Python code too (``__exit__``, ``wait``, ``notify``): by
+their source, an interrupt as one is entered can leave its lock held or a
+waiter registered (not exercised); and a heap push or pop cut short on a queue that other
+threads' tasks share (a device's), which can leave a task there twice.
+
 Note [A shutdown task is the device worker's]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``Engine.stop`` pushes one shutdown task onto each device's queue, for the
@@ -386,12 +440,24 @@ class Engine:
         if worker.worker_device == NO_DEVICE:
             # Not inside the engine: this thread drives the graph task.
             # See Note [CPU work runs on the caller].
-            worker.worker_device = CPU_DEVICE
-            graph_task.owner = CPU_DEVICE
-            flush_next_task(worker)
-            queue.push(NodeTask(graph_task, graph_root, input_buffer.buffer))
+            # What thread_main changes per node, as it is out here: See Note
+            # [A backward that raises leaves its ready queue].
+            outside = (state.is_grad_enabled(), state.get_current_graph_task(),
+                       state.is_checkpoint_valid())
             try:
+                worker.worker_device = CPU_DEVICE
+                graph_task.owner = CPU_DEVICE
+                flush_next_task(worker)
+                queue.push(NodeTask(graph_task, graph_root, input_buffer.buffer))
                 self.thread_main(graph_task)
+                if graph_task.has_error:
+                    # It raises its error: See Note [A backward that raises
+                    # leaves its ready queue].
+                    leave_ready_queue(worker, outside)
+            except BaseException:
+                # See Note [A backward that raises leaves its ready queue].
+                leave_ready_queue(worker, outside)
+                raise
             finally:
                 worker.worker_device = NO_DEVICE
         else:
@@ -741,6 +807,25 @@ def queue_task(worker, queue, graph_task, node, inputs):
     # Not counted yet: See Note [A held task takes over its maker's count].
     worker.next_task = NodeTask(graph_task, node, inputs)
     worker.next_task_counted = False
+
+
+def leave_ready_queue(worker, outside):
+    """Leave the thread's ReadyQueue to the pool threads that may still
+    serve it, and put the engine's per-thread state back as it was outside
+    the backward (``outside``: grad mode, current graph task, checkpoint
+    valid; no node runs there). See Note [A backward that raises leaves its
+    ready queue]."""
+    worker.local_ready_queue = None
+    # The twin only: an interrupt may have cut a restore short (See Note
+    # [Where the twin's main thread sees an interrupt]).
+    worker.next_task = None
+    worker.current_depth = 0
+    worker.total_depth = 0
+    grad_mode, graph_task, checkpoint_valid = outside
+    state.set_current_node(None, None)
+    state.set_current_graph_task(graph_task)
+    state.swap_checkpoint_valid(checkpoint_valid)
+    state.set_grad_enabled(grad_mode)
 
 
 def flush_next_task(worker):

@@ -62,6 +62,23 @@ short (the thread needs only the GIL, which the caller does not hold), and
 a backward that returns has every pool thread it used idle again. A caller
 that cancels its task (Ctrl-C, a thread that did not start) does not wait.
 
+Note [A slot taken for a pool thread]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A hand-off that starts a thread takes its slot in ``num_threads`` under
+the pool's lock, and the thread gives it back as it ends. A thread that
+never starts must give it back at once, or the pool loses a slot for good
+and, a few slots later, refuses every hand-off as full. Ctrl-C can come
+while Python code makes the thread (``threading.Thread()``, in both cores)
+and, in the twin, on the main thread between any two steps (See Note
+[Where the twin's main thread sees an interrupt] in
+``pyengine/_pure/engine.py``). So the thread is made inside the ``try``
+that gives the slot back, and in the twin the slot is held in a one-item
+list, ``slot``, from the step that takes it to the step after the thread
+started: whichever ``except`` sees the item gives the slot back and
+empties it, exactly once. For the same reason the graph task is queued
+inside the ``try`` that withdraws and cancels it, so an interrupt never
+leaves a graph task queued for the pool that its caller gave up.
+
 Note [Stopping the pool]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 ``Engine.stop`` (at interpreter exit, or called by hand) ends the pool
@@ -115,32 +132,35 @@ def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
     ``run_graph_task(graph_task)`` runs it on the pool thread. See Note
     [Reentrant backward] and Note [Bounds on reentrant backward]."""
     refused = None
-    with pool.condition:
-        # PyTorch's rule: a new thread unless an idle one is left over for it.
-        start_thread = pool.num_idle <= len(pool.graph_tasks)
-        if pool.stopping:
-            # See Note [Stopping the pool].
-            refused = pool_stopped_message(graph_task.reentrant_depth)
-        elif start_thread and pool.num_threads >= max_pool_threads:
-            refused = pool_full_message(graph_task.reentrant_depth, max_pool_threads)
-        else:
-            if start_thread:
-                pool.num_threads += 1
-            pool.graph_tasks.append(graph_task)
-    if refused is not None:
-        error = RuntimeError(refused)
-        cancel_graph_task(graph_task, error)
-        raise error
+    # The slot taken in num_threads for a thread not started yet: one item
+    # while it is ours to give back. See Note [A slot taken for a pool thread].
+    slot = []
     try:
+        with pool.condition:
+            # PyTorch's rule: a new thread unless an idle one is left over for it.
+            start_thread = pool.num_idle <= len(pool.graph_tasks)
+            if pool.stopping:
+                # See Note [Stopping the pool].
+                refused = pool_stopped_message(graph_task.reentrant_depth)
+            elif start_thread and pool.num_threads >= max_pool_threads:
+                refused = pool_full_message(graph_task.reentrant_depth, max_pool_threads)
+            else:
+                if start_thread:
+                    pool.num_threads += 1
+                    slot += (True,)
+                pool.graph_tasks.append(graph_task)
+        if refused is not None:
+            raise RuntimeError(refused)
         if start_thread:
-            start_pool_thread(pool, graph_task, run_graph_task)
+            start_pool_thread(pool, graph_task, run_graph_task, slot)
         with pool.condition:
             pool.condition.notify()
         graph_task.wait()
     except BaseException as error:
-        # A thread that did not start, or Ctrl-C while waiting: the
-        # child ends here. See Note [Cancelling a graph task] in
-        # pyengine/_pure/engine.py.
+        # Refused, a thread that did not start, or Ctrl-C (while waiting,
+        # or, in the twin, anywhere): the child ends here. See Note
+        # [Cancelling a graph task] in pyengine/_pure/engine.py.
+        give_back_slot(pool, slot)
         withdraw_pool_task(pool, graph_task)
         cancel_graph_task(graph_task, error)
         raise
@@ -150,27 +170,42 @@ def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
             pool.condition.wait()
 
 
-def start_pool_thread(pool, graph_task, run_graph_task):
-    """Start a pool thread, its slot in ``num_threads`` already taken; if
-    it cannot start, give the slot back and raise RuntimeError."""
-    thread = threading.Thread(target=_reentrant_thread_main, args=(pool, run_graph_task),
-                              name="pyengine-reentrant", daemon=True)
-    with pool.condition:
-        pool.threads.append(thread)
+def start_pool_thread(pool, graph_task, run_graph_task, slot):
+    """Start a pool thread, its slot in ``num_threads`` already taken (and
+    held in ``slot``); if it cannot start, give the slot back and raise
+    RuntimeError. See Note [A slot taken for a pool thread]."""
+    thread = None
     try:
+        thread = threading.Thread(target=_reentrant_thread_main, args=(pool, run_graph_task),
+                                  name="pyengine-reentrant", daemon=True)
+        with pool.condition:
+            pool.threads.append(thread)
         thread.start()
+        # The thread has the slot now; it gives it back as it ends.
+        slot.clear()
     except BaseException as error:
-        if thread.ident is not None:
+        if thread is not None and thread.ident is not None:
             # It started (Ctrl-C came while start() waited for it).
+            slot.clear()
             raise
         with pool.condition:
-            pool.threads.remove(thread)
-            pool.num_threads -= 1
+            if thread in pool.threads:
+                pool.threads.remove(thread)
+        give_back_slot(pool, slot)
         if not isinstance(error, Exception):
             raise
         raise RuntimeError(
             f"could not start a reentrant pool thread for a backward nested "
             f"{graph_task.reentrant_depth} levels deep: {error}") from error
+
+
+def give_back_slot(pool, slot):
+    """Give back the slot in ``num_threads`` that ``slot`` holds, if any:
+    the thread it was taken for did not start."""
+    with pool.condition:
+        if slot:
+            pool.num_threads -= 1
+            del slot[0]
 
 
 def _reentrant_thread_main(pool, run_graph_task):
