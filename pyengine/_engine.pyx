@@ -166,15 +166,16 @@ cdef inline bint has_hooks(NodeBase node) noexcept:
 
 
 cdef inline int release_variables(NodeBase node) except -1:
-    """``type(node).release_variables(node)`` where the node's class
-    overrode it when the node was made, else what NodeBase's does, with no
-    lookup; then mark the node released. See Note [Overriding release
-    variables] in ``pyengine/_pure/node.py``."""
+    """Mark the node released, then ``type(node).release_variables(node)``
+    where the node's class overrode it when the node was made, else what
+    NodeBase's does, with no lookup. See Note [Overriding release
+    variables] in ``pyengine/_pure/node.py`` and Note [A node is marked
+    released before it is cleared] in ``pyengine/_pure/engine.py``."""
+    node._released_ = True
     if node._overrides_release_variables_:
         type(node).release_variables(node)
     else:
         node._saved_values = None  # NodeBase.release_variables
-    node._released_ = True
     return 0
 
 

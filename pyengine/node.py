@@ -194,9 +194,12 @@ class Node(NodeBase):
     @property
     def saved_values(self):
         """What ``save_for_backward`` stored; raises once the graph was released."""
+        # Read before the flag: See Note [A node is marked released before
+        # it is cleared] in pyengine/_pure/engine.py.
+        saved = self._saved_values
         if self._released:
             raise RuntimeError(RELEASED_ERROR)
-        return self._saved_values if self._saved_values is not None else ()
+        return saved if saved is not None else ()
 
     # -- hooks --
 

@@ -226,3 +226,39 @@ def test_a_gradient_free_node_class_may_override_release_variables():
     top = Freeing(Owner(), "run", [Edge(bottom, 0)])
     release(bottom, top)
     assert log == ["run", "release", "run", "release"]
+
+
+# -- a release seen from other code ------------------------------------------------------------
+
+
+def test_a_node_reads_as_released_from_the_moment_its_release_begins():
+    # Code that runs while a node's saved values are freed (here a saved
+    # value's __del__; in a race, another thread's backward on the same
+    # graph) must find the node released: PyTorch's error, not an empty
+    # tuple of saved values. Oracle: the release's order in Note [A node is
+    # marked released before it is cleared] (pyengine/_pure/engine.py).
+    seen = []
+
+    class Probe:
+        def __del__(self):
+            try:
+                seen.append(node.saved_values)
+            except RuntimeError as error:
+                seen.append(str(error))
+
+    node = Saving()
+    node.save_for_backward(Probe())
+    release(node)
+    assert seen == [pyengine.node.RELEASED_ERROR]
+
+
+def test_an_override_runs_on_a_node_already_marked_released():
+    seen = []
+
+    class Freeing(Saving):
+        def release_variables(self):
+            seen.append(self._released)
+            super().release_variables()
+
+    release(Freeing())
+    assert seen == [True]

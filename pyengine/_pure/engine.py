@@ -297,16 +297,32 @@ class GraphRoot(NodeBase):
         return "GraphRoot"
 
 
+# Note [A node is marked released before it is cleared]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Threads that run backward on one graph without retain_graph race: one
+# runs a node and releases it while another is about to run it. The loser
+# must get PyTorch's "Trying to backward through the graph a second time",
+# never a half-released node (its saved values None while ``_released``
+# still says False: "'NoneType' object is not iterable" from its apply).
+# Between two writes, another thread may run (the twin's bytecodes; in
+# either core, the release of the old saved values, which can run Python
+# code). So the engine writes the flag first and clears after, and a
+# reader takes the saved values first and asks the flag after
+# (``Node.saved_values``, the frontend's nodes): a reader that finds the
+# flag unset holds values from before any clearing.
+
+
 def release_variables(node):
-    """``type(node).release_variables(node)`` where the node's class
-    overrode it when the node was made, else what NodeBase's does, with no
-    lookup; then mark the node released. See Note [Overriding release
-    variables] in ``pyengine/_pure/node.py``."""
+    """Mark the node released, then ``type(node).release_variables(node)``
+    where the node's class overrode it when the node was made, else what
+    NodeBase's does, with no lookup. See Note [Overriding release
+    variables] in ``pyengine/_pure/node.py`` and Note [A node is marked
+    released before it is cleared]."""
+    node._released = True
     if node._overrides_release_variables:
         type(node).release_variables(node)
     else:
         node._saved_values = None  # NodeBase.release_variables
-    node._released = True
 
 
 def has_hooks(node):

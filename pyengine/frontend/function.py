@@ -74,9 +74,11 @@ class BackwardFunction(pyengine.Node):
 
     @property
     def saved_tensors(self):
+        # Read before the flag: See Note [A node is marked released before it
+        # is cleared] in pyengine/_pure/engine.py.
+        saved = self._saved_values
         if self._released:
             raise RuntimeError(RELEASED_ERROR)
-        saved = self._saved_values
         if saved is None:
             return ()
         return tuple(value.unpack_tensor(self) if isinstance(value, SavedTensor) else value

@@ -241,9 +241,11 @@ class OpNode(pyengine.Node):
         if grad is None:
             return [None] * len(self._next_edges)
         if self._saves:
+            # Read before the flag: See Note [A node is marked released
+            # before it is cleared] in pyengine/_pure/engine.py.
+            saved = self._saved_values
             if self._released:
                 raise RuntimeError(RELEASED_ERROR)
-            saved = self._saved_values
         else:
             saved = ()
         if pyengine.is_grad_enabled():
