@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -474,6 +475,20 @@ def test_a_backward_waiting_on_stopped_device_threads_gets_an_error():
     assert "joined" in result.stdout and "device threads stopped" in result.stdout
 
 
+def test_a_device_backward_on_an_engine_a_user_stopped_names_engine_stop():
+    # The message named only interpreter shutdown, where a user's stop() had
+    # stopped the threads (they never start again).
+    engine = pyengine.Engine()
+    engine.stop()
+    x = Leaf(np.ones(3))
+    node = Scale(pyengine.gradient_edge(x), F0, 2.0, CPU)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "cannot run a task on fake:0: the engine's device threads have stopped "
+            "(Engine.stop(), which runs at interpreter exit)")):
+        engine.execute([pyengine.Edge(node, 0)], [on(np.ones(3), F0)], False, False, True)
+    assert x.grad is None
+
+
 @pytest.mark.parametrize("max_recursion_depth", [0, 60])
 def test_stop_ends_a_device_worker_whose_reentrant_backward_is_running(max_recursion_depth):
     # A device node runs a reentrant backward (on a pool thread with
@@ -640,7 +655,7 @@ print(host(x.grad).tolist())
 """, timeout=60)
     assert lines == ["[30.0, 30.0, 30.0]",
                      "cannot run a task on fake:0: the engine's device threads have stopped "
-                     "(interpreter shutdown)",
+                     "(Engine.stop(), which runs at interpreter exit)",
                      "threads left []"]
 
 

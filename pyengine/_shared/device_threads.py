@@ -31,6 +31,12 @@ def node_device(node, gradients):
     return CPU
 
 
+# Who stops an engine's threads: a user's call, or the engine registry at
+# exit (pyengine/_shared/engine_registry.py). An engine's threads never
+# start again.
+STOPPED_BY = "Engine.stop(), which runs at interpreter exit"
+
+
 class _DeviceThreads:
     """One ReadyQueue and one worker thread per non-CPU device, started the
     first time a graph task sends that device a task. A device's worker
@@ -59,7 +65,7 @@ class _DeviceThreads:
         with self.lock:
             if self.stopping:
                 raise RuntimeError(f"cannot run a task on {device}: the engine's device "
-                                   "threads have stopped (interpreter shutdown)")
+                                   f"threads have stopped ({STOPPED_BY})")
             self.graph_tasks.add(graph_task)
             device_id = self.ids.get(device)
             if device_id is None:
@@ -85,5 +91,4 @@ class _DeviceThreads:
             return list(self.graph_tasks), list(self.queues), list(self.threads)
 
 
-SHUTDOWN_ERROR = ("pyengine's device threads stopped (interpreter shutdown) while this "
-                  "backward was running")
+SHUTDOWN_ERROR = f"pyengine's device threads stopped ({STOPPED_BY}) while this backward was running"
