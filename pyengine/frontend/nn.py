@@ -40,11 +40,23 @@ class Module:
                 yield name, value
 
     def named_parameters(self, prefix=""):
-        """``(name, parameter)`` pairs, each parameter once, in definition order."""
-        seen = set()
+        """``(name, parameter)`` pairs, each parameter once, in definition order.
+
+        Each module is visited once, under the first name it is reached by,
+        as ``torch.nn.Module.named_modules`` does with its memo set: modules
+        that refer to each other (``enc.dec = dec; dec.enc = enc``) or one
+        layer set twice end the walk instead of looping.
+        """
+        # A module is marked when it is visited, not when it is found, so
+        # that a module reachable twice is named by the depth-first path
+        # that reaches it first, as torch names it.
+        seen = set()  # ids of the parameters yielded and the modules visited
         stack = [(prefix, self)]
         while stack:
             path, module = stack.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
             children = []
             for name, value in module._children():
                 full = f"{path}{name}"
@@ -52,7 +64,7 @@ class Module:
                     if id(value) not in seen:
                         seen.add(id(value))
                         yield full, value
-                else:
+                elif id(value) not in seen:
                     children.append((full + ".", value))
             stack.extend(reversed(children))
 

@@ -103,3 +103,36 @@ def test_step_skips_parameters_without_grad():
     np.testing.assert_array_equal(a.data, [0.0, 0.0])
     np.testing.assert_array_equal(b.data, [1.0, 1.0])
     assert b._version == 0
+
+
+def test_parameters_of_modules_that_refer_to_each_other_end(torch, monkeypatch):
+    # Modules visited once each, as torch's named_modules memo does: a cycle
+    # (enc.dec = dec; dec.enc = enc) used to make parameters() loop forever
+    # (and grow its stack until memory ran out): fail fast instead.
+    calls = []
+    children = nn.Module._children
+
+    def counted(self):
+        calls.append(self)
+        assert len(calls) < 100, "the module walk does not end"
+        return children(self)
+
+    monkeypatch.setattr(nn.Module, "_children", counted)
+    def build(nn):
+        enc, dec = nn.Module(), nn.Module()
+        enc.lin = nn.Linear(2, 2)
+        dec.enc = enc
+        dec.lin = nn.Linear(2, 3)
+        enc.dec = dec
+        root = nn.Module()
+        root.first = dec
+        root.inner = nn.Module()
+        root.inner.shared = enc
+        root.again = enc  # reached first through first.enc, depth first
+        return root
+
+    ours = [(name, p.shape) for name, p in build(nn).named_parameters()]
+    theirs = [(name, tuple(p.shape)) for name, p in build(torch.nn).named_parameters()]
+    assert ours == theirs
+    assert [name for name, _ in ours] == [
+        "first.enc.lin.weight", "first.enc.lin.bias", "first.lin.weight", "first.lin.bias"]
