@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-import pyengine
-
 from . import ops
-from .tensor import Parameter, default_generator
+from .tensor import Parameter, _zero_grad, default_generator
 
 __all__ = ["Module", "Linear", "Sequential", "ReLU", "Tanh", "Sigmoid", "MLP"]
 
@@ -73,13 +71,10 @@ class Module:
             yield parameter
 
     def zero_grad(self, set_to_none=True):
-        """Clear every parameter's ``.grad`` (set it to None, or zero it)."""
+        """Clear every parameter's ``.grad``: set it to None, or detach it and
+        zero it in place, as torch does (see ``tensor._zero_grad``)."""
         for parameter in self.parameters():
-            if set_to_none or parameter.grad is None or \
-                    isinstance(parameter.grad, pyengine.IndexedGradient):
-                parameter.grad = None
-            else:
-                parameter.grad.data[...] = 0
+            _zero_grad(parameter, set_to_none)
 
 
 class Linear(Module):

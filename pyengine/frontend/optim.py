@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pyengine
 
-from .tensor import array_module
+from .tensor import _zero_grad, array_module
 
 __all__ = ["Optimizer", "SGD", "Adam"]
 
@@ -28,12 +28,10 @@ class Optimizer:
         self.state = [dict() for _ in self.params]
 
     def zero_grad(self, set_to_none=True):
+        """Clear every parameter's ``.grad``: set it to None, or detach it and
+        zero it in place, as torch does (see ``tensor._zero_grad``)."""
         for parameter in self.params:
-            if set_to_none or parameter.grad is None or \
-                    isinstance(parameter.grad, pyengine.IndexedGradient):
-                parameter.grad = None
-            else:
-                parameter.grad.data[...] = 0
+            _zero_grad(parameter, set_to_none)
 
     def step(self):
         with pyengine.no_grad():

@@ -592,6 +592,31 @@ class Parameter(Tensor):
         return "Parameter containing:\n" + super().__repr__()
 
 
+def _zero_grad(parameter: Tensor, set_to_none: bool) -> None:
+    """``parameter.grad`` set to None, or zeroed, for ``zero_grad``.
+
+    As ``torch.optim.Optimizer.zero_grad`` and ``torch.nn.Module.zero_grad``:
+    a ``.grad`` made under ``create_graph=True`` (it has a ``grad_fn``) is
+    detached in place first, otherwise it stops requiring grad; then it is
+    zeroed in place, which bumps its version. A graph that saved the old
+    gradient then refuses to run backward ("Trying to use a saved tensor
+    that has been detached in-place") instead of using the zeros. An
+    indexed gradient is set to None (torch would zero its sparse tensor).
+    """
+    grad = parameter._grad
+    if grad is None:
+        return
+    if set_to_none or not isinstance(grad, Tensor):
+        parameter._grad = None
+        return
+    if grad.grad_fn is not None:
+        grad.detach_()
+    else:
+        grad.requires_grad_(False)
+    with pyengine.no_grad():
+        grad.zero_()
+
+
 def is_tensor(value) -> bool:
     return isinstance(value, Tensor)
 

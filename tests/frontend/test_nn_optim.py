@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from frontend_helpers import assert_close
+from frontend_helpers import assert_close, to_numpy
 
 import pyengine.frontend as F
 from pyengine.frontend import nn, optim
@@ -136,3 +136,44 @@ def test_parameters_of_modules_that_refer_to_each_other_end(torch, monkeypatch):
     assert ours == theirs
     assert [name for name, _ in ours] == [
         "first.enc.lin.weight", "first.enc.lin.bias", "first.lin.weight", "first.lin.bias"]
+
+
+@pytest.mark.parametrize("owner", ["optimizer", "module"])
+def test_zero_grad_in_place_detaches_a_create_graph_grad(torch, owner):
+    # torch's zero_grad(set_to_none=False): detach_() a .grad that has a
+    # grad_fn, then zero_() it. A graph that saved the old .grad used to run
+    # backward on the zeros and give x.grad = [0, 0] silently.
+    def run(lib, x, zero_grad):
+        (x * x).sum().backward(create_graph=True)
+        g = x.grad
+        z = (g * g).sum()  # saves g
+        version = g._version
+        zero_grad()
+        assert x.grad is g and g.grad_fn is None and not g.requires_grad
+        assert g._version > version
+        assert np.all(to_numpy(g) == 0)
+        with pytest.raises(RuntimeError) as caught:
+            z.backward()
+        (x * 3.0).sum().backward()  # accumulates onto the zeroed .grad
+        assert_close(x.grad, np.array([3.0, 3.0]))
+        return str(caught.value)
+
+    class Holder(nn.Module):
+        def __init__(self):
+            self.x = F.Parameter(np.array([1.0, 2.0]))
+
+    class TorchHolder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.x = torch.nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
+
+    module, tmodule = Holder(), TorchHolder()
+    if owner == "optimizer":
+        ours = lambda: optim.SGD([module.x], lr=0.1).zero_grad(set_to_none=False)  # noqa: E731
+        theirs = lambda: torch.optim.SGD([tmodule.x], lr=0.1).zero_grad(set_to_none=False)  # noqa: E731
+    else:
+        ours = lambda: module.zero_grad(set_to_none=False)  # noqa: E731
+        theirs = lambda: tmodule.zero_grad(set_to_none=False)  # noqa: E731
+    message = run(F, module.x, ours)
+    assert message == run(torch, tmodule.x, theirs)
+    assert "saved tensor that has been detached in-place" in message
