@@ -50,7 +50,11 @@ Note [In-place operations]
 ``x.op_(args)`` runs the out-of-place ``op`` on an alias of ``x`` (same
 array, same history), writes the result into ``x``'s array, bumps the
 version and makes the node ``op`` recorded the new ``grad_fn`` of ``x``, as
-PyTorch rebases an in-place op's output. The node may have saved what it
+PyTorch rebases an in-place op's output. If ``x`` retains its gradient
+(``retain_grad()``), the retains-grad hook moves from the old ``grad_fn`` to
+the new one, as torch's ``update_tensor_hooks_on_new_gradfn`` does, so that
+``x.grad`` is the gradient of the value ``x`` now holds; hooks registered
+with ``register_hook`` stay on the old node, as in torch. The node may have saved what it
 needs: the old value of ``x`` (``mul_`` with an ``other`` that requires
 grad) is copied first, as PyTorch saves ``original_self``; a saved output
 (``exp_``) is re-pointed at ``x``'s array and version, so that a later
@@ -360,6 +364,7 @@ class Tensor:
         self._version_counter.value += 1
         if node is not None:
             _repoint_saved_output(node, result, self)
+            _move_retains_grad_hook(self, node)
             self.grad_fn = node
             self.output_nr = 0
             self._requires_grad = True
@@ -590,6 +595,19 @@ class Parameter(Tensor):
 
     def __repr__(self):
         return "Parameter containing:\n" + super().__repr__()
+
+
+def _move_retains_grad_hook(tensor: Tensor, node) -> None:
+    """Move ``tensor``'s retains-grad hook from its current ``grad_fn`` to
+    ``node``, its ``grad_fn`` after an in-place operation (output 0). See
+    Note [In-place operations]."""
+    old = tensor.grad_fn
+    hooks = old._retains_grad_hooks if old is not None else None
+    if not hooks or tensor.output_nr not in hooks:
+        return
+    hook = hooks[tensor.output_nr]
+    old.set_retains_grad_hook(tensor.output_nr, None)
+    node.set_retains_grad_hook(0, hook)
 
 
 def _zero_grad(parameter: Tensor, set_to_none: bool) -> None:
