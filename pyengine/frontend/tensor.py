@@ -218,9 +218,33 @@ class Tensor:
 
     @grad.setter
     def grad(self, value):
-        # An IndexedGradient (a leaf that keeps one) is stored as it is.
-        if value is not None and not isinstance(value, (Tensor, pyengine.IndexedGradient)):
-            value = Tensor._make(value)
+        """Set ``.grad``: None, a Tensor, an array (wrapped without a copy) or
+        an IndexedGradient (stored as it is). As torch's setter, it refuses
+        a value of another shape, dtype or device than the tensor, which the
+        next backward would otherwise broadcast into or cast; the engine's
+        own writes pass the check (validate_outputs already made them fit),
+        at the cost of two comparisons per leaf."""
+        if value is not None:
+            if type(value) is np.ndarray:  # the engine's writes: first
+                data = value
+                value = Tensor._make(value)
+            elif isinstance(value, Tensor):
+                if value is self:
+                    raise RuntimeError("can't assign Variable as its own grad")
+                data = value.data
+            elif isinstance(value, pyengine.IndexedGradient):
+                data = value
+            else:
+                if getattr(value, "dtype", None) is None or getattr(value, "shape", None) is None:
+                    raise TypeError("assigned grad expected to be a Tensor, an array or None but "
+                                    f"got grad of type {type(value).__name__}")
+                data = value
+                value = Tensor._make(value)
+            mine = self.data
+            dtype = data.dtype
+            if data.shape != mine.shape or (dtype is not mine.dtype and dtype != mine.dtype) or (
+                    type(mine) is not np.ndarray and _device_of(data) != _device_of(mine)):
+                _refuse_grad(self, data)
         self._grad = value
 
     @property
@@ -595,6 +619,23 @@ class Parameter(Tensor):
 
     def __repr__(self):
         return "Parameter containing:\n" + super().__repr__()
+
+
+def _refuse_grad(tensor: Tensor, data) -> None:
+    """Raise torch's error for a ``.grad`` whose shape, dtype or device is not
+    ``tensor``'s (torch names a ``grad_dtype``, which this frontend lacks)."""
+    if tuple(data.shape) != tuple(tensor.shape):
+        raise RuntimeError(f"attempting to assign a gradient of size '{list(data.shape)}' to a "
+                           f"tensor of size '{list(tensor.shape)}'. Please ensure that the "
+                           "gradient and the tensor are the same size")
+    if data.dtype != tensor.dtype:
+        raise RuntimeError(f"attempting to assign a gradient with dtype '{data.dtype}' to a "
+                           f"tensor with dtype '{tensor.dtype}'. Please ensure that the gradient "
+                           "and the tensor have the same dtype")
+    device = data.device if isinstance(data, pyengine.IndexedGradient) else _device_of(data)
+    raise RuntimeError(f"attempting to assign a gradient with device '{device}' to a tensor "
+                       f"with device '{tensor.device}'. Please ensure that the gradient and the "
+                       "tensor are on the same device")
 
 
 def _move_retains_grad_hook(tensor: Tensor, node) -> None:

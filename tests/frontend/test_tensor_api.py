@@ -254,3 +254,34 @@ def test_leaves_ready_together_fire_hooks_in_torchs_order(torch, count):
         return log
 
     assert hook_order(F) == hook_order(torch)
+
+
+@pytest.mark.parametrize("bad", [
+    np.zeros((3, 2)), np.zeros(3), np.zeros(()),  # size
+    np.zeros(2, np.int64), np.zeros(2, np.float32),  # dtype
+    [0.0, 0.0], "abc", 5,  # not a tensor
+])
+def test_grad_setter_refuses_what_torch_refuses(torch, bad):
+    # The setter used to take anything: a (3, 2) .grad was then broadcast
+    # into by the next backward, and x.grad silently became (3, 2).
+    x, tx = pair(torch, [1.0, 2.0])
+    tbad = torch.tensor(bad) if isinstance(bad, np.ndarray) else bad
+    with pytest.raises((RuntimeError, TypeError)) as theirs:
+        tx.grad = tbad
+    for value in (bad, F.tensor(bad)) if isinstance(bad, np.ndarray) else (bad,):
+        with pytest.raises(theirs.type) as ours:
+            x.grad = value
+        assert x.grad is None
+        if theirs.type is TypeError:
+            assert str(ours.value) == str(theirs.value).replace(
+                "a Tensor or None", "a Tensor, an array or None")
+        elif "size" in str(theirs.value):
+            assert str(ours.value) == str(theirs.value)
+        else:  # torch names its C dtype and a grad_dtype attribute the frontend lacks
+            assert str(ours.value).startswith("attempting to assign a gradient with dtype "
+                                              f"'{bad.dtype}' to a tensor with dtype 'float64'")
+    x.grad = np.full(2, 0.5)  # what fits is taken, and accumulated into
+    (x * 3.0).sum().backward()
+    assert_close(x.grad, np.array([3.5, 3.5]))
+    with pytest.raises(RuntimeError, match="can't assign Variable as its own grad"):
+        x.grad = x
