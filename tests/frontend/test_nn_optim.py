@@ -177,3 +177,85 @@ def test_zero_grad_in_place_detaches_a_create_graph_grad(torch, owner):
     message = run(F, module.x, ours)
     assert message == run(torch, tmodule.x, theirs)
     assert "saved tensor that has been detached in-place" in message
+
+
+INVALID_OPTIONS = [
+    ("SGD", dict(lr=-1)), ("SGD", dict(lr=-0.1)), ("SGD", dict(lr=0.1, momentum=-1.0)),
+    ("SGD", dict(lr=0.1, weight_decay=-1.0)), ("SGD", dict(lr=0.1, nesterov=True)),
+    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)),
+    ("Adam", dict(lr=-1)), ("Adam", dict(eps=-1)), ("Adam", dict(betas=(1.0, 0.999))),
+    ("Adam", dict(betas=(0.9, 1.0))), ("Adam", dict(betas=(-0.1, 0.9))),
+    ("Adam", dict(weight_decay=-1)), ("Adam", dict(lr=float("nan"))),
+]
+
+
+@pytest.mark.parametrize("name,options", INVALID_OPTIONS)
+def test_optimizer_refuses_what_torch_refuses(torch, name, options):
+    # These were all accepted; Adam with beta 1.0 then divided by zero in
+    # step() after advancing its state.
+    with pytest.raises(ValueError) as theirs:
+        getattr(torch.optim, name)([torch.nn.Parameter(torch.ones(2))], **options)
+    with pytest.raises(ValueError) as ours:
+        getattr(optim, name)([F.Parameter(np.ones(2))], **options)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_optimizer_refuses_params_torch_refuses(torch):
+    def errors(lib, parameter, make):
+        found = []
+        for params in ([parameter][0], [np.ones(2)], [make()], [], [{"params": [parameter]}] * 2):
+            with pytest.raises((TypeError, ValueError)) as caught:
+                lib.SGD(params, lr=0.1)
+            found.append((caught.type, str(caught.value)))
+        return found
+
+    ours = errors(optim, F.Parameter(np.ones(2)), lambda: F.Parameter(np.ones(2)) * 2.0)
+    theirs = errors(torch.optim, torch.nn.Parameter(torch.ones(2)),
+                    lambda: torch.nn.Parameter(torch.ones(2)) * 2.0)
+    # A single tensor used to be iterated as its rows (non-leaf views that
+    # step() never wrote back).
+    assert ours[0] == (TypeError, "params argument given to the optimizer should be an iterable "
+                                  "of Tensors or dicts, but got Parameter")
+    assert theirs[0][1].endswith("but got torch.FloatTensor")
+    assert ours[1:] == theirs[1:]
+
+
+def test_param_groups_match_torch(torch):
+    rng = np.random.default_rng(4)
+    start = [rng.standard_normal(3) for _ in range(3)]
+    ours = [F.Parameter(a.copy()) for a in start]
+    theirs = [torch.nn.Parameter(torch.tensor(a)) for a in start]
+    for lib, params in ((optim, ours), (torch.optim, theirs)):
+        groups = [{"params": params[:2]}, {"params": params[2], "lr": 0.5, "momentum": 0.0}]
+        optimizer = lib.SGD(groups, lr=0.1, momentum=0.9)
+        assert [group["lr"] for group in optimizer.param_groups] == [0.1, 0.5]
+        for step in range(3):
+            for p in params:
+                p.grad = None
+            ((params[0] * params[1]).sum() + (params[2] ** 2).sum() * step).backward()
+            optimizer.step()
+    for p, tp in zip(ours, theirs):
+        assert_close(p, tp, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name,options", [("SGD", dict(lr=0.1, momentum=0.9)),
+                                          ("SGD", dict(lr=0.1, momentum=0.5, weight_decay=0.1)),
+                                          ("Adam", dict(lr=0.1)), ("SGD", dict(lr=0.1))])
+def test_parameter_listed_twice_matches_torch(torch, name, options):
+    # torch 2.13 warns, keeps the list as it is (the parameter is updated
+    # twice per step) and keeps one state per parameter; pyengine kept one
+    # momentum buffer per position.
+    a, ta = F.Parameter(np.array([1.0, 2.0])), torch.nn.Parameter(torch.tensor([1.0, 2.0],
+                                                                               dtype=torch.float64))
+    message = "optimizer contains a parameter group with duplicate parameters"
+    with pytest.warns(UserWarning, match=message):
+        ours = getattr(optim, name)([a, a], **options)
+    with pytest.warns(UserWarning, match=message):
+        theirs = getattr(torch.optim, name)([ta, ta], **options)
+    for _ in range(3):
+        a.grad = np.array([0.5, -1.0])
+        ta.grad = torch.tensor([0.5, -1.0], dtype=torch.float64)
+        ours.step()
+        theirs.step()
+    assert_close(a, ta, rtol=1e-12, atol=1e-14)
+    assert len(ours.state) == len(theirs.state)
