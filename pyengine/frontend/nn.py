@@ -82,8 +82,14 @@ class Linear(Module):
 
     def __init__(self, in_features, out_features, bias=True, dtype=np.float64, device=None,
                  rng=None):
+        shape = [out_features, in_features]
+        for extent in shape:
+            if extent < 0:
+                raise RuntimeError(f"Trying to create tensor with negative dimension {extent}: "
+                                   f"{shape}")
         rng = default_generator() if rng is None else rng
-        bound = 1.0 / np.sqrt(in_features)
+        # torch: no inputs (fan_in 0) gives a bound of 0, so a zero bias.
+        bound = 1.0 / np.sqrt(in_features) if in_features > 0 else 0.0
         self.in_features, self.out_features = in_features, out_features
         weight = rng.uniform(-bound, bound, (out_features, in_features)).astype(dtype)
         self.weight = Parameter(_to(weight, device))
@@ -153,6 +159,9 @@ class MLP(Sequential):
     def __init__(self, sizes, activation="relu", dtype=np.float64, device=None, rng=None):
         if len(sizes) < 2:
             raise ValueError("an MLP needs at least an input and an output size")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}: expected one of "
+                             f"{', '.join(repr(name) for name in _ACTIVATIONS)}")
         layers = []
         for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
             layers.append(Linear(fan_in, fan_out, dtype=dtype, device=device, rng=rng))

@@ -259,3 +259,25 @@ def test_parameter_listed_twice_matches_torch(torch, name, options):
         theirs.step()
     assert_close(a, ta, rtol=1e-12, atol=1e-14)
     assert len(ours.state) == len(theirs.state)
+
+
+def test_linear_and_mlp_sizes_as_torch(torch):
+    # Linear(0, 3) used to raise OverflowError (a bound of 1/sqrt(0));
+    # Linear(-1, 3) too; MLP(activation="gelu") a bare KeyError.
+    layer, reference = nn.Linear(0, 3), torch.nn.Linear(0, 3, dtype=torch.float64)
+    assert layer.weight.shape == tuple(reference.weight.shape)
+    assert_close(layer.bias, reference.bias)
+    x = F.tensor(np.ones((2, 0)), requires_grad=True)
+    out = layer(x)
+    assert_close(out, reference(torch.ones(2, 0, dtype=torch.float64)))
+    out.sum().backward()
+    assert x.grad.shape == (2, 0) and layer.weight.grad.shape == (3, 0)
+    for sizes in ((-1, 3), (3, -2), (-1, -2)):
+        with pytest.raises(RuntimeError) as theirs:
+            torch.nn.Linear(*sizes)
+        with pytest.raises(RuntimeError) as ours:
+            nn.Linear(*sizes)
+        assert str(ours.value) == str(theirs.value)
+    with pytest.raises(ValueError, match="unknown activation 'gelu': expected one of 'relu', "
+                                         "'tanh', 'sigmoid'"):
+        nn.MLP([2, 3, 2], activation="gelu")
