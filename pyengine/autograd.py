@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -181,9 +181,11 @@ def retain_grad(tensor) -> None:
 # -- backward and grad --------------------------------------------------------------
 
 def _as_tuple(values, what):
+    """``values`` as a tuple: one tensor or Edge alone, or any iterable of
+    them (a list, a tuple, a generator), as torch.autograd takes them."""
     if values is None:
         return ()
-    if isinstance(values, Edge) or not isinstance(values, Sequence) or hasattr(values, "grad_fn"):
+    if isinstance(values, Edge) or hasattr(values, "grad_fn") or not isinstance(values, Iterable):
         return (values,)
     return tuple(values)
 
@@ -196,7 +198,9 @@ def _roots_and_grads(outputs, grads):
     if grads is None:
         grads = (None,) * len(outputs)
     elif not isinstance(grads, (list, tuple)):
-        grads = (grads,)
+        # A generator of gradients, as torch takes; an array or a tensor is
+        # one gradient (it is iterable, but not an iterator).
+        grads = tuple(grads) if isinstance(grads, Iterator) else (grads,)
     if len(grads) != len(outputs):
         raise RuntimeError(f"got {len(outputs)} tensors and {len(grads)} gradients")
     roots, checked = [], []
@@ -302,6 +306,9 @@ def _input_edges(inputs, accumulate_grad):
         if isinstance(tensor, Edge):
             edges.append(tensor)
             continue
+        if not hasattr(tensor, "requires_grad"):
+            raise RuntimeError("all inputs have to be Tensors or GradientEdges, but got "
+                               f"{type(tensor).__name__}")
         if not getattr(tensor, "requires_grad", False):
             raise RuntimeError("One of the differentiated Tensors does not require grad")
         grad_fn = getattr(tensor, "grad_fn", None)
@@ -321,7 +328,9 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
     As ``torch.autograd.backward``: ``grad_tensors`` may be omitted for scalar
     outputs; ``retain_graph`` defaults to ``create_graph``; ``inputs`` limits
     accumulation to those tensors (non-leaf inputs retain their grad) and runs
-    only the nodes on a path to them.
+    only the nodes on a path to them. ``tensors``, ``grad_tensors`` and
+    ``inputs`` may be any iterables (a generator too); no tensors at all
+    (``backward([])``) does nothing, as in torch.
     """
     roots, grads = _roots_and_grads(_as_tuple(tensors, "tensors"), grad_tensors)
     if retain_graph is None:
@@ -332,6 +341,8 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
         if not input_tuple:
             raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
         output_edges = _input_edges(input_tuple, accumulate_grad=True)
+    if not roots:
+        return
     get_default_engine().execute(roots, grads, bool(retain_graph), bool(create_graph),
                                  True, output_edges)
 
@@ -344,6 +355,9 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     As ``torch.autograd.grad``: an input that no output depends on raises
     unless ``allow_unused`` (its gradient is then None, or zeros with
     ``materialize_grads``). Only nodes on a path to an input run.
+    ``outputs``, ``inputs`` and ``grad_outputs`` may be any iterables (a
+    generator too). With no outputs (``grad([], [x])``) every input is
+    unused, as in torch.
     """
     if materialize_grads and allow_unused is False:
         raise ValueError("Expected allow_unused to be True or not passed when materialize_grads=True, "
@@ -358,9 +372,11 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     if retain_graph is None:
         retain_graph = create_graph
     output_edges = _input_edges(input_tuple, accumulate_grad=False)
-    results = get_default_engine().execute(roots, grads, bool(retain_graph), bool(create_graph),
-                                           False, output_edges)
-    results = list(results)
+    if roots:
+        results = list(get_default_engine().execute(roots, grads, bool(retain_graph),
+                                                    bool(create_graph), False, output_edges))
+    else:
+        results = [None] * len(output_edges)
     for result in results:
         if result is None and not allow_unused:
             raise RuntimeError("One of the differentiated Tensors appears to not have been used in "

@@ -168,7 +168,8 @@ def main(args) -> int:
         for epoch in range(1, args.epochs + 1):
             # Cosine decay of the learning rate, from lr to lr / 20.
             decay = 0.5 * (1 + np.cos(np.pi * (epoch - 1) / args.epochs))
-            optimizer.lr = args.lr * (0.05 + 0.95 * decay)
+            for group in optimizer.param_groups:
+                group["lr"] = args.lr * (0.05 + 0.95 * decay)
             order = rng.permutation(args.points)
             total_loss = 0.0
             for b in range(batches):

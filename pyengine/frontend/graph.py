@@ -141,7 +141,7 @@ class SavedTensor:
     ``grad_fn`` is the node that saved it.
     """
 
-    __slots__ = ("data", "tensor", "counter", "version", "output_nr")
+    __slots__ = ("data", "tensor", "counter", "version", "output_nr", "had_history")
 
     def __init__(self, tensor: Tensor, is_output: bool):
         self.data = tensor.data
@@ -149,8 +149,16 @@ class SavedTensor:
         self.version = self.counter.value
         self.tensor = None if is_output else tensor
         self.output_nr = tensor.output_nr
+        # A saved input that was not a leaf must still have its history when
+        # unpacked, as torch's SavedVariable checks (detach_() drops it; the
+        # optimizers' zero_grad does that to a create_graph .grad).
+        self.had_history = not is_output and tensor.grad_fn is not None
 
     def _check_version(self, node):
+        if self.had_history and self.tensor.grad_fn is None:
+            raise RuntimeError(
+                "Trying to use a saved tensor that has been detached in-place, i.e. with "
+                ".detach_().This is not supported, please use out-of-place `.detach()` instead")
         now = self.counter.value
         if now != self.version:
             shape = list(self.data.shape)

@@ -11,6 +11,8 @@ the broadcast batch axes still there; the engine sums them away (See Note
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .graph import OpNode, needs_graph, operand, raw, record
@@ -83,7 +85,10 @@ class LinearBackward(OpNode):
         grad_x = grad @ weight if self.needs(0) else None
         grad_w = None
         if self.needs(1):
-            rows = reshape(grad, (-1, grad.shape[-1]))
-            grad_w = swapaxes(rows, 0, 1) @ reshape(x, (-1, x.shape[-1]))
+            # The batch size spelled out: numpy cannot infer a -1 for an
+            # empty array (Linear(0, n) or Linear(n, 0)).
+            batch = math.prod(grad.shape[:-1])
+            rows = reshape(grad, (batch, grad.shape[-1]))
+            grad_w = swapaxes(rows, 0, 1) @ reshape(x, (batch, x.shape[-1]))
         # The bias gradient keeps the batch axes; the engine sums them.
         return [grad_x, grad_w, grad if self.needs(2) else None]

@@ -21,7 +21,11 @@ __all__ = ["softmax", "log_softmax", "nll_loss", "cross_entropy"]
 
 
 def _shifted(data, axis):
-    """``data`` minus its maximum along ``axis``: exp() of it cannot overflow."""
+    """``data`` minus its maximum along ``axis``: exp() of it cannot overflow.
+    An empty ``data`` has no maximum and needs no shift: softmax of it is
+    empty, as in torch."""
+    if data.size == 0:
+        return data
     return data - data.max(axis=axis, keepdims=True)
 
 
@@ -47,7 +51,10 @@ def log_softmax(x, axis=-1):
     """``x - log(sum(exp(x)))`` along ``axis``, computed stably."""
     xp = array_module(raw(x))
     shifted = _shifted(raw(x), axis)
-    data = shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
+    if shifted.size == 0:  # empty, as in torch (and no log(0) on the way)
+        data = xp.empty_like(shifted)
+    else:
+        data = shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
     if not isinstance(x, Tensor):
         return data
     out = Tensor._make(data)

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-import pyengine
-
 from . import ops
-from .tensor import Parameter, default_generator
+from .tensor import Parameter, _zero_grad, default_generator
 
 __all__ = ["Module", "Linear", "Sequential", "ReLU", "Tanh", "Sigmoid", "MLP"]
 
@@ -40,11 +38,23 @@ class Module:
                 yield name, value
 
     def named_parameters(self, prefix=""):
-        """``(name, parameter)`` pairs, each parameter once, in definition order."""
-        seen = set()
+        """``(name, parameter)`` pairs, each parameter once, in definition order.
+
+        Each module is visited once, under the first name it is reached by,
+        as ``torch.nn.Module.named_modules`` does with its memo set: modules
+        that refer to each other (``enc.dec = dec; dec.enc = enc``) or one
+        layer set twice end the walk instead of looping.
+        """
+        # A module is marked when it is visited, not when it is found, so
+        # that a module reachable twice is named by the depth-first path
+        # that reaches it first, as torch names it.
+        seen = set()  # ids of the parameters yielded and the modules visited
         stack = [(prefix, self)]
         while stack:
             path, module = stack.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
             children = []
             for name, value in module._children():
                 full = f"{path}{name}"
@@ -52,7 +62,7 @@ class Module:
                     if id(value) not in seen:
                         seen.add(id(value))
                         yield full, value
-                else:
+                elif id(value) not in seen:
                     children.append((full + ".", value))
             stack.extend(reversed(children))
 
@@ -61,13 +71,10 @@ class Module:
             yield parameter
 
     def zero_grad(self, set_to_none=True):
-        """Clear every parameter's ``.grad`` (set it to None, or zero it)."""
+        """Clear every parameter's ``.grad``: set it to None, or detach it and
+        zero it in place, as torch does (see ``tensor._zero_grad``)."""
         for parameter in self.parameters():
-            if set_to_none or parameter.grad is None or \
-                    isinstance(parameter.grad, pyengine.IndexedGradient):
-                parameter.grad = None
-            else:
-                parameter.grad.data[...] = 0
+            _zero_grad(parameter, set_to_none)
 
 
 class Linear(Module):
@@ -75,8 +82,14 @@ class Linear(Module):
 
     def __init__(self, in_features, out_features, bias=True, dtype=np.float64, device=None,
                  rng=None):
+        shape = [out_features, in_features]
+        for extent in shape:
+            if extent < 0:
+                raise RuntimeError(f"Trying to create tensor with negative dimension {extent}: "
+                                   f"{shape}")
         rng = default_generator() if rng is None else rng
-        bound = 1.0 / np.sqrt(in_features)
+        # torch: no inputs (fan_in 0) gives a bound of 0, so a zero bias.
+        bound = 1.0 / np.sqrt(in_features) if in_features > 0 else 0.0
         self.in_features, self.out_features = in_features, out_features
         weight = rng.uniform(-bound, bound, (out_features, in_features)).astype(dtype)
         self.weight = Parameter(_to(weight, device))
@@ -146,6 +159,9 @@ class MLP(Sequential):
     def __init__(self, sizes, activation="relu", dtype=np.float64, device=None, rng=None):
         if len(sizes) < 2:
             raise ValueError("an MLP needs at least an input and an output size")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}: expected one of "
+                             f"{', '.join(repr(name) for name in _ACTIVATIONS)}")
         layers = []
         for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
             layers.append(Linear(fan_in, fan_out, dtype=dtype, device=device, rng=rng))

@@ -74,10 +74,12 @@ def mean(x, axis=None, keepdims=False):
     if not isinstance(x, Tensor):
         return array_module(x).mean(x, axis=axis, keepdims=keepdims)
     axes = normalize_axes(axis, x.ndim)
+    # numpy first: it refuses an axis of a 0-d tensor (AxisError) as it does
+    # for sum and max, before the count reads a shape it lacks.
+    out = Tensor._make(x.data.mean(axis=axes, keepdims=keepdims))
     count = 1
     for a in axes:
         count *= x.shape[a]
-    out = Tensor._make(x.data.mean(axis=axes, keepdims=keepdims))
     if needs_graph(x):
         record(MeanBackward, (x,), out, input_shape=x.shape,
                kept_shape=_kept_shape(x.shape, axes), keepdims=keepdims, count=count)

@@ -50,7 +50,11 @@ Note [In-place operations]
 ``x.op_(args)`` runs the out-of-place ``op`` on an alias of ``x`` (same
 array, same history), writes the result into ``x``'s array, bumps the
 version and makes the node ``op`` recorded the new ``grad_fn`` of ``x``, as
-PyTorch rebases an in-place op's output. The node may have saved what it
+PyTorch rebases an in-place op's output. If ``x`` retains its gradient
+(``retain_grad()``), the retains-grad hook moves from the old ``grad_fn`` to
+the new one, as torch's ``update_tensor_hooks_on_new_gradfn`` does, so that
+``x.grad`` is the gradient of the value ``x`` now holds; hooks registered
+with ``register_hook`` stay on the old node, as in torch. The node may have saved what it
 needs: the old value of ``x`` (``mul_`` with an ``other`` that requires
 grad) is copied first, as PyTorch saves ``original_self``; a saved output
 (``exp_``) is re-pointed at ``x``'s array and version, so that a later
@@ -214,9 +218,33 @@ class Tensor:
 
     @grad.setter
     def grad(self, value):
-        # An IndexedGradient (a leaf that keeps one) is stored as it is.
-        if value is not None and not isinstance(value, (Tensor, pyengine.IndexedGradient)):
-            value = Tensor._make(value)
+        """Set ``.grad``: None, a Tensor, an array (wrapped without a copy) or
+        an IndexedGradient (stored as it is). As torch's setter, it refuses
+        a value of another shape, dtype or device than the tensor, which the
+        next backward would otherwise broadcast into or cast; the engine's
+        own writes pass the check (validate_outputs already made them fit),
+        at the cost of two comparisons per leaf."""
+        if value is not None:
+            if type(value) is np.ndarray:  # the engine's writes: first
+                data = value
+                value = Tensor._make(value)
+            elif isinstance(value, Tensor):
+                if value is self:
+                    raise RuntimeError("can't assign Variable as its own grad")
+                data = value.data
+            elif isinstance(value, pyengine.IndexedGradient):
+                data = value
+            else:
+                if getattr(value, "dtype", None) is None or getattr(value, "shape", None) is None:
+                    raise TypeError("assigned grad expected to be a Tensor, an array or None but "
+                                    f"got grad of type {type(value).__name__}")
+                data = value
+                value = Tensor._make(value)
+            mine = self.data
+            dtype = data.dtype
+            if data.shape != mine.shape or (dtype is not mine.dtype and dtype != mine.dtype) or (
+                    type(mine) is not np.ndarray and _device_of(data) != _device_of(mine)):
+                _refuse_grad(self, data)
         self._grad = value
 
     @property
@@ -360,6 +388,7 @@ class Tensor:
         self._version_counter.value += 1
         if node is not None:
             _repoint_saved_output(node, result, self)
+            _move_retains_grad_hook(self, node)
             self.grad_fn = node
             self.output_nr = 0
             self._requires_grad = True
@@ -590,6 +619,61 @@ class Parameter(Tensor):
 
     def __repr__(self):
         return "Parameter containing:\n" + super().__repr__()
+
+
+def _refuse_grad(tensor: Tensor, data) -> None:
+    """Raise torch's error for a ``.grad`` whose shape, dtype or device is not
+    ``tensor``'s (torch names a ``grad_dtype``, which this frontend lacks)."""
+    if tuple(data.shape) != tuple(tensor.shape):
+        raise RuntimeError(f"attempting to assign a gradient of size '{list(data.shape)}' to a "
+                           f"tensor of size '{list(tensor.shape)}'. Please ensure that the "
+                           "gradient and the tensor are the same size")
+    if data.dtype != tensor.dtype:
+        raise RuntimeError(f"attempting to assign a gradient with dtype '{data.dtype}' to a "
+                           f"tensor with dtype '{tensor.dtype}'. Please ensure that the gradient "
+                           "and the tensor have the same dtype")
+    device = data.device if isinstance(data, pyengine.IndexedGradient) else _device_of(data)
+    raise RuntimeError(f"attempting to assign a gradient with device '{device}' to a tensor "
+                       f"with device '{tensor.device}'. Please ensure that the gradient and the "
+                       "tensor are on the same device")
+
+
+def _move_retains_grad_hook(tensor: Tensor, node) -> None:
+    """Move ``tensor``'s retains-grad hook from its current ``grad_fn`` to
+    ``node``, its ``grad_fn`` after an in-place operation (output 0). See
+    Note [In-place operations]."""
+    old = tensor.grad_fn
+    hooks = old._retains_grad_hooks if old is not None else None
+    if not hooks or tensor.output_nr not in hooks:
+        return
+    hook = hooks[tensor.output_nr]
+    old.set_retains_grad_hook(tensor.output_nr, None)
+    node.set_retains_grad_hook(0, hook)
+
+
+def _zero_grad(parameter: Tensor, set_to_none: bool) -> None:
+    """``parameter.grad`` set to None, or zeroed, for ``zero_grad``.
+
+    As ``torch.optim.Optimizer.zero_grad`` and ``torch.nn.Module.zero_grad``:
+    a ``.grad`` made under ``create_graph=True`` (it has a ``grad_fn``) is
+    detached in place first, otherwise it stops requiring grad; then it is
+    zeroed in place, which bumps its version. A graph that saved the old
+    gradient then refuses to run backward ("Trying to use a saved tensor
+    that has been detached in-place") instead of using the zeros. An
+    indexed gradient is set to None (torch would zero its sparse tensor).
+    """
+    grad = parameter._grad
+    if grad is None:
+        return
+    if set_to_none or not isinstance(grad, Tensor):
+        parameter._grad = None
+        return
+    if grad.grad_fn is not None:
+        grad.detach_()
+    else:
+        grad.requires_grad_(False)
+    with pyengine.no_grad():
+        grad.zero_()
 
 
 def is_tensor(value) -> bool:

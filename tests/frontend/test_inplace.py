@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from frontend_helpers import assert_close, pair
+from frontend_helpers import assert_close, pair, to_numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -238,6 +238,36 @@ def test_inplace_dtype_stays_and_broadcast_may_not_grow(torch):
         F.zeros(3).add_(F.zeros((2, 3)))
     with pytest.raises(RuntimeError, match="can't be cast"):
         F.zeros(3, dtype=np.int64).add_(F.tensor([0.5, 0.5, 0.5]))
+
+
+def test_retain_grad_follows_an_inplace_op(torch):
+    # torch moves the retains-grad hook to the new grad_fn: y.grad is the
+    # gradient of the value y holds after mul_, and y keeps retaining. The
+    # hook used to stay on the old node ([24, 48], retains_grad False).
+    x, tx = pair(torch, [1.0, 2.0])
+    seen, tseen = [], []
+    y, ty = x * 3.0, tx * 3.0
+    y.retain_grad()
+    ty.retain_grad()
+    y.register_hook(lambda g: seen.append(to_numpy(g)))  # stays on the old node
+    ty.register_hook(lambda g: tseen.append(to_numpy(g)))
+    y.mul_(2.0)
+    ty.mul_(2.0)
+    assert y.retains_grad and ty.retains_grad
+    (y * y).sum().backward(retain_graph=True)
+    (ty * ty).sum().backward(retain_graph=True)
+    assert_close(y.grad, ty.grad)
+    assert_close(y.grad, np.array([12.0, 24.0]))
+    assert y.retains_grad and ty.retains_grad
+    y.add_(1.0)  # moves again; the next backward accumulates
+    ty.add_(1.0)
+    y.sum().backward()
+    ty.sum().backward()
+    assert_close(y.grad, ty.grad)
+    assert_close(x.grad, tx.grad)
+    assert len(seen) == len(tseen) == 2
+    for ours, theirs in zip(seen, tseen):
+        assert_close(ours, theirs)
 
 
 def test_inplace_on_a_view_in_the_graph_is_refused():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from frontend_helpers import assert_close, pair
+from frontend_helpers import assert_close, pair, to_numpy
 
 import pyengine
 import pyengine.frontend as F
@@ -254,3 +254,87 @@ def test_leaves_ready_together_fire_hooks_in_torchs_order(torch, count):
         return log
 
     assert hook_order(F) == hook_order(torch)
+
+
+@pytest.mark.parametrize("bad", [
+    np.zeros((3, 2)), np.zeros(3), np.zeros(()),  # size
+    np.zeros(2, np.int64), np.zeros(2, np.float32),  # dtype
+    [0.0, 0.0], "abc", 5,  # not a tensor
+])
+def test_grad_setter_refuses_what_torch_refuses(torch, bad):
+    # The setter used to take anything: a (3, 2) .grad was then broadcast
+    # into by the next backward, and x.grad silently became (3, 2).
+    x, tx = pair(torch, [1.0, 2.0])
+    tbad = torch.tensor(bad) if isinstance(bad, np.ndarray) else bad
+    with pytest.raises((RuntimeError, TypeError)) as theirs:
+        tx.grad = tbad
+    for value in (bad, F.tensor(bad)) if isinstance(bad, np.ndarray) else (bad,):
+        with pytest.raises(theirs.type) as ours:
+            x.grad = value
+        assert x.grad is None
+        if theirs.type is TypeError:
+            assert str(ours.value) == str(theirs.value).replace(
+                "a Tensor or None", "a Tensor, an array or None")
+        elif "size" in str(theirs.value):
+            assert str(ours.value) == str(theirs.value)
+        else:  # torch names its C dtype and a grad_dtype attribute the frontend lacks
+            assert str(ours.value).startswith("attempting to assign a gradient with dtype "
+                                              f"'{bad.dtype}' to a tensor with dtype 'float64'")
+    x.grad = np.full(2, 0.5)  # what fits is taken, and accumulated into
+    (x * 3.0).sum().backward()
+    assert_close(x.grad, np.array([3.5, 3.5]))
+    with pytest.raises(RuntimeError, match="can't assign Variable as its own grad"):
+        x.grad = x
+
+
+def test_backward_and_grad_take_generators_and_empty_outputs_as_torch(torch):
+    # Generators used to be wrapped as one tensor ("element 0 of tensors does
+    # not require grad"); backward([]) and grad([], [x]) raised the engine's
+    # "execute needs at least one root edge"; grad(y, [5]) said "does not
+    # require grad".
+    def outcomes(lib, autograd, x, ones):
+        y = (x * x).sum()
+        results = []
+
+        def record(fn):
+            try:
+                value = fn()
+            except Exception as error:  # noqa: BLE001 (the oracle's type is compared)
+                results.append((type(error).__name__, str(error)))
+                return
+            results.append(("ok", None if value is None else [to_numpy(v) for v in value]))
+
+        record(lambda: autograd.grad(y, (v for v in [x]), retain_graph=True))
+        record(lambda: autograd.grad((v for v in [y]), [x], retain_graph=True))
+        record(lambda: autograd.grad(x * 2, [x], grad_outputs=(g for g in [ones])))
+        record(lambda: autograd.backward((v for v in [y]), retain_graph=True))
+        record(lambda: autograd.backward(y, inputs=(v for v in [x]), retain_graph=True))
+        record(lambda: autograd.backward((v for v in [x * 2]), (g for g in [ones])))
+        record(lambda: autograd.backward([]))
+        record(lambda: autograd.backward([], inputs=[x]))
+        record(lambda: autograd.grad([], [x], allow_unused=True))
+        record(lambda: autograd.grad([], [x], materialize_grads=True))
+        record(lambda: autograd.grad(y, [5], retain_graph=True))
+        record(lambda: autograd.grad(y, ["a"], retain_graph=True))
+        record(lambda: autograd.backward(y, inputs=[5.0], retain_graph=True))
+        record(lambda: autograd.grad([], [x]))
+        results.append(("x.grad", to_numpy(x.grad)))
+        return results
+
+    x, tx = pair(torch, [1.0, 2.0])
+    ours = outcomes(F, F.autograd, x, np.ones(2))
+    theirs = outcomes(torch, torch.autograd, tx, torch.ones(2, dtype=torch.float64))
+    # torch 2.13 words the unused-input error by index; pyengine keeps its own.
+    assert ours[-2][0] == theirs[-2][0] == "RuntimeError"
+    assert "appears to not have been used in the graph" in ours[-2][1]
+    ours, theirs = ours[:-2] + ours[-1:], theirs[:-2] + theirs[-1:]
+    assert [kind for kind, _ in ours] == [kind for kind, _ in theirs]
+    for (kind, mine), (_, other) in zip(ours, theirs):
+        if kind == "RuntimeError":
+            assert mine == other
+        elif isinstance(mine, list):
+            assert len(mine) == len(other)
+            for a, b in zip(mine, other):
+                assert_close(a, b)
+        else:
+            assert_close(mine, other)

@@ -429,3 +429,26 @@ def test_ignore_index_is_not_supported_so_minus_100_is_refused():
     # frontend has no ignore_index and refuses it rather than wrap it.
     with pytest.raises(IndexError, match=r"^Target -100 is out of bounds\.$"):
         F.nll_loss(F.tensor(np.zeros((2, 3))), np.array([0, -100]))
+
+
+@pytest.mark.parametrize("shape,axis", [((0,), -1), ((2, 0), -1), ((0, 3), 0), ((0, 3), 1)])
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_softmax_of_an_empty_tensor_is_empty_as_in_torch(torch, name, shape, axis):
+    # Reducing an empty axis used to raise numpy's "zero-size array to
+    # reduction operation maximum which has no identity".
+    x = F.tensor(np.zeros(shape), requires_grad=True)
+    tx = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+    out, tout = getattr(F, name)(x, axis), getattr(torch, name)(tx, axis)
+    assert_close(out, tout)
+    out.sum().backward()
+    tout.sum().backward()
+    assert_close(x.grad, tx.grad)
+
+
+def test_mean_over_an_axis_of_a_0d_tensor_raises_as_sum_does():
+    # It raised IndexError from its count while sum and max raise numpy's
+    # AxisError.
+    x = F.tensor(np.float64(1.0), requires_grad=True)
+    for reduce in (F.sum, F.max, F.mean):
+        with pytest.raises(np.exceptions.AxisError, match="axis 0 is out of bounds"):
+            reduce(x, 0)
