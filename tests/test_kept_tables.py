@@ -223,7 +223,9 @@ def dependency_map_check(tmp_path_factory):
         pytest.skip("pyengine's headers are not beside the tests (an installed copy)")
     program = str(tmp_path_factory.mktemp("dependency_map") / "dependency_map_check")
     build = subprocess.run(
-        [compiler, "-std=c++17", "-O2", "-pthread", "-I", header_dir,
+        # libstdc++'s assertions: every std::vector index the map makes is
+        # bounds-checked (an abort names the place).
+        [compiler, "-std=c++17", "-O2", "-D_GLIBCXX_ASSERTIONS", "-pthread", "-I", header_dir,
          "-I", sysconfig.get_paths()["include"], "-o", program,
          os.path.join(here, "dependency_map_check.cpp")],
         capture_output=True, text=True)
