@@ -38,7 +38,9 @@ directives = {
 }
 macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
 if DEBUG:
-    macros += [("CYTHON_TRACE", "1"), ("CYTHON_TRACE_NOGIL", "1")]
+    # libstdc++'s checks too: every std::vector index of the C++ tables
+    # (pyengine/*.h) is bounds-checked, and a bad one aborts with its place.
+    macros += [("CYTHON_TRACE", "1"), ("CYTHON_TRACE_NOGIL", "1"), ("_GLIBCXX_ASSERTIONS", "1")]
 else:
     macros += [("NDEBUG", "1")]
 
