@@ -2,7 +2,7 @@
 
 This is the one place that sets the Cython compiler directives. A debug
 build (line tracing for coverage and profilers, bounds and wraparound
-checks, C assertions on) is one environment variable away:
+checks, C assertions and libstdc++'s on) is one environment variable away:
 
     PYENGINE_DEBUG=1 pip install .
 
@@ -51,7 +51,10 @@ extensions = [
         language="c++",
         include_dirs=[numpy.get_include(), "pyengine"],
         define_macros=macros,
-        extra_compile_args=["-std=c++17", "-O0" if DEBUG else "-O2", "-g0" if not DEBUG else "-g"],
+        # Python's own flags define NDEBUG; a debug build takes it back, so
+        # that C assert()s (pyengine's headers', CPython's inline ones) run.
+        extra_compile_args=["-std=c++17", "-O0" if DEBUG else "-O2", "-g0" if not DEBUG else "-g"]
+        + (["-UNDEBUG"] if DEBUG else []),
     )
     for name in COMPILED_MODULES
 ]
