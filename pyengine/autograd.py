@@ -357,8 +357,17 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     ``materialize_grads``). Only nodes on a path to an input run.
     ``outputs``, ``inputs`` and ``grad_outputs`` may be any iterables (a
     generator too). With no outputs (``grad([], [x])``) every input is
-    unused, as in torch.
+    unused, as in torch. The zeros ``materialize_grads`` gives are the
+    input's array backend's zeros (torch gives a tensor that requires grad:
+    the frontend's ``grad`` does, from its own tensors).
     """
+    return _grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused,
+                 materialize_grads, _zeros_like_input)
+
+
+def _grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused,
+          materialize_grads, zeros_like):
+    """``grad``, with ``zeros_like(input)`` making a materialized gradient."""
     if materialize_grads and allow_unused is False:
         raise ValueError("Expected allow_unused to be True or not passed when materialize_grads=True, "
                          "but got: allow_unused=False.")
@@ -386,7 +395,7 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
         if any(result is None and isinstance(tensor, Edge)
                for result, tensor in zip(results, input_tuple)):
             raise RuntimeError("materialize_grads cannot be used when the given input is a GradientEdge")
-        results = [_zeros_like_input(tensor) if result is None else result
+        results = [zeros_like(tensor) if result is None else result
                    for result, tensor in zip(results, input_tuple)]
     return tuple(results)
 

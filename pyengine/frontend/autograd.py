@@ -8,8 +8,9 @@ gradients given as arrays or Tensors are both accepted.
 from __future__ import annotations
 
 import pyengine
+from pyengine.autograd import _grad
 
-from .tensor import Tensor
+from .tensor import Tensor, zeros_like
 
 __all__ = ["backward", "grad"]
 
@@ -25,8 +26,14 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     """The gradients of ``outputs`` with respect to ``inputs``, as a tuple of
     Tensors (None for an unused input) (``torch.autograd.grad``); an
     IndexedGradient (a lookup's, See Note [Where an indexed gradient goes] in
-    ``pyengine/indexed.py``) as it is, as torch returns a sparse tensor."""
-    results = pyengine.grad(outputs, inputs, grad_outputs, retain_graph, create_graph,
-                            allow_unused, materialize_grads)
+    ``pyengine/indexed.py``) as it is, as torch returns a sparse tensor.
+    ``materialize_grads`` gives an unused input zeros that require grad, as
+    torch's ``zeros_like(input, requires_grad=True)``."""
+    results = _grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused,
+                    materialize_grads, _zeros_requiring_grad)
     return tuple(value if value is None or isinstance(value, (Tensor, pyengine.IndexedGradient))
                  else Tensor._make(value) for value in results)
+
+
+def _zeros_requiring_grad(tensor):
+    return zeros_like(tensor, requires_grad=True)

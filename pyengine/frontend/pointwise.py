@@ -66,7 +66,9 @@ def add(a, b):
 
 class AddBackward(OpNode):
     def formula(self, grad):
-        return [grad, grad]
+        # None where the input takes no gradient, so that hooks see what
+        # torch's AddBackward0 gives them.
+        return [grad if self.needs(0) else None, grad if self.needs(1) else None]
 
 
 def sub(a, b):
@@ -82,7 +84,7 @@ def sub(a, b):
 
 class SubBackward(OpNode):
     def formula(self, grad):
-        return [grad, -grad if self.needs(1) else None]
+        return [grad if self.needs(0) else None, -grad if self.needs(1) else None]
 
 
 def neg(x):

@@ -225,6 +225,31 @@ def test_frontend_grad_returns_tensors():
     assert_close(gy, [0.0])
 
 
+
+def test_materialized_zeros_require_grad_as_torch(torch):
+    # torch fills an unused input with zeros_like(input, requires_grad=True),
+    # so a second-order program that uses them runs: their gradient is unused.
+    xs, ys = pair(torch, [1.0, 2.0]), pair(torch, [3.0, 4.0])
+    for x, y, grad in zip(xs, ys, (F.grad, torch.autograd.grad)):
+        gx, gy = grad((x * x).sum(), [x, y], create_graph=True, materialize_grads=True)
+        assert gy.requires_grad and gy.grad_fn is None
+        assert_close(to_numpy(gy), [0.0, 0.0])
+        assert grad((gy * gy).sum(), [y], allow_unused=True) == (None,)
+        (second,) = grad((gx * gx).sum(), [x])
+        assert_close(to_numpy(second), [8.0, 16.0])  # d/dx sum((2x)^2) = 8x
+
+
+@pytest.mark.parametrize("op", ["add", "radd", "sub", "rsub"])
+def test_a_post_hook_sees_none_for_an_input_that_takes_no_gradient(torch, op):
+    seen = []
+    for x, c in zip(pair(torch, [1.0, 2.0]), pair(torch, [5.0, 6.0], requires_grad=False)):
+        y = {"add": x + c, "radd": c + x, "sub": x - c, "rsub": c - x}[op]
+        y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: seen.append(
+            [None if g is None else to_numpy(g).tolist() for g in grad_inputs]))
+        y.sum().backward()
+    assert len(seen) == 2 and seen[0] == seen[1], seen
+
+
 def test_readme_example(capsys):
     readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
     section = readme[readme.index("## A reference frontend and a demo"):]
