@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import pyengine
+from pyengine.__main__ import build_parser
 from pyengine.bench import graphs, report, subjects, worker
 from pyengine.bench.command import parse_size
 from pyengine.bench.workload import (
@@ -275,9 +276,48 @@ def test_report_ratios_and_goals_from_known_samples():
 def test_parse_size():
     assert parse_size("10k") == 10_000 and parse_size("1M") == 1_000_000
     assert parse_size("2,500") == 2_500 and parse_size("1.5k") == 1_500
+    assert parse_size("1e6") == 1_000_000 and parse_size("10M") == 10_000_000
+    assert parse_size("1.001k") == 1_001  # exact: not 1000.999... truncated to 1000
     for bad in ("0", "ten", "-3"):
         with pytest.raises(Exception, match="size"):
             parse_size(bad)
+
+
+def _usage_error(capsys, argv):
+    """The exit status and the error line of ``python -m pyengine bench ARGV``
+    refused while parsing."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", *argv])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m pyengine bench")
+    return exit_info.value.code, err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("value, why", [
+    ("1.5", "a size must be a whole number, got '1.5'"),  # was 1, silently
+    ("1.0005k", "a size must be a whole number, got '1.0005k'"),
+    ("1e30", "a size must be at most 10,000,000 (10M; every graph is held in memory), "
+             "got '1e30'"),  # was accepted
+    ("10000001", "a size must be at most 10,000,000 (10M; every graph is held in memory), "
+                 "got '10000001'"),
+])
+@pytest.mark.parametrize("option", ["--sizes", "--memory-sizes", "--lookup-rows"])
+def test_a_size_that_is_not_whole_or_too_large_is_a_usage_error(capsys, option, value, why):
+    assert _usage_error(capsys, [option, value]) == (
+        2, f"python -m pyengine bench: error: argument {option}: {why}")
+
+
+@pytest.mark.parametrize("value", [",", " , ,", ""])
+def test_subjects_naming_none_is_a_usage_error(capsys, value):
+    # It ran nothing, printed empty tables and exited 0.
+    assert _usage_error(capsys, ["--subjects", value]) == (
+        2, "python -m pyengine bench: error: argument --subjects: expected at least one of "
+        f"{', '.join(subjects.SUBJECTS)}, got {value!r}")
+
+
+def test_subjects_named_twice_run_once():
+    args = build_parser().parse_args(["bench", "--subjects", "pyengine,pyengine-pure,pyengine"])
+    assert args.subjects == ["pyengine", "pyengine-pure"]
 
 
 # -- one quick run, end to end ----------------------------------------------------------------------

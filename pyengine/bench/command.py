@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import decimal
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import shlex
@@ -29,28 +29,50 @@ FIXED_KEYS = [f"{kind}-fixed:{nodes}" for kind in ("execute", "backward", "grad"
               for nodes in (1, 10)]
 
 
+# The largest size --sizes, --memory-sizes and --lookup-rows take. Every
+# worker holds all its graphs at once (a chain, grad(inputs=) and the apply
+# floor per size: 0.3-1.3 KB per node each, more for DeZero and micrograd),
+# and a lookup table takes ~2 KB per row in its copies, so 10M already needs
+# tens of GB per subject; past it a typo (1e30) would only run out of memory.
+MAX_SIZE = 10_000_000
+
+
 def parse_size(text: str) -> int:
-    """``"10k"`` -> 10000, ``"1M"`` -> 1000000, ``"2500"`` -> 2500."""
+    """``"10k"`` -> 10000, ``"1M"`` -> 1000000, ``"2500"`` -> 2500, ``"1e6"``
+    -> 1000000: a whole number from 1 to :data:`MAX_SIZE`."""
     cleaned = text.strip().lower().replace("_", "").replace(",", "")
     scale = {"k": 1_000, "m": 1_000_000}.get(cleaned[-1:], 1)
-    try:
-        number = float(cleaned[:-1] if scale > 1 else cleaned) * scale
-    except ValueError:
+    try:  # Decimal, not float: exact, so 1.001k is 1001 and 1.5 is not whole
+        number = decimal.Decimal(cleaned[:-1] if scale > 1 else cleaned)
+    except decimal.InvalidOperation:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1000, 10k or 1M)") from None
-    if not math.isfinite(number):  # inf, 1e400 (inf as a float); int() would raise OverflowError
+    if not number.is_finite():  # inf, nan
         raise argparse.ArgumentTypeError(f"a size must be a finite number, got {text!r}")
-    value = int(number)
-    if value < 1:
+    too_large = argparse.ArgumentTypeError(
+        f"a size must be at most {MAX_SIZE:,} (10M; every graph is held in memory), got {text!r}")
+    if number.adjusted() > 20:  # 1e400: decide before any arithmetic on it
+        raise too_large
+    with decimal.localcontext() as context:
+        context.prec = len(number.as_tuple().digits) + 30  # the product is exact
+        scaled = number * scale
+    if scaled != scaled.to_integral_value():
+        raise argparse.ArgumentTypeError(f"a size must be a whole number, got {text!r}")
+    if scaled < 1:
         raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
-    return value
+    if scaled > MAX_SIZE:
+        raise too_large
+    return int(scaled)
 
 
 def _subject_list(text: str):
-    keys = [key.strip() for key in text.split(",") if key.strip()]
+    keys = list(dict.fromkeys(key.strip() for key in text.split(",") if key.strip()))
     unknown = [key for key in keys if key not in SUBJECTS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown subject(s) {', '.join(unknown)}; "
                                          f"expected some of {', '.join(SUBJECTS)}")
+    if not keys:
+        raise argparse.ArgumentTypeError(f"expected at least one of {', '.join(SUBJECTS)}, "
+                                         f"got {text!r}")
     return keys
 
 
@@ -65,9 +87,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=_positive, default=5,
                         help="samples per workload (default 5; the table shows median, min, max)")
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=None, metavar="N",
-                        help="chain sizes for the table and the plot (default 1k 10k 100k 1M)")
+                        help="chain sizes for the table and the plot: whole numbers such as 1000, 10k, "
+                        "1M or 1e6, at most 10M (default 1k 10k 100k 1M)")
     parser.add_argument("--memory-sizes", nargs="+", type=parse_size, default=None, metavar="N",
-                        help="chain sizes for the memory figures (default 10k 100k 1M)")
+                        help="chain sizes for the memory figures, at most 10M (default 10k 100k 1M)")
     parser.add_argument("--subjects", type=_subject_list, default=list(SUBJECTS),
                         help="comma-separated subset of: " + ", ".join(SUBJECTS)
                         + " (default: all; those whose package is missing are skipped)")
@@ -77,7 +100,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the memory figures")
     parser.add_argument("--lookup-rows", nargs="+", type=parse_size, default=None, metavar="N",
                         help="table sizes for the lookup figures (indexed gradients; default "
-                        "100k 1M, quick 10k 100k)")
+                        "100k 1M, quick 10k 100k; at most 10M)")
     parser.add_argument("--no-lookups", action="store_true", help="skip the lookup figures")
     parser.add_argument("--lookups-only", action="store_true",
                         help="only the lookup figures (no engines, no memory)")
