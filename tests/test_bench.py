@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ import pytest
 
 import pyengine
 from pyengine.__main__ import build_parser
-from pyengine.bench import graphs, report, subjects, worker
+from pyengine.bench import command, graphs, report, subjects, worker
 from pyengine.bench.command import parse_size
 from pyengine.bench.workload import (
     MLPProblem,
@@ -318,6 +319,99 @@ def test_subjects_naming_none_is_a_usage_error(capsys, value):
 def test_subjects_named_twice_run_once():
     args = build_parser().parse_args(["bench", "--subjects", "pyengine,pyengine-pure,pyengine"])
     assert args.subjects == ["pyengine", "pyengine-pure"]
+
+
+# -- where the results go: checked before any timing, written after the report ----------
+
+def _formats():
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        pytest.skip("matplotlib is not installed: no plot format to check")
+    return ", ".join("." + f for f in sorted(FigureCanvasBase.get_supported_filetypes()))
+
+
+@pytest.mark.parametrize("option, name, why", [
+    ("--json", "missing/x.json", "cannot write {path!r}: the folder {folder!r} does not exist"),
+    ("--json", ".", "cannot write {path!r}: it names a folder, expected a file name"),
+    ("--json", "new/", "cannot write {path!r}: it names a folder, expected a file name"),
+    ("--plot", "missing/x.png", "cannot write {path!r}: the folder {folder!r} does not exist"),
+    ("--plot", ".", "cannot write {path!r}: it names a folder, expected a file name"),
+    ("--plot", "x.txt", "cannot tell a plot format from {path!r}: matplotlib writes no '.txt' "
+                        "files; expected a name ending in one of {formats}"),
+    ("--plot", "x", "cannot tell a plot format from {path!r}: it has no suffix; expected a "
+                    "name ending in one of {formats}"),
+])
+def test_an_output_that_cannot_be_written_is_a_usage_error(capsys, tmp_path, option, name, why):
+    # These failed after the whole run (an hour), losing the report or the plot.
+    path = os.path.join(str(tmp_path), name) if name != "." else str(tmp_path)
+    formats = _formats() if option == "--plot" else None
+    line = why.format(path=path, folder=str(tmp_path / "missing"), formats=formats)
+    assert _usage_error(capsys, [option, path]) == (
+        2, f"python -m pyengine bench: error: argument {option}: {line}")
+
+
+def test_an_unwritable_json_stops_the_command_before_timing(tmp_path):
+    env = dict(os.environ, PYTHONPATH=PYENGINE_ROOT)
+    path = tmp_path / "missing" / "x.json"
+    proc = subprocess.run([sys.executable, "-m", "pyengine", "bench", "--quick", "--subjects",
+                           "pyengine", "--sizes", "10", "--no-memory", "--no-lookups",
+                           "--no-plot", "--json", str(path)],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1] == (
+        f"python -m pyengine bench: error: argument --json: cannot write {str(path)!r}: "
+        f"the folder {str(path.parent)!r} does not exist")
+    assert "Traceback" not in proc.stderr and "repeat 1/" not in proc.stderr
+
+
+def _timing_that_removes(folder):
+    def run_timing(subject_keys, workload_keys, repeats, budget, log):
+        shutil.rmtree(folder)  # the folder goes away during the run
+        return {"pyengine": {"implementation": "compiled", "workloads": {
+            "chain:10": _entry("chain 10", 10, [0.5, 0.4, 0.6])}}}
+    return run_timing
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_an_output_that_fails_at_the_end_comes_after_the_report(capsys, monkeypatch, tmp_path,
+                                                                option):
+    if option == "--plot":
+        _formats()
+    folder = tmp_path / "out"
+    folder.mkdir()
+    path = folder / ("x.json" if option == "--json" else "x.png")
+    monkeypatch.setattr(command, "run_timing", _timing_that_removes(folder))
+    args = build_parser().parse_args(["bench", "--quick", "--subjects", "pyengine", "--sizes",
+                                      "10", "--no-memory", "--no-lookups", option, str(path)]
+                                     + (["--no-plot"] if option == "--json" else []))
+    assert command.main(args) == 1
+    captured = capsys.readouterr()
+    assert "Goals" in captured.out and "0.500" in captured.out  # the report, timings and all
+    assert captured.err.splitlines()[-1] == (f"bench: {option} {path}: not written: "
+                                             "No such file or directory")
+    assert "Traceback" not in captured.err
+
+
+def test_the_default_plot_path_is_checked_before_timing(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / command.DEFAULT_PLOT).mkdir()
+    monkeypatch.setattr(command, "run_timing", lambda *args: pytest.fail("timing started"))
+    args = build_parser().parse_args(["bench", "--quick", "--no-memory", "--no-lookups"])
+    assert command.main(args) == 2
+    assert capsys.readouterr().err == (
+        "python -m pyengine bench: error: argument --plot: cannot write 'pyengine-bench.png': "
+        "it names a folder, expected a file name (the default; pass --plot PATH or --no-plot)\n")
+
+
+def test_a_json_that_fails_to_write_leaves_the_earlier_one_whole(tmp_path):
+    path = tmp_path / "bench.json"
+    assert command._write_json(str(path), {"timing": [1.5]}) is None
+    problem = command._write_json(str(path), {"timing": [2.5], "bad": object()})
+    assert problem == (f"bench: --json {path}: not written: TypeError: Object of type object "
+                       "is not JSON serializable")
+    assert json.loads(path.read_text()) == {"timing": [1.5]}
+    assert os.listdir(tmp_path) == ["bench.json"]  # no temporary file left behind
 
 
 # -- one quick run, end to end ----------------------------------------------------------------------

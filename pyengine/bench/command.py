@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import decimal
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
 import shlex
 import sys
+import tempfile
 import time
 
 from . import lookups as lookup_bench
@@ -83,6 +86,100 @@ def _positive(text: str) -> int:
     return value
 
 
+DEFAULT_PLOT = "pyengine-bench.png"
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written, or None: checked while parsing, before
+    any timing, rather than after an hour of it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path or path.endswith(("/", os.sep)) or os.path.isdir(path):
+        return "it names a folder, expected a file name"
+    if not os.path.isdir(folder):
+        return f"the folder {folder!r} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"the folder {folder!r} is not writable"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return "the file is not writable"
+    return None
+
+
+def _json_path(text: str) -> str:
+    problem = _unwritable(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {problem}")
+    return text
+
+
+def _plot_formats() -> list | None:
+    """The suffixes matplotlib writes, or None without matplotlib (found
+    without importing it; the run then says it writes no plot)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+def _plot_problem(text: str) -> str | None:
+    problem = _unwritable(text)
+    if problem:
+        return f"cannot write {text!r}: {problem}"
+    formats = _plot_formats()
+    suffix = os.path.splitext(text)[1][1:].lower()
+    if formats is not None and suffix not in formats:
+        told = f"matplotlib writes no {'.' + suffix!r} files" if suffix else "it has no suffix"
+        return (f"cannot tell a plot format from {text!r}: {told}; expected a name ending in "
+                f"one of {', '.join('.' + f for f in formats)}")
+    return None
+
+
+def _plot_path(text: str) -> str:
+    problem = _plot_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def _write_replacing(path: str, write) -> None:
+    """``write(temporary_path)`` beside ``path``, then rename it over ``path``:
+    a write that fails leaves what was there (an earlier JSON) whole."""
+    target = os.path.realpath(path)
+    folder, name = os.path.split(target)
+    handle, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=os.path.splitext(name)[1],
+                                         dir=folder)
+    os.close(handle)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # as open() would have made it
+        write(temporary)
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
+
+
+def _write_json(path: str, content) -> str | None:
+    """Write ``content`` to ``path``; None, or the error line saying why not."""
+    def write(temporary):
+        with open(temporary, "w") as f:
+            json.dump(content, f, indent=1)
+
+    try:
+        _write_replacing(path, write)
+    except (OSError, TypeError, ValueError) as error:
+        return f"bench: --json {path}: not written: {_error_text(error)}"
+    return None
+
+
+def _error_text(error: Exception) -> str:
+    if isinstance(error, OSError) and error.strerror:  # not the temporary file's name
+        return error.strerror
+    return f"{type(error).__name__}: {error}"
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=_positive, default=5,
                         help="samples per workload (default 5; the table shows median, min, max)")
@@ -104,11 +201,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-lookups", action="store_true", help="skip the lookup figures")
     parser.add_argument("--lookups-only", action="store_true",
                         help="only the lookup figures (no engines, no memory)")
-    parser.add_argument("--plot", default="pyengine-bench.png", metavar="PATH",
-                        help="where to write the PNG plot (default pyengine-bench.png)")
+    parser.add_argument("--plot", type=_plot_path, default=None, metavar="PATH",
+                        help=f"where to write the plot, in the format its suffix names "
+                        f"(.png, .pdf, .svg, ...; default {DEFAULT_PLOT})")
     parser.add_argument("--no-plot", action="store_true", help="write no plot")
     parser.add_argument("--markdown", action="store_true", help="markdown tables")
-    parser.add_argument("--json", metavar="PATH", help="also write every sample as JSON")
+    parser.add_argument("--json", type=_json_path, metavar="PATH",
+                        help="also write every sample as JSON")
 
 
 def _versions() -> str:
@@ -143,8 +242,23 @@ def plan(args):
 
 
 def main(args) -> int:
+    """Exit status: 0; 1 if a workload failed or an output was not written
+    (the report is printed first either way); 2 for a usage error, before
+    any timing, or for a plot that needs matplotlib, which is missing."""
     import pyengine
 
+    plot_path = None
+    if not args.no_plot and not args.lookups_only:
+        plot_path = args.plot or DEFAULT_PLOT
+        # An explicit --plot was checked while parsing; check the default here.
+        problem = None if args.plot else _plot_problem(plot_path)
+        if problem:
+            print(f"python -m pyengine bench: error: argument --plot: {problem} (the default; "
+                  "pass --plot PATH or --no-plot)", file=sys.stderr)
+            return 2
+        if _plot_formats() is None:
+            print("bench: matplotlib is not installed, so this run writes no plot "
+                  "(pip install matplotlib, or pass --no-plot)", file=sys.stderr)
     if args.quick:
         args.repeats = min(args.repeats, 3)
     keys = plan(args)
@@ -164,8 +278,9 @@ def main(args) -> int:
     timing = {} if args.lookups_only else run_timing(args.subjects, all_keys, args.repeats,
                                                      budget, log)
     if args.json:  # the timings survive a memory phase that fails or is interrupted
-        with open(args.json, "w") as f:
-            json.dump({"keys": keys, "timing": timing}, f, indent=1)
+        problem = _write_json(args.json, {"keys": keys, "timing": timing})
+        if problem:
+            log(f"{problem} (the run goes on; the report follows)")
     memory = ([] if args.no_memory or args.lookups_only
               else run_memory(args.subjects, memory_sizes, log))
     lookup_rows = args.lookup_rows or (lookup_bench.QUICK_TABLE_ROWS if args.quick
@@ -186,15 +301,22 @@ def main(args) -> int:
     skipped = reporting.skipped_lines(results)
     if skipped:
         text += "\nSkipped (not installed): " + "; ".join(skipped) + "\n"
-    print(text)
+    # The report first: whatever fails below, the timings are on the screen.
+    print(text, flush=True)
+    status = 1 if reporting.failure_lines(results) else 0
+    problems = []
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    if not args.no_plot and timing:
+        problems.append(_write_json(args.json, results))
+    if plot_path and timing:
         try:
-            reporting.plot(results, args.plot)
-            print(f"plot: {args.plot}")
+            _write_replacing(plot_path, lambda temporary: reporting.plot(results, temporary))
+            print(f"plot: {plot_path}")
         except ImportError as error:
             print(f"no plot: {error}", file=sys.stderr)
-            return 2
-    return 1 if reporting.failure_lines(results) else 0
+            status = max(status, 2)
+        except Exception as error:  # OSError; matplotlib's ValueError for a format
+            problems.append(f"bench: --plot {plot_path}: not written: {_error_text(error)}")
+    problems = [problem for problem in problems if problem]
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return max(status, 1) if problems else status
