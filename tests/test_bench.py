@@ -21,7 +21,7 @@ import pytest
 
 import pyengine
 from pyengine.__main__ import build_parser
-from pyengine.bench import command, graphs, report, subjects, worker
+from pyengine.bench import command, graphs, report, runner, subjects, worker
 from pyengine.bench.command import parse_size
 from pyengine.bench.workload import (
     MLPProblem,
@@ -212,6 +212,79 @@ def test_worker_reports_a_failing_oracle_and_keeps_serving(monkeypatch):
     assert "unknown request" in bogus["error"]
 
 
+# -- a worker that hangs (See Note [Worker timeout]) -------------------------------------------
+
+_HELLO = {"subject": "pyengine", "implementation": "compiled", "workloads": {
+    key: {"name": key, "nodes": 10, "unit": "node", "calls": 1} for key in ("chain:10", "chain:20")}}
+
+# A serve worker that writes its pid, says hello, answers, and hangs on
+# `sample chain:20` (or before its hello).
+_HANGING_WORKER = f"""
+import json, os, sys, time
+open(sys.argv[1], "w").write(str(os.getpid()))
+if sys.argv[2] == "hello":
+    time.sleep(600)
+print(json.dumps({_HELLO!r}), flush=True)
+for line in sys.stdin:
+    if line.strip() == sys.argv[2]:
+        time.sleep(600)
+    print(json.dumps({{"errors": {{}}}} if line.startswith("check") else {{"value": 1.0}}),
+          flush=True)
+"""
+
+
+def _hanging_worker(monkeypatch, tmp_path, hangs_on):
+    pid_file = tmp_path / "pid"
+    monkeypatch.setattr(runner, "_worker_command", lambda *args: [
+        sys.executable, "-c", _HANGING_WORKER, str(pid_file), hangs_on])
+    return pid_file
+
+
+def _was_stopped(pid_file):
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+    return True
+
+
+def test_a_worker_that_hangs_on_a_sample_is_stopped_and_named(monkeypatch, tmp_path):
+    pid_file = _hanging_worker(monkeypatch, tmp_path, "sample chain:20")
+    results = runner.run_timing(["pyengine"], ["chain:10", "chain:20"], 2, 1_000,
+                                log=lambda text: None, timeout_s=0.5)
+    why = ("no reply in 0.5 s to 'sample chain:20'; the worker was stopped "
+           "(a hang? --worker-timeout gives it longer)")
+    workloads = results["pyengine"]["workloads"]
+    assert workloads["chain:20"]["error"] == why
+    assert workloads["chain:10"]["samples"] == [1.0]  # repeat 1, before the hang
+    assert workloads["chain:10"]["error"] == "not run: " + why
+    assert _was_stopped(pid_file)
+
+
+def test_a_worker_that_hangs_while_building_is_stopped(monkeypatch, tmp_path):
+    pid_file = _hanging_worker(monkeypatch, tmp_path, "hello")
+    results = runner.run_timing(["pyengine"], ["chain:10"], 1, 1_000, log=lambda text: None,
+                                timeout_s=0.5)
+    assert results["pyengine"]["error"] == (
+        "no reply in 0.5 s while building and checking its workloads; the worker was stopped "
+        "(a hang? --worker-timeout gives it longer)")
+    assert _was_stopped(pid_file)
+
+
+def test_a_memory_worker_that_hangs_is_a_failed_figure_not_a_traceback(monkeypatch, tmp_path):
+    pid_file = _hanging_worker(monkeypatch, tmp_path, "hello")
+    figures = runner.run_memory(["pyengine"], [10], log=lambda text: None, timeout_s=0.5)
+    assert figures == [{"subject": "pyengine", "size": 10, "error": (
+        "no result in 0.5 s for the chain of 10; the worker was stopped "
+        "(a hang? --worker-timeout gives it longer)")}]
+    assert _was_stopped(pid_file)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e9", "soon"])
+def test_worker_timeout_out_of_range_is_a_usage_error(capsys, value):
+    assert _usage_error(capsys, ["--worker-timeout", value]) == (
+        2, "python -m pyengine bench: error: argument --worker-timeout: expected seconds, more "
+        f"than 0 and at most 604800 (a week), got {value!r}")
+
+
 # -- the report ---------------------------------------------------------------------------------
 
 def _results(timing, memory=()):
@@ -366,7 +439,7 @@ def test_an_unwritable_json_stops_the_command_before_timing(tmp_path):
 
 
 def _timing_that_removes(folder):
-    def run_timing(subject_keys, workload_keys, repeats, budget, log):
+    def run_timing(subject_keys, workload_keys, repeats, budget, log, timeout_s):
         shutil.rmtree(folder)  # the folder goes away during the run
         return {"pyengine": {"implementation": "compiled", "workloads": {
             "chain:10": _entry("chain 10", 10, [0.5, 0.4, 0.6])}}}

@@ -8,6 +8,7 @@ import decimal
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import shlex
@@ -17,7 +18,7 @@ import time
 
 from . import lookups as lookup_bench
 from . import report as reporting
-from .runner import run_memory, run_timing
+from .runner import WORKER_TIMEOUT_S, run_memory, run_timing
 from .subjects import SUBJECTS
 from .workload import NODES_PER_SAMPLE
 
@@ -87,6 +88,18 @@ def _positive(text: str) -> int:
 
 
 DEFAULT_PLOT = "pyengine-bench.png"
+MAX_WORKER_TIMEOUT_S = 7 * 24 * 3600
+
+
+def _worker_timeout(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_WORKER_TIMEOUT_S:  # nan too
+        raise argparse.ArgumentTypeError(f"expected seconds, more than 0 and at most "
+                                         f"{MAX_WORKER_TIMEOUT_S} (a week), got {text!r}")
+    return seconds
 
 
 def _unwritable(path: str) -> str | None:
@@ -205,6 +218,12 @@ def add_arguments(parser) -> None:
                         help=f"where to write the plot, in the format its suffix names "
                         f"(.png, .pdf, .svg, ...; default {DEFAULT_PLOT})")
     parser.add_argument("--no-plot", action="store_true", help="write no plot")
+    parser.add_argument("--worker-timeout", type=_worker_timeout, default=WORKER_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help=f"how long the bench waits for any one reply of a subject's worker "
+                        f"(its build, one sample, one memory figure) before it stops the worker "
+                        f"and reports the workload as failed (default {WORKER_TIMEOUT_S}; "
+                        f"raise it for sizes past 1M)")
     parser.add_argument("--markdown", action="store_true", help="markdown tables")
     parser.add_argument("--json", type=_json_path, metavar="PATH",
                         help="also write every sample as JSON")
@@ -276,13 +295,13 @@ def main(args) -> int:
     all_keys = keys["graphs"] + keys["steps"] + keys["fixed"]
     budget = NODES_PER_SAMPLE // 10 if args.quick else NODES_PER_SAMPLE
     timing = {} if args.lookups_only else run_timing(args.subjects, all_keys, args.repeats,
-                                                     budget, log)
+                                                     budget, log, timeout_s=args.worker_timeout)
     if args.json:  # the timings survive a memory phase that fails or is interrupted
         problem = _write_json(args.json, {"keys": keys, "timing": timing})
         if problem:
             log(f"{problem} (the run goes on; the report follows)")
     memory = ([] if args.no_memory or args.lookups_only
-              else run_memory(args.subjects, memory_sizes, log))
+              else run_memory(args.subjects, memory_sizes, log, timeout_s=args.worker_timeout))
     lookup_rows = args.lookup_rows or (lookup_bench.QUICK_TABLE_ROWS if args.quick
                                        else lookup_bench.DEFAULT_TABLE_ROWS)
     lookups = [] if args.no_lookups else lookup_bench.run_lookups(lookup_rows, args.repeats, log)

@@ -12,19 +12,36 @@ every subject, then chain 10k on every subject, ..., then repeat 2. Only
 one process computes at any time, and load from elsewhere on a shared
 machine falls on every subject and size alike, which is what keeps the
 ratios taken from one run meaningful.
+
+Note [Worker timeout]
+~~~~~~~~~~~~~~~~~~~~~
+A worker that hangs (an engine that deadlocks, a framework stuck in a
+lock) would hang the bench forever, since the parent waits for each reply.
+So every reply has a deadline, :data:`WORKER_TIMEOUT_S` unless
+``--worker-timeout`` says otherwise: the hello (building and checking every
+workload of the subject), one sample, the check after timing, one memory
+figure. It is generous: at the default sizes the slowest reply (the hello
+of a framework's own engine, which builds and runs its 1M-node chains) takes
+minutes, and a whole default run about a quarter of an hour. A worker past
+its deadline is killed; the workload it was on gets an error naming it and
+the time, the subject's other workloads say the worker was stopped, and the
+run goes on with the other subjects.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 
 from .subjects import SUBJECTS
 from .workload import NODES_PER_SAMPLE
 
-WORKER_TIMEOUT_S = 1800
+WORKER_TIMEOUT_S = 1800  # per reply (See Note [Worker timeout])
 
 
 def _worker_command(*args) -> list:
@@ -62,28 +79,51 @@ def _misimported(subject, implementation) -> str | None:
 
 
 class Worker:
-    """The parent's end of one ``serve`` worker."""
+    """The parent's end of one ``serve`` worker; each reply within
+    ``timeout_s`` (See Note [Worker timeout])."""
 
-    def __init__(self, subject, budget, keys):
+    def __init__(self, subject, budget, keys, timeout_s=None):
         self.subject = subject
+        self.timeout_s = WORKER_TIMEOUT_S if timeout_s is None else timeout_s
+        self.stopped = None  # why the worker was killed, once it was
         self.proc = subprocess.Popen(_worker_command("serve", subject.key, budget, *keys),
                                      env=_worker_env(subject), cwd=PACKAGE_ROOT,
                                      stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
-        self.hello = self._read()
+        # A pipe's readline() has no timeout: a thread reads, the parent
+        # waits on the queue with one.
+        self.lines = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True,
+                         name=f"bench worker {subject.key}").start()
+        self.hello = self._read("while building and checking its workloads")
         wrong = _misimported(subject, self.hello.get("implementation"))
         if wrong and "error" not in self.hello:
             self.hello["error"] = wrong
 
-    def _read(self) -> dict:
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _read(self, doing: str) -> dict:
+        deadline = time.monotonic() + self.timeout_s
         while True:
-            line = self.proc.stdout.readline()
-            if not line:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.stopped = (f"no reply in {self.timeout_s:g} s {doing}; the worker was "
+                                "stopped (a hang? --worker-timeout gives it longer)")
+                self.proc.kill()
+                self.proc.wait()
+                return {"error": self.stopped}
+            if line is None:
                 return {"error": f"worker exited with status {self.proc.wait()}"}
             if line.startswith("{"):
                 return json.loads(line)
 
     def request(self, text: str) -> dict:
+        if self.stopped:
+            return {"error": f"not run: {self.stopped}"}
         if self.proc.poll() is not None:
             return {"error": f"worker exited with status {self.proc.returncode}"}
         try:
@@ -91,7 +131,7 @@ class Worker:
             self.proc.stdin.flush()
         except BrokenPipeError:
             return {"error": f"worker exited with status {self.proc.wait()}"}
-        return self._read()
+        return self._read(f"to {text!r}")
 
     def close(self):
         if self.proc.poll() is None:
@@ -118,8 +158,9 @@ def available(subject) -> str | None:
 
 
 def run_timing(subject_keys, workload_keys, repeats, budget=NODES_PER_SAMPLE,
-               log=print) -> dict:
-    """Time every workload of every subject (See Note [Interleaved samples]).
+               log=print, timeout_s=None) -> dict:
+    """Time every workload of every subject (See Note [Interleaved samples]);
+    each worker's reply within ``timeout_s`` (See Note [Worker timeout]).
 
     Returns ``{subject: {"error"?, "implementation", "workloads": {key:
     {"name", "nodes", "unit", "samples": [...]} or {"error"}}}}``.
@@ -133,7 +174,7 @@ def run_timing(subject_keys, workload_keys, repeats, budget=NODES_PER_SAMPLE,
                 results[key] = {"skipped": missing, "workloads": {}}
                 continue
             log(f"building and checking: {subject.label}")
-            worker = Worker(subject, budget, workload_keys)
+            worker = Worker(subject, budget, workload_keys, timeout_s)
             hello = worker.hello
             results[key] = {"implementation": hello.get("implementation"),
                             "workloads": hello.get("workloads", {})}
@@ -173,9 +214,11 @@ def run_timing(subject_keys, workload_keys, repeats, budget=NODES_PER_SAMPLE,
 TRACED_SUBJECTS = ("pyengine", "pyengine-pure")
 
 
-def run_memory(subject_keys, sizes, log=print) -> list:
+def run_memory(subject_keys, sizes, log=print, timeout_s=None) -> list:
     """Peak memory of one backward on a chain of each size, each in a fresh
-    process (See :func:`pyengine.bench.worker.memory`)."""
+    process (See :func:`pyengine.bench.worker.memory`) that has ``timeout_s``
+    (See Note [Worker timeout])."""
+    timeout_s = WORKER_TIMEOUT_S if timeout_s is None else timeout_s
     figures = []
     for key in subject_keys:
         subject = SUBJECTS[key]
@@ -184,9 +227,16 @@ def run_memory(subject_keys, sizes, log=print) -> list:
         for size in sizes:
             log(f"memory: {subject.label}, chain of {size:,}")
             extra = ["--tracemalloc"] if key in TRACED_SUBJECTS else []
-            proc = subprocess.run(_worker_command("memory", key, size, *extra),
-                                  env=_worker_env(subject), cwd=PACKAGE_ROOT,
-                                  stdout=subprocess.PIPE, text=True, timeout=WORKER_TIMEOUT_S)
+            try:
+                proc = subprocess.run(_worker_command("memory", key, size, *extra),
+                                      env=_worker_env(subject), cwd=PACKAGE_ROOT,
+                                      stdout=subprocess.PIPE, text=True, timeout=timeout_s)
+            except subprocess.TimeoutExpired:  # it killed the worker
+                figures.append({"subject": key, "size": size,
+                                "error": f"no result in {timeout_s:g} s for the chain of "
+                                f"{size:,}; the worker was stopped (a hang? --worker-timeout "
+                                "gives it longer)"})
+                continue
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             if proc.returncode or not lines:
                 figure = {"subject": key, "size": size,
