@@ -797,10 +797,11 @@ cdef inline void flush_next_task(WorkerState worker) noexcept:
 cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, object gradient,
                                bint grad_mode, object producer_stream,
                                object consumer_stream) except -1:
-    """Add a gradient into a consumer's buffer on the consumer's stream, once
-    that stream waited for the producer's. See Note [Streaming backwards]."""
-    _streams.sync_streams(consumer_stream, producer_stream)
-    with _streams.stream_guard(consumer_stream):
+    """Add a gradient into a consumer's buffer after the syncs it needs, on the
+    stream they choose. See Note [Which stream waits where a gradient enters
+    a buffer] in pyengine/streams.py."""
+    with _streams.stream_guard(_streams.accumulation_stream(gradient, producer_stream,
+                                                           consumer_stream)):
         input_buffer.add(input_nr, gradient, grad_mode)
     return 0
 

@@ -333,9 +333,18 @@ class FakeArray:
 
 def to_fake(value, device: Device) -> FakeArray:
     """``value`` (a numpy array, scalar or FakeArray) copied onto ``device``,
-    on the current stream of the destination."""
+    on the current stream of the destination, after the work queued on the
+    source device's current stream (a FakeArray from another device)."""
     if isinstance(value, FakeArray):
         source = value
+        if source.device != device:
+            # As torch's copy_ between two GPUs: the copy is ordered after the
+            # work queued so far on the source device's current stream, where
+            # the source was written. The engine relies on it: See Note [Which
+            # stream waits where a gradient enters a buffer], case (3).
+            destination_stream = RUNTIME.current_stream(device)
+            RUNTIME.wait_event(destination_stream,
+                               RUNTIME.record_event(RUNTIME.current_stream(source.device)))
         return launch(device, source.shape, source.dtype,
                        lambda out: np.copyto(out, source._buffer))
     array = np.array(value)

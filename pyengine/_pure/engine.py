@@ -908,13 +908,14 @@ def keep_spare_list(worker, task):
 
 
 def accumulate_on_streams(input_buffer, input_nr, gradient, grad_mode, producer_stream, consumer_stream):
-    """Add a gradient into a consumer's buffer on the consumer's stream, once
-    that stream waited for the producer's. See Note [Streaming backwards]."""
+    """Add a gradient into a consumer's buffer after the syncs it needs, on the
+    stream they choose. See Note [Which stream waits where a gradient enters
+    a buffer] in pyengine/streams.py."""
     if producer_stream is None and consumer_stream is None:
         input_buffer.add(input_nr, gradient, grad_mode)
         return
-    streams.sync_streams(consumer_stream, producer_stream)
-    with streams.stream_guard(consumer_stream):
+    with streams.stream_guard(streams.accumulation_stream(gradient, producer_stream,
+                                                          consumer_stream)):
         input_buffer.add(input_nr, gradient, grad_mode)
 
 
