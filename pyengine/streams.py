@@ -24,9 +24,10 @@ it flows into (its consumer) after the syncs of PyTorch's
 ``InputBuffer::add`` (See Note [Which stream waits where a gradient enters
 a buffer]), so that nothing reads a gradient before it is written. The root
 gradients were written on the caller's current streams, and stand for a
-producer: a single root's stream is the caller's current stream on its
-gradient's device, and a GraphRoot (several roots) takes the first root
-gradient's such stream as its own. Nodes without outputs (AccumulateGrad) and
+producer each: a single root's stream is the caller's current stream on
+its gradient's device, and a GraphRoot (several roots) keeps one such
+stream per root, so that each root node waits on the stream its own root
+gradient was written on. Nodes without outputs (AccumulateGrad) and
 captured gradients (``grad``) mark their streams as leaf streams; when the
 graph task completes, each current stream the caller had when it called
 backward waits on every leaf stream of its device, and only then do final

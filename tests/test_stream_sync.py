@@ -173,6 +173,36 @@ def test_every_root_gradient_is_waited_for_on_its_own_device():
         np.testing.assert_array_equal(x.grad.numpy(), [5.0] * 3)
 
 
+def test_each_root_stream_is_waited_for_when_a_pool_thread_runs_the_graph_root():
+    # A reentrant backward past the inline depth runs on a pool thread, whose
+    # current stream of fake:1 is the default one, not the caller's c: only
+    # the stream each root gradient was recorded with says where it was written.
+    engine = pyengine.Engine(max_recursion_depth=0)
+    x = Leaf(fd.to_fake(np.ones(3), F0))
+    accumulator = pyengine.grad_accumulator(x)
+    n0 = Move(pyengine.Edge(accumulator, 0), F0, F0, 2.0)
+    with streams.stream_guard(fd.FakeStream(F1, "side")):
+        n1 = Move(pyengine.Edge(accumulator, 0), F1, F0, 3.0)
+    c = fd.FakeStream(F1, "c")
+
+    class Outer(pyengine.Node):
+        def apply(self, grads):
+            g0 = fd.to_fake(np.ones(3), F0)
+            with streams.stream_guard(c):
+                g1 = fd.to_fake(np.ones(3), F1)
+                engine.execute([pyengine.Edge(n0, 0), pyengine.Edge(n1, 0)], [g0, g1],
+                               False, False, True)
+            return [None]
+
+    outer = Outer([None], [pyengine.InputMetadata((3,), np.float64)])
+    try:
+        with fd.set_delayed(True):
+            engine.execute([pyengine.Edge(outer, 0)], [np.ones(3)], False, False, True)
+            np.testing.assert_array_equal(x.grad.numpy(), [5.0] * 3)
+    finally:
+        engine.stop()
+
+
 def test_roots_on_the_cpu_and_a_device_side_stream():
     x = Leaf(np.ones(3))
     accumulator = pyengine.grad_accumulator(x)
