@@ -140,14 +140,17 @@ cdef class GraphRoot(NodeBase):
     """The node a backward with several roots starts from: it returns the
     root gradients along the root edges."""
     cdef public list outputs
+    # Immutable after construction.
+    cdef readonly list _root_streams
 
     def __init__(self, roots, grads):
         super().__init__(next_edges=roots)
         self.outputs = list(grads)
-        # The root gradients were written on the caller's streams: the nodes
-        # they flow into wait on those. See Note [Streaming backwards].
-        self._stream = next((stream for stream in map(_streams.value_stream, grads)
-                             if stream is not None), None)
+        # The root gradients were written on the caller's current streams, one
+        # per root and device: each is the producer stream of its own root
+        # gradient (not the first root's for all). See Note [Streaming backwards].
+        self._root_streams = [_streams.value_stream(grad) for grad in grads]
+        self._stream = next((stream for stream in self._root_streams if stream is not None), None)
 
     def apply(self, grads):
         return list(self.outputs)
@@ -569,6 +572,11 @@ cdef class Engine:
         cdef InputBuffer input_buffer
         cdef object gradient
         cdef bint streamed
+        # A GraphRoot's gradients come from one stream each: See Note
+        # [Streaming backwards]. (A CPU node pays one test.)
+        cdef list output_streams = None
+        if producer_stream is not None and type(node) is GraphRoot:
+            output_streams = (<GraphRoot>node)._root_streams
         # validate_outputs checked that there is one gradient per edge. The
         # node may keep the list it returned and change it while this loop
         # lets other threads run (a large add releases the GIL): each
@@ -630,7 +638,8 @@ cdef class Engine:
                         Py_DECREF(input_buffer)
                 if streamed:
                     accumulate_on_streams(input_buffer, next_input_nr, gradient, grad_mode,
-                                          producer_stream, next_node._stream)
+                                          producer_stream if output_streams is None
+                                          else output_streams[i], next_node._stream)
                 else:
                     input_buffer.add(next_input_nr, gradient, grad_mode)
                 if is_ready:
@@ -797,10 +806,11 @@ cdef inline void flush_next_task(WorkerState worker) noexcept:
 cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, object gradient,
                                bint grad_mode, object producer_stream,
                                object consumer_stream) except -1:
-    """Add a gradient into a consumer's buffer on the consumer's stream, once
-    that stream waited for the producer's. See Note [Streaming backwards]."""
-    _streams.sync_streams(consumer_stream, producer_stream)
-    with _streams.stream_guard(consumer_stream):
+    """Add a gradient into a consumer's buffer after the syncs it needs, on the
+    stream they choose. See Note [Which stream waits where a gradient enters
+    a buffer] in pyengine/streams.py."""
+    with _streams.stream_guard(_streams.accumulation_stream(gradient, producer_stream,
+                                                           consumer_stream)):
         input_buffer.add(input_nr, gradient, grad_mode)
     return 0
 

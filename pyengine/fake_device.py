@@ -15,13 +15,17 @@ wrong result, as on a GPU, and not a silent pass.
 
 Every ``record`` and ``wait`` is appended to :data:`RUNTIME.log` as
 ``("record", stream, position)`` or ``("wait", stream, event)``. Devices,
-streams and the log are guarded by one lock; launched work runs outside it.
+streams and the log are guarded by one lock; launched work runs outside it,
+on whichever thread waits for it, yet in launch order and one item of a
+stream at a time, and a wait returns only once that work finished (See Note
+[A fake stream runs its work in order, one item at a time]).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -37,32 +41,59 @@ def device(index: int) -> Device:
 
 
 class FakeStream:
-    """An ordered queue of work on one fake device."""
+    """An ordered queue of work on one fake device.
+
+    See Note [A fake stream runs its work in order, one item at a time]."""
 
     def __init__(self, device: Device, name: str):
         self.device = device
         self.name = name
-        # Guarded by RUNTIME.lock: work launched, and how much of it ran.
+        # Guarded by RUNTIME.lock: work launched and not yet started, how many
+        # items were launched, how many finished, and whether one is running.
         self._pending: list = []
         self._launched = 0
         self._done = 0
+        self._running = False
+        RUNTIME.streams.add(self)
 
     def launch(self, work) -> None:
         with RUNTIME.lock:
             self._pending.append(work)
             self._launched += 1
+            position = self._launched
             delayed = RUNTIME.delayed
         if not delayed:
-            self._run_until(self._launched)
+            self._run_until(position)
+
+    # Note [A fake stream runs its work in order, one item at a time]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Any thread that waits on a stream (an event wait, synchronize, a host
+    # read, an eager launch) runs the stream's pending work itself, outside
+    # the lock. As on a GPU, the items of one stream must still run in launch
+    # order, one at a time, and a wait must return only once the items before
+    # its position have *finished*. So an item counts as done only after it
+    # ran, and while one thread runs an item of a stream, another thread that
+    # needs that stream's work waits on RUNTIME.changed instead of starting
+    # the next item: otherwise it could read a result still being written, or
+    # run item n+1 beside item n.
 
     def _run_until(self, position: int) -> None:
+        changed = RUNTIME.changed
         while True:
-            with RUNTIME.lock:
+            with changed:
+                while self._running and self._done < position:
+                    changed.wait()
                 if self._done >= position or not self._pending:
                     return
                 work = self._pending.pop(0)
-                self._done += 1
-            work()
+                self._running = True
+            try:
+                work()
+            finally:
+                with changed:
+                    self._done += 1
+                    self._running = False
+                    changed.notify_all()
 
     def synchronize(self) -> None:
         with RUNTIME.lock:
@@ -96,6 +127,12 @@ class FakeRuntime(streams.DeviceRuntime):
 
     def __init__(self):
         self.lock = threading.Lock()
+        # Notified, under lock, when an item of a stream finished running.
+        self.changed = threading.Condition(self.lock)
+        # Every stream made, so that a fork can clear a running flag: added to
+        # without the lock (FakeStream may be made under it; one set add is
+        # atomic under the GIL), read only in a forked child, by its only thread.
+        self.streams: weakref.WeakSet = weakref.WeakSet()
         self.delayed = False
         self.log: list = []
         self._default_streams: dict[Device, FakeStream] = {}
@@ -136,6 +173,13 @@ class FakeRuntime(streams.DeviceRuntime):
         # A device worker of the parent may have held the lock at the fork.
         # See Note [Locks after fork] in pyengine/node.py.
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        # The thread that ran an item is gone in the child: that item counts as
+        # done (as a kernel in flight at the fork has run, or never will).
+        for stream in list(self.streams):
+            if stream._running:
+                stream._running = False
+                stream._done += 1
 
 
 RUNTIME = FakeRuntime()
@@ -289,9 +333,18 @@ class FakeArray:
 
 def to_fake(value, device: Device) -> FakeArray:
     """``value`` (a numpy array, scalar or FakeArray) copied onto ``device``,
-    on the current stream of the destination."""
+    on the current stream of the destination, after the work queued on the
+    source device's current stream (a FakeArray from another device)."""
     if isinstance(value, FakeArray):
         source = value
+        if source.device != device:
+            # As torch's copy_ between two GPUs: the copy is ordered after the
+            # work queued so far on the source device's current stream, where
+            # the source was written. The engine relies on it: See Note [Which
+            # stream waits where a gradient enters a buffer], case (3).
+            destination_stream = RUNTIME.current_stream(device)
+            RUNTIME.wait_event(destination_stream,
+                               RUNTIME.record_event(RUNTIME.current_stream(source.device)))
         return launch(device, source.shape, source.dtype,
                        lambda out: np.copyto(out, source._buffer))
     array = np.array(value)

@@ -285,10 +285,11 @@ class GraphRoot(NodeBase):
     def __init__(self, roots, grads):
         super().__init__(next_edges=roots)
         self.outputs = list(grads)
-        # The root gradients were written on the caller's streams: the nodes
-        # they flow into wait on those. See Note [Streaming backwards].
-        self._stream = next((stream for stream in map(streams.value_stream, grads)
-                             if stream is not None), None)
+        # The root gradients were written on the caller's current streams, one
+        # per root and device: each is the producer stream of its own root
+        # gradient (not the first root's for all). See Note [Streaming backwards].
+        self._root_streams = [streams.value_stream(grad) for grad in grads]
+        self._stream = next((stream for stream in self._root_streams if stream is not None), None)
 
     def apply(self, grads):
         return list(self.outputs)
@@ -651,6 +652,10 @@ class Engine:
             check_nan(node, outputs)
 
         grad_mode = graph_task.grad_mode
+        # A GraphRoot's gradients come from one stream each: See Note
+        # [Streaming backwards]. (A CPU node pays one test.)
+        output_streams = (node._root_streams
+                          if producer_stream is not None and type(node) is GraphRoot else None)
         # validate_outputs checked the count; the node's release_variables
         # or a hook may have changed the list since.
         num_outputs = len(outputs)
@@ -701,7 +706,8 @@ class Engine:
                         continue
                     input_buffer = InputBuffer(len(next_node._input_metadata))
                     accumulate_on_streams(input_buffer, next_input_nr, output, grad_mode,
-                                          producer_stream, next_node._stream)
+                                          producer_stream if output_streams is None
+                                          else output_streams[i], next_node._stream)
                     if is_ready:
                         queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
                                    graph_task, next_node, input_buffer.buffer)
@@ -709,7 +715,8 @@ class Engine:
                         not_ready[key] = input_buffer
                 else:
                     accumulate_on_streams(input_buffer, next_input_nr, output, grad_mode,
-                                          producer_stream, next_node._stream)
+                                          producer_stream if output_streams is None
+                                          else output_streams[i], next_node._stream)
                     if is_ready:
                         del not_ready[key]
                         queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
@@ -908,13 +915,14 @@ def keep_spare_list(worker, task):
 
 
 def accumulate_on_streams(input_buffer, input_nr, gradient, grad_mode, producer_stream, consumer_stream):
-    """Add a gradient into a consumer's buffer on the consumer's stream, once
-    that stream waited for the producer's. See Note [Streaming backwards]."""
+    """Add a gradient into a consumer's buffer after the syncs it needs, on the
+    stream they choose. See Note [Which stream waits where a gradient enters
+    a buffer] in pyengine/streams.py."""
     if producer_stream is None and consumer_stream is None:
         input_buffer.add(input_nr, gradient, grad_mode)
         return
-    streams.sync_streams(consumer_stream, producer_stream)
-    with streams.stream_guard(consumer_stream):
+    with streams.stream_guard(streams.accumulation_stream(gradient, producer_stream,
+                                                          consumer_stream)):
         input_buffer.add(input_nr, gradient, grad_mode)
 
 
