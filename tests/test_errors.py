@@ -3,7 +3,9 @@ how validate_outputs fixes gradients (sum_to, casts); exceptions raised in a
 node or a hook, and the state left after them.
 """
 
+import gc
 import re
+import weakref
 
 import numpy as np
 import pytest
@@ -379,3 +381,70 @@ def test_keyboard_interrupt_is_propagated():
     h.register_hook(lambda g: _raise(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         h.sum().backward()
+
+
+# -- a failed backward lets its graph go -----------------------------------------------
+# See Note [A raised error must not name itself in its frame] in
+# pyengine/_pure/engine.py. Oracle: torch frees a failed backward's graph by
+# reference counting once the caller lets go of the error; so must both cores,
+# with the cyclic garbage collector off.
+
+class _Saving(pyengine.Node):
+    """Saves a large array and raises in apply, or queues a failing final callback."""
+
+    def __init__(self, x, fail_in):
+        super().__init__(next_edges=[gradient_edge(x)], input_metadata=[((3,), np.float64)])
+        self.save_for_backward(np.ones(100_000))
+        self.fail_in = fail_in
+
+    def apply(self, grads):
+        if self.fail_in == "apply":
+            raise ValueError("boom")
+        pyengine.queue_callback(lambda: 1 / 0)
+        return [grads[0]]
+
+
+class _Owner:
+    """A returns-mode owner (See pyengine.OwnerGraph) whose backward queues a failing callback."""
+
+    def __init__(self, parents=()):
+        self.data = np.ones(3)
+        self.grad = None
+        self.parents = parents
+
+    def backward(self, grads):
+        pyengine.queue_callback(lambda: 1 / 0)
+        return [grads[0]]
+
+
+@pytest.fixture
+def gc_off():
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    yield
+    if was_enabled:
+        gc.enable()
+
+
+@pytest.mark.parametrize("fail_in", ["apply", "final callback"])
+def test_a_failed_backward_frees_its_graph_by_reference_counting(gc_off, fail_in):
+    def fail_once():
+        node = _Saving(leaf([1.0, 2.0, 3.0]), fail_in)
+        alive = weakref.ref(node)
+        with pytest.raises((ValueError, ZeroDivisionError)):
+            run(node)
+        return alive
+
+    assert fail_once()() is None
+
+
+def test_a_failed_owner_graph_backward_frees_its_graph_by_reference_counting(gc_off):
+    def fail_once():
+        root = _Owner((_Owner(),))
+        alive = weakref.ref(root)
+        with pytest.raises(ZeroDivisionError):
+            pyengine.OwnerGraph("parents", "backward", mode="returns").backward(root, np.ones(3))
+        return alive
+
+    assert fail_once()() is None

@@ -39,6 +39,20 @@ graph task whatever escapes its loop, and ``discard_graph_task`` rebuilds
 the queue's heap. Pool and device threads never see a signal: they keep
 serving, and the engine works afterwards.
 
+Note [A raised error must not name itself in its frame]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A backward that fails raises the error its graph task kept, after taking
+it off the task (the task must not keep its own error's traceback). When
+the twin raises it, the raising frame joins the error's traceback; had
+that frame kept the error in a local, the error, its traceback and the
+frame would make a reference cycle, and the frame's other locals (the
+graph task, the roots, with them the whole graph and its saved values)
+would wait for the garbage collector, as a torch user would not expect:
+torch, and the compiled core (whose frames in a traceback hold no locals),
+free them by reference counting as soon as the caller lets go of the
+error. So the twin deletes its name for the error as it raises
+(``execute``, and ``execute_owner_graph`` in ``owner_graph.py``).
+
 Note [A backward that raises leaves its ready queue]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A caller interrupted while a pool thread runs the graph task it handed off
@@ -446,7 +460,11 @@ class Engine:
         if graph_task.exception is not None:
             # Take the error off the task: the traceback must not keep the task alive.
             error, graph_task.exception = graph_task.exception, None
-            raise error
+            try:
+                raise error
+            finally:
+                # See Note [A raised error must not name itself in its frame].
+                del error
         return graph_task.captured_vars
 
     def execute_with_graph_task(self, graph_task, graph_root, input_buffer):

@@ -718,7 +718,12 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
     if graph_task.exception is not None:
         # A final callback's error; taken off the task, as execute does.
         error, graph_task.exception = graph_task.exception, None
-        raise error
+        try:
+            raise error
+        finally:
+            # See Note [A raised error must not name itself in its frame] in
+            # pyengine/_pure/engine.py.
+            del error
     if captured is None:
         return None
     if not allow_unused:
