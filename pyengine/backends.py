@@ -289,8 +289,11 @@ _ROWS_FOR_SORTED_ADD = 128
 _backends: dict[type, ArrayBackend] = {}
 # device type -> function(numpy value, Device) -> value on that device.
 _from_host: dict = {}
-# Lookups by exact type, filled lazily from the MRO; cleared on registration.
+# Lookups by exact type, filled lazily from the MRO; cleared on registration,
+# and when it reaches BACKEND_CACHE_LIMIT types: a program that makes value
+# types on the fly (a class per call) must not keep every one alive.
 _backend_cache: dict[type, ArrayBackend | None] = {}
+BACKEND_CACHE_LIMIT = 4096
 
 # Whether exact numpy arrays go to the built-in NUMPY backend, so that the
 # numpy fast paths may skip the backend: See Note [Replacing the numpy
@@ -345,7 +348,10 @@ def backend_of(value) -> ArrayBackend | None:
         return _backend_cache[value_type]
     except KeyError:
         pass
-    found = _backend_cache[value_type] = _find_backend(value_type)
+    found = _find_backend(value_type)
+    if len(_backend_cache) >= BACKEND_CACHE_LIMIT:
+        _backend_cache.clear()
+    _backend_cache[value_type] = found
     return found
 
 

@@ -899,6 +899,26 @@ def test_a_leaf_that_took_part_in_backward_can_be_copied_and_pickled():
     np.testing.assert_array_equal(x.grad, [3.0, 3.0])
 
 
+
+def test_the_backend_lookup_cache_does_not_keep_every_value_type_alive():
+    # Gradients of types made on the fly (a class per call): the cache is
+    # bounded, and a type it let go of is freed; values still find numpy's
+    # backend through the MRO after the cache is cleared.
+    import gc
+    import weakref
+
+    first = None
+    for _ in range(pyengine.backends.BACKEND_CACHE_LIMIT + 10):
+        value_type = type("Made", (np.ndarray,), {})
+        assert pyengine.backend_of(np.zeros(1).view(value_type)) is pyengine.backends.NUMPY
+        if first is None:
+            first = weakref.ref(value_type)
+        del value_type
+        assert len(pyengine.backends._backend_cache) <= pyengine.backends.BACKEND_CACHE_LIMIT
+    gc.collect()
+    assert first() is None
+    assert pyengine.backend_of(np.zeros(1)) is pyengine.backends.NUMPY
+
 def test_register_backend_returns_the_previous_and_unregister_backend_undoes_it():
     class Value:
         pass
