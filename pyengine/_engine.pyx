@@ -140,8 +140,8 @@ cdef class GraphRoot(NodeBase):
     """The node a backward with several roots starts from: it returns the
     root gradients along the root edges."""
     cdef public list outputs
-    # Immutable after construction.
-    cdef readonly list _root_streams
+    # Immutable after construction; read by gradient_stream.
+    cdef readonly tuple _root_streams
 
     def __init__(self, roots, grads):
         super().__init__(next_edges=roots)
@@ -149,7 +149,7 @@ cdef class GraphRoot(NodeBase):
         # The root gradients were written on the caller's current streams, one
         # per root and device: each is the producer stream of its own root
         # gradient (not the first root's for all). See Note [Streaming backwards].
-        self._root_streams = [_streams.value_stream(grad) for grad in grads]
+        self._root_streams = tuple([_streams.value_stream(grad) for grad in grads])
         self._stream = next((stream for stream in self._root_streams if stream is not None), None)
 
     def apply(self, grads):
@@ -572,11 +572,6 @@ cdef class Engine:
         cdef InputBuffer input_buffer
         cdef object gradient
         cdef bint streamed
-        # A GraphRoot's gradients come from one stream each: See Note
-        # [Streaming backwards]. (A CPU node pays one test.)
-        cdef list output_streams = None
-        if producer_stream is not None and type(node) is GraphRoot:
-            output_streams = (<GraphRoot>node)._root_streams
         # validate_outputs checked that there is one gradient per edge. The
         # node may keep the list it returned and change it while this loop
         # lets other threads run (a large add releases the GIL): each
@@ -638,8 +633,8 @@ cdef class Engine:
                         Py_DECREF(input_buffer)
                 if streamed:
                     accumulate_on_streams(input_buffer, next_input_nr, gradient, grad_mode,
-                                          producer_stream if output_streams is None
-                                          else output_streams[i], next_node._stream)
+                                          gradient_stream(node, i, producer_stream),
+                                          next_node._stream)
                 else:
                     input_buffer.add(next_input_nr, gradient, grad_mode)
                 if is_ready:
@@ -801,6 +796,19 @@ cdef inline void flush_next_task(WorkerState worker) noexcept:
             # Before another thread can pop it.
             (<GraphTask>worker.next_task.graph_task).outstanding_tasks_.fetch_add(1)
         worker.local_ready_queue.push_record(worker.next_task)
+
+
+cdef object gradient_stream(NodeBase node, Py_ssize_t i, object producer_stream):
+    """The stream gradient ``i`` of ``node`` was written on: a GraphRoot's
+    root ``i``'s, one per root (See Note [Streaming backwards]), else the
+    stream ``node`` ran on. A root whose edges Python code changed since it
+    was made may have more gradients than streams: the first one stands in."""
+    if type(node) is not GraphRoot:
+        return producer_stream
+    cdef tuple root_streams = (<GraphRoot>node)._root_streams
+    if i < PyTuple_GET_SIZE(root_streams):
+        return <object>PyTuple_GET_ITEM(root_streams, i)
+    return producer_stream
 
 
 cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, object gradient,

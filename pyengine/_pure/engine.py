@@ -302,7 +302,7 @@ class GraphRoot(NodeBase):
         # The root gradients were written on the caller's current streams, one
         # per root and device: each is the producer stream of its own root
         # gradient (not the first root's for all). See Note [Streaming backwards].
-        self._root_streams = [streams.value_stream(grad) for grad in grads]
+        self._root_streams = tuple([streams.value_stream(grad) for grad in grads])
         self._stream = next((stream for stream in self._root_streams if stream is not None), None)
 
     def apply(self, grads):
@@ -670,10 +670,6 @@ class Engine:
             check_nan(node, outputs)
 
         grad_mode = graph_task.grad_mode
-        # A GraphRoot's gradients come from one stream each: See Note
-        # [Streaming backwards]. (A CPU node pays one test.)
-        output_streams = (node._root_streams
-                          if producer_stream is not None and type(node) is GraphRoot else None)
         # validate_outputs checked the count; the node's release_variables
         # or a hook may have changed the list since.
         num_outputs = len(outputs)
@@ -724,8 +720,8 @@ class Engine:
                         continue
                     input_buffer = InputBuffer(len(next_node._input_metadata))
                     accumulate_on_streams(input_buffer, next_input_nr, output, grad_mode,
-                                          producer_stream if output_streams is None
-                                          else output_streams[i], next_node._stream)
+                                          gradient_stream(node, i, producer_stream),
+                                          next_node._stream)
                     if is_ready:
                         queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
                                    graph_task, next_node, input_buffer.buffer)
@@ -733,8 +729,8 @@ class Engine:
                         not_ready[key] = input_buffer
                 else:
                     accumulate_on_streams(input_buffer, next_input_nr, output, grad_mode,
-                                          producer_stream if output_streams is None
-                                          else output_streams[i], next_node._stream)
+                                          gradient_stream(node, i, producer_stream),
+                                          next_node._stream)
                     if is_ready:
                         del not_ready[key]
                         queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
@@ -930,6 +926,19 @@ def keep_spare_list(worker, task):
             inputs[i - 1] = None
     if worker.spare_list is None and sys.getrefcount(inputs) == 3:
         worker.spare_list = inputs
+
+
+def gradient_stream(node, i, producer_stream):
+    """The stream gradient ``i`` of ``node`` was written on: a GraphRoot's
+    root ``i``'s, one per root (See Note [Streaming backwards]), else the
+    stream ``node`` ran on. A root whose edges Python code changed since it
+    was made may have more gradients than streams: the first one stands in."""
+    if type(node) is not GraphRoot:
+        return producer_stream
+    root_streams = node._root_streams
+    if i < len(root_streams):
+        return root_streams[i]
+    return producer_stream
 
 
 def accumulate_on_streams(input_buffer, input_nr, gradient, grad_mode, producer_stream, consumer_stream):
