@@ -298,12 +298,15 @@ class _ThreadBuffer:
     order, in parallel lists (no tuple per node, so no garbage-collector
     work during the backward); per backward span, a tuple in ``spans``."""
 
-    __slots__ = ("thread", "nodes", "starts", "ends", "tasks", "spans")
+    __slots__ = ("thread", "nodes", "starts", "ends", "tasks", "spans", "last_task")
 
     def __init__(self, thread: ThreadInfo):
         self.thread = thread
         self.nodes, self.starts, self.ends, self.tasks = [], [], [], []
         self.spans = []
+        # The graph task of this thread's latest entry, once its end is
+        # watched; None after a flush. See Note [Profiled graphs go by refcount].
+        self.last_task = None
 
 
 class profile:
@@ -407,10 +410,29 @@ class profile:
         buffer.nodes.append(node)
         buffer.starts.append(start_ns)
         buffer.ends.append(end_ns)
+        task = _get_current_graph_task()
         tasks = buffer.tasks
-        tasks.append(_get_current_graph_task())
+        tasks.append(task)
+        if task is not buffer.last_task:
+            self._watch(buffer, task)
         if len(tasks) >= FLUSH_EVENTS:
             self._flush(buffer)
+
+    def _watch(self, buffer, task):
+        """The first entry of ``task`` on this thread since the last flush: make
+        sure the entries are resolved when ``task`` completes. See Note
+        [Profiled graphs go by refcount]."""
+        if task is None:
+            return
+        buffer.last_task = task
+        # Inside a default-engine backward the proxy resolves after its span.
+        if not getattr(_proxy_depth, "value", 0):
+            task.final_callbacks.append(self._on_task_end)
+
+    def _on_task_end(self):
+        """A final callback of a watched graph task: resolve every buffered
+        entry, so that the task's graph can go when the backward returns."""
+        self._flush_all()
 
     def _on_backward(self, start_ns, end_ns, roots, failed):
         try:
@@ -433,6 +455,9 @@ class profile:
         Flushes are serialized by the profile's lock.
         """
         with self._lock:
+            # Its owner watches the next task it sees again (a task watched
+            # twice resolves twice, which is harmless).
+            buffer.last_task = None
             spans = _take(buffer.spans, len(buffer.spans))
             # tasks is appended last: every list holds at least this many.
             count = len(buffer.tasks)
