@@ -60,9 +60,13 @@ container on the per-node path; benchmarks/RESULTS.md has its cost per
 node). A buffered entry keeps its node and graph task alive until it is
 resolved into a :class:`NodeEvent` (name, device, run): after each backward through
 the default engine, by its calling thread once the backward's span has
-ended (so that the work is not counted in the backward's time); by a thread
+ended (so that the work is not counted in the backward's time); at the end
+of every other graph task (another ``Engine``'s ``execute``, an
+``OwnerGraph`` walk), by a final callback of that task; by a thread
 whose buffer reaches :data:`FLUSH_EVENTS` entries in the middle of a
-backward; and by the thread that stops the profile. Read results
+backward; and by the thread that stops the profile. So a profiled backward
+lets its graph go by refcount when it returns, as without a profile: See
+Note [Profiled graphs go by refcount]. Read results
 (``events``, ``table``, ``export_chrome_trace``) after the profile stopped.
 Every backward call that returned before the profile stopped is recorded
 completely (the engine calls the hook before the graph task can complete);
@@ -153,6 +157,34 @@ class NodeTypeSummary(NamedTuple):
     max_ns: int
     share: float
 
+
+# Note [Profiled graphs go by refcount]
+# -------------------------------------
+# A profiled backward must free its graph when it returns, as it does
+# without a profile, whichever engine runs it: the default engine, another
+# Engine's execute, an OwnerGraph walk (the adapters' path), on any thread,
+# reentrant or not. The buffered entries hold the node (or OwnerRun, and so
+# the owner) and its graph task, so they must be resolved by then.
+#
+# Two ways were weighed. Recording at the event what a NodeEvent needs
+# (name, sequence_nr, device, run, executed) instead of references would
+# move the resolving onto the per-node path, inside the backward's time:
+# name() and the device's metadata scan per node, a weak reference to the
+# graph task for the run, exec_info's lookup for ``executed``. The choice
+# here keeps the per-node path as it was plus one identity test: the first
+# time a thread records a node of a graph task it has not seen since its
+# last flush, it appends a final callback to that task (``_watch``), which
+# resolves every buffer (``_flush_all``) when the task completes, before
+# its execute or walk returns; the output is the same NodeEvents as before,
+# resolved from the same references. Inside a default-engine backward on
+# that thread (the proxy's depth is not 0) no callback is added: the proxy
+# resolves after its span, outside the backward's time, as before, and a
+# reentrant or nested task's entries go with it. Each flush forgets
+# ``last_task``, so no buffer keeps a finished task alive, and a thread
+# whose buffer another thread flushed mid-task only watches its task again
+# (a second callback, a second, cheap, flush). A task that fails runs no
+# final callbacks: its entries wait for the next flush (the next task's
+# end, FLUSH_EVENTS, or stop), so at most the failed graph is kept.
 
 # -- the registry of active profiles --------------------------------------------------
 
