@@ -269,6 +269,42 @@ def test_a_profiled_backward_through_another_engine_lets_its_graph_go():
     assert prof.backward_spans == []
 
 
+def test_a_reentrant_owner_walk_on_another_thread_lets_both_graphs_go():
+    graph = pyengine.OwnerGraph("parents", "backward", mode="returns")
+    refs = []
+
+    class Walks(Step):
+        def apply(self, grads):
+            value = Value(np.ones(3))
+            value = Value(value.data, (value,), label="inner")
+            refs.append(weakref.ref(value))
+            graph.backward(value, np.ones(3))
+            return super().apply(grads)
+
+    def backward_on_a_thread():
+        x = Leaf(np.ones(3))
+        node = Walks(pyengine.gradient_edge(x), label="Walks")
+        refs.append(weakref.ref(node))
+        engine.execute([pyengine.Edge(node, 0)], [np.ones(3)], False, False, True)
+
+    engine = pyengine.Engine()
+    try:
+        with pyengine.profile() as prof:
+            gc.disable()
+            try:
+                thread = threading.Thread(target=backward_on_a_thread, name="caller")
+                thread.start()
+                thread.join()
+                Step.log = []
+                assert len(refs) == 2 and all(ref() is None for ref in refs)
+            finally:
+                gc.enable()
+    finally:
+        engine.stop()
+    assert sorted(event.name for event in node_events(prof)) == ["Value", "Value", "Walks"]
+    assert prof.runs == 2
+
+
 def test_results_only_after_stop_and_a_profile_records_once():
     prof = pyengine.profile()
     prof.start()
