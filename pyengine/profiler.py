@@ -60,9 +60,13 @@ container on the per-node path; benchmarks/RESULTS.md has its cost per
 node). A buffered entry keeps its node and graph task alive until it is
 resolved into a :class:`NodeEvent` (name, device, run): after each backward through
 the default engine, by its calling thread once the backward's span has
-ended (so that the work is not counted in the backward's time); by a thread
+ended (so that the work is not counted in the backward's time); at the end
+of every other graph task (another ``Engine``'s ``execute``, an
+``OwnerGraph`` walk), by a final callback of that task; by a thread
 whose buffer reaches :data:`FLUSH_EVENTS` entries in the middle of a
-backward; and by the thread that stops the profile. Read results
+backward; and by the thread that stops the profile. So a profiled backward
+lets its graph go by refcount when it returns, as without a profile: See
+Note [Profiled graphs go by refcount]. Read results
 (``events``, ``table``, ``export_chrome_trace``) after the profile stopped.
 Every backward call that returned before the profile stopped is recorded
 completely (the engine calls the hook before the graph task can complete);
@@ -153,6 +157,34 @@ class NodeTypeSummary(NamedTuple):
     max_ns: int
     share: float
 
+
+# Note [Profiled graphs go by refcount]
+# -------------------------------------
+# A profiled backward must free its graph when it returns, as it does
+# without a profile, whichever engine runs it: the default engine, another
+# Engine's execute, an OwnerGraph walk (the adapters' path), on any thread,
+# reentrant or not. The buffered entries hold the node (or OwnerRun, and so
+# the owner) and its graph task, so they must be resolved by then.
+#
+# Two ways were weighed. Recording at the event what a NodeEvent needs
+# (name, sequence_nr, device, run, executed) instead of references would
+# move the resolving onto the per-node path, inside the backward's time:
+# name() and the device's metadata scan per node, a weak reference to the
+# graph task for the run, exec_info's lookup for ``executed``. The choice
+# here keeps the per-node path as it was plus one identity test: the first
+# time a thread records a node of a graph task it has not seen since its
+# last flush, it appends a final callback to that task (``_watch``), which
+# resolves every buffer (``_flush_all``) when the task completes, before
+# its execute or walk returns; the output is the same NodeEvents as before,
+# resolved from the same references. Inside a default-engine backward on
+# that thread (the proxy's depth is not 0) no callback is added: the proxy
+# resolves after its span, outside the backward's time, as before, and a
+# reentrant or nested task's entries go with it. Each flush forgets
+# ``last_task``, so no buffer keeps a finished task alive, and a thread
+# whose buffer another thread flushed mid-task only watches its task again
+# (a second callback, a second, cheap, flush). A task that fails runs no
+# final callbacks: its entries wait for the next flush (the next task's
+# end, FLUSH_EVENTS, or stop), so at most the failed graph is kept.
 
 # -- the registry of active profiles --------------------------------------------------
 
@@ -298,12 +330,15 @@ class _ThreadBuffer:
     order, in parallel lists (no tuple per node, so no garbage-collector
     work during the backward); per backward span, a tuple in ``spans``."""
 
-    __slots__ = ("thread", "nodes", "starts", "ends", "tasks", "spans")
+    __slots__ = ("thread", "nodes", "starts", "ends", "tasks", "spans", "last_task")
 
     def __init__(self, thread: ThreadInfo):
         self.thread = thread
         self.nodes, self.starts, self.ends, self.tasks = [], [], [], []
         self.spans = []
+        # The graph task of this thread's latest entry, once its end is
+        # watched; None after a flush. See Note [Profiled graphs go by refcount].
+        self.last_task = None
 
 
 class profile:
@@ -407,10 +442,29 @@ class profile:
         buffer.nodes.append(node)
         buffer.starts.append(start_ns)
         buffer.ends.append(end_ns)
+        task = _get_current_graph_task()
         tasks = buffer.tasks
-        tasks.append(_get_current_graph_task())
+        tasks.append(task)
+        if task is not buffer.last_task:
+            self._watch(buffer, task)
         if len(tasks) >= FLUSH_EVENTS:
             self._flush(buffer)
+
+    def _watch(self, buffer, task):
+        """The first entry of ``task`` on this thread since the last flush: make
+        sure the entries are resolved when ``task`` completes. See Note
+        [Profiled graphs go by refcount]."""
+        if task is None:
+            return
+        buffer.last_task = task
+        # Inside a default-engine backward the proxy resolves after its span.
+        if not getattr(_proxy_depth, "value", 0):
+            task.final_callbacks.append(self._on_task_end)
+
+    def _on_task_end(self):
+        """A final callback of a watched graph task: resolve every buffered
+        entry, so that the task's graph can go when the backward returns."""
+        self._flush_all()
 
     def _on_backward(self, start_ns, end_ns, roots, failed):
         try:
@@ -433,6 +487,9 @@ class profile:
         Flushes are serialized by the profile's lock.
         """
         with self._lock:
+            # Its owner watches the next task it sees again (a task watched
+            # twice resolves twice, which is harmless).
+            buffer.last_task = None
             spans = _take(buffer.spans, len(buffer.spans))
             # tasks is appended last: every list holds at least this many.
             count = len(buffer.tasks)

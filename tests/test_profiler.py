@@ -216,6 +216,95 @@ def test_nodes_are_not_kept_alive_after_the_profile():
     assert len(prof.events) == 4
 
 
+class Value:
+    """An owner of the OwnerGraph protocol: ``y = factor * x``."""
+
+    def __init__(self, data, parents=(), factor=1.0, label="leaf"):
+        self.data, self.parents, self.factor, self.label = data, parents, factor, label
+        self.grad = None
+
+    def backward(self, grads):
+        return [grads[0] * self.factor]
+
+
+def test_a_profiled_owner_graph_backward_lets_its_graph_go():
+    # See Note [Profiled graphs go by refcount]: nothing but the profile
+    # would keep the graph alive, and gc is off, so refcount alone must free it.
+    graph = pyengine.OwnerGraph("parents", "backward", mode="returns")
+    with pyengine.profile() as prof:
+        gc.disable()
+        try:
+            value = Value(np.ones(3))
+            for _ in range(3):
+                value = Value(value.data * 2.0, (value,), factor=2.0)
+            ref = weakref.ref(value)
+            graph.backward(value, np.ones(3))
+            del value
+            assert ref() is None
+        finally:
+            gc.enable()
+    # The records still name the owners run, one run, in walk order.
+    assert [event.name for event in prof.events] == ["Value"] * 4
+    assert [event.sequence_nr for event in prof.events] == [3, 2, 1, 0]
+    assert prof.runs == 1
+
+
+def test_a_profiled_backward_through_another_engine_lets_its_graph_go():
+    engine = pyengine.Engine()
+    try:
+        with pyengine.profile() as prof:
+            gc.disable()
+            try:
+                x, nodes = chain(3)
+                ref = weakref.ref(nodes[0])
+                engine.execute([pyengine.Edge(nodes[-1], 0)], [np.ones(3)], False, False, True)
+                del x, nodes
+                Step.log = []
+                assert ref() is None
+            finally:
+                gc.enable()
+    finally:
+        engine.stop()
+    assert [event.name for event in node_events(prof)] == ["Step2", "Step1", "Step0"]
+    assert prof.backward_spans == []
+
+
+def test_a_reentrant_owner_walk_on_another_thread_lets_both_graphs_go():
+    graph = pyengine.OwnerGraph("parents", "backward", mode="returns")
+    refs = []
+
+    class Walks(Step):
+        def apply(self, grads):
+            value = Value(np.ones(3))
+            value = Value(value.data, (value,), label="inner")
+            refs.append(weakref.ref(value))
+            graph.backward(value, np.ones(3))
+            return super().apply(grads)
+
+    def backward_on_a_thread():
+        x = Leaf(np.ones(3))
+        node = Walks(pyengine.gradient_edge(x), label="Walks")
+        refs.append(weakref.ref(node))
+        engine.execute([pyengine.Edge(node, 0)], [np.ones(3)], False, False, True)
+
+    engine = pyengine.Engine()
+    try:
+        with pyengine.profile() as prof:
+            gc.disable()
+            try:
+                thread = threading.Thread(target=backward_on_a_thread, name="caller")
+                thread.start()
+                thread.join()
+                Step.log = []
+                assert len(refs) == 2 and all(ref() is None for ref in refs)
+            finally:
+                gc.enable()
+    finally:
+        engine.stop()
+    assert sorted(event.name for event in node_events(prof)) == ["Value", "Value", "Walks"]
+    assert prof.runs == 2
+
+
 def test_results_only_after_stop_and_a_profile_records_once():
     prof = pyengine.profile()
     prof.start()
