@@ -633,8 +633,7 @@ cdef class Engine:
                         Py_DECREF(input_buffer)
                 if streamed:
                     accumulate_on_streams(input_buffer, next_input_nr, gradient, grad_mode,
-                                          gradient_stream(node, i, producer_stream),
-                                          next_node._stream)
+                                          producer_stream, next_node._stream, node, i)
                 else:
                     input_buffer.add(next_input_nr, gradient, grad_mode)
                 if is_ready:
@@ -812,11 +811,15 @@ cdef object gradient_stream(NodeBase node, Py_ssize_t i, object producer_stream)
 
 
 cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, object gradient,
-                               bint grad_mode, object producer_stream,
-                               object consumer_stream) except -1:
+                               bint grad_mode, object producer_stream, object consumer_stream,
+                               NodeBase producer=None, Py_ssize_t output_nr=0) except -1:
     """Add a gradient into a consumer's buffer after the syncs it needs, on the
     stream they choose. See Note [Which stream waits where a gradient enters
-    a buffer] in pyengine/streams.py."""
+    a buffer] in pyengine/streams.py. ``producer``: the node whose output
+    ``output_nr`` the gradient is (None for a root gradient); the stream it
+    was written on is chosen here, off a CPU node's path."""
+    if producer is not None:
+        producer_stream = gradient_stream(producer, output_nr, producer_stream)
     with _streams.stream_guard(_streams.accumulation_stream(gradient, producer_stream,
                                                            consumer_stream)):
         input_buffer.add(input_nr, gradient, grad_mode)

@@ -720,8 +720,7 @@ class Engine:
                         continue
                     input_buffer = InputBuffer(len(next_node._input_metadata))
                     accumulate_on_streams(input_buffer, next_input_nr, output, grad_mode,
-                                          gradient_stream(node, i, producer_stream),
-                                          next_node._stream)
+                                          producer_stream, next_node._stream, node, i)
                     if is_ready:
                         queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
                                    graph_task, next_node, input_buffer.buffer)
@@ -729,8 +728,7 @@ class Engine:
                         not_ready[key] = input_buffer
                 else:
                     accumulate_on_streams(input_buffer, next_input_nr, output, grad_mode,
-                                          gradient_stream(node, i, producer_stream),
-                                          next_node._stream)
+                                          producer_stream, next_node._stream, node, i)
                     if is_ready:
                         del not_ready[key]
                         queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
@@ -941,10 +939,15 @@ def gradient_stream(node, i, producer_stream):
     return producer_stream
 
 
-def accumulate_on_streams(input_buffer, input_nr, gradient, grad_mode, producer_stream, consumer_stream):
+def accumulate_on_streams(input_buffer, input_nr, gradient, grad_mode, producer_stream, consumer_stream,
+                          producer=None, output_nr=0):
     """Add a gradient into a consumer's buffer after the syncs it needs, on the
     stream they choose. See Note [Which stream waits where a gradient enters
-    a buffer] in pyengine/streams.py."""
+    a buffer] in pyengine/streams.py. ``producer``: the node whose output
+    ``output_nr`` the gradient is (None for a root gradient); the stream it
+    was written on is chosen here, off a CPU node's path."""
+    if producer is not None:
+        producer_stream = gradient_stream(producer, output_nr, producer_stream)
     if producer_stream is None and consumer_stream is None:
         input_buffer.add(input_nr, gradient, grad_mode)
         return
