@@ -37,8 +37,21 @@ Known differences are handled where they are documented:
 - an integer-list index's gradient may stay an IndexedGradient (Note [Where
   an indexed gradient goes] in ``pyengine/indexed.py``): compared densified.
 
+Differences this fuzz found that are not documented are left out of the
+programs, each where ``frontend_programs.py`` draws it, with a comment
+saying "found by this fuzz, not documented" (remove the exclusion once the
+frontend is fixed or the difference documented): ``grad(materialize_grads=
+True)`` without ``create_graph`` (torch's zeros do not require grad), a
+plain backward after a ``create_graph`` one (torch's ``.grad`` keeps
+requiring grad), a view made under ``no_grad`` (torch's requires grad), a
+post-hook's ``grad_inputs`` under ``grad`` / ``backward(inputs=)`` (torch
+computes only what the call needs) and for ``c - x`` / ``x ** n`` (torch's
+node has no slot for the number), and a second backward through
+``x[[0, 0, 2]]`` after the graph was freed (torch raises).
+
 Budget: ``PYENGINE_FUZZ_EXAMPLES`` batches (default 20, as ``test_fuzz.py``:
-400 programs, about 25 s on two cores), derandomized; ``PYENGINE_FUZZ_SEED``
+400 programs, 27 s measured on two cores, both busy with another run),
+derandomized; ``PYENGINE_FUZZ_SEED``
 picks another fixed sequence and ``PYENGINE_FUZZ_SHRINK=1`` lets hypothesis
 shrink a failing batch. Run more with ``PYENGINE_FUZZ_EXAMPLES=200 pytest -m
 fuzz tests/fuzz/test_frontend_against_torch.py``. Skipped without torch.
