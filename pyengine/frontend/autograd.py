@@ -27,13 +27,19 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     Tensors (None for an unused input) (``torch.autograd.grad``); an
     IndexedGradient (a lookup's, See Note [Where an indexed gradient goes] in
     ``pyengine/indexed.py``) as it is, as torch returns a sparse tensor.
-    ``materialize_grads`` gives an unused input zeros that require grad, as
-    torch's ``zeros_like(input, requires_grad=True)``."""
+    ``materialize_grads`` gives an unused input zeros that require grad
+    under ``create_graph``, as torch's ``zeros_like(input,
+    requires_grad=create_graph)``."""
     results = _grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused,
-                    materialize_grads, _zeros_requiring_grad)
+                    materialize_grads,
+                    _zeros_requiring_grad if create_graph else _zeros_not_requiring_grad)
     return tuple(value if value is None or isinstance(value, (Tensor, pyengine.IndexedGradient))
                  else Tensor._make(value) for value in results)
 
 
 def _zeros_requiring_grad(tensor):
     return zeros_like(tensor, requires_grad=True)
+
+
+def _zeros_not_requiring_grad(tensor):
+    return zeros_like(tensor)

@@ -227,7 +227,7 @@ def test_frontend_grad_returns_tensors():
 
 
 def test_materialized_zeros_require_grad_as_torch(torch):
-    # torch fills an unused input with zeros_like(input, requires_grad=True),
+    # torch fills an unused input with zeros_like(input, requires_grad=create_graph),
     # so a second-order program that uses them runs: their gradient is unused.
     xs, ys = pair(torch, [1.0, 2.0]), pair(torch, [3.0, 4.0])
     for x, y, grad in zip(xs, ys, (F.grad, torch.autograd.grad)):
@@ -237,6 +237,10 @@ def test_materialized_zeros_require_grad_as_torch(torch):
         assert grad((gy * gy).sum(), [y], allow_unused=True) == (None,)
         (second,) = grad((gx * gx).sum(), [x])
         assert_close(to_numpy(second), [8.0, 16.0])  # d/dx sum((2x)^2) = 8x
+        # Without create_graph, torch's zeros do not require grad.
+        _, plain = grad((x * x).sum(), [x, y], materialize_grads=True)
+        assert not plain.requires_grad
+        assert_close(to_numpy(plain), [0.0, 0.0])
 
 
 @pytest.mark.parametrize("op", ["add", "radd", "sub", "rsub"])

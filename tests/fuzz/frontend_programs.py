@@ -205,11 +205,7 @@ def programs(draw, max_ops=8):
                           "inputs": draw(st.lists(st.sampled_from(everything), min_size=1,
                                                   max_size=3)),
                           "unused": draw(st.sampled_from([None, True, False])),
-                          # Only with create_graph: without it torch's zeros do
-                          # not require grad (zeros_like(input,
-                          # requires_grad=create_graph)) and the frontend's do
-                          # (found by this fuzz, not documented).
-                          "materialize": create and draw(st.integers(0, 1)) == 0,
+                          "materialize": draw(st.integers(0, 1)) == 0,
                           "second": create and draw(st.integers(0, 3)) > 0})
     return {"leaves": leaves, "stmts": stmts}
 

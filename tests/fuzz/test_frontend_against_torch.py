@@ -40,14 +40,13 @@ Known differences are handled where they are documented:
 Differences this fuzz found that are not documented are left out of the
 programs, each where ``frontend_programs.py`` draws it, with a comment
 saying "found by this fuzz, not documented" (remove the exclusion once the
-frontend is fixed or the difference documented): ``grad(materialize_grads=
-True)`` without ``create_graph`` (torch's zeros do not require grad), a
-plain backward after a ``create_graph`` one (torch's ``.grad`` keeps
-requiring grad), a view made under ``no_grad`` (torch's requires grad), a
-post-hook's ``grad_inputs`` under ``grad`` / ``backward(inputs=)`` (torch
-computes only what the call needs) and for ``c - x`` / ``x ** n`` (torch's
-node has no slot for the number), and a second backward through
-``x[[0, 0, 2]]`` after the graph was freed (torch raises).
+frontend is fixed or the difference documented): a plain backward after a
+``create_graph`` one (torch's ``.grad`` keeps requiring grad), a view made
+under ``no_grad`` (torch's requires grad), a post-hook's ``grad_inputs``
+under ``grad`` / ``backward(inputs=)`` (torch computes only what the call
+needs) and for ``c - x`` / ``x ** n`` (torch's node has no slot for the
+number), and a second backward through ``x[[0, 0, 2]]`` after the graph
+was freed (torch raises).
 
 Budget: ``PYENGINE_FUZZ_EXAMPLES`` batches (default 20, as ``test_fuzz.py``:
 400 programs, 27 s measured on two cores, both busy with another run),
