@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 import pytest
+from plain_tensors import Leaf
 
 import pyengine
 from pyengine import fake_device as fd
@@ -20,15 +21,6 @@ from pyengine import streams
 from pyengine.device import CPU
 
 F0, F1 = fd.device(0), fd.device(1)
-
-
-class Leaf:
-    def __init__(self, data):
-        self.data = data
-        self.grad = None
-        self.grad_fn = None
-        self.output_nr = 0
-        self.requires_grad = True
 
 
 class Move(pyengine.Node):
