@@ -65,14 +65,18 @@ cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
         error = RuntimeError(pool_full_message(graph_task.reentrant_depth, max_pool_threads))
         cancel_graph_task(graph_task, error)
         raise error
+    # The slot taken in num_threads for a thread that has not taken it yet:
+    # See Note [A slot taken for a pool thread] in the twin.
+    cdef list slot = []
     if start_thread:
         pool.num_threads += 1
+        slot.append(True)
     Py_INCREF(graph_task)
     pool.graph_tasks.push_back(<PyObject*>graph_task)
     pool.mutex_.unlock()
     try:
         if start_thread:
-            start_pool_thread(pool, graph_task, run_graph_task)
+            start_pool_thread(pool, graph_task, run_graph_task, slot)
         pool.work.notify_one()
         graph_task.wait()
     except BaseException as error:
@@ -92,25 +96,28 @@ cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
 
 
 cdef int start_pool_thread(_ThreadPoolShared pool, GraphTask graph_task,
-                           object run_graph_task) except -1:
-    """Start a pool thread, its slot in ``num_threads`` already taken; if
-    it cannot start, give the slot back and raise RuntimeError. Ctrl-C may
-    come while Python code makes the thread: See Note [A slot taken for a
-    pool thread] in the twin."""
+                           object run_graph_task, list slot) except -1:
+    """Start a pool thread, its slot in ``num_threads`` already taken (and
+    held in ``slot`` until the thread takes it); if it cannot start, give
+    the slot back and raise RuntimeError. Ctrl-C may come while Python code
+    makes or starts the thread: See Note [A slot taken for a pool thread]
+    in the twin."""
     thread = None
     try:
-        thread = threading.Thread(target=_reentrant_thread_main, args=(pool, run_graph_task),
+        thread = threading.Thread(target=_reentrant_thread_main,
+                                  args=(pool, run_graph_task, slot),
                                   name="pyengine-reentrant", daemon=True)
         pool.threads.append(thread)
         thread.start()
     except BaseException as error:
-        if thread is not None and thread.ident is not None:
-            # It started (Ctrl-C came while start() waited for it).
-            raise
-        if thread is not None and thread in pool.threads:
-            pool.threads.remove(thread)
+        # Started or not, the slot goes back unless the thread took it; a
+        # thread that finds it gone ends at once.
         lock_releasing_gil(pool.mutex_)
-        pool.num_threads -= 1
+        if slot:
+            pool.num_threads -= 1
+            del slot[0]
+            if thread is not None and thread in pool.threads:
+                pool.threads.remove(thread)
         pool.mutex_.unlock()
         if not isinstance(error, Exception):
             raise
@@ -120,21 +127,29 @@ cdef int start_pool_thread(_ThreadPoolShared pool, GraphTask graph_task,
     return 0
 
 
-def _reentrant_thread_main(_ThreadPoolShared pool not None, run_graph_task):
-    """A pool thread: run the graph tasks handed off, with
-    ``run_graph_task(graph_task)``, until the pool stops."""
+def _reentrant_thread_main(_ThreadPoolShared pool not None, run_graph_task, list slot not None):
+    """A pool thread: take the slot its starter took for it (``slot``), then
+    run the graph tasks handed off, with ``run_graph_task(graph_task)``,
+    until the pool stops."""
     cdef PyObject* next_graph_task = NULL
     cdef GraphTask graph_task
     cdef unique_lock[mutex] lock
+    lock_releasing_gil(pool.mutex_)
+    if not slot:
+        # Its starter gave the slot back: See Note [A slot taken for a pool
+        # thread] in the twin.
+        pool.mutex_.unlock()
+        if threading.current_thread() in pool.threads:
+            pool.threads.remove(threading.current_thread())
+        return
+    del slot[0]
+    pool.num_idle += 1
+    pool.mutex_.unlock()
     # Whether this thread is counted in num_idle: from its start, and
     # again from the moment it finishes a task (See Note [A pool thread
     # is back before its caller] in the twin).
-    cdef bint counted_idle = False
+    cdef bint counted_idle = True
     try:
-        lock_releasing_gil(pool.mutex_)
-        pool.num_idle += 1
-        counted_idle = True
-        pool.mutex_.unlock()
         while True:
             with nogil:
                 lock = unique_lock[mutex](pool.mutex_)

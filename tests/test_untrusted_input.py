@@ -793,7 +793,7 @@ _NONE_ARGUMENTS = [
     ("graph", "core.owner_graph_module.run_owner_graph(None, None, None, None, False)"),
     ("task", "core.ReadyQueue().push(None)"),
     ("task", "core.ReadyQueue().push_pop(None)"),
-    ("pool", "thread_pool._reentrant_thread_main(None, None)"),
+    ("pool", "thread_pool._reentrant_thread_main(None, None, [])"),
 ]
 
 

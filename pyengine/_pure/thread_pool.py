@@ -72,12 +72,17 @@ while Python code makes the thread (``threading.Thread()``, in both cores)
 and, in the twin, on the main thread between any two steps (See Note
 [Where the twin's main thread sees an interrupt] in
 ``pyengine/_pure/engine.py``). So the thread is made inside the ``try``
-that gives the slot back, and in the twin the slot is held in a one-item
-list, ``slot``, from the step that takes it to the step after the thread
-started: whichever ``except`` sees the item gives the slot back and
-empties it, exactly once. For the same reason the graph task is queued
-inside the ``try`` that withdraws and cancels it, so an interrupt never
-leaves a graph task queued for the pool that its caller gave up.
+that gives the slot back, and the slot is held in a one-item list,
+``slot``, from the step that takes it until the new thread, first thing,
+takes it under the pool's lock: whoever empties it (the thread, or an
+``except`` of its starter) has the slot, exactly once. Whether the thread
+started cannot tell: Ctrl-C may come while ``start()`` waits for a thread
+that runs but has not yet set its ``ident`` (a starter that judged by it
+gave the slot back for a thread that then ran, counted idle but not among
+the threads). A thread that finds its slot given back ends at once. For
+the same reason the graph task is queued inside the ``try`` that
+withdraws and cancels it, so an interrupt never leaves a graph task queued
+for the pool that its caller gave up.
 
 Note [Stopping the pool]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -132,8 +137,9 @@ def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
     ``run_graph_task(graph_task)`` runs it on the pool thread. See Note
     [Reentrant backward] and Note [Bounds on reentrant backward]."""
     refused = None
-    # The slot taken in num_threads for a thread not started yet: one item
-    # while it is ours to give back. See Note [A slot taken for a pool thread].
+    # The slot taken in num_threads for a thread that has not taken it yet:
+    # one item while it is ours to give back. See Note [A slot taken for a
+    # pool thread].
     slot = []
     try:
         with pool.condition:
@@ -172,26 +178,22 @@ def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
 
 def start_pool_thread(pool, graph_task, run_graph_task, slot):
     """Start a pool thread, its slot in ``num_threads`` already taken (and
-    held in ``slot``); if it cannot start, give the slot back and raise
-    RuntimeError. See Note [A slot taken for a pool thread]."""
+    held in ``slot`` until the thread takes it); if it cannot start, give
+    the slot back and raise RuntimeError. See Note [A slot taken for a pool
+    thread]."""
     thread = None
     try:
-        thread = threading.Thread(target=_reentrant_thread_main, args=(pool, run_graph_task),
+        thread = threading.Thread(target=_reentrant_thread_main,
+                                  args=(pool, run_graph_task, slot),
                                   name="pyengine-reentrant", daemon=True)
         with pool.condition:
             pool.threads.append(thread)
         thread.start()
-        # The thread has the slot now; it gives it back as it ends.
-        slot.clear()
     except BaseException as error:
-        if thread is not None and thread.ident is not None:
-            # It started (Ctrl-C came while start() waited for it).
-            slot.clear()
-            raise
-        with pool.condition:
-            if thread in pool.threads:
-                pool.threads.remove(thread)
-        give_back_slot(pool, slot)
+        # Started or not (Ctrl-C may come while start() waits for the new
+        # thread), the slot goes back unless the thread took it; a thread
+        # that finds it gone ends at once.
+        give_back_slot(pool, slot, thread)
         if not isinstance(error, Exception):
             raise
         raise RuntimeError(
@@ -199,27 +201,37 @@ def start_pool_thread(pool, graph_task, run_graph_task, slot):
             f"{graph_task.reentrant_depth} levels deep: {error}") from error
 
 
-def give_back_slot(pool, slot):
-    """Give back the slot in ``num_threads`` that ``slot`` holds, if any:
-    the thread it was taken for did not start."""
+def give_back_slot(pool, slot, thread=None):
+    """Give back the slot in ``num_threads`` that ``slot`` holds, if the
+    thread it was taken for has not taken it (and take ``thread`` off the
+    pool's list: it never runs as a pool thread)."""
     with pool.condition:
         if slot:
             pool.num_threads -= 1
             del slot[0]
+            if thread is not None and thread in pool.threads:
+                pool.threads.remove(thread)
 
 
-def _reentrant_thread_main(pool, run_graph_task):
-    """A pool thread: run the graph tasks handed off, with
-    ``run_graph_task(graph_task)``, until the pool stops."""
+def _reentrant_thread_main(pool, run_graph_task, slot):
+    """A pool thread: take the slot its starter took for it (``slot``), then
+    run the graph tasks handed off, with ``run_graph_task(graph_task)``,
+    until the pool stops."""
     check_argument("pool", pool, _ThreadPoolShared)
+    with pool.condition:
+        if not slot:
+            # Its starter gave the slot back: See Note [A slot taken for a
+            # pool thread].
+            if threading.current_thread() in pool.threads:
+                pool.threads.remove(threading.current_thread())
+            return
+        del slot[0]
+        pool.num_idle += 1
     # Whether this thread is counted in num_idle: from its start, and
     # again from the moment it finishes a task (See Note [A pool thread
     # is back before its caller]).
-    counted_idle = False
+    counted_idle = True
     try:
-        with pool.condition:
-            pool.num_idle += 1
-            counted_idle = True
         while True:
             with pool.condition:
                 while not pool.graph_tasks and not pool.stopping:
