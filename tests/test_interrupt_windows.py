@@ -103,87 +103,50 @@ def run_scenario(body, timeout=60):
     return run_on_this_core(PRELUDE + textwrap.dedent(body), timeout)
 
 
-@pytest.mark.stress
-def test_random_interrupts_in_a_reentrant_chain():
-    # The audit's repro, smaller: SIGINT at a random moment of each run.
-    lines = run_scenario('''
+def run_random_interrupts(seeds, second_within_s=None):
+    """Runs of a reentrant chain across pool threads, each interrupted at a
+    random moment (SIGINT or ``_thread.interrupt_main``); with
+    ``second_within_s``, a second interrupt follows the first within that
+    many seconds, while the engine or the caller's handler deals with it.
+    Oracles: the exact gradient of clean runs afterwards, every pool thread
+    idle again and ending on stop, and most runs interrupted."""
+    lines = run_scenario(f'''
         engine = pyengine.Engine(max_recursion_depth=2, max_pool_threads=6)
         interrupted = 0
-        for seed in (1, 2):
+
+        def interrupt():
+            if random.random() < 0.5:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            else:
+                _thread.interrupt_main()
+
+        def send():
+            interrupt()
+            if {second_within_s!r} is not None:
+                time.sleep(random.uniform(0.0, {second_within_s!r}))
+                interrupt()
+
+        for seed in {tuple(seeds)!r}:
             random.seed(seed)
             for _ in range(40):
-                def send():
-                    if random.random() < 0.5:
-                        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-                    else:
-                        _thread.interrupt_main()
                 timer = threading.Timer(random.uniform(0.0, 0.06), send)
                 try:
-                    timer.start()
-                    run(Reenter(12, engine, pause=0.002), np.ones(()), engine)
-                except KeyboardInterrupt:
-                    interrupted += 1
-                except RuntimeError as error:
-                    refused_while_the_old_chain_runs(error)
+                    try:
+                        timer.start()
+                        run(Reenter(12, engine, pause=0.002), np.ones(()), engine)
+                    except KeyboardInterrupt:
+                        interrupted += 1
+                    except RuntimeError as error:
+                        refused_while_the_old_chain_runs(error)
+                except KeyboardInterrupt:  # a second one, in a handler above
+                    pass
                 while True:
                     try:
-                        timer.join(); time.sleep(0.01); break
+                        timer.join(); time.sleep(0.02); break
                     except KeyboardInterrupt:
                         pass
         print("interrupted", interrupted, flush=True)
         # The old chains finish on their pool threads.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if pyengine.IMPLEMENTATION != "pure":
-                break
-            pool = engine._pool
-            with pool.condition:
-                if pool.num_idle == pool.num_threads:
-                    break
-            time.sleep(0.05)
-        time.sleep(0.5)
-        check_clean_runs(engine)
-        check_pool_threads_end(engine)
-    ''', timeout=120)
-    assert lines[-2:] == ["clean 20", "all pool threads ended"], lines
-    interrupted = int(next(line for line in lines if line.startswith("interrupted")).split()[1])
-    assert interrupted > 20, lines
-
-
-
-@pytest.mark.stress
-def test_a_second_interrupt_while_the_first_is_handled():
-    # Two interrupts 0-4 ms apart: the second lands while the engine (or the
-    # caller's except block) is still handling the first. Oracles as above.
-    lines = run_scenario('''
-        engine = pyengine.Engine(max_recursion_depth=2, max_pool_threads=6)
-        interrupted = 0
-        random.seed(3)
-        for _ in range(40):
-            def send():
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-                time.sleep(random.uniform(0.0, 0.004))
-                if random.random() < 0.5:
-                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-                else:
-                    _thread.interrupt_main()
-            timer = threading.Timer(random.uniform(0.0, 0.06), send)
-            try:
-                try:
-                    timer.start()
-                    run(Reenter(12, engine, pause=0.002), np.ones(()), engine)
-                except KeyboardInterrupt:
-                    interrupted += 1
-                except RuntimeError as error:
-                    refused_while_the_old_chain_runs(error)
-            except KeyboardInterrupt:  # the second one, in a handler above
-                pass
-            while True:
-                try:
-                    timer.join(); time.sleep(0.02); break
-                except KeyboardInterrupt:
-                    pass
-        print("interrupted", interrupted, flush=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and pyengine.IMPLEMENTATION == "pure":
             pool = engine._pool
@@ -198,6 +161,18 @@ def test_a_second_interrupt_while_the_first_is_handled():
     assert lines[-2:] == ["clean 20", "all pool threads ended"], lines
     interrupted = int(next(line for line in lines if line.startswith("interrupted")).split()[1])
     assert interrupted > 20, lines
+
+
+@pytest.mark.stress
+def test_random_interrupts_in_a_reentrant_chain():
+    # The audit's repro, smaller: an interrupt at a random moment of each run.
+    run_random_interrupts(seeds=(1, 2))
+
+
+@pytest.mark.stress
+def test_a_second_interrupt_while_the_first_is_handled():
+    run_random_interrupts(seeds=(3,), second_within_s=0.004)
+
 
 def test_a_caller_that_gave_up_a_hand_off_does_not_share_its_queue():
     # max_recursion_depth=0: every reentrant backward goes to a pool thread.
