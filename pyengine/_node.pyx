@@ -603,7 +603,7 @@ cdef class AccumulateGradBase(NodeBase):
                     variable.grad = add_in_place(old_grad, new_grad)
                 else:
                     variable.grad = add_values(old_grad, new_grad)
-                leaf_state.set_owned_grad(None if create_graph else variable.grad)
+                leaf_state.set_owned_grad(variable.grad)
             finally:
                 lock.release()
         hooks = leaf_state.post_accumulate_grad_hooks

@@ -673,9 +673,16 @@ class GradientFreeNodeBase(NodeBase):
 #   the value's backend (a framework's differentiable clone, as PyTorch
 #   clones there too);
 # - ``.grad`` is an array pyengine stored there itself (the LeafState's
-#   ``owned_grad``): add in place;
-# - otherwise (the user assigned ``.grad``, or ``create_graph``): add out of
-#   place and store the sum.
+#   ``owned_grad``), outside ``create_graph``: add in place, with the
+#   value's backend ``add_``. That includes a ``.grad`` stored under
+#   ``create_graph`` (a copy or a sum the engine made): PyTorch's plain
+#   backward then adds into it in place too, so that it keeps the history
+#   the first backward gave it;
+# - otherwise (under ``create_graph``, or the user assigned ``.grad``): add
+#   out of place and store the sum. Here PyTorch differs once: outside
+#   ``create_graph`` it adds into a ``.grad`` the user assigned too. pyengine
+#   never writes into an array it did not allocate (DESIGN.md), so the
+#   user's array stays as it was and ``.grad`` becomes a new one.
 #
 # Then the leaf's post-accumulate-grad hooks run, ``fn(variable)`` (See Note
 # [Post accumulate grad hooks]). ``.grad``
@@ -836,7 +843,7 @@ class AccumulateGradBase(NodeBase):
                     variable.grad = add_in_place(old_grad, new_grad)
                 else:
                     variable.grad = add_values(old_grad, new_grad)
-                leaf_state.set_owned_grad(None if create_graph else variable.grad)
+                leaf_state.set_owned_grad(variable.grad)
         hooks = leaf_state.post_accumulate_grad_hooks
         if hooks:
             call_post_accumulate_grad_hooks(variable, hooks)

@@ -61,6 +61,7 @@ from .ops import (
     neg,
     nll_loss,
     pow,
+    reciprocal,
     relu,
     reshape,
     scatter_add,
@@ -84,7 +85,7 @@ __all__ = [
     "cross_entropy", "div", "embedding", "enable_grad", "exp", "from_numpy", "full", "getitem", "grad",
     "gradcheck", "gradgradcheck", "is_grad_enabled", "is_tensor", "linear", "log", "log_softmax",
     "manual_seed", "matmul", "max", "maximum", "mean", "mul", "neg", "nll_loss", "nn", "no_grad",
-    "ones", "ones_like", "optim", "pow", "rand", "randn", "relu", "reshape", "scatter_add",
+    "ones", "ones_like", "optim", "pow", "rand", "randn", "reciprocal", "relu", "reshape", "scatter_add",
     "set_grad_enabled", "sigmoid", "softmax", "sqrt", "stack", "sub", "sum", "sum_to", "swapaxes",
     "tanh", "tensor", "to_device", "transpose", "where", "zeros", "zeros_like",
 ]

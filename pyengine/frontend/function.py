@@ -178,11 +178,10 @@ def _connect(ctx, outputs):
             continue
         data = out.data
         ctx.add_input_metadata(InputMetadata(data.shape, data.dtype, _device_of(data)))
-        if any(out is other for other in non_differentiable):
+        # An integer or bool output is not differentiable, as in torch,
+        # marked or not.
+        if data.dtype.kind not in "fc" or any(out is other for other in non_differentiable):
             continue
-        if data.dtype.kind not in "fc":
-            raise RuntimeError(f"output {i} of {ctx._function.__name__} has dtype {data.dtype}, "
-                               "which cannot require grad; mark it non-differentiable")
         out.grad_fn = ctx
         out.output_nr = i
         out._requires_grad = True

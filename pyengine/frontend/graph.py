@@ -111,23 +111,30 @@ def mark_view(out: Tensor, base: Tensor) -> Tensor:
     return out
 
 
-def record(node_type, inputs, out, saved=(), **attributes):
+def record(node_type, inputs, out, saved=(), checked=(), **attributes):
     """Attach a new ``node_type`` node to ``out`` as its ``grad_fn``.
 
     ``inputs``: the op's inputs, one edge each (None for numbers and
     tensors that don't require grad). ``saved``: what the formula reads, in
     order; a Tensor becomes a SavedTensor, anything else (None, numbers) is
-    kept as it is. ``attributes`` are set on the node.
+    kept as it is. ``checked``: Tensors the backward reads through arrays
+    it keeps (an index, a condition, a target): saved too, so that an
+    in-place change of one before backward raises as torch's saved
+    variables do, but not passed to the formula; values that are not
+    Tensors are skipped. ``attributes`` are set on the node.
     """
     data = out.data
     node = node_type(next_edges=[edge_of(value) for value in inputs],
                      input_metadata=[InputMetadata(data.shape, data.dtype, _device_of(data))])
     out.grad_fn = node
     out._requires_grad = True
-    if saved:
+    checked = [value for value in checked if isinstance(value, Tensor)]
+    if saved or checked:
         node.save_for_backward(*[SavedTensor(value, value is out) if isinstance(value, Tensor)
-                                 else value for value in saved])
+                                 else value for value in saved],
+                               *[SavedTensor(value, False) for value in checked])
         node._saves = True
+        node._checked = len(checked)
     node.__dict__.update(attributes)
     return node
 
@@ -228,10 +235,25 @@ class OpNode(pyengine.Node):
     """
 
     _saves = False
+    _checked = 0  # how many saved values, last, are there for their version only
 
     def needs(self, index: int) -> bool:
-        """Whether input ``index`` takes a gradient (torch's needs_input_grad)."""
-        return self._next_edges[index] is not None
+        """Whether the formula should compute input ``index``'s gradient:
+        the input takes one, and the backward running this node will use
+        it (``task_should_compute_output``, which torch's generated
+        formulas ask), so that under ``grad(inputs=)`` /
+        ``backward(inputs=)`` a pruned input's gradient is None, as the
+        node's post-hooks see it in torch. Called outside a backward (the
+        node's ``apply`` called by hand), it answers as torch does without
+        a graph task: whether the input takes a gradient."""
+        if self._next_edges[index] is None:
+            return False
+        try:
+            return self.task_should_compute_output(index)
+        except RuntimeError:
+            # The only RuntimeError the query raises: the engine is not
+            # running this node.
+            return True
 
     def apply(self, grads):
         profile = FormulaProfile.active
@@ -246,8 +268,13 @@ class OpNode(pyengine.Node):
 
     def _apply(self, grads):
         grad = grads[0]
-        if grad is None:
-            return [None] * len(self._next_edges)
+        num_edges = len(self._next_edges)
+        # A formula of several inputs asks ``needs`` for each; that of one
+        # input is skipped here when its gradient will not be used, as
+        # torch's formulas skip every gradient ``task_should_compute_output``
+        # rules out.
+        if grad is None or (num_edges == 1 and not self.needs(0)):
+            return [None] * num_edges
         if self._saves:
             # Read before the flag: See Note [A node is marked released
             # before it is cleared] in pyengine/_pure/engine.py.
@@ -266,6 +293,9 @@ class OpNode(pyengine.Node):
                 grad = grad.data
             saved = [value.unpack_data(self) if type(value) is SavedTensor else value
                      for value in saved]
+        if self._checked:
+            # Unpacked above for their version check only.
+            saved = saved[:-self._checked]
         return self.formula(grad, *saved)
 
     def formula(self, grad, *saved):

@@ -86,6 +86,7 @@ def nll_loss(log_probs, target, reduction="mean"):
     if data.ndim != 2:
         raise ValueError(f"nll_loss expects log_probs of shape (N, C), got {data.shape}")
     xp = array_module(data)
+    target_tensor = target
     target = xp.asarray(raw(target))
     if target.shape != data.shape[:1] or target.dtype.kind not in "iu":
         raise ValueError(f"nll_loss expects integer class indices of shape {data.shape[:1]}, got "
@@ -103,8 +104,10 @@ def nll_loss(log_probs, target, reduction="mean"):
         return picked
     out = Tensor._make(picked)
     if needs_graph(log_probs):
-        record(NllLossBackward, (log_probs,), out, index=index, input_shape=data.shape,
-               reduction=reduction)
+        # As torch's NllLossBackward0, which saves both: an in-place change
+        # of either before backward raises.
+        record(NllLossBackward, (log_probs,), out, checked=(log_probs, target_tensor), index=index,
+               input_shape=data.shape, reduction=reduction)
     return out
 
 

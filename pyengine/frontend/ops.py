@@ -27,6 +27,7 @@ from .pointwise import (
     mul,
     neg,
     pow,
+    reciprocal,
     relu,
     sigmoid,
     sign,
@@ -53,7 +54,7 @@ from .shape import (
 __all__ = [
     "abs", "add", "astype", "broadcast_to", "clip", "clone", "compare", "concatenate",
     "copy_from", "cross_entropy", "div", "embedding", "exp", "fill", "getitem", "index_put", "linear", "log",
-    "log_softmax", "matmul", "max", "maximum", "mean", "mul", "neg", "nll_loss", "pow", "relu",
-    "reshape", "scatter_add", "sigmoid", "sign", "softmax", "sqrt", "stack", "sub", "sum",
+    "log_softmax", "matmul", "max", "maximum", "mean", "mul", "neg", "nll_loss", "pow", "reciprocal",
+    "relu", "reshape", "scatter_add", "sigmoid", "sign", "softmax", "sqrt", "stack", "sub", "sum",
     "sum_to", "swapaxes", "tanh", "to_device", "transpose", "where",
 ]

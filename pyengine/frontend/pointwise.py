@@ -1,6 +1,6 @@
 """Elementwise ops, each forward beside its backward node.
 
-Arithmetic (``add sub mul div neg pow``), functions (``exp log sqrt tanh
+Arithmetic (``add sub mul div reciprocal neg pow``), functions (``exp log sqrt tanh
 sigmoid relu abs clip``), ``maximum`` and ``where``, plus the few
 non-differentiable helpers formulas need (comparisons, ``sign``) and the
 copies (``clone``, ``astype``, ``to_device``, ``fill``, ``copy_from``).
@@ -28,7 +28,7 @@ from pyengine import Device
 from .graph import OpNode, needs_graph, operand, raw, record
 from .tensor import Tensor, _as_array, array_module
 
-__all__ = ["add", "sub", "mul", "div", "neg", "pow", "exp", "log", "sqrt", "tanh", "sigmoid",
+__all__ = ["add", "sub", "mul", "div", "reciprocal", "neg", "pow", "exp", "log", "sqrt", "tanh", "sigmoid",
            "relu", "threshold_backward", "abs", "clip", "maximum", "where", "compare", "sign",
            "clone", "astype", "to_device", "fill", "copy_from", "zeros_like_value"]
 
@@ -78,13 +78,23 @@ def sub(a, b):
     a, b = operand(a), operand(b)
     out = Tensor._make(raw(a) - raw(b))
     if needs_graph(a, b):
-        record(SubBackward, (a, b), out)
+        if isinstance(a, Tensor):
+            record(SubBackward, (a, b), out)
+        else:
+            # A number minus a Tensor: torch's rsub(Tensor, Scalar), whose
+            # node has the Tensor as its only input.
+            record(RsubBackward, (b,), out)
     return out
 
 
 class SubBackward(OpNode):
     def formula(self, grad):
         return [grad if self.needs(0) else None, -grad if self.needs(1) else None]
+
+
+class RsubBackward(OpNode):
+    def formula(self, grad):
+        return [-grad]
 
 
 def neg(x):
@@ -144,37 +154,61 @@ class DivBackward(OpNode):
         return [grad_a, grad_b]
 
 
+def reciprocal(x):
+    """``1 / x``, a float for integer ``x`` (true division, as torch's)."""
+    if not _is_tensor(x):
+        return np.true_divide(1, x)
+    out = Tensor._make(np.true_divide(1, x.data))
+    if needs_graph(x):
+        record(ReciprocalBackward, (x,), out, saved=(out,))
+    return out
+
+
+class ReciprocalBackward(OpNode):
+    def formula(self, grad, out):
+        return [-grad * (out * out)]
+
+
 # -- pow ----------------------------------------------------------------------------------
 
 def pow(a, b):  # noqa: A001 (the operator's name)
-    """``a ** b``; either may be a number."""
+    """``a ** b``; either may be a number.
+
+    As torch's three overloads, the node has an input per Tensor operand:
+    ``x ** c`` and ``c ** x`` have one (torch's PowBackward0 and
+    PowBackward2), ``x ** y`` two (PowBackward1)."""
     if not _is_tensor(a, b):
         return np.power(a, b)
     a, b = operand(a), operand(b)
     out = Tensor._make(raw(a) ** raw(b))
     if needs_graph(a, b):
-        record(PowBackward, (a, b), out, saved=(a, b, out if _requires(b) else None),
-               number_exponent=not isinstance(b, Tensor))
+        tensor_base, tensor_exponent = isinstance(a, Tensor), isinstance(b, Tensor)
+        inputs = (a, b) if tensor_base and tensor_exponent else (a,) if tensor_base else (b,)
+        record(PowBackward, inputs, out, saved=(a, b, out if _requires(b) else None),
+               tensor_base=tensor_base, tensor_exponent=tensor_exponent)
     return out
 
 
 class PowBackward(OpNode):
     def formula(self, grad, a, b, out):
+        # The inputs: the base if it is a Tensor, then the exponent if it is one.
+        base_index = 0 if self.tensor_base else None
+        exponent_index = (1 if self.tensor_base else 0) if self.tensor_exponent else None
+        grads = [None] * len(self._next_edges)
         # b's gradient first: See Note [Backward formulas in PyTorch's order].
-        grad_a = grad_b = None
-        if self.needs(1):
+        if exponent_index is not None and self.needs(exponent_index):
             # PyTorch's pow_backward_exponent: the mask is applied to
             # out * log(a) and the incoming gradient multiplies the result,
             # so a NaN or inf in ``grad`` (or, under create_graph, a second
             # order gradient through log(0)) still reaches b as NaN.
             base_is_zero = (a == 0) & (b >= 0)
-            grad_b = grad * where(base_is_zero, 0.0, out * log(a))
-        if self.needs(0):
-            if self.number_exponent:
-                grad_a = zeros_like_value(grad) if b == 0 else grad * b * a ** (b - 1)
+            grads[exponent_index] = grad * where(base_is_zero, 0.0, out * log(a))
+        if base_index is not None and self.needs(base_index):
+            if not self.tensor_exponent:
+                grads[base_index] = zeros_like_value(grad) if b == 0 else grad * b * a ** (b - 1)
             else:
-                grad_a = where(b == 0, 0.0, grad * b * a ** (b - 1))
-        return [grad_a, grad_b]
+                grads[base_index] = where(b == 0, 0.0, grad * b * a ** (b - 1))
+        return grads
 
 
 # -- functions of one tensor ------------------------------------------------------------
@@ -352,13 +386,14 @@ class MaximumBackward(OpNode):
 
 def where(condition, a, b):
     """``a`` where ``condition`` holds, else ``b``; the condition takes no gradient."""
+    condition_tensor = condition
     condition = raw(condition)
     if not _is_tensor(a, b):
         return array_module(condition).where(condition, a, b)
     a, b = operand(a), operand(b)
     out = Tensor._make(array_module(condition).where(condition, raw(a), raw(b)))
     if needs_graph(a, b):
-        record(WhereBackward, (a, b), out, condition=condition)
+        record(WhereBackward, (a, b), out, checked=(condition_tensor,), condition=condition)
     return out
 
 
@@ -417,7 +452,8 @@ def astype(x, dtype):
     if not _is_tensor(x):
         return x.astype(dtype)
     out = Tensor._make(x.data.astype(dtype))
-    if needs_graph(x):
+    # As torch, a cast to an integer or bool dtype leaves the graph.
+    if needs_graph(x) and out.data.dtype.kind in "fc":
         record(AstypeBackward, (x,), out, input_dtype=x.dtype)
     return out
 
@@ -474,5 +510,5 @@ def copy_from(x, src):
 
 class CopyFromBackward(OpNode):
     def formula(self, grad):
-        return [zeros_like_value(grad) if self.needs(0) else None, grad]
+        return [zeros_like_value(grad) if self.needs(0) else None, grad if self.needs(1) else None]
 

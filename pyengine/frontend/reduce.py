@@ -7,6 +7,8 @@ broadcast gradients.
 gradient is shared evenly among the elements equal to the maximum, as
 ``torch.amax`` and the full ``torch.max(x)`` do. ``torch.max(x, dim)``
 instead sends all of it to one index; with distinct values the two agree.
+Where the maximum is NaN, the NaNs share the gradient, as in the full
+``torch.max(x)`` (``torch.amax`` gives NaN everywhere there).
 
 A reduction's backward broadcasts the gradient back with ``broadcast_to``,
 so that under create_graph it is itself recorded.
@@ -18,7 +20,7 @@ import numpy as np
 
 from pyengine.backends import sum_to_shape_axes
 
-from .graph import OpNode, needs_graph, record
+from .graph import OpNode, needs_graph, raw, record
 from .pointwise import where
 from .shape import broadcast_to, reshape
 from .tensor import Tensor, array_module
@@ -39,6 +41,10 @@ def normalize_axes(axis, ndim) -> tuple:
         normalized.append(int(a) % extent)
     if len(set(normalized)) != len(normalized):
         raise ValueError(f"duplicate axis in {axis}")
+    if ndim == 0:
+        # ...and reducing a 0-d tensor over it reduces over no axis (numpy,
+        # which knows no axis 0 there, would refuse it).
+        return ()
     return tuple(sorted(normalized))
 
 
@@ -74,8 +80,6 @@ def mean(x, axis=None, keepdims=False):
     if not isinstance(x, Tensor):
         return array_module(x).mean(x, axis=axis, keepdims=keepdims)
     axes = normalize_axes(axis, x.ndim)
-    # numpy first: it refuses an axis of a 0-d tensor (AxisError) as it does
-    # for sum and max, before the count reads a shape it lacks.
     out = Tensor._make(x.data.mean(axis=axes, keepdims=keepdims))
     count = 1
     for a in axes:
@@ -106,7 +110,12 @@ def max(x, axis=None, keepdims=False):  # noqa: A001
 
 class MaxBackward(OpNode):
     def formula(self, grad, x, out):
-        is_max = x == _restore(out, self.kept_shape, self.keepdims)
+        # The mask takes no gradient: built on the arrays. Where the maximum
+        # is NaN, the NaNs share the gradient, as torch.max(x)'s backward
+        # (evenly_distribute_backward) gives it.
+        x_data, out_data = raw(x), raw(_restore(raw(out), self.kept_shape, self.keepdims))
+        xp = array_module(x_data)
+        is_max = (x_data == out_data) | (xp.isnan(x_data) & xp.isnan(out_data))
         count = sum(is_max, self.axes, keepdims=True)
         share = _restore(grad, self.kept_shape, self.keepdims) / count
         return [where(is_max, share, 0.0)]

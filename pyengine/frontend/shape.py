@@ -107,6 +107,13 @@ class BroadcastToBackward(OpNode):
 _BASIC_INDEX_TYPES = (int, np.integer, slice, type(None), type(Ellipsis))
 
 
+def _index_tensors(index):
+    """The Tensors among ``index``'s items: a backward that keeps the index
+    checks their versions (``record``'s ``checked``)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return [item for item in items if isinstance(item, Tensor)]
+
+
 def _normalize_index(index):
     """An index as a tuple of ints, slices, None, Ellipsis and arrays."""
     items = index if isinstance(index, tuple) else (index,)
@@ -116,6 +123,10 @@ def _normalize_index(index):
             item = item.data
         elif isinstance(item, (list, tuple)):
             item = np.asarray(item)
+            if item.size == 0:
+                # numpy reads [] as a float array, which no index takes;
+                # torch reads it as an empty index.
+                item = item.astype(np.intp)
         normalized.append(item)
     return tuple(normalized)
 
@@ -131,6 +142,7 @@ def getitem(x, index):
     """``x[index]`` with numpy's rules."""
     if not isinstance(x, Tensor):
         return x[index]
+    index_tensors = _index_tensors(index)
     index = _normalize_index(index)
     basic = _is_basic(index)
     if basic and Ellipsis not in index:
@@ -142,10 +154,19 @@ def getitem(x, index):
     if basic:
         mark_view(out, x)
     if needs_graph(x):
+        # An advanced index is saved for backward, as torch's IndexBackward0
+        # saves its index tensors: a second backward after the graph was
+        # freed raises. A basic one is kept as an attribute, as torch's
+        # SliceBackward0 and SelectBackward0 keep theirs: such a backward
+        # runs again.
         if _is_row_lookup(index, x):
-            record(RowLookupBackward, (x,), out, rows=index[0], input_shape=x.shape)
+            record(RowLookupBackward, (x,), out, saved=(index[0],), checked=index_tensors,
+                   input_shape=x.shape)
+        elif basic:
+            record(BasicIndexBackward, (x,), out, index=index, input_shape=x.shape)
         else:
-            record(IndexBackward, (x,), out, index=index, input_shape=x.shape)
+            record(IndexBackward, (x,), out, saved=(index,), checked=index_tensors,
+                   input_shape=x.shape)
     return out
 
 
@@ -158,9 +179,19 @@ def _is_row_lookup(index, x):
             and rows.dtype.kind in "iu")
 
 
-class IndexBackward(OpNode):
+class BasicIndexBackward(OpNode):
+    """The backward of ``x[index]`` with integers, slices, None and Ellipsis
+    (a view)."""
+
     def formula(self, grad):
         return [scatter_add(grad, self.index, self.input_shape)]
+
+
+class IndexBackward(OpNode):
+    """The backward of ``x[index]`` with arrays or masks in the index (a copy)."""
+
+    def formula(self, grad, index):
+        return [scatter_add(grad, index, self.input_shape)]
 
 
 class RowLookupBackward(OpNode):
@@ -169,11 +200,11 @@ class RowLookupBackward(OpNode):
     a dense scatter-add under ``create_graph``, where the gradient is a Tensor
     op that records a graph."""
 
-    def formula(self, grad):
+    def formula(self, grad, rows):
         if isinstance(grad, Tensor):
-            return [scatter_add(grad, (self.rows,), self.input_shape)]
+            return [scatter_add(grad, (rows,), self.input_shape)]
         xp = array_module(grad)
-        rows = xp.asarray(self.rows).reshape(-1)
+        rows = xp.asarray(rows).reshape(-1)
         values = grad.reshape((rows.shape[0],) + tuple(self.input_shape[1:]))
         return [pyengine.IndexedGradient(rows, values, tuple(self.input_shape))]
 
@@ -194,6 +225,7 @@ def embedding(weight, indices, sparse=False):
         raise TypeError(f"embedding weight must be a Tensor, got {type(weight).__name__}")
     if weight.ndim != 2:
         raise ValueError(f"embedding weight must be 2-D (rows, features), got shape {weight.shape}")
+    index_tensors = _index_tensors(indices)
     if isinstance(indices, Tensor):
         indices = indices.data
     indices = array_module(weight.data).asarray(indices)
@@ -207,7 +239,8 @@ def embedding(weight, indices, sparse=False):
         pyengine.keep_indexed_grad(weight)
     out = Tensor._make(weight.data[indices])
     if needs_graph(weight):
-        record(RowLookupBackward, (weight,), out, rows=indices, input_shape=weight.shape)
+        record(RowLookupBackward, (weight,), out, saved=(indices,), checked=index_tensors,
+               input_shape=weight.shape)
     return out
 
 
@@ -245,6 +278,7 @@ class ScatterAddBackward(OpNode):
 def index_put(x, index, value):
     """A copy of ``x`` with ``x[index] = value`` (what ``x[index] = value``
     records): ``x`` gets the gradient outside the index, ``value`` inside."""
+    index_tensors = _index_tensors(index)
     index = _normalize_index(index)
     value = operand(value)
     data = x.data.copy()
@@ -253,7 +287,7 @@ def index_put(x, index, value):
     if needs_graph(x, value):
         keep = array_module(data).ones(x.shape, dtype=bool)
         keep[index] = False
-        record(IndexPutBackward, (x, value), out, index=index, keep=keep)
+        record(IndexPutBackward, (x, value), out, checked=index_tensors, index=index, keep=keep)
     return out
 
 

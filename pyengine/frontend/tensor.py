@@ -12,7 +12,20 @@ Where PyTorch and numpy differ, this frontend chose:
 - dtypes follow numpy: Python floats make float64 tensors (PyTorch:
   float32), and type promotion is numpy 2's (NEP 50), which agrees with
   PyTorch where it matters here: a Python scalar never widens a float32
-  tensor, and float32 with float64 gives float64.
+  tensor, and float32 with float64 gives float64. It parts from PyTorch
+  where numpy's rules do: a numpy scalar (``np.float64(2.0)``, what
+  ``array.mean()`` returns) and a 0-d float64 tensor widen a float32
+  tensor to float64, and an integer tensor with a float32 one gives
+  float64 (PyTorch keeps float32 in all three). Gradients are still cast
+  back to each leaf's dtype. Errors that numpy raises (a shape mismatch,
+  ``bool()`` of several elements, writing into a read-only broadcast view)
+  keep numpy's type, ValueError, where PyTorch raises RuntimeError.
+- a view taken under ``no_grad`` of a tensor that requires grad does not
+  require grad here. PyTorch marks it a leaf that requires grad, but a
+  backward through it reaches neither it nor its base (``.grad`` stays
+  None on both) and an in-place op on it in grad mode raises; here that
+  backward raises at once ("does not require grad"), and the in-place op
+  records nothing.
 - shape operations take numpy's names and meanings: ``transpose(axes)``
   permutes axes (reverses them by default, as ``.T``), ``sum(axis=,
   keepdims=)``, ``reshape``; ``max`` returns values only and shares the
@@ -452,8 +465,10 @@ class Tensor:
     def __add__(self, other):
         return _ops.add(self, other)
 
+    # The reflected sum and product put self first, as torch's do: the
+    # node's first input is the Tensor, the number's slot second.
     def __radd__(self, other):
-        return _ops.add(other, self)
+        return _ops.add(self, other)
 
     def __sub__(self, other):
         return _ops.sub(self, other)
@@ -465,13 +480,14 @@ class Tensor:
         return _ops.mul(self, other)
 
     def __rmul__(self, other):
-        return _ops.mul(other, self)
+        return _ops.mul(self, other)
 
     def __truediv__(self, other):
         return _ops.div(self, other)
 
     def __rtruediv__(self, other):
-        return _ops.div(other, self)
+        # torch's reflected division: the reciprocal times the number.
+        return _ops.mul(_ops.reciprocal(self), other)
 
     def __neg__(self):
         return _ops.neg(self)
@@ -531,6 +547,9 @@ class Tensor:
 
     def exp(self):
         return _ops.exp(self)
+
+    def reciprocal(self):
+        return _ops.reciprocal(self)
 
     def log(self):
         return _ops.log(self)
@@ -824,8 +843,10 @@ class TensorBackend(pyengine.ArrayBackend):
 
     def add_(self, a, b):
         # Only ever called on a value the engine allocated (a gradient sum
-        # or a .grad it stored), outside create_graph.
-        if isinstance(a, Tensor) and not a._requires_grad and a.data.flags.writeable:
+        # or a .grad it stored), outside create_graph, so grad mode is off:
+        # as torch's in-place add under no_grad, a tensor with a history
+        # (a .grad a create_graph backward stored) keeps it.
+        if isinstance(a, Tensor) and a.data.flags.writeable:
             if type(b) is pyengine.IndexedGradient:
                 if b.shape == a.data.shape and np.can_cast(b.dtype, a.data.dtype, "same_kind"):
                     b.add_to_(a.data)

@@ -445,10 +445,19 @@ def test_softmax_of_an_empty_tensor_is_empty_as_in_torch(torch, name, shape, axi
     assert_close(x.grad, tx.grad)
 
 
-def test_mean_over_an_axis_of_a_0d_tensor_raises_as_sum_does():
-    # It raised IndexError from its count while sum and max raise numpy's
-    # AxisError.
-    x = F.tensor(np.float64(1.0), requires_grad=True)
-    for reduce in (F.sum, F.max, F.mean):
-        with pytest.raises(np.exceptions.AxisError, match="axis 0 is out of bounds"):
-            reduce(x, 0)
+@pytest.mark.parametrize("keepdims", [False, True])
+@pytest.mark.parametrize("axis", [0, -1, (0,)])
+@pytest.mark.parametrize("name", ["sum", "mean", "max"])
+def test_reducing_a_0d_tensor_over_axis_0_as_torch(torch, name, axis, keepdims):
+    # numpy refuses the axis (AxisError); torch, whose 0-d tensors take
+    # axis 0 and -1, reduces over nothing.
+    x = F.tensor(np.float64(2.5), requires_grad=True)
+    tx = torch.tensor(2.5, dtype=torch.float64, requires_grad=True)
+    torch_reduce = torch.amax if name == "max" else getattr(torch, name)
+    out, tout = getattr(F, name)(x, axis, keepdims), torch_reduce(tx, axis, keepdim=keepdims)
+    assert_close(out, tout)
+    (out * 3.0).sum().backward()
+    (tout * 3.0).sum().backward()
+    assert_close(x.grad, tx.grad)
+    with pytest.raises(ValueError, match="axis 1 is out of bounds for a tensor of dimension 0"):
+        getattr(F, name)(x, 1)

@@ -66,7 +66,9 @@ class TorchLibrary:
         return self.torch.full(tuple(shape), value, dtype=self.torch.float64)
 
     def array(self, value):
-        return value.detach().numpy()
+        # force: a second-order gradient may be torch's ZeroTensor, which
+        # numpy() alone refuses.
+        return value.detach().numpy(force=True)
 
     def dense(self, value):
         return value
@@ -163,7 +165,9 @@ UNARY = {
     "sigmoid": lambda x, c: x.sigmoid(), "relu": lambda x, c: x.relu(),
     "neg": lambda x, c: -x, "abs": lambda x, c: abs(x), "clone": lambda x, c: x.clone(),
     "square": lambda x, c: x ** 2, "cube": lambda x, c: x ** 3, "scale": lambda x, c: x * c,
-    "shift": lambda x, c: x + c, "rsub": lambda x, c: c - x,
+    "shift": lambda x, c: x + c, "rsub": lambda x, c: c - x, "radd": lambda x, c: c + x,
+    "rmul": lambda x, c: c * x, "rpow": lambda x, c: abs(c) ** x,
+    "rdiv": lambda x, c: c / (x * x + 1.0),
     "log1psq": lambda x, c: (x * x + 1.0).log(), "sqrt1psq": lambda x, c: (x * x + 1.0).sqrt(),
     "detach": lambda x, c: x.detach(), "sumall": lambda x, c: x.sum(),
     "meanall": lambda x, c: x.mean(), "index": _index,

@@ -32,17 +32,16 @@ SHAPES = [(), (3,), (2, 3), (2, 1), (1, 3)]
 DATA = [-1.5, -1.0, -0.5, 0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 2.0]
 CONSTANTS = [-1.0, 0.5, 2.0, 3.0]
 UNARY = ["exp", "tanh", "sigmoid", "relu", "neg", "abs", "clone", "square", "cube", "scale",
-         "shift", "rsub", "log1psq", "sqrt1psq", "detach", "sumall", "meanall"]
+         "shift", "rsub", "radd", "rmul", "rpow", "rdiv", "log1psq", "sqrt1psq", "detach",
+         "sumall", "meanall"]
 BINARY = ["add", "sub", "mul", "div"]
 HOOKS = ["log", "scale", "retain", "post", "post_scale", "pre", "pah"]
 INPLACE = ["mul_", "add_", "exp_", "zero_"]
 # Ops whose grad_fn has other inputs in torch, so that a post-hook sees
 # other grad_inputs; they get pre-hooks instead. matmul is a composite in
 # torch (Note [Backward formulas in PyTorch's order] in
-# pyengine/frontend/graph.py); torch's nodes for ``c - x`` and ``x ** n``
-# have no slot for the number, the frontend's have one that gets None
-# (found by this fuzz, not documented).
-OTHER_NODES = ("matmul", "rsub", "square", "cube")
+# pyengine/frontend/graph.py).
+OTHER_NODES = ("matmul",)
 
 
 def broadcast(a, b):
@@ -104,6 +103,7 @@ def programs(draw, max_ops=8):
     read_only = set()
     made_by = {}
     base_of = {}  # views and the tensors they look into: their base
+    stale_views = set()  # views taken before an in-place op on their base or a sibling
     for _ in range(draw(st.integers(1, max_ops))):
         a = draw(st.integers(0, len(shapes) - 1))
         sa = shapes[a]
@@ -125,7 +125,7 @@ def programs(draw, max_ops=8):
             op, constant, shape = draw(st.sampled_from(_shape_ops(sa)))
             # Not under no_grad: torch makes a view of a leaf that requires
             # grad there a leaf that requires grad, the frontend one that
-            # does not (found by this fuzz, not documented).
+            # does not (pyengine/frontend/tensor.py's docstring).
             stmt.update(op=op, c=constant, ng=False)
             if op == "broadcast_to" or (a in read_only and op in ("reshape", "transpose",
                                                                   "index")):
@@ -148,6 +148,8 @@ def programs(draw, max_ops=8):
             # in grad mode the frontend refuses instead).
             stmts.append({"s": "inplace", "op": draw(st.sampled_from(INPLACE)), "a": a,
                           "c": stmt["c"], "ng": ng and a not in base_of})
+            family = base_of.get(a, a)
+            stale_views.update(v for v, base in base_of.items() if base == family and v not in (a, base))
             continue
         else:
             op = draw(st.sampled_from(UNARY))
@@ -161,12 +163,16 @@ def programs(draw, max_ops=8):
         made_by[len(shapes) - 1] = stmt["op"]
         while draw(st.integers(0, 2)) == 0:
             t = draw(st.integers(0, len(shapes) - 1))
+            if t in stale_views:
+                # torch 2.13 crashes (SIGSEGV in Tensor.register_hook) on a
+                # view whose base was modified in place after the view was
+                # taken; the frontend refuses to use such a view.
+                continue
             kind = draw(st.sampled_from(HOOKS))
             if kind in ("post", "post_scale") and made_by.get(t) in OTHER_NODES:
                 kind = "pre"
             stmts.append({"s": "hook", "kind": kind, "t": t, "c": draw(st.sampled_from(CONSTANTS))})
     made = list(range(len(leaves), len(shapes))) or [0]
-    backward_create = None
     for call in range(draw(st.integers(1, 3))):
         if call == 0 or draw(st.booleans()):
             if draw(st.integers(0, 4)) == 0:
@@ -178,27 +184,10 @@ def programs(draw, max_ops=8):
             shapes.append(None)
         everything = [i for i, shape in enumerate(shapes) if shape is not None]
         retain = draw(st.sampled_from([None, True, False]))
-        if any(stmt.get("op") == "index" and isinstance(stmt["c"], list) for stmt in stmts):
-            # torch's backward of x[[0, 0, 2]] saves the index tensor, so a
-            # second backward through it after the graph was freed raises;
-            # the frontend's saves none and runs it (found by this fuzz, not
-            # documented). Such programs keep their graph.
-            retain = True
         create = draw(st.integers(0, 2)) == 0
-        logs_grad_inputs = any(stmt.get("kind") == "post" for stmt in stmts)
-        if logs_grad_inputs or draw(st.booleans()):
-            # One create_graph for every backward of a program: after a
-            # create_graph backward, torch's plain backward adds into the
-            # .grad in place, which keeps requiring grad; the frontend's
-            # .grad then does not (found by this fuzz, not documented).
-            create = backward_create = create if backward_create is None else backward_create
-            # A post-hook that logs its grad_inputs runs only under a backward
-            # of the whole graph: torch's nodes compute only the gradients
-            # that the call's inputs need (task_should_compute_output), the
-            # frontend's every gradient its inputs take (OpNode.needs in
-            # pyengine/frontend/graph.py; found by this fuzz, not documented).
+        if draw(st.booleans()):
             inputs = (draw(st.lists(st.sampled_from(everything), min_size=1, max_size=3))
-                      if not logs_grad_inputs and draw(st.integers(0, 2)) == 0 else None)
+                      if draw(st.integers(0, 2)) == 0 else None)
             stmts.append({"s": "backward", "retain": retain, "create": create, "inputs": inputs})
         else:
             stmts.append({"s": "grad", "retain": retain, "create": create,

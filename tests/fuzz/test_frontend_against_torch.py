@@ -36,17 +36,23 @@ Known differences are handled where they are documented:
   what they see is compared by value, without ``requires_grad``.
 - an integer-list index's gradient may stay an IndexedGradient (Note [Where
   an indexed gradient goes] in ``pyengine/indexed.py``): compared densified.
+- a view made under ``no_grad`` (torch's requires grad; ``tensor.py``'s
+  docstring): shape ops are never drawn under ``no_grad``.
+- torch 2.13 crashes (SIGSEGV) registering a hook on a view whose base was
+  modified in place after the view was taken: no hook is drawn on such a
+  view.
 
-Differences this fuzz found that are not documented are left out of the
-programs, each where ``frontend_programs.py`` draws it, with a comment
-saying "found by this fuzz, not documented" (remove the exclusion once the
-frontend is fixed or the difference documented): a plain backward after a
-``create_graph`` one (torch's ``.grad`` keeps requiring grad), a view made
-under ``no_grad`` (torch's requires grad), a post-hook's ``grad_inputs``
-under ``grad`` / ``backward(inputs=)`` (torch computes only what the call
-needs) and for ``c - x`` / ``x ** n`` (torch's node has no slot for the
-number), and a second backward through ``x[[0, 0, 2]]`` after the graph
-was freed (torch raises).
+A difference this fuzz finds that is not documented is a defect: fix the
+frontend, or document the difference and leave it out of the programs where
+``frontend_programs.py`` draws it. It found, and the frontend now matches
+torch on: the gradients a node computes for inputs that ``grad`` /
+``backward(inputs=)`` prunes (``OpNode.needs`` asks
+``task_should_compute_output``), the inputs of the nodes of ``c - x``,
+``x ** c``, ``c ** x`` (none for the number), ``c + x`` and ``c * x`` (the
+Tensor first) and ``c / x`` (the reciprocal times the number), ``.grad``
+after a plain backward that follows a ``create_graph`` one (added in
+place, so it keeps its history), and a second backward through
+``x[[0, 0, 2]]`` after the graph was freed (it raises).
 
 Budget: ``PYENGINE_FUZZ_EXAMPLES`` batches (default 20, as ``test_fuzz.py``:
 400 programs, 27 s measured on two cores, both busy with another run),
