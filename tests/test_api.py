@@ -770,6 +770,26 @@ def test_a_gradient_something_else_sees_is_copied_into_grad(make):
     assert_close(kept, [2.0, 3.0])
 
 
+def test_a_grad_stored_under_create_graph_is_added_into_by_a_plain_backward():
+    # torch's AccumulateGrad: outside create_graph it adds into .grad in
+    # place; under create_graph it stores a copy, then sums out of place.
+    # The copy and the sum are pyengine's own, so a later plain backward adds
+    # into them (See Note [Accumulating into .grad] in pyengine/_pure/node.py).
+    x = leaf([1.0, 2.0])
+    kept = np.array([2.0, 3.0])
+    pyengine.backward(Edge(_Keeps(x, kept), 0), np.ones(2), create_graph=True)
+    first = x.grad
+    assert first is not kept
+    pyengine.backward(Edge(_Keeps(x, kept), 0), np.ones(2), create_graph=True)
+    assert x.grad is not first  # out of place under create_graph
+    assert_close(first, [2.0, 3.0])
+    summed = x.grad
+    pyengine.backward(Edge(_Keeps(x, kept), 0), np.ones(2))
+    assert x.grad is summed  # in place after
+    assert_close(x.grad, [6.0, 9.0])
+    assert_close(kept, [2.0, 3.0])
+
+
 def test_a_read_only_grad_is_replaced_by_the_sum():
     x = leaf([1.0, 2.0])
     pyengine.backward(Edge(_Keeps(x, np.array([2.0, 3.0])), 0), np.ones(2))
