@@ -1,7 +1,8 @@
 """Grad mode: whether frontends record backward graphs, per thread.
 
 ``no_grad``, ``enable_grad`` and ``set_grad_enabled`` work as context
-managers and decorators, as in ``torch``: a decorated function runs under
+managers and decorators, as in ``torch`` (the first two bare too:
+``@no_grad``): a decorated function runs under
 the mode, and a decorated generator function runs under it each time it
 resumes (the caller's mode is back between two values). Decorating with
 ``set_grad_enabled(mode)`` leaves the mode as it was before the call that
@@ -81,14 +82,26 @@ def _resumed_under(enabled, generator):
             argument = error
 
 
-class no_grad(_GradModeContext):
-    """Disable recording in this block or function."""
+class _NoArgumentGradModeContext(_GradModeContext):
+    """A mode context that takes no argument, so that, as torch's, it also
+    decorates bare: ``@no_grad`` is ``@no_grad()``."""
+
+    def __new__(cls, function=None):
+        if function is None:
+            return super().__new__(cls)
+        return cls()(function)
+
+
+class no_grad(_NoArgumentGradModeContext):
+    """Disable recording in this block or function (``@no_grad`` or
+    ``@no_grad()``)."""
 
     _enabled = False
 
 
-class enable_grad(_GradModeContext):
-    """Enable recording in this block or function."""
+class enable_grad(_NoArgumentGradModeContext):
+    """Enable recording in this block or function (``@enable_grad`` or
+    ``@enable_grad()``)."""
 
     _enabled = True
 

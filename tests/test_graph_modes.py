@@ -358,6 +358,23 @@ def test_no_grad_and_enable_grad_as_decorators():
     assert pyengine.is_grad_enabled()
 
 
+def test_no_grad_and_enable_grad_decorate_bare_as_torchs():
+    @pyengine.no_grad
+    def off(value):
+        return value, pyengine.is_grad_enabled()
+
+    @pyengine.enable_grad
+    def on():
+        return pyengine.is_grad_enabled()
+
+    assert off(3) == (3, False) and off.__name__ == "off"
+    with pyengine.no_grad():
+        assert on() is True
+        assert not pyengine.is_grad_enabled()
+    assert pyengine.is_grad_enabled()
+    assert isinstance(pyengine.no_grad(), pyengine.no_grad)
+
+
 def test_set_grad_enabled_as_a_decorator_leaves_the_mode_as_it_was():
     # torch.set_grad_enabled(False) as a decorator restores the mode it set
     # at once; before, the thread stayed in no-grad mode after decorating.
