@@ -55,7 +55,7 @@ cdef class InputBuffer:
         # Python code can reach an InputBuffer (pyengine._core.InputBuffer)
         # and write its buffer; the engine's own are never None and take
         # slots from Edges, which are never negative (See Note [Edge
-        # input_nr] in pyengine/_pure/node.py).
+        # input_nr] in pyengine/_shared/messages.py).
         if buffer is None:
             raise TypeError("InputBuffer.buffer is None; expected a list")
         if pos < 0:

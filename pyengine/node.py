@@ -123,7 +123,7 @@ class Node(NodeBase):
     checked). A gradient may arrive at a slot the node declared no metadata
     for; the node then gets as many slots as the highest one used (an Edge
     into an undeclared slot is refused from slot 65,536 on: See Note [Edge
-    input_nr] in ``pyengine/_pure/node.py``).
+    input_nr] in ``pyengine/_shared/messages.py``).
 
     Override ``release_variables()`` to free more than the values
     ``save_for_backward`` kept; the engine calls it after the node ran

@@ -159,7 +159,7 @@ class NodeTypeSummary(NamedTuple):
 
 
 # Note [Profiled graphs go by refcount]
-# -------------------------------------
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A profiled backward must free its graph when it returns, as it does
 # without a profile, whichever engine runs it: the default engine, another
 # Engine's execute, an OwnerGraph walk (the adapters' path), on any thread,

@@ -91,8 +91,8 @@ def random_spec(seed):
     """A GraphSpec drawn from ``random.Random(seed)``."""
     rng = random.Random(seed)
     # A third of the specs are all plain nodes or all gradient-free nodes:
-    # the graphs a chain-rule oracle reads, and the ones the compiled core
-    # may run on a loop of its own (See Note [GradientFreeNode graphs]).
+    # the graphs a chain-rule oracle reads, and graphs of owner-driven
+    # nodes alone.
     flavour = rng.choices(["mixed", "plain", "gradient_free"], [4, 1, 1])[0]
     num_nodes = rng.randint(1, 9)
     num_leaves = rng.randint(1, 3)

@@ -250,10 +250,11 @@ def test_grad_on_a_10_node_chain_is_the_product_of_its_factors():
 
 
 def test_grad_on_a_chain_whose_exec_info_is_sized_in_several_steps():
-    # 40k nodes: exec_info is sized up front from the dependency count
-    # (See Note [Sizing exec info up front]), a table of 2^17 slots zeroed
-    # in four steps; an input the graph does not reach adds an entry past
-    # that count, and a second call of the same graph starts afresh.
+    # 40k nodes, each marked needed by the dependency search (See Note
+    # [Marking exec info in the dependency search] in
+    # pyengine/_pure/dependencies.py); an input the graph does not reach
+    # has an entry that no node marks, and a second call of the same graph
+    # starts afresh.
     depth = 40_000
     x = leaf([1.0, 2.0])
     unused = leaf([3.0])

@@ -495,7 +495,7 @@ def test_a_full_pool_serves_backward_after_backward(engine_with):
     # A backward that used every pool thread, or failed for want of one,
     # returns only once they are idle again, so the next one finds them: no
     # spurious "all 3 threads ... are busy" (See Note [A pool thread is back
-    # before its caller] in pyengine/_pure/engine.py). The race it guards
+    # before its caller] in pyengine/_pure/thread_pool.py). The race it guards
     # against is narrow: seen once in a full run on a loaded machine, not
     # reproduced on demand; a tiny switch interval and threads competing
     # for the GIL widen it.

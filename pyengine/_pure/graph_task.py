@@ -87,7 +87,7 @@ class GraphTask:
         self.owner = None
         self.graph_root = None
         # Guarded by the engine's pool lock. See Note [A pool thread is back
-        # before its caller] in pyengine/_pure/engine.py.
+        # before its caller] in pyengine/_pure/thread_pool.py.
         self.on_pool_thread = False
         # An RLock only to be asked its owner: See refuse_lock_taken_again.
         self.mutex = threading.RLock()
