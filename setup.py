@@ -67,7 +67,8 @@ extensions = [
 # missing). So a machine without a working C++ compiler still gets a working
 # install: before building the extensions, build_ext compiles and links a
 # one-line C++ file with the very compiler and flags the extensions would
-# use. If that fails, no extension is built, a warning says why, and the
+# use. If that fails, no extension is built (and any an earlier build left
+# in the build folder is removed), a warning says why, and the
 # package installs without its compiled modules; pip shows the warning with
 # ``pip install -v``, and importing pyengine warns every time. If the probe
 # works, the extensions build as usual and an error in them fails the
@@ -88,6 +89,12 @@ class BuildExtOrFallBack(build_ext):
         if problem is None:
             super().build_extensions()
             return
+        # A compiled module an earlier build left where this one puts its
+        # output (build/lib.*/pyengine/) would be packaged as if just built.
+        for extension in self.extensions:
+            stale = self.get_ext_fullpath(extension.name)
+            if os.path.exists(stale):
+                os.remove(stale)
         warn(f"no working C++ compiler ({problem}), so the compiled core is not built and "
              "pyengine installs as its pure-Python twin, which is several times slower. Install a "
              "C++17 compiler (g++ or clang++) and reinstall pyengine (pip install --force-reinstall "
