@@ -1,0 +1,107 @@
+"""What the frontend pays for asking the engine which gradients a node
+should compute (``OpNode.needs`` calls ``task_should_compute_output``), on
+the bench's MLP training step, against the answer it gave before (whether
+the input has an edge at all), in one process, alternating.
+
+Prints the median time per step of each answer over ``--rounds`` rounds of
+``--steps`` steps and their ratio; then what the difference should be:
+the ``needs`` calls of one backward times the time of one call while the
+engine runs its node (the ratio of two medians on a shared machine moves
+by more than that). Two workloads: a training step (forward,
+``backward()``, SGD), where nothing is pruned and the query only costs;
+and ``grad`` of the loss with respect to the first layer's parameters,
+where the query lets the later layers' formulas skip the gradients of the
+weights nobody asked for.
+
+    python benchmarks/needs_query_cost.py --rounds 15 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import pyengine.frontend as F
+from pyengine.frontend import graph, nn
+
+
+def edge_only(self, index):
+    """``OpNode.needs`` before it asked the engine: does the input take a gradient?"""
+    return self._next_edges[index] is not None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+
+    rng = np.random.default_rng(0)
+    model = nn.MLP([2, 64, 64, 2], activation="relu")
+    optimizer = F.optim.SGD(model.parameters(), lr=0.01)
+    x = F.tensor(rng.standard_normal((64, 2)))
+    y = F.tensor(rng.integers(0, 2, 64))
+    first_layer = list(model.parameters())[:2]
+
+    def training_step():
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    def first_layer_grad():
+        F.grad(F.cross_entropy(model(x), y), first_layer)
+
+    query = graph.OpNode.needs
+    for name, step in [("training step", training_step), ("grad of the first layer", first_layer_grad)]:
+        times = {"query": [], "edge only": []}
+        for round_number in range(args.rounds):
+            # Each answer goes first in every other round: the first of a
+            # pair pays for what the other left (caches, the collector).
+            order = [("query", query), ("edge only", edge_only)]
+            for label, needs in order if round_number % 2 == 0 else order[::-1]:
+                graph.OpNode.needs = needs
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    step()
+                times[label].append((time.perf_counter() - start) / args.steps * 1e6)
+        graph.OpNode.needs = query
+        asked, before = statistics.median(times["query"]), statistics.median(times["edge only"])
+        print(f"{name}: query {asked:.1f} us, edge only {before:.1f} us per step "
+              f"(medians of {args.rounds}), ratio {asked / before:.3f}")
+
+    calls = 20_000
+
+    class Probe(graph.OpNode):
+        def formula(self, grad):
+            start = time.perf_counter()
+            for _ in range(calls):
+                self.needs(0)
+            Probe.seconds = time.perf_counter() - start
+            return [grad]
+
+    leaf = F.tensor([1.0], requires_grad=True)
+    out = F.Tensor._make(np.array([1.0]))
+    graph.record(Probe, (leaf,), out)
+    out.sum().backward()
+    per_call = Probe.seconds / calls
+
+    counted = []
+
+    def counting(self, index):
+        counted.append(index)
+        return query(self, index)
+
+    graph.OpNode.needs = counting
+    try:
+        F.cross_entropy(model(x), y).backward()
+    finally:
+        graph.OpNode.needs = query
+    print(f"one needs() call while its node runs: {per_call * 1e9:.0f} ns; a training step's "
+          f"backward makes {len(counted)}: {len(counted) * per_call * 1e6:.1f} us per step")
+
+
+if __name__ == "__main__":
+    main()
