@@ -269,11 +269,7 @@ class OpNode(pyengine.Node):
     def _apply(self, grads):
         grad = grads[0]
         num_edges = len(self._next_edges)
-        # A formula of several inputs asks ``needs`` for each; that of one
-        # input is skipped here when its gradient will not be used, as
-        # torch's formulas skip every gradient ``task_should_compute_output``
-        # rules out.
-        if grad is None or (num_edges == 1 and not self.needs(0)):
+        if grad is None:
             return [None] * num_edges
         if self._saves:
             # Read before the flag: See Note [A node is marked released
@@ -296,6 +292,13 @@ class OpNode(pyengine.Node):
         if self._checked:
             # Unpacked above for their version check only.
             saved = saved[:-self._checked]
+        # A formula of several inputs asks ``needs`` for each; that of one
+        # input is skipped here when its gradient will not be used, as
+        # torch's formulas skip every gradient ``task_should_compute_output``
+        # rules out. After the unpacking: as in torch, a freed graph or a
+        # saved tensor changed in place raises even so.
+        if num_edges == 1 and not self.needs(0):
+            return [None]
         return self.formula(grad, *saved)
 
     def formula(self, grad, *saved):

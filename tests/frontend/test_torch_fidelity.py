@@ -77,6 +77,27 @@ def test_a_node_computes_only_the_gradients_the_call_uses(call):
     assert logs[F] == logs[torch] == ([] if call == "grad" else [[None]])
 
 
+@pytest.mark.parametrize("spoil", ["freed", "modified"])
+def test_a_pruned_one_input_node_still_checks_what_it_saved(spoil):
+    # backward(inputs=[h]) runs h's node with its input pruned: torch's
+    # formula unpacks its saved values before it asks which gradients to
+    # compute, so a freed graph or a saved tensor changed in place raises.
+    errors = {}
+    for lib in (F, torch):
+        x = pair(torch, [0.5, -0.5])[lib is torch]
+        h = (x * 3.0).tanh()
+        if spoil == "freed":
+            h.sum().backward()
+        else:
+            with lib.no_grad():
+                h.mul_(2.0)
+        with pytest.raises(RuntimeError) as info:
+            (h * 2.0).sum().backward(inputs=[h])
+        errors[lib] = str(info.value)
+    expected = "second time" if spoil == "freed" else "modified by an inplace operation"
+    assert expected in errors[F] and expected in errors[torch]
+
+
 REFLECTED = {
     "c - x": lambda x, t: 2.0 - x,
     "c + x": lambda x, t: 2.0 + x,
