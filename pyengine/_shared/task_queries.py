@@ -90,8 +90,14 @@ def should_compute_output(node, graph_task, output_edge_index):
     """``node.task_should_compute_output(output_edge_index)`` under
     ``graph_task``, the task running ``node``. See Note [Queries a running
     node makes]."""
-    index = checked_output_edge_index(node, "task_should_compute_output", output_edge_index)
-    edge = node._next_edges[index]
+    edges = node._next_edges
+    if type(output_edge_index) is int and 0 <= output_edge_index < len(edges):
+        # The usual call, which leaves nothing to check: a frontend's
+        # formulas ask once per input of every node they run.
+        edge = edges[output_edge_index]
+    else:
+        edge = edges[checked_output_edge_index(node, "task_should_compute_output",
+                                               output_edge_index)]
     return edge is not None and graph_task.should_execute(edge.node)
 
 
