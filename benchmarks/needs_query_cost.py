@@ -14,6 +14,13 @@ where the query lets the later layers' formulas skip the gradients of the
 weights nobody asked for.
 
     python benchmarks/needs_query_cost.py --rounds 15 --steps 200
+
+``--probe-only N`` runs nothing but N ``needs`` calls in a running node,
+for an instruction count that does not depend on the machine's load: the
+difference of two callgrind runs divided by N,
+
+    valgrind --tool=callgrind python benchmarks/needs_query_cost.py --probe-only 0
+    valgrind --tool=callgrind python benchmarks/needs_query_cost.py --probe-only 20000
 """
 
 from __future__ import annotations
@@ -33,11 +40,34 @@ def edge_only(self, index):
     return self._next_edges[index] is not None
 
 
+def probe(calls):
+    """Seconds that ``calls`` calls of ``needs(0)`` take inside a running node."""
+
+    class Probe(graph.OpNode):
+        def formula(self, grad):
+            start = time.perf_counter()
+            for _ in range(calls):
+                self.needs(0)
+            Probe.seconds = time.perf_counter() - start
+            return [grad]
+
+    leaf = F.tensor([1.0], requires_grad=True)
+    out = F.Tensor._make(np.array([1.0]))
+    graph.record(Probe, (leaf,), out)
+    out.sum().backward()
+    return Probe.seconds
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--probe-only", type=int, metavar="N",
+                        help="only make N needs() calls in a running node")
     args = parser.parse_args()
+    if args.probe_only is not None:
+        probe(args.probe_only)
+        return
 
     rng = np.random.default_rng(0)
     model = nn.MLP([2, 64, 64, 2], activation="relu")
@@ -73,21 +103,7 @@ def main():
               f"(medians of {args.rounds}), ratio {asked / before:.3f}")
 
     calls = 20_000
-
-    class Probe(graph.OpNode):
-        def formula(self, grad):
-            start = time.perf_counter()
-            for _ in range(calls):
-                self.needs(0)
-            Probe.seconds = time.perf_counter() - start
-            return [grad]
-
-    leaf = F.tensor([1.0], requires_grad=True)
-    out = F.Tensor._make(np.array([1.0]))
-    graph.record(Probe, (leaf,), out)
-    out.sum().backward()
-    per_call = Probe.seconds / calls
-
+    per_call = probe(calls) / calls
     counted = []
 
     def counting(self, index):
