@@ -21,6 +21,10 @@ difference of two callgrind runs divided by N,
 
     valgrind --tool=callgrind python benchmarks/needs_query_cost.py --probe-only 0
     valgrind --tool=callgrind python benchmarks/needs_query_cost.py --probe-only 20000
+
+and ``--only query`` / ``--only edge-only`` runs ``--steps`` training steps
+with that answer alone, for the instructions of a step (with ``--steps 0``
+for the runs' common part).
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--probe-only", type=int, metavar="N",
                         help="only make N needs() calls in a running node")
+    parser.add_argument("--only", choices=["query", "edge-only"],
+                        help="only run --steps training steps with this answer")
     args = parser.parse_args()
     if args.probe_only is not None:
         probe(args.probe_only)
@@ -85,6 +91,11 @@ def main():
         F.grad(F.cross_entropy(model(x), y), first_layer)
 
     query = graph.OpNode.needs
+    if args.only is not None:
+        graph.OpNode.needs = query if args.only == "query" else edge_only
+        for _ in range(args.steps):
+            training_step()
+        return
     for name, step in [("training step", training_step), ("grad of the first layer", first_layer_grad)]:
         times = {"query": [], "edge only": []}
         for round_number in range(args.rounds):
