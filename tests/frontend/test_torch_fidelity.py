@@ -42,6 +42,14 @@ def assert_same_logs(ours, theirs):
             assert_close(a, b)
 
 
+def differentiate(lib, call, out, inputs):
+    """``grad(out, inputs)`` or ``out.backward(inputs=inputs)`` in ``lib``."""
+    if call == "grad":
+        (lib.autograd.grad if lib is torch else F.grad)(out, inputs)
+    else:
+        out.backward(inputs=inputs)
+
+
 @pytest.mark.parametrize("call", ["grad", "backward_inputs"])
 def test_a_node_computes_only_the_gradients_the_call_uses(call):
     # torch's formulas ask task_should_compute_output: a post-hook sees None
@@ -54,10 +62,7 @@ def test_a_node_computes_only_the_gradients_the_call_uses(call):
         log = logs[lib] = []
         post_hook_log(product.grad_fn, log)
         post_hook_log(total.grad_fn, log)
-        if call == "grad":
-            (lib.autograd.grad if lib is torch else F.grad)(total, [a])
-        else:
-            total.backward(inputs=[a])
+        differentiate(lib, call, total, [a])
         assert b.grad is None
     assert logs[F][1][1] is None  # b's gradient, skipped
     assert_same_logs(logs[F], logs[torch])
@@ -69,10 +74,7 @@ def test_a_node_computes_only_the_gradients_the_call_uses(call):
         total = partial * 3.0
         log = logs[lib] = []
         post_hook_log(partial.grad_fn, log)
-        if call == "grad":
-            (lib.autograd.grad if lib is torch else F.grad)(total, [partial])
-        else:
-            total.backward(inputs=[partial])
+        differentiate(lib, call, total, [partial])
         assert a.grad is None
     assert logs[F] == logs[torch] == ([] if call == "grad" else [[None]])
 
