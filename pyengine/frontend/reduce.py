@@ -113,7 +113,7 @@ class MaxBackward(OpNode):
         # The mask takes no gradient: built on the arrays. Where the maximum
         # is NaN, the NaNs share the gradient, as torch.max(x)'s backward
         # (evenly_distribute_backward) gives it.
-        x_data, out_data = raw(x), raw(_restore(raw(out), self.kept_shape, self.keepdims))
+        x_data, out_data = raw(x), _restore(raw(out), self.kept_shape, self.keepdims)
         xp = array_module(x_data)
         is_max = (x_data == out_data) | (xp.isnan(x_data) & xp.isnan(out_data))
         count = sum(is_max, self.axes, keepdims=True)
