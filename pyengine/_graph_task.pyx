@@ -10,6 +10,7 @@ from cpython.list cimport PyList_GET_SIZE
 from cpython.long cimport PyLong_FromVoidPtr
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
 from libcpp.mutex cimport mutex, unique_lock
 from libcpp.unordered_map cimport unordered_map
@@ -25,6 +26,10 @@ from pyengine import streams as _streams
 from pyengine._shared import node_streams as _node_streams
 from pyengine._shared import task_queries as _task_queries
 from pyengine._shared.messages import lock_taken_again_message, not_ready_message
+
+cdef extern from "Python.h":
+    # exc NULL: an int beyond a Py_ssize_t is clipped to its range.
+    Py_ssize_t PyNumber_AsSsize_t(object o, PyObject* exc) except? -1
 
 # The stream runtimes by device type. The same dict as streams._runtimes,
 # which registering a runtime fills in place: while it is empty,
@@ -197,6 +202,42 @@ cdef class GraphTask:
             return task_should_execute(self, <NodePtr>node, 0)
         finally:
             self.mutex_.unlock()
+
+    def should_compute_output(self, NodeBase node not None, output_edge_index):
+        """``node.task_should_compute_output(output_edge_index)``, ``node``
+        being a node this task runs: whether next edge ``output_edge_index``
+        leads to a node that runs or captures (every node does without
+        exec_info), False for a missing edge. Same name, same steps in the
+        twin."""
+        cdef tuple edges = node._next_edges
+        cdef Py_ssize_t index = -1
+        cdef object edge
+        cdef NodeBase next_node
+        cdef bint answer
+        if type(output_edge_index) is int:
+            # The usual call: a frontend's formulas ask once per input of
+            # every node they run. An int beyond a Py_ssize_t is clipped
+            # (out of range either way), not an error.
+            index = PyNumber_AsSsize_t(output_edge_index, NULL)
+        if not 0 <= index < PyTuple_GET_SIZE(edges):
+            # The index's __index__ may run Python code that sets the
+            # node's edges: read them again after it, and check the index
+            # against them here too, as no unchecked index reaches
+            # PyTuple_GET_ITEM.
+            index = _task_queries.checked_output_edge_index(
+                node, "task_should_compute_output", output_edge_index)
+            edges = node._next_edges
+            if not 0 <= index < PyTuple_GET_SIZE(edges):
+                raise RuntimeError(f"{type(node).__name__}'s next edges changed during "
+                                   "task_should_compute_output")
+        edge = <object>PyTuple_GET_ITEM(edges, index)
+        if edge is None:
+            return False
+        next_node = (<Edge>edge).node
+        lock_mutex(self)
+        answer = task_should_execute(self, <NodePtr>next_node, next_node._dependency_slot_)
+        self.mutex_.unlock()
+        return answer
 
     def buffered_gradient(self, node, Py_ssize_t input_nr):
         """A copy of what ``node``'s InputBuffer in not_ready holds at

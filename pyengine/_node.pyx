@@ -343,8 +343,8 @@ cdef class NodeBase:
         into a node that ``grad(inputs=)`` / ``backward(inputs=)`` prunes.
         Only while the engine runs this node; see the twin's docstring and
         Note [Queries a running node makes] in pyengine/_shared/task_queries.py."""
-        return _task_queries.should_compute_output(
-            self, running_graph_task(self, "task_should_compute_output"), output_edge_index)
+        return running_graph_task(self, "task_should_compute_output").should_compute_output(
+            self, output_edge_index)
 
     def task_buffered_gradient(self, output_edge_index):
         """A copy of the sum that the InputBuffer of next edge

@@ -314,6 +314,63 @@ def test_numpy_integer_index():
     assert node.answers == [True]
 
 
+class EdgesSwap:
+    """An index whose ``__index__`` gives the running node ``edges`` first:
+    the query must answer for the edges the node has once the index is
+    known (the compiled core read them before: a stale tuple)."""
+
+    def __init__(self, node_edges, index):
+        self.node_edges = node_edges
+        self.index = index
+        self.node = None
+
+    def __index__(self):
+        self.node.next_edges = self.node_edges
+        return self.index
+
+
+@pytest.mark.parametrize("query", ["task_should_compute_output", "task_buffered_gradient"])
+def test_an_index_that_shrinks_the_edges_is_out_of_range_of_the_new_ones(query):
+    x = leaf(np.ones(2))
+    errors = []
+    swap = EdgesSwap([pyengine.gradient_edge(x)], 2)
+
+    def ask(node):
+        swap.node = node
+        edges = node.next_edges
+        try:
+            getattr(node, query)(swap)
+        except IndexError as error:
+            errors.append(str(error))
+        # The engine checks the gradients against the edges it ran the node with.
+        node.next_edges = edges
+
+    run(Asker([None, None, pyengine.gradient_edge(x)], [((2,), np.float64)], ask=ask))
+    assert errors == [f"Asker.{query}(): output_edge_index 2 is out of range for "
+                      "Asker's 1 next edges"]
+
+
+@pytest.mark.parametrize("before, after, index, answer", [
+    (2, [None, None], 1, False),
+    # Edges that grow: the index is past the end of the ones read before.
+    (1, [None, None, "x"], 2, True),
+])
+def test_an_index_that_swaps_the_edges_answers_for_the_new_ones(before, after, index, answer):
+    x = leaf(np.ones(2))
+    swap = EdgesSwap([pyengine.gradient_edge(x) if edge == "x" else edge for edge in after], index)
+
+    def ask(node):
+        swap.node = node
+        edges = node.next_edges
+        asked = node.task_should_compute_output(swap)
+        node.next_edges = edges
+        return asked
+
+    node = Asker([pyengine.gradient_edge(x)] * before, [((2,), np.float64)], ask=ask)
+    run(node)
+    assert node.answers == [answer]
+
+
 # -- reentrant backward ------------------------------------------------------------------------
 
 def test_reentrant_backward_answers_for_each_task():

@@ -10,8 +10,9 @@ from .. import streams
 from .._shared import node_streams, task_queries
 from .._shared.messages import lock_taken_again_message, not_ready_message
 from . import state
+from .node import NodeBase
 from .ready_queue import is_main_thread, wait_honouring_signals
-from .static_types import as_ssize_t, final
+from .static_types import as_ssize_t, check_argument, final
 
 
 @final
@@ -146,6 +147,37 @@ class GraphTask:
         refuse_lock_taken_again(self)
         with self.mutex:
             return task_should_execute(self, id(node))
+
+    def should_compute_output(self, node, output_edge_index):
+        """``node.task_should_compute_output(output_edge_index)``, ``node``
+        being a node this task runs: whether next edge ``output_edge_index``
+        leads to a node that runs or captures (every node does without
+        exec_info), False for a missing edge. Same name, same steps in the
+        compiled core."""
+        check_argument("node", node, NodeBase)
+        edges = node._next_edges
+        index = -1
+        if type(output_edge_index) is int:
+            # The usual call: a frontend's formulas ask once per input of
+            # every node they run.
+            index = output_edge_index
+        if not 0 <= index < len(edges):
+            # The index's __index__ may run Python code that sets the
+            # node's edges: read them again after it, and check the index
+            # against them here too, as no unchecked index reaches
+            # PyTuple_GET_ITEM.
+            index = task_queries.checked_output_edge_index(
+                node, "task_should_compute_output", output_edge_index)
+            edges = node._next_edges
+            if not 0 <= index < len(edges):
+                raise RuntimeError(f"{type(node).__name__}'s next edges changed during "
+                                   "task_should_compute_output")
+        edge = edges[index]
+        if edge is None:
+            return False
+        refuse_lock_taken_again(self)
+        with self.mutex:
+            return task_should_execute(self, id(edge.node))
 
     def buffered_gradient(self, node, input_nr):
         """A copy of what ``node``'s InputBuffer in not_ready holds at

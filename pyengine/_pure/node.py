@@ -505,8 +505,8 @@ class NodeBase:
         RuntimeError; an index outside the node's next edges raises
         IndexError. See Note [Queries a running node makes] in
         ``pyengine/_shared/task_queries.py``."""
-        return task_queries.should_compute_output(
-            self, running_graph_task(self, "task_should_compute_output"), output_edge_index)
+        return running_graph_task(self, "task_should_compute_output").should_compute_output(
+            self, output_edge_index)
 
     def task_buffered_gradient(self, output_edge_index):
         """What the InputBuffer of the node that next edge

@@ -5,9 +5,13 @@ checks of their arguments and their errors.
 
 Shared by the compiled core and the twin (See Note [Slow paths are
 shared]): each core's ``NodeBase`` method finds the graph task running the
-node on this thread (the compiled one in C, from the thread state) and
-hands it here; the answer itself comes from the graph task's own getters,
-``GraphTask.should_execute`` and ``GraphTask.buffered_gradient``.
+node on this thread (the compiled one in C, from the thread state). For
+``task_should_compute_output``, asked once per input of every node a
+frontend's formulas run, that graph task's ``should_compute_output``
+answers an int index in range itself and calls
+``checked_output_edge_index`` here for anything else; for
+``task_buffered_gradient``, ``buffered_gradient`` here checks the index and
+asks the graph task's ``buffered_gradient``.
 
 Note [Queries a running node makes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -84,21 +88,6 @@ def buffered_copy(buffer, input_nr):
     if backend is None:
         raise TypeError(f"no value backend for {type(value).__name__}, buffered at slot {input_nr}")
     return backend.copy(value)
-
-
-def should_compute_output(node, graph_task, output_edge_index):
-    """``node.task_should_compute_output(output_edge_index)`` under
-    ``graph_task``, the task running ``node``. See Note [Queries a running
-    node makes]."""
-    edges = node._next_edges
-    if type(output_edge_index) is int and 0 <= output_edge_index < len(edges):
-        # The usual call, which leaves nothing to check: a frontend's
-        # formulas ask once per input of every node they run.
-        edge = edges[output_edge_index]
-    else:
-        edge = edges[checked_output_edge_index(node, "task_should_compute_output",
-                                               output_edge_index)]
-    return edge is not None and graph_task.should_execute(edge.node)
 
 
 def buffered_gradient(node, graph_task, output_edge_index):

@@ -246,14 +246,12 @@ class OpNode(pyengine.Node):
         node's post-hooks see it in torch. Called outside a backward (the
         node's ``apply`` called by hand), it answers as torch does without
         a graph task: whether the input takes a gradient."""
-        if self._next_edges[index] is None:
-            return False
         try:
             return self.task_should_compute_output(index)
         except RuntimeError:
             # The only RuntimeError the query raises: the engine is not
             # running this node.
-            return True
+            return self._next_edges[index] is not None
 
     def apply(self, grads):
         profile = FormulaProfile.active
