@@ -7,11 +7,16 @@ Prints the median time per step of each answer over ``--rounds`` rounds of
 ``--steps`` steps and their ratio; then what the difference should be:
 the ``needs`` calls of one backward times the time of one call while the
 engine runs its node (the ratio of two medians on a shared machine moves
-by more than that). Two workloads: a training step (forward,
-``backward()``, SGD), where nothing is pruned and the query only costs;
-and ``grad`` of the loss with respect to the first layer's parameters,
-where the query lets the later layers' formulas skip the gradients of the
-weights nobody asked for.
+by more than that). Three workloads:
+
+- a training step (forward, ``backward()``, SGD), where nothing is pruned
+  and the query only costs;
+- ``grad`` of the loss with respect to the first layer's parameters, where
+  the query lets the later layers' formulas skip the gradients of the
+  weights nobody asked for;
+- a chain of ``--chain`` ops on 4-element tensors (forward and
+  ``backward()``, a twentieth of ``--steps``), where each formula costs
+  least beside the query.
 
     python benchmarks/needs_query_cost.py --rounds 15 --steps 200
 
@@ -66,6 +71,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--chain", type=int, default=3000,
+                        help="ops in the small-node chain (forward and backward per step)")
     parser.add_argument("--probe-only", type=int, metavar="N",
                         help="only make N needs() calls in a running node")
     parser.add_argument("--only", choices=["query", "edge-only"],
@@ -90,13 +97,26 @@ def main():
     def first_layer_grad():
         F.grad(F.cross_entropy(model(x), y), first_layer)
 
+    small = F.tensor(rng.standard_normal(4), requires_grad=True)
+
+    def small_node_chain():
+        # Where a formula costs least beside the query: 4-element ops.
+        value = small
+        for _ in range(args.chain // 3):
+            value = F.tanh(value * 0.5 + 0.1)
+        value.sum().backward()
+
     query = graph.OpNode.needs
     if args.only is not None:
         graph.OpNode.needs = query if args.only == "query" else edge_only
         for _ in range(args.steps):
             training_step()
         return
-    for name, step in [("training step", training_step), ("grad of the first layer", first_layer_grad)]:
+    # The chain's step is some thousand ops: a twentieth of the steps.
+    workloads = [("training step", training_step, args.steps),
+                 ("grad of the first layer", first_layer_grad, args.steps),
+                 (f"chain of {args.chain // 3 * 3} small ops", small_node_chain, max(1, args.steps // 20))]
+    for name, step, steps in workloads:
         times = {"query": [], "edge only": []}
         for round_number in range(args.rounds):
             # Each answer goes first in every other round: the first of a
@@ -105,9 +125,9 @@ def main():
             for label, needs in order if round_number % 2 == 0 else order[::-1]:
                 graph.OpNode.needs = needs
                 start = time.perf_counter()
-                for _ in range(args.steps):
+                for _ in range(steps):
                     step()
-                times[label].append((time.perf_counter() - start) / args.steps * 1e6)
+                times[label].append((time.perf_counter() - start) / steps * 1e6)
         graph.OpNode.needs = query
         asked, before = statistics.median(times["query"]), statistics.median(times["edge only"])
         print(f"{name}: query {asked:.1f} us, edge only {before:.1f} us per step "
