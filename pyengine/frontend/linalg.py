@@ -1,6 +1,7 @@
 """Matrix products, each forward beside its backward node: ``matmul``
 (numpy's ``@``: vectors, matrices and broadcast batches of matrices) and
-``linear`` (``x @ w.T + b``, one node, as ``torch.nn.functional.linear``).
+``linear`` (``x @ w.T + b``, one node for a 2-D ``w``, as
+``torch.nn.functional.linear``).
 
 A 1-D operand of ``matmul`` is treated as numpy does: a row vector on the
 left, a column vector on the right, the added axis then removed. The
@@ -66,8 +67,18 @@ class MatmulBackward(OpNode):
 
 
 def linear(x, weight, bias=None):
-    """``x @ weight.T + bias``: ``weight`` is ``(out_features, in_features)``."""
+    """``x @ weight.T + bias``: ``weight`` is ``(out_features, in_features)``,
+    or ``(in_features,)``, where, as in torch, the product is ``matmul(x,
+    weight)``, its own node, and the bias is added by another. (torch 2.13
+    refuses that bias for a 2-D ``x``; here it is added as for any other
+    ``x``.)"""
     x, weight = operand(x), operand(weight)
+    weight_ndim = np.ndim(raw(weight))
+    if weight_ndim == 1:
+        out = matmul(x, weight)
+        return out if bias is None else out + bias
+    if weight_ndim != 2:
+        raise ValueError(f"linear: weight must be 1-D or 2-D, got shape {np.shape(raw(weight))}")
     if bias is not None:
         bias = operand(bias)
     out_data = raw(x) @ raw(weight).T

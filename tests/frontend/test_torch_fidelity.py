@@ -5,7 +5,8 @@ of ``c - x``, ``x ** c``, ``c ** x``, ``c + x``, ``c * x`` and ``c / x``, a
 second backward through an advanced index, ``.grad`` after a plain backward
 that follows a ``create_graph`` one, casts to integer dtypes, in-place
 changes of the index, condition and target tensors a backward reads,
-``max`` over NaN, and a Function's integer output.
+``max`` over NaN, a Function's integer output, and ``linear`` with a 1-D
+weight.
 
 Oracle: torch on the same program (values, which inputs get None, errors).
 """
@@ -321,3 +322,30 @@ def test_a_function_output_of_integer_dtype_is_not_differentiable():
     assert doubled.requires_grad and not flags.requires_grad and flags.grad_fn is None
     doubled.sum().backward()
     assert_close(x.grad, [2.0, 2.0])
+
+
+@pytest.mark.parametrize("x_shape, bias", [((4,), False), ((3, 4), False), ((2, 3, 4), True),
+                                           ((2, 3, 4), False)])
+def test_linear_with_a_1d_weight_is_a_matmul(x_shape, bias):
+    # torch: matmul(x, weight) (DotBackward0 / MvBackward0 / ...), the bias
+    # added by its own node. torch 2.13 refuses a bias for a 2-D x here.
+    rng = np.random.default_rng(0)
+    x, xt = pair(torch, rng.standard_normal(x_shape))
+    w, wt = pair(torch, rng.standard_normal(4))
+    b, bt = pair(torch, 0.5) if bias else (None, None)
+    out = F.linear(x, w, b)
+    out_t = torch.nn.functional.linear(xt, wt, bt)
+    assert_close(out, out_t.detach().numpy())
+    weights = rng.standard_normal(out_t.shape)
+    (out * F.tensor(weights)).sum().backward()
+    (out_t * torch.tensor(weights)).sum().backward()
+    for ours, theirs in [(x, xt), (w, wt)] + ([(b, bt)] if bias else []):
+        assert_close(ours.grad, theirs.grad)
+
+
+def test_linear_refuses_a_weight_of_another_rank_naming_its_shape():
+    x = F.tensor(np.ones((3, 4)))
+    with pytest.raises(ValueError, match=r"weight must be 1-D or 2-D, got shape \(2, 3, 4\)"):
+        F.linear(x, F.tensor(np.ones((2, 3, 4))))
+    with pytest.raises(RuntimeError):
+        torch.nn.functional.linear(torch.ones(3, 4), torch.ones(2, 3, 4))
