@@ -30,6 +30,11 @@ Where PyTorch and numpy differ, this frontend chose:
   permutes axes (reverses them by default, as ``.T``), ``sum(axis=,
   keepdims=)``, ``reshape``; ``max`` returns values only and shares the
   gradient evenly among ties (``torch.amax``).
+- an index that is a list of sequences (``x[[[1, 0]]]``, ``x[[[]]]``,
+  ``x[[[0, 1], [1, 2]]]``) is one array index, as numpy reads it and as
+  PyTorch says it will: PyTorch 2.13 still reads it as a tuple of indices
+  (``x[[1, 0]]``, ``x[[]]``, ``x[[0, 1], [1, 2]]``), with a deprecation
+  warning. Write the tuple for that meaning.
 - ``Tensor(array)`` wraps an array without copying (``torch.from_numpy``);
   :func:`tensor` copies (``torch.tensor``).
 - ``.grad`` is a Tensor. The engine stores arrays there; the setter wraps

@@ -5,8 +5,9 @@ of ``c - x``, ``x ** c``, ``c ** x``, ``c + x``, ``c * x`` and ``c / x``, a
 second backward through an advanced index, ``.grad`` after a plain backward
 that follows a ``create_graph`` one, casts to integer dtypes, in-place
 changes of the index, condition and target tensors a backward reads,
-``max`` over NaN, a Function's integer output, and ``linear`` with a 1-D
-weight.
+``max`` over NaN, a Function's integer output, ``linear`` with a 1-D
+weight; and, as torch says its indexing will be, a list of lists as one
+array index.
 
 Oracle: torch on the same program (values, which inputs get None, errors).
 """
@@ -349,3 +350,16 @@ def test_linear_refuses_a_weight_of_another_rank_naming_its_shape():
         F.linear(x, F.tensor(np.ones((2, 3, 4))))
     with pytest.raises(RuntimeError):
         torch.nn.functional.linear(torch.ones(3, 4), torch.ones(2, 3, 4))
+
+
+@pytest.mark.parametrize("index", [[[1, 0]], [[0, 1], [1, 2]], [[2], [0]]])
+def test_a_list_of_lists_index_is_one_array_index(index):
+    # As torch's deprecation warning says its future reading is:
+    # x[torch.tensor(seq)]. (torch 2.13 still reads x[seq] as x[tuple(seq)].)
+    x, xt = pair(torch, np.arange(12.0).reshape(3, 4))
+    out, out_t = x[index], xt[torch.tensor(index)]
+    assert out.shape == tuple(out_t.shape)
+    weights = np.arange(out.size, dtype=np.float64).reshape(out.shape)
+    (out * F.tensor(weights)).sum().backward()
+    (out_t * torch.tensor(weights)).sum().backward()
+    assert_close(x.grad, xt.grad)
