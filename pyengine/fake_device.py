@@ -14,7 +14,9 @@ stream forgot to wait on its producer's event reads NaN: a missing sync is a
 wrong result, as on a GPU, and not a silent pass.
 
 Every ``record`` and ``wait`` is appended to :data:`RUNTIME.log` as
-``("record", stream, position)`` or ``("wait", stream, event)``. Devices,
+``("record", stream, position)`` or ``("wait", stream, event)``; the log
+keeps the last :data:`LOG_LENGTH` (a deque), so that a long run on fake
+devices does not grow without bound. Devices,
 streams and the log are guarded by one lock; launched work runs outside it,
 on whichever thread waits for it, yet in launch order and one item of a
 stream at a time, and a wait returns only once that work finished (See Note
@@ -23,6 +25,7 @@ stream at a time, and a wait returns only once that work finished (See Note
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import weakref
@@ -32,8 +35,11 @@ import numpy as np
 from . import backends, streams
 from .device import CPU, Device
 
-__all__ = ["FakeArray", "FakeStream", "FakeEvent", "FakeRuntime", "RUNTIME", "device",
+__all__ = ["FakeArray", "FakeStream", "FakeEvent", "FakeRuntime", "LOG_LENGTH", "RUNTIME", "device",
            "launch", "set_delayed", "to_fake"]
+
+# How many records and waits RUNTIME.log keeps: the latest.
+LOG_LENGTH = 10_000
 
 
 def device(index: int) -> Device:
@@ -134,7 +140,7 @@ class FakeRuntime(streams.DeviceRuntime):
         # atomic under the GIL), read only in a forked child, by its only thread.
         self.streams: weakref.WeakSet = weakref.WeakSet()
         self.delayed = False
-        self.log: list = []
+        self.log: collections.deque = collections.deque(maxlen=LOG_LENGTH)
         self._default_streams: dict[Device, FakeStream] = {}
         self._current = _CurrentStreams()
 

@@ -672,3 +672,13 @@ def test_an_engine_is_held_weakly_and_still_collected():
     del engine
     gc.collect()
     assert ref() is None
+
+
+def test_the_runtime_log_keeps_the_latest_records_only():
+    stream = fd.RUNTIME.default_stream(F0)
+    positions = []
+    for _ in range(fd.LOG_LENGTH + 5):
+        stream.launch(lambda: None)  # each event at its own position
+        positions.append(fd.RUNTIME.record_event(stream).position)
+    assert len(fd.RUNTIME.log) == fd.LOG_LENGTH
+    assert [entry[2] for entry in fd.RUNTIME.log] == positions[5:]
