@@ -84,6 +84,13 @@ class BuildExtOrFallBack(build_ext):
     """build_ext that builds nothing, with a warning, where no C++ compiler
     works. See Note [Installing without a compiler]."""
 
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:
+            # The modules compile independently: one compiler per core
+            # unless asked otherwise (-j / --parallel), as pip asks nothing.
+            self.parallel = os.cpu_count() or 1
+
     def build_extensions(self):
         problem = self.compiler_problem()
         if problem is None:
