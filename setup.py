@@ -87,9 +87,13 @@ class BuildExtOrFallBack(build_ext):
     def finalize_options(self):
         super().finalize_options()
         if self.parallel is None:
-            # The modules compile independently: one compiler per core
+            # The modules compile independently: one compiler per core this
+            # process may use (a container's limit, not the machine's count)
             # unless asked otherwise (-j / --parallel), as pip asks nothing.
-            self.parallel = os.cpu_count() or 1
+            if hasattr(os, "sched_getaffinity"):
+                self.parallel = len(os.sched_getaffinity(0)) or 1
+            else:
+                self.parallel = os.cpu_count() or 1
 
     def build_extensions(self):
         problem = self.compiler_problem()

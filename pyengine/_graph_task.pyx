@@ -25,7 +25,7 @@ from pyengine._state cimport ThreadState, thread_state
 from pyengine import streams as _streams
 from pyengine._shared import node_streams as _node_streams
 from pyengine._shared import task_queries as _task_queries
-from pyengine._shared.messages import lock_taken_again_message, not_ready_message
+from pyengine._shared.messages import lock_taken_again_message, node_name, not_ready_message
 
 cdef extern from "Python.h":
     # exc NULL: an int beyond a Py_ssize_t is clipped to its range.
@@ -228,7 +228,7 @@ cdef class GraphTask:
                 node, "task_should_compute_output", output_edge_index)
             edges = node._next_edges
             if not 0 <= index < PyTuple_GET_SIZE(edges):
-                raise RuntimeError(f"{type(node).__name__}'s next edges changed during "
+                raise RuntimeError(f"{node_name(node)}'s next edges changed during "
                                    "task_should_compute_output")
         edge = <object>PyTuple_GET_ITEM(edges, index)
         if edge is None:

@@ -14,9 +14,11 @@ stream forgot to wait on its producer's event reads NaN: a missing sync is a
 wrong result, as on a GPU, and not a silent pass.
 
 Every ``record`` and ``wait`` is appended to :data:`RUNTIME.log` as
-``("record", stream, position)`` or ``("wait", stream, event)``; the log
-keeps the last :data:`LOG_LENGTH` (a deque), so that a long run on fake
-devices does not grow without bound. Devices,
+``("record", stream, position)`` or ``("wait", stream, event)``; past
+twice :data:`LOG_LENGTH` entries the log drops all but the latest
+``LOG_LENGTH``, so that a long run on fake devices does not grow without
+bound (a list, trimmed in place, so that a reader iterating it while a
+device thread appends sees no error). Devices,
 streams and the log are guarded by one lock; launched work runs outside it,
 on whichever thread waits for it, yet in launch order and one item of a
 stream at a time, and a wait returns only once that work finished (See Note
@@ -25,7 +27,6 @@ stream at a time, and a wait returns only once that work finished (See Note
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
 import weakref
@@ -38,7 +39,7 @@ from .device import CPU, Device
 __all__ = ["FakeArray", "FakeStream", "FakeEvent", "FakeRuntime", "LOG_LENGTH", "RUNTIME", "device",
            "launch", "set_delayed", "to_fake"]
 
-# How many records and waits RUNTIME.log keeps: the latest.
+# How many records and waits RUNTIME.log keeps at least: the latest.
 LOG_LENGTH = 10_000
 
 
@@ -140,7 +141,7 @@ class FakeRuntime(streams.DeviceRuntime):
         # atomic under the GIL), read only in a forked child, by its only thread.
         self.streams: weakref.WeakSet = weakref.WeakSet()
         self.delayed = False
-        self.log: collections.deque = collections.deque(maxlen=LOG_LENGTH)
+        self.log: list = []
         self._default_streams: dict[Device, FakeStream] = {}
         self._current = _CurrentStreams()
 
@@ -163,13 +164,19 @@ class FakeRuntime(streams.DeviceRuntime):
     def record_event(self, stream):
         with self.lock:
             event = FakeEvent(stream, stream._launched)
-            self.log.append(("record", stream, event.position))
+            self._append_to_log(("record", stream, event.position))
         return event
 
     def wait_event(self, stream, event):
         with self.lock:
-            self.log.append(("wait", stream, event))
+            self._append_to_log(("wait", stream, event))
         event.stream._run_until(event.position)
+
+    def _append_to_log(self, entry):
+        """Under the lock."""
+        self.log.append(entry)
+        if len(self.log) > 2 * LOG_LENGTH:
+            del self.log[:-LOG_LENGTH]
 
     def known_devices(self):
         with self.lock:

@@ -677,8 +677,9 @@ def test_an_engine_is_held_weakly_and_still_collected():
 def test_the_runtime_log_keeps_the_latest_records_only():
     stream = fd.RUNTIME.default_stream(F0)
     positions = []
-    for _ in range(fd.LOG_LENGTH + 5):
+    for _ in range(2 * fd.LOG_LENGTH + 5):
         stream.launch(lambda: None)  # each event at its own position
         positions.append(fd.RUNTIME.record_event(stream).position)
-    assert len(fd.RUNTIME.log) == fd.LOG_LENGTH
-    assert [entry[2] for entry in fd.RUNTIME.log] == positions[5:]
+    # Trimmed to the latest LOG_LENGTH at the (2 * LOG_LENGTH + 1)-th, then
+    # four more.
+    assert [entry[2] for entry in fd.RUNTIME.log] == positions[-fd.LOG_LENGTH - 4:]

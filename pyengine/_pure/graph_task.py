@@ -8,7 +8,7 @@ import threading
 
 from .. import streams
 from .._shared import node_streams, task_queries
-from .._shared.messages import lock_taken_again_message, not_ready_message
+from .._shared.messages import lock_taken_again_message, node_name, not_ready_message
 from . import state
 from .node import NodeBase
 from .ready_queue import is_main_thread, wait_honouring_signals
@@ -170,7 +170,7 @@ class GraphTask:
                 node, "task_should_compute_output", output_edge_index)
             edges = node._next_edges
             if not 0 <= index < len(edges):
-                raise RuntimeError(f"{type(node).__name__}'s next edges changed during "
+                raise RuntimeError(f"{node_name(node)}'s next edges changed during "
                                    "task_should_compute_output")
         edge = edges[index]
         if edge is None:

@@ -249,8 +249,9 @@ class OpNode(pyengine.Node):
         try:
             return self.task_should_compute_output(index)
         except RuntimeError:
-            # The only RuntimeError the query raises: the engine is not
-            # running this node.
+            # The engine is not running this node (or, from a __del__ run
+            # under its graph task's lock, the query cannot take the lock):
+            # answer as without a graph task.
             return self._next_edges[index] is not None
 
     def apply(self, grads):

@@ -69,26 +69,46 @@ class MatmulBackward(OpNode):
 def linear(x, weight, bias=None):
     """``x @ weight.T + bias``: ``weight`` is ``(out_features, in_features)``,
     or ``(in_features,)``, where, as in torch, the product is ``matmul(x,
-    weight)``, its own node, and the bias is added by another. (torch 2.13
-    refuses that bias for a 2-D ``x``; here it is added as for any other
-    ``x``.)"""
+    weight)``, its own node, and the bias is added by another.
+
+    The bias must broadcast to the product's shape without growing it
+    (ValueError naming both shapes). torch's rule depends on the kernel it
+    picks: with a 2-D weight it refuses some such biases (``(3, 1)`` for a
+    3-D ``x`` of 3 rows) and shrinks others (``(1, 5)`` for a 1-D ``x``
+    gives a ``(5,)`` result); with a 1-D weight it takes only a 0-d bias,
+    and none for a 2-D ``x``. Where torch gives a result, it is this one."""
     x, weight = operand(x), operand(weight)
     weight_ndim = np.ndim(raw(weight))
-    if weight_ndim == 1:
-        out = matmul(x, weight)
-        return out if bias is None else out + bias
-    if weight_ndim != 2:
+    if weight_ndim not in (1, 2):
         raise ValueError(f"linear: weight must be 1-D or 2-D, got shape {np.shape(raw(weight))}")
     if bias is not None:
         bias = operand(bias)
+    if weight_ndim == 1:
+        out = matmul(x, weight)
+        if bias is None:
+            return out
+        _check_bias(out.shape, bias)
+        return out + bias
     out_data = raw(x) @ raw(weight).T
     if bias is not None:
+        _check_bias(out_data.shape, bias)
         out_data = out_data + raw(bias)
     out = Tensor._make(out_data)
     if needs_graph(x, weight, bias):
         record(LinearBackward, (x, weight, bias), out,
                saved=(x if _requires(weight) else None, weight if _requires(x) else None))
     return out
+
+
+def _check_bias(product_shape, bias):
+    bias_shape = np.shape(raw(bias))
+    try:
+        grows = np.broadcast_shapes(product_shape, bias_shape) != tuple(product_shape)
+    except ValueError:
+        grows = True
+    if grows:
+        raise ValueError(f"linear: a bias of shape {bias_shape} does not broadcast to the "
+                         f"product's shape {tuple(product_shape)}")
 
 
 class LinearBackward(OpNode):

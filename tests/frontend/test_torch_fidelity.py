@@ -14,6 +14,8 @@ Oracle: torch on the same program (values, which inputs get None, errors).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from frontend_helpers import assert_close, pair, to_numpy
@@ -325,23 +327,34 @@ def test_a_function_output_of_integer_dtype_is_not_differentiable():
     assert_close(x.grad, [2.0, 2.0])
 
 
-@pytest.mark.parametrize("x_shape, bias", [((4,), False), ((3, 4), False), ((2, 3, 4), True),
-                                           ((2, 3, 4), False)])
-def test_linear_with_a_1d_weight_is_a_matmul(x_shape, bias):
-    # torch: matmul(x, weight) (DotBackward0 / MvBackward0 / ...), the bias
-    # added by its own node. torch 2.13 refuses a bias for a 2-D x here.
+@pytest.mark.parametrize("x_shape, w_shape, b_shape", [
+    # A 1-D weight: matmul(x, weight) (DotBackward0, MvBackward0, ...), the
+    # bias added by its own node.
+    ((4,), (4,), None), ((3, 4), (4,), None), ((2, 3, 4), (4,), ()), ((2, 3, 4), (4,), None),
+    # Biases that broadcast to the product without growing it.
+    ((3, 4), (5, 4), (3, 1)), ((3, 4), (5, 4), ()), ((2, 3, 4), (5, 4), (2, 1, 5)),
+])
+def test_linear_as_torch_where_torch_gives_a_result(x_shape, w_shape, b_shape):
     rng = np.random.default_rng(0)
     x, xt = pair(torch, rng.standard_normal(x_shape))
-    w, wt = pair(torch, rng.standard_normal(4))
-    b, bt = pair(torch, 0.5) if bias else (None, None)
+    w, wt = pair(torch, rng.standard_normal(w_shape))
+    b, bt = (None, None) if b_shape is None else pair(torch, rng.standard_normal(b_shape))
     out = F.linear(x, w, b)
     out_t = torch.nn.functional.linear(xt, wt, bt)
     assert_close(out, out_t.detach().numpy())
     weights = rng.standard_normal(out_t.shape)
     (out * F.tensor(weights)).sum().backward()
     (out_t * torch.tensor(weights)).sum().backward()
-    for ours, theirs in [(x, xt), (w, wt)] + ([(b, bt)] if bias else []):
+    for ours, theirs in [(x, xt), (w, wt)] + ([] if b_shape is None else [(b, bt)]):
         assert_close(ours.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, b_shape", [((4,), (5, 4), (2, 1)), ((4,), (4,), (3,))])
+def test_linear_refuses_a_bias_that_would_grow_the_product(x_shape, w_shape, b_shape):
+    with pytest.raises(RuntimeError):
+        torch.nn.functional.linear(torch.ones(x_shape), torch.ones(w_shape), torch.ones(b_shape))
+    with pytest.raises(ValueError, match=re.escape(f"a bias of shape {b_shape} does not broadcast")):
+        F.linear(F.tensor(np.ones(x_shape)), F.tensor(np.ones(w_shape)), F.tensor(np.ones(b_shape)))
 
 
 def test_linear_refuses_a_weight_of_another_rank_naming_its_shape():
