@@ -151,3 +151,51 @@ def test_both_cores_answer_odd_method_calls_alike():
     differences = [(call, compiled[call], pure[call]) for call in compiled
                    if compiled[call] != pure[call]]
     assert differences == [], f"{len(differences)} calls differ, the first: {differences[:5]}"
+
+
+_UNINITIALIZED_SWEEP = _SWEEP.split("TARGETS = {")[0] + r'''
+# Made by __new__ alone: a subclass whose __init__ forgot NodeBase's. Each
+# attribute read, and each method called with none or one odd value, and
+# the node handed to what takes one.
+for cls in (Node, pyengine.AccumulateGrad, pyengine.GradientFreeNode):
+    for attribute in sorted(dir(cls)):
+        # The twin's slots behind its properties end in "_": not the API.
+        if attribute.startswith("__") or attribute.endswith("_"):
+            continue
+        print(f"{cls.__name__}.{attribute} -> {outcome(lambda: getattr(cls.__new__(cls), attribute), ())}")
+        if not callable(getattr(cls, attribute, None)):
+            continue
+        for count in range(2):
+            for names in itertools.product(sorted(POOL), repeat=count):
+                def call(*args, attribute=attribute):
+                    return getattr(cls.__new__(cls), attribute)(*args)
+                print(f"{cls.__name__}.{attribute}({', '.join(names)}) -> {outcome(call, names)}")
+    for name, use in [("Edge", lambda node: Edge(node, 0)),
+                      ("gradient_edge", lambda node: pyengine.gradient_edge(node)),
+                      ("execute", lambda node: pyengine.get_default_engine().execute(
+                          [Edge(Sink(), 0)], [np.ones(3)], False, False, True,
+                          outputs=[node])),
+                      ("validate_outputs", lambda node: core.validate_outputs(
+                          (None,), [None], None, node)),
+                      ("repr", repr), ("copy", lambda node: __import__("copy").copy(node)),
+                      ("deepcopy", lambda node: __import__("copy").deepcopy(node))]:
+        print(f"{name}({cls.__name__}.__new__) -> {outcome(lambda: use(cls.__new__(cls)), ())}")
+    gc.collect()
+# And made whole: copied (a GradientFreeNode only) as the compiled core does.
+for name, make in [("Node", Sink), ("AccumulateGrad", lambda: pyengine.AccumulateGrad(Variable())),
+                   ("GradientFreeNode", lambda: pyengine.GradientFreeNode(Variable(), "x")),
+                   ("Edge", lambda: Edge(Sink(), 0))]:
+    for how in ("copy", "deepcopy"):
+        print(f"{how}({name}) -> {outcome(lambda: getattr(__import__('copy'), how)(make()), ())}")
+'''
+
+
+def test_a_node_its_init_did_not_initialize_reads_alike_in_both_cores():
+    compiled = dict(line.split(" -> ") for line in run_on_core(_UNINITIALIZED_SWEEP, pure=False,
+                                                                timeout=300))
+    pure = dict(line.split(" -> ") for line in run_on_core(_UNINITIALIZED_SWEEP, pure=True,
+                                                            timeout=300))
+    assert compiled.keys() == pure.keys() and len(compiled) > 300
+    differences = [(call, compiled[call], pure[call]) for call in compiled
+                   if compiled[call] != pure[call]]
+    assert differences == [], f"{len(differences)} differ, the first: {differences[:8]}"

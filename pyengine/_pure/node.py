@@ -395,6 +395,36 @@ class NodeBase:
                                          "dict")
     _metadata = _checked_field("_metadata", "_metadata_", _not_dict, "dict")
 
+    def __new__(cls, *args, **kwargs):
+        # The fields the compiled NodeBase has before any __init__ runs (its
+        # __cinit__'s and C's zeroes): a node whose class's __init__ skipped
+        # NodeBase's reads alike in both cores, and both refuse to run it
+        # (not initialized).
+        self = object.__new__(cls)
+        set_field = object.__setattr__
+        set_field(self, "_next_edges_", ())
+        set_field(self, "_input_metadata_", ())
+        set_field(self, "_sequence_nr_", 0)
+        set_field(self, "_overrides_release_variables_", False)
+        set_field(self, "_pre_hooks_", None)
+        set_field(self, "_post_hooks_", None)
+        set_field(self, "_tensor_pre_hooks_", None)
+        set_field(self, "_retains_grad_hooks_", None)
+        set_field(self, "_metadata_", None)
+        set_field(self, "_only_next_node_", None)
+        set_field(self, "_only_input_nr_", -1)
+        set_field(self, "_released_", False)
+        set_field(self, "_initialized_", False)
+        self._saved_values = None
+        self._stream = None
+        return self
+
+    def __reduce__(self):
+        # The compiled class, which has a __cinit__, has no default
+        # __reduce__: a node is neither copied nor pickled (nor are torch's),
+        # but a GradientFreeNode (See Note [Copying a GradientFreeNode]).
+        raise TypeError(f"cannot pickle {type(self).__name__!r} object")
+
     def __init__(self, next_edges=(), input_metadata=()):
         set_field = object.__setattr__
         _set_next_edges(self, next_edges)
@@ -405,14 +435,8 @@ class NodeBase:
         # See Note [Overriding release variables].
         set_field(self, "_overrides_release_variables_",
                   type(self).release_variables is not NodeBase.release_variables)
-        set_field(self, "_pre_hooks_", None)
-        set_field(self, "_post_hooks_", None)
-        set_field(self, "_tensor_pre_hooks_", None)
-        set_field(self, "_retains_grad_hooks_", None)
-        self._saved_values = None
-        set_field(self, "_released_", False)
-        set_field(self, "_metadata_", None)
-        self._stream = None
+        # The hooks, saved values, metadata and stream are __new__'s: a
+        # second __init__ keeps them, as the compiled core's does.
         if not on_cpu(self._input_metadata_):
             self._stream = _creation_stream(self._input_metadata_)
         set_field(self, "_initialized_", True)
@@ -630,6 +654,13 @@ class GradientFreeNodeBase(NodeBase):
     owner = _read_only_field("owner", "owner_")
     method = _read_only_field("method", "method_")
 
+    def __new__(cls, *args, **kwargs):
+        # As the compiled class's fields before __init__: See NodeBase.__new__.
+        self = super().__new__(cls, *args, **kwargs)
+        object.__setattr__(self, "owner_", None)
+        object.__setattr__(self, "method_", None)
+        return self
+
     def __init__(self, owner, method, next_edges=(), input_metadata=()):
         if not isinstance(method, str):
             raise TypeError(f"method must be a str (a method name), got {type(method).__name__}")
@@ -797,11 +828,14 @@ class AccumulateGradBase(NodeBase):
 
     __slots__ = ("variable", "leaf_state_")
 
-    def __init__(self, *args, **kwargs):
+    def __new__(cls, *args, **kwargs):
         # apply reads leaf_state: it is never None, a fresh LeafState until
-        # the subclass sets it (See Note [Fields Python code can write]).
+        # the subclass sets it (See Note [Fields Python code can write]),
+        # from before __init__, as the compiled class's __cinit__ makes it.
+        self = super().__new__(cls, *args, **kwargs)
+        self.variable = None
         self.leaf_state_ = LeafState()
-        super().__init__(*args, **kwargs)
+        return self
 
     @property
     def leaf_state(self):
