@@ -154,10 +154,10 @@ def test_both_cores_answer_odd_method_calls_alike():
 
 
 _UNINITIALIZED_SWEEP = _SWEEP.split("TARGETS = {")[0] + r'''
-# Made by __new__ alone: a subclass whose __init__ forgot NodeBase's. Each
+# Made by __new__ alone: a subclass whose __init__ forgot its base's. Each
 # attribute read, and each method called with none or one odd value, and
 # the node handed to what takes one.
-for cls in (Node, pyengine.AccumulateGrad, pyengine.GradientFreeNode):
+for cls in (Node, pyengine.AccumulateGrad, pyengine.GradientFreeNode, pyengine.OwnerGraph):
     for attribute in sorted(dir(cls)):
         # The twin's slots behind its properties end in "_": not the API.
         if attribute.startswith("__") or attribute.endswith("_"):
@@ -190,7 +190,7 @@ for name, make in [("Node", Sink), ("AccumulateGrad", lambda: pyengine.Accumulat
 '''
 
 
-def test_a_node_its_init_did_not_initialize_reads_alike_in_both_cores():
+def test_a_node_or_owner_graph_its_init_did_not_initialize_reads_alike_in_both_cores():
     compiled = dict(line.split(" -> ") for line in run_on_core(_UNINITIALIZED_SWEEP, pure=False,
                                                                 timeout=300))
     pure = dict(line.split(" -> ") for line in run_on_core(_UNINITIALIZED_SWEEP, pure=True,

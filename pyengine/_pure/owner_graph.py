@@ -233,6 +233,17 @@ class OwnerGraph:
                  "should_compute_output", "gradient_policy", "accumulates", "unpack_grads",
                  "dense_gradient")
 
+    def __new__(cls, *args, **kwargs):
+        # The fields the compiled OwnerGraph has before __init__ (C's None
+        # and zeroes): one made by __new__ alone reads and fails alike in
+        # both cores.
+        self = object.__new__(cls)
+        for name in OwnerGraph.__slots__:
+            setattr(self, name, None)
+        for name in ("returns", "should_compute_output", "accumulates", "unpack_grads"):
+            setattr(self, name, False)
+        return self
+
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
                  post_hook=None, should_compute_output=False, gradient_policy=REDUCE,
