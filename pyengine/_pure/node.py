@@ -790,13 +790,22 @@ class LeafState:
 
     lock = _read_only_field("lock", "lock_")
 
-    def __init__(self):
+    def __new__(cls, *args, **kwargs):
+        # In __new__, as the compiled class makes its lock in __cinit__
+        # (which ignores arguments): one made by __new__ alone has its
+        # fields in both cores.
+        self = object.__new__(cls)
         object.__setattr__(self, "lock_", threading.Lock())
         self.accumulator = None
         self._owned_grad = None
         self.tensor_pre_hooks = None
         self.post_accumulate_grad_hooks = None
         self.keep_indexed = False
+        return self
+
+    def __init__(self):
+        # Takes no arguments, as the compiled class's.
+        pass
 
     def __reduce__(self):
         # A copied or pickled tensor starts with fresh engine state: a lock
