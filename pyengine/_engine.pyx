@@ -46,7 +46,7 @@ from pyengine._graph_task cimport (ExecInfoEntry, GraphTask, NodePtr, cancel_gra
 from pyengine._dependencies cimport compute_dependencies, init_to_execute
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
-from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, on_cpu
+from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
 from pyengine._validate_outputs cimport gradient_passes_as_is, validate_outputs_impl
 from pyengine._thread_pool cimport _ThreadPoolShared, add_thread_pool_task
@@ -665,7 +665,7 @@ cdef class Engine:
         if not graph_task.multithreading:
             return graph_task.cpu_ready_queue
         cdef PyObject* gradient
-        if on_cpu(node._input_metadata):
+        if node._on_cpu_:
             # Borrowed items: the list holds them while this loop runs no
             # Python code.
             for i in range(PyList_GET_SIZE(gradients)):

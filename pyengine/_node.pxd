@@ -40,6 +40,11 @@ cdef class NodeBase:
     # was made; immutable after construction. See Note [Overriding release
     # variables] in pyengine/_pure/node.py.
     cdef uint8_t _overrides_release_variables_
+    # Whether every input slot with metadata is on the CPU: on_cpu of
+    # _input_metadata, kept with it (the InputMetadata are immutable), so
+    # that routing a task reads one byte. It fills the byte before
+    # _only_input_nr that alignment left free.
+    cdef uint8_t _on_cpu_
     cdef readonly int32_t _only_input_nr
     # Where the count last put the node in a DependencyMap: a hint that
     # the map checks before it trusts it. See Note [A node keeps its

@@ -238,7 +238,7 @@ cdef class NodeBase:
 
     def __cinit__(self, *args, **kwargs):
         self._next_edges = ()
-        self._input_metadata = ()
+        _keep_input_metadata(self, ())
         self._only_input_nr = -1
 
     def __init__(self, next_edges=(), input_metadata=()):
@@ -301,8 +301,8 @@ cdef class NodeBase:
 
     @_input_metadata.setter
     def _input_metadata(self, input_metadata):
-        self._input_metadata = _check_input_metadata(input_metadata)
-        if self._stream is None and not on_cpu(self._input_metadata):
+        _keep_input_metadata(self, _check_input_metadata(input_metadata))
+        if self._stream is None and not self._on_cpu_:
             self._stream = _creation_stream(self._input_metadata)
 
     @_input_metadata.deleter
@@ -319,8 +319,8 @@ cdef class NodeBase:
     def add_input_metadata(self, spec):
         """Append an input slot described by ``spec``; return its index."""
         # A new tuple: See Note [Shared empty input metadata].
-        self._input_metadata = self._input_metadata + (as_input_metadata(spec),)
-        if self._stream is None and not on_cpu(self._input_metadata):
+        _keep_input_metadata(self, self._input_metadata + (as_input_metadata(spec),))
+        if self._stream is None and not self._on_cpu_:
             self._stream = _creation_stream(self._input_metadata)
         return len(self._input_metadata) - 1
 
@@ -374,20 +374,26 @@ cdef int _initialize_node(NodeBase self, next_edges, input_metadata) except -1:
     _set_next_edges(self, next_edges)
     # Nothing to make for the default (): See Note [Shared empty input metadata].
     if type(input_metadata) is tuple and PyTuple_GET_SIZE(input_metadata) == 0:
-        self._input_metadata = ()
+        _keep_input_metadata(self, ())
     else:
-        self._input_metadata = tuple([as_input_metadata(spec) for spec in input_metadata])
+        _keep_input_metadata(self, tuple([as_input_metadata(spec) for spec in input_metadata]))
     self._sequence_nr = pyengine_next_sequence_nr
     pyengine_next_sequence_nr += 1
     # See Note [Overriding release variables] in the twin.
     self._overrides_release_variables_ = (
         getattr(type(self), "release_variables") is not _base_release_variables)
-    if not on_cpu(self._input_metadata):
+    if not self._on_cpu_:
         self._stream = _creation_stream(self._input_metadata)
     self._initialized_ = True
     if anomaly_enabled():
         _record_forward_traceback(self)
     return 0
+
+
+cdef inline void _keep_input_metadata(NodeBase self, tuple input_metadata) noexcept:
+    """``_input_metadata``, checked by the caller, and with it ``_on_cpu_``."""
+    self._input_metadata = input_metadata
+    self._on_cpu_ = on_cpu(input_metadata)
 
 
 cdef int _set_next_edges(NodeBase self, next_edges) except -1:

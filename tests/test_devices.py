@@ -105,6 +105,37 @@ def test_cross_device_chain_is_exact_and_each_node_runs_on_its_device_thread(del
                        2.0: threading.current_thread().name}
 
 
+class NoGradient(pyengine.Node):
+    """Returns None for each next edge; logs the thread it ran on."""
+
+    log: list = []
+
+    def apply(self, grads):
+        NoGradient.log.append((self, threading.current_thread().name))
+        return [None] * len(self.next_edges)
+
+
+@pytest.mark.parametrize("how", ["setter", "add_input_metadata"])
+def test_a_node_whose_metadata_moves_to_a_device_after_creation_runs_there(how):
+    # A node whose only gradient is None runs where its input metadata says
+    # (node_device): the routing reads a flag kept with that metadata, which
+    # must follow each way the metadata can be set after the node was made.
+    # A gradient on a device would route the node there by itself.
+    NoGradient.log = []
+    x = Leaf(np.ones(3))
+    middle = NoGradient([pyengine.gradient_edge(x)], [((3,), np.float64)])
+    moved = pyengine.InputMetadata((3,), np.float64, F0)
+    if how == "setter":
+        middle._input_metadata = (moved,)
+    else:
+        middle._input_metadata = ()
+        assert middle.add_input_metadata(moved) == 0
+    root = NoGradient([pyengine.Edge(middle, 0)], [pyengine.InputMetadata((3,), np.float64, F1)])
+    run(root, on(np.ones(3), F1))
+    assert x.grad is None
+    assert NoGradient.log == [(root, "pyengine-fake:1"), (middle, "pyengine-fake:0")]
+
+
 def test_cpu_nodes_run_on_the_calling_thread_even_from_another_thread():
     results = {}
 

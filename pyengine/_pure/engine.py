@@ -243,7 +243,7 @@ from . import state
 from .dependencies import compute_dependencies, init_to_execute
 from .graph_task import GraphTask, cancel_graph_task, refuse_lock_taken_again, task_should_execute
 from .input_buffer import InputBuffer
-from .node import Edge, NodeBase, on_cpu
+from .node import Edge, NodeBase
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
 from .static_types import c_int_attribute, check_argument
 from .thread_pool import _ThreadPoolShared, add_thread_pool_task, stop_thread_pool
@@ -741,7 +741,7 @@ class Engine:
         CPU or with multithreading disabled, the graph task's CPU queue."""
         if not graph_task.multithreading:
             return graph_task.cpu_ready_queue
-        if on_cpu(node._input_metadata):
+        if node._on_cpu_:
             for gradient in gradients:
                 if gradient is not None and type(gradient) is not np.ndarray:
                     break

@@ -343,6 +343,8 @@ class NodeBase:
       _next_edges: tuple of Edge or None, one per gradient ``apply`` returns.
       _input_metadata: tuple of InputMetadata or None, one per input slot
         (See Note [Shared empty input metadata]).
+      _on_cpu_: whether every slot with metadata is on the CPU; set with
+        ``_input_metadata``, never alone, for the routing of a task.
       _sequence_nr: immutable after construction.
       _pre_hooks, _post_hooks, _tensor_pre_hooks: None or a list of
         ``(handle_id, fn)`` (tensor pre-hooks: ``(handle_id, input_nr, fn)``).
@@ -368,7 +370,7 @@ class NodeBase:
     __slots__ = (
         "_next_edges_", "_input_metadata_", "_sequence_nr_", "_pre_hooks_", "_post_hooks_",
         "_tensor_pre_hooks_", "_retains_grad_hooks_", "_saved_values", "_released_",
-        "_overrides_release_variables_", "_stream", "_metadata_", "_initialized_",
+        "_overrides_release_variables_", "_on_cpu_", "_stream", "_metadata_", "_initialized_",
         "_only_next_node_", "_only_input_nr_", "__weakref__", "__dict__",
     )
 
@@ -403,7 +405,9 @@ class NodeBase:
         self = object.__new__(cls)
         set_field = object.__setattr__
         set_field(self, "_next_edges_", ())
+        # As _keep_input_metadata(self, ()) would: no slot, so on the CPU.
         set_field(self, "_input_metadata_", ())
+        set_field(self, "_on_cpu_", True)
         set_field(self, "_sequence_nr_", 0)
         set_field(self, "_overrides_release_variables_", False)
         set_field(self, "_pre_hooks_", None)
@@ -428,8 +432,12 @@ class NodeBase:
     def __init__(self, next_edges=(), input_metadata=()):
         set_field = object.__setattr__
         _set_next_edges(self, next_edges)
-        # See Note [Shared empty input metadata].
-        set_field(self, "_input_metadata_", tuple(as_input_metadata(spec) for spec in input_metadata))
+        # See Note [Shared empty input metadata]. _keep_input_metadata's two
+        # fields, set here without its call: Node() is the twin's hot path in
+        # a forward.
+        metadata = tuple(as_input_metadata(spec) for spec in input_metadata)
+        set_field(self, "_input_metadata_", metadata)
+        set_field(self, "_on_cpu_", on_cpu(metadata))
         set_field(self, "_sequence_nr_", _sequence_counter.next_value)
         _sequence_counter.next_value += 1
         # See Note [Overriding release variables].
@@ -437,7 +445,7 @@ class NodeBase:
                   type(self).release_variables is not NodeBase.release_variables)
         # The hooks, saved values, metadata and stream are __new__'s: a
         # second __init__ keeps them, as the compiled core's does.
-        if not on_cpu(self._input_metadata_):
+        if not self._on_cpu_:
             self._stream = _creation_stream(self._input_metadata_)
         set_field(self, "_initialized_", True)
         if state.is_anomaly_enabled():
@@ -470,8 +478,8 @@ class NodeBase:
 
     @_input_metadata.setter
     def _input_metadata(self, input_metadata):
-        self._input_metadata_ = _check_input_metadata(input_metadata)
-        if self._stream is None and not on_cpu(self._input_metadata_):
+        _keep_input_metadata(self, _check_input_metadata(input_metadata))
+        if self._stream is None and not self._on_cpu_:
             self._stream = _creation_stream(self._input_metadata_)
 
     @_input_metadata.deleter
@@ -501,8 +509,8 @@ class NodeBase:
     def add_input_metadata(self, spec):
         """Append an input slot described by ``spec``; return its index."""
         # A new tuple: See Note [Shared empty input metadata].
-        self._input_metadata_ = self._input_metadata_ + (as_input_metadata(spec),)
-        if self._stream is None and not on_cpu(self._input_metadata_):
+        _keep_input_metadata(self, self._input_metadata_ + (as_input_metadata(spec),))
+        if self._stream is None and not self._on_cpu_:
             self._stream = _creation_stream(self._input_metadata_)
         return len(self._input_metadata_) - 1
 
@@ -730,6 +738,15 @@ def on_cpu(input_metadata):
         if metadata is not None and not metadata.is_cpu:
             return False
     return True
+
+
+def _keep_input_metadata(node, input_metadata):
+    """``_input_metadata_``, checked by the caller, and with it ``_on_cpu_``:
+    whether every slot with metadata is on the CPU, kept so that routing a
+    task reads one field (the InputMetadata are immutable)."""
+    set_field = object.__setattr__
+    set_field(node, "_input_metadata_", input_metadata)
+    set_field(node, "_on_cpu_", on_cpu(input_metadata))
 
 
 def copy_value(value):
