@@ -140,8 +140,13 @@ cdef class GraphRoot(NodeBase):
     """The node a backward with several roots starts from: it returns the
     root gradients along the root edges."""
     cdef public list outputs
-    # Immutable after construction; read by gradient_stream.
+    # Immutable after construction; read by gradient_stream, which indexes
+    # it in C: a tuple from __cinit__ on, even in a GraphRoot whose
+    # __init__ never ran (made by __new__, then initialized as a NodeBase).
     cdef readonly tuple _root_streams
+
+    def __cinit__(self, *args, **kwargs):
+        self._root_streams = ()
 
     def __init__(self, roots, grads):
         super().__init__(next_edges=roots)

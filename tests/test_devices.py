@@ -285,6 +285,24 @@ def test_nodes_record_and_run_on_their_creation_stream():
     np.testing.assert_array_equal(x.grad.numpy(), [15.0] * 3)
 
 
+def test_a_graph_root_whose_init_never_ran_passes_its_gradient_on_a_stream():
+    # A GraphRoot made by __new__ and initialized as a plain node has no root
+    # streams: its gradient into a node with a stream takes the streamed path,
+    # which reads the root's streams in C. They must be a tuple (empty: the
+    # producer's stream stands in), never None.
+    x = Leaf(on(np.ones(3), F0))
+    consumer_stream = fd.FakeStream(F0, "b")
+    with streams.stream_guard(consumer_stream):
+        consumer = Scale(pyengine.gradient_edge(x), F0, 3.0, F0)
+    root = pyengine.GraphRoot.__new__(pyengine.GraphRoot)
+    super(pyengine.GraphRoot, root).__init__(next_edges=[pyengine.Edge(consumer, 0)])
+    assert root._root_streams == () and root.outputs is None
+    root.outputs = [on(np.full(3, 2.0), F0)]
+    run(root, None)
+    np.testing.assert_array_equal(x.grad.numpy(), [6.0] * 3)
+    assert [stream for _, _, stream in Scale.log] == [consumer_stream]
+
+
 def test_consumer_stream_waits_on_an_event_of_the_producer_stream():
     x, producer, consumer, accumulator, a, b = two_stream_chain()
     with fd.set_delayed(True):

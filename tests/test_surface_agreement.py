@@ -158,7 +158,7 @@ _UNINITIALIZED_SWEEP = _SWEEP.split("TARGETS = {")[0] + r'''
 # attribute read, and each method called with none or one odd value, and
 # the node handed to what takes one.
 for cls in (Node, pyengine.AccumulateGrad, pyengine.GradientFreeNode, pyengine.OwnerGraph,
-            core.LeafState):
+            core.LeafState, pyengine.GraphRoot, pyengine.InputMetadata):
     for attribute in sorted(dir(cls)):
         # The twin's slots behind its properties end in "_": not the API.
         if attribute.startswith("__") or attribute.endswith("_"):

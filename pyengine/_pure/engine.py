@@ -243,7 +243,7 @@ from . import state
 from .dependencies import compute_dependencies, init_to_execute
 from .graph_task import GraphTask, cancel_graph_task, refuse_lock_taken_again, task_should_execute
 from .input_buffer import InputBuffer
-from .node import Edge, NodeBase
+from .node import Edge, NodeBase, _checked_field, _not_list, _read_only_field
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
 from .static_types import c_int_attribute, check_argument
 from .thread_pool import _ThreadPoolShared, add_thread_pool_task, stop_thread_pool
@@ -296,13 +296,30 @@ class GraphRoot(NodeBase):
     """The node a backward with several roots starts from: it returns the
     root gradients along the root edges."""
 
+    __slots__ = ("outputs_", "_root_streams_")
+
+    # A list or None, as the compiled class's typed field.
+    outputs = _checked_field("outputs", "outputs_", _not_list, "list")
+    # Immutable after construction; read by gradient_stream.
+    _root_streams = _read_only_field("_root_streams", "_root_streams_")
+
+    def __new__(cls, *args, **kwargs):
+        # The compiled class's fields before __init__ (its __cinit__'s and
+        # C's None): a GraphRoot whose __init__ never ran reads alike in
+        # both cores, and its _root_streams is a tuple.
+        self = super().__new__(cls, *args, **kwargs)
+        object.__setattr__(self, "outputs_", None)
+        object.__setattr__(self, "_root_streams_", ())
+        return self
+
     def __init__(self, roots, grads):
         super().__init__(next_edges=roots)
         self.outputs = list(grads)
         # The root gradients were written on the caller's current streams, one
         # per root and device: each is the producer stream of its own root
         # gradient (not the first root's for all). See Note [Streaming backwards].
-        self._root_streams = tuple([streams.value_stream(grad) for grad in grads])
+        object.__setattr__(self, "_root_streams_",
+                           tuple([streams.value_stream(grad) for grad in grads]))
         self._stream = next((stream for stream in self._root_streams if stream is not None), None)
 
     def apply(self, grads):

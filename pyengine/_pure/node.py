@@ -64,6 +64,10 @@ def _not_writable(self, name, value=None):
     raise AttributeError(f"attribute '{name}' of '{type(self).__name__}' objects is not writable")
 
 
+# What the compiled InputMetadata's fields hold before its __init__ runs.
+_UNSET_INPUT_METADATA = {"shape": None, "dtype": None, "device": None, "is_cpu": False}
+
+
 @final
 class InputMetadata:
     """Shape, dtype and device of the forward output an input slot stands for.
@@ -88,6 +92,15 @@ class InputMetadata:
         set_field(self, "is_cpu", device == CPU)
 
     __setattr__ = __delattr__ = _not_writable
+
+    def __getattr__(self, name):
+        # Python calls this only for a slot no __init__ set (an InputMetadata
+        # made by __new__ alone), never on the normal path: the compiled
+        # class's zero fields, so that one reads alike in both cores.
+        try:
+            return _UNSET_INPUT_METADATA[name]
+        except KeyError:
+            raise AttributeError(f"'InputMetadata' object has no attribute '{name}'") from None
 
     def __reduce__(self):
         return InputMetadata, (self.shape, self.dtype, self.device)
