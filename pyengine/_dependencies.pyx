@@ -92,21 +92,29 @@ cpdef int init_to_execute(NodeBase graph_root, GraphTask graph_task, outputs,
     [Marking exec info in the dependency search] in the twin). Refused on a
     graph task already planned or started, or while another call plans
     it."""
+    # What `not None` would say, which a cpdef function cannot declare: the
+    # search writes into both objects.
+    if graph_root is None:
+        raise TypeError("Argument 'graph_root' must not be None")
+    if graph_task is None:
+        raise TypeError("Argument 'graph_task' must not be None")
     if graph_task.planning:
         raise RuntimeError(init_to_execute_refused_message("planning"))
     if not graph_task.exec_info_.empty():
         raise RuntimeError(init_to_execute_refused_message("planned"))
     if graph_task.outstanding_tasks_.load() != 0 or graph_task.future_completed_.load():
         raise RuntimeError(init_to_execute_refused_message("started"))
-    cdef list output_list = outputs if type(outputs) is list else list(outputs)
+    # A tuple of our own: the loop runs Python code (an append may collect),
+    # which could shrink a list while its size is read once.
+    cdef tuple output_edges = tuple(outputs)
     cdef Py_ssize_t output_idx
     cdef Edge edge
     cdef ExecInfoEntry* entry
     cdef int32_t captures
     graph_task.planning = True
     try:
-        for output_idx in range(PyList_GET_SIZE(output_list)):
-            edge = <Edge?>PyList_GET_ITEM(output_list, output_idx)
+        for output_idx in range(PyTuple_GET_SIZE(output_edges)):
+            edge = <Edge?>PyTuple_GET_ITEM(output_edges, output_idx)
             entry = &graph_task.exec_info_.make_entry(<PyObject*>edge.node)
             if accumulate_grad:
                 entry.needed = True
@@ -120,7 +128,7 @@ cpdef int init_to_execute(NodeBase graph_root, GraphTask graph_task, outputs,
                 # there, so that the engine may read it unchecked.
                 graph_task.exec_info_.make_entry(<PyObject*>edge.node).captures = captures
             (<list>graph_task.exec_captures[captures]).append((edge.input_nr, output_idx))
-        graph_task.captured_vars = [None] * PyList_GET_SIZE(output_list)
+        graph_task.captured_vars = [None] * PyTuple_GET_SIZE(output_edges)
         graph_task.exec_info_.make_entry(<PyObject*>graph_root)
         graph_task.dependencies_.use_kept_table()
         search_dependencies(graph_root, graph_task)

@@ -63,8 +63,8 @@ from pyengine import streams as _streams
 from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from pyengine._shared.engine_registry import register_engine
-from pyengine._shared.messages import (gradients_changed_message, no_ready_queue_message,
-                                      total_depth_message)
+from pyengine._shared.messages import (gradients_changed_message, input_buffer_list_gone_message,
+                                      no_ready_queue_message, total_depth_message)
 from pyengine._validate_outputs import plain_error_format, validate_outputs
 from pyengine.indexed import IndexedGradient
 
@@ -127,7 +127,8 @@ _thread_local = threading.local()
 
 cdef WorkerState get_worker_state():
     try:
-        return <WorkerState>_thread_local.state
+        # Checked: a module global, which Python code can write.
+        return <WorkerState?>_thread_local.state
     except AttributeError:
         state = WorkerState()
         _thread_local.state = state
@@ -274,6 +275,11 @@ cdef class Engine:
 
     # -- entry point --
 
+    # Bounds checked: the root gradients are read after validate_outputs,
+    # whose casts and replaced values' __del__ run Python code that may reach
+    # the list; an IndexError, as the twin's, where the build's default
+    # would read past its end.
+    @cython.boundscheck(True)
     def execute(self, roots, grads, keep_graph, create_graph, accumulate_grad, outputs=None):
         """Run backward from ``roots`` (Edges) with ``grads`` (one per root).
 
@@ -330,7 +336,7 @@ cdef class Engine:
         else:
             compute_dependencies(graph_root, graph_task)
 
-        self.execute_with_graph_task(worker, graph_task, graph_root, input_buffer.buffer)
+        self.execute_with_graph_task(worker, graph_task, graph_root, task_inputs(input_buffer))
         try:
             graph_task.wait()
         except BaseException as error:
@@ -642,8 +648,9 @@ cdef class Engine:
                 else:
                     input_buffer.add(next_input_nr, gradient, grad_mode)
                 if is_ready:
-                    queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
-                               graph_task, next_node, input_buffer.buffer)
+                    gradients = task_inputs(input_buffer)
+                    queue_task(worker, self.route(graph_task, next_node, gradients),
+                               graph_task, next_node, gradients)
         finally:
             graph_task.mutex_.unlock()
         return 0
@@ -687,6 +694,9 @@ cdef class Engine:
         the device's worker thread on first use."""
         if device == _CPU or not graph_task.multithreading:
             return graph_task.cpu_ready_queue
+        if graph_task.cpu_ready_queue is None:
+            # A device's worker wakes the owner through it (stop() too).
+            raise ValueError(no_ready_queue_message())
         return self._devices.queue_for(device, graph_task, self._device_thread_main)
 
     cdef ReadyQueue ready_queue_by_index(self, ReadyQueue cpu_ready_queue, int device_id):
@@ -728,6 +738,8 @@ cdef class Engine:
         error = RuntimeError(SHUTDOWN_ERROR)
         cdef GraphTask graph_task
         for task in in_flight:
+            # Only ready_queue() adds to in_flight, and only a GraphTask
+            # with a CPU queue.
             graph_task = <GraphTask>task
             if not graph_task.future_completed_.load():
                 graph_task.set_exception(error)
@@ -829,6 +841,15 @@ cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, ob
                                                            consumer_stream)):
         input_buffer.add(input_nr, gradient, grad_mode)
     return 0
+
+
+cdef inline list task_inputs(InputBuffer input_buffer):
+    """``input_buffer``'s list, as the inputs of its node's task, which the
+    engine reads in C: never None (See input_buffer_list_gone_message)."""
+    cdef list inputs = input_buffer.buffer
+    if inputs is None:
+        raise RuntimeError(input_buffer_list_gone_message())
+    return inputs
 
 
 cdef list single_gradient(WorkerState worker, Py_ssize_t num_inputs, Py_ssize_t input_nr,

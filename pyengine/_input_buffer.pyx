@@ -47,6 +47,11 @@ cdef class InputBuffer:
             raise ValueError(f"InputBuffer size {size} is negative")
         self.buffer = _none_list(size)
 
+    # Bounds checked: the writes at the end follow the sum and the first
+    # write, either of which may run Python code (a backend, a replaced
+    # value's __del__) that reaches these lists; an IndexError, as the
+    # twin's, where the build's default would write past their end.
+    @cython.boundscheck(True)
     cpdef int add(self, Py_ssize_t pos, object value, bint create_graph) except -1:
         """Add ``value`` into slot ``pos`` (See Note [InputBuffer ownership])."""
         if value is None:

@@ -15,6 +15,7 @@ default ``accumulate``, the profiler's ``OwnerRun`` record and
 written once (See Note [Slow paths are shared]).
 """
 
+cimport cython
 cimport numpy as cnp
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
@@ -567,6 +568,10 @@ cdef int evaluate_owner(OwnerGraph graph, object owner, list grads, PyObject** i
     return 0
 
 
+# Bounds checked: each outputs[i] follows Python code (the metadata, a
+# cast), which may reach the list and shorten it; an IndexError, as the
+# twin's, where the build's default would read past its end.
+@cython.boundscheck(True)
 cdef object check_outputs(OwnerGraph graph, object owner, object outputs, PyObject** items,
                           Py_ssize_t n_items, OwnerTable* owners, dict metadata_of):
     """validate_outputs for an owner: a gradient for a parent that gets none

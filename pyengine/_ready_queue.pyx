@@ -21,6 +21,9 @@ from libcpp.mutex cimport unique_lock
 from libcpp.vector cimport vector
 
 from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
+from pyengine._node cimport NodeBase
+
+from pyengine._shared.messages import task_field_message
 
 
 cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
@@ -67,6 +70,30 @@ cdef class NodeTask:
     @classmethod
     def shutdown(cls):
         return cls(None, None, None, is_shutdown=True)
+
+
+# pyengine._graph_task.GraphTask, imported on first use: that module cimports
+# this one.
+cdef object _graph_task_type = None
+
+
+cdef int check_task_to_run(NodeTask task) except -1:
+    """Refuse a task with a node whose fields the engine could not run: the
+    engine casts them unchecked. See Note [A task pushed from Python is
+    checked] in the twin."""
+    global _graph_task_type
+    if task.node is None:
+        return 0
+    if _graph_task_type is None:
+        from pyengine._graph_task import GraphTask
+        _graph_task_type = GraphTask
+    if not isinstance(task.node, NodeBase):
+        raise TypeError(task_field_message("node", "a Node", task.node))
+    if not isinstance(task.graph_task, _graph_task_type):
+        raise TypeError(task_field_message("graph_task", "a GraphTask", task.graph_task))
+    if type(task.inputs) is not list:
+        raise TypeError(task_field_message("inputs", "a list", task.inputs))
+    return 0
 
 
 cdef NodeTask task_of_record(NodeTaskRecord* record):
@@ -167,6 +194,7 @@ cdef class ReadyQueue:
     def push(self, NodeTask task not None, increment_outstanding_tasks=True):
         """Queue ``task``; count it as outstanding in its graph task unless it is
         a wake-up or shutdown task or ``increment_outstanding_tasks`` is false."""
+        check_task_to_run(task)
         if increment_outstanding_tasks and task.node is not None:
             task.graph_task.increment_outstanding_tasks()
         cdef NodeTaskRecord record = make_record(task.graph_task, task.node, task.inputs,
@@ -177,6 +205,7 @@ cdef class ReadyQueue:
     def push_pop(self, NodeTask task not None, increment_outstanding_tasks=True):
         """What ``push(task)`` and then ``pop()`` return, in one step, never
         waiting: ``task`` itself while nothing is queued."""
+        check_task_to_run(task)
         if increment_outstanding_tasks and task.node is not None:
             task.graph_task.increment_outstanding_tasks()
         cdef NodeTaskRecord record = make_record(task.graph_task, task.node, task.inputs,

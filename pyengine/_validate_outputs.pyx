@@ -107,7 +107,7 @@ cdef object error_format(object format_error, object node):
     return NodeErrorFormat(node) if format_error is None else format_error
 
 
-def validate_outputs(edges, list grads, format_error, gradient_policy="reduce", node=None):
+def validate_outputs(edges, list grads not None, format_error, gradient_policy="reduce", node=None):
     """Check and fix ``grads`` against ``edges``; see the twin's docstring."""
     cdef bint exact = checked_gradient_policy(gradient_policy, "validate_outputs") is _EXACT
     edges = tuple(edges)

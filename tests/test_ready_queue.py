@@ -74,20 +74,48 @@ def _graph_task(depth, queue=None):
     return GraphTask(False, False, depth, queue)
 
 
+def _other_core_objects(module):
+    """Graph tasks of DEPTHS and nodes of SEQUENCE_NRS made by the core that
+    ``module`` (a ready queue module) belongs to."""
+    package = module.__name__.rsplit(".", 1)[0]
+    pure = package.endswith("_pure")
+    node_module = importlib.import_module(package + (".node" if pure else "._node"))
+    graph_task_module = importlib.import_module(package + (".graph_task" if pure else "._graph_task"))
+
+    class OtherCoreNode(node_module.NodeBase):
+        def apply(self, grads):  # pragma: no cover - never run
+            raise AssertionError("a ReadyQueue test node ran")
+
+    nodes = []
+    for sequence_nr in SEQUENCE_NRS:
+        node = OtherCoreNode()
+        node_module._set_sequence_nr(node, sequence_nr)
+        nodes.append(node)
+    graph_tasks = [graph_task_module.GraphTask(False, False, depth, None) for depth in DEPTHS]
+    return graph_tasks, nodes
+
+
 class World:
     """A ReadyQueue of ``module`` (the core under test by default), the
     objects its tasks are made of, and what is queued.
 
-    A queue never reads a task's ``inputs``: each task carries its push
-    number there instead, to be told apart when it pops. Graph tasks are
+    A queue never reads a task's ``inputs`` but for its type (a list, in a
+    task with a node: See Note [A task pushed from Python is checked]): each
+    task carries its push number there, in a list, to be told apart when it
+    pops. Graph tasks are
     numbered by their index in DEPTHS (their "group").
     """
 
     def __init__(self, module=ready_queue_module):
         self.module = module
         self.queue = module.ReadyQueue()
-        self.graph_tasks = [_graph_task(depth) for depth in DEPTHS]
-        self.nodes = [_node(sequence_nr) for sequence_nr in SEQUENCE_NRS]
+        if module is ready_queue_module:
+            self.graph_tasks = [_graph_task(depth) for depth in DEPTHS]
+            self.nodes = [_node(sequence_nr) for sequence_nr in SEQUENCE_NRS]
+        else:
+            # The other core's queue runs only its own core's tasks (See Note
+            # [A task pushed from Python is checked] in pyengine/_pure/ready_queue.py).
+            self.graph_tasks, self.nodes = _other_core_objects(module)
         self.queued = {}  # push number -> (rank, group)
         self.pushes = 0
         # The same operations, for tests/std_priority_queue.cpp.
@@ -101,18 +129,18 @@ class World:
         self.pushes += 1
         kind = op[0]
         if kind == "shutdown":
-            task = self.module.NodeTask(None, None, number, is_shutdown=True)
+            task = self.module.NodeTask(None, None, [number], is_shutdown=True)
             group, depth, sequence_nr, rank = SHUTDOWN_GROUP, 0, 0, (0, 0, 0)
         else:
             group = op[1]
             graph_task = self.graph_tasks[group]
             depth = graph_task.reentrant_depth
             if kind == "wakeup":
-                task = self.module.NodeTask(graph_task, None, number)
+                task = self.module.NodeTask(graph_task, None, [number])
                 sequence_nr, rank = 0, (1, 0, 0)
             else:
                 sequence_nr = SEQUENCE_NRS[op[2]]
-                task = self.module.NodeTask(graph_task, self.nodes[op[2]], number)
+                task = self.module.NodeTask(graph_task, self.nodes[op[2]], [number])
                 rank = (2, -depth, -sequence_nr)
         self.queued[number] = (rank, group)
         self.oracle_ops.append(f"push {number} {group} {int(kind == 'shutdown')} "
@@ -124,11 +152,11 @@ class World:
         popped_task = self.queue.push_pop(task, increment_outstanding_tasks=False)
         if was_empty:
             assert popped_task is task, "push_pop on an empty queue returns its own task"
-        return self._popped(popped_task.inputs)
+        return self._popped(popped_task.inputs[0])
 
     def pop(self):
         """Pop a task, check it against the comparator, return its push number."""
-        return self._popped(self.queue.pop().inputs)
+        return self._popped(self.queue.pop().inputs[0])
 
     def _popped(self, number):
         rank, _ = self.queued.pop(number)
@@ -333,12 +361,12 @@ def test_accumulate_grad_sorts_before_other_nodes_at_equal_depth():
     assert leaf.sequence_nr == ACCUMULATE_GRAD_SEQUENCE_NR
     later = [_node(2**64 - 2), _node(3)]
     for node in later + [leaf]:
-        queue.push(NodeTask(graph_task, node, InputBuffer(0)))
+        queue.push(NodeTask(graph_task, node, []))
     assert [queue.pop().node for _ in range(3)] == [leaf] + later
     # ...but a deeper reentrant task comes first.
     deeper = _graph_task(1, queue)
-    queue.push(NodeTask(graph_task, leaf, InputBuffer(0)))
-    queue.push(NodeTask(deeper, _node(0), InputBuffer(0)))
+    queue.push(NodeTask(graph_task, leaf, []))
+    queue.push(NodeTask(deeper, _node(0), []))
     assert queue.pop().graph_task is deeper
     assert queue.pop().node is leaf
 
@@ -348,10 +376,10 @@ def test_push_counts_node_tasks_as_outstanding():
     graph_task = _graph_task(0, queue)
     node = _node(1)
     assert graph_task.outstanding_tasks == 0
-    queue.push(NodeTask(graph_task, node, InputBuffer(0)))
-    queue.push(NodeTask(graph_task, node, InputBuffer(0)))
+    queue.push(NodeTask(graph_task, node, []))
+    queue.push(NodeTask(graph_task, node, []))
     assert graph_task.outstanding_tasks == 2
-    queue.push(NodeTask(graph_task, node, InputBuffer(0)), increment_outstanding_tasks=False)
+    queue.push(NodeTask(graph_task, node, []), increment_outstanding_tasks=False)
     queue.push(NodeTask(graph_task, None, None))
     queue.push_shutdown()
     assert graph_task.outstanding_tasks == 2
@@ -371,7 +399,7 @@ def test_pop_blocks_until_another_thread_pushes(watchdog):
     queue = ReadyQueue()
     graph_task = _graph_task(0, queue)
     node = _node(4)
-    inputs = InputBuffer(0)
+    inputs = []
     got = []
     started = threading.Event()
 
@@ -410,7 +438,7 @@ def test_each_blocked_consumer_gets_one_task(watchdog):
         thread.start()
     time.sleep(0.05)
     assert got == []
-    buffers = [InputBuffer(0) for _ in range(n)]
+    buffers = [[] for _ in range(n)]
     for i, buffer in enumerate(buffers):
         queue.push(NodeTask(graph_task, _node(i), buffer))
     for thread in threads:

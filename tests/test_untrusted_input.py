@@ -833,3 +833,199 @@ def test_none_where_the_compiled_core_reads_an_extension_type():
         assert error.startswith(f"Argument '{name}' has incorrect type (expected pyengine."), line
         assert error.endswith(", got NoneType)"), line
     assert lines[-1] == "after [[1.0, 1.0, 1.0]]"
+
+
+# -- values the compiled core read in C unchecked (found by the review of
+# 2026-12-03): None or a list shortened by Python code, read or written by
+# PyList_GET_SIZE, a cdef method call or an index without a bound check. In
+# the release build each read or wrote past an object (a segfault, or
+# silent corruption); in the debug build most aborted. Each now gets the
+# same error as the twin. --
+
+def test_none_where_a_list_or_object_is_read_in_c_is_refused():
+    lines = run_isolated('''
+        import ctypes
+        from pyengine import _core
+        report("validate_outputs grads=None", lambda: _core.validate_outputs((), None, None))
+        # GraphTask.init_to_execute wrote the node's kept slot into None.
+        # Past its 16 bytes (its reference count and type), which nothing may write.
+        past_none = (ctypes.c_uint32 * 12).from_address(id(None) + 16)
+        before = list(past_none)
+        graph_task = _core.GraphTask(False, False, 0, _core.ReadyQueue())
+        report("init_to_execute root=None", lambda: graph_task.init_to_execute(None, [], True))
+        print("memory past None unchanged:", list(past_none) == before)
+        # Engine.stop woke the owner of every graph task a device queue was
+        # handed out for, through its CPU queue: None here.
+        engine = pyengine.Engine()
+        queueless = _core.GraphTask(False, False, 0, None)
+        report("ready_queue, no CPU queue",
+               lambda: engine.ready_queue(queueless, pyengine.Device("cuda", 0)))
+        report("stop", engine.stop)
+    ''')
+    assert lines == [
+        "validate_outputs grads=None -> TypeError: Argument 'grads' has incorrect type "
+        "(expected list, got NoneType)",
+        "init_to_execute root=None -> TypeError: Argument 'graph_root' must not be None",
+        "memory past None unchanged: True",
+        "ready_queue, no CPU queue -> ValueError: this graph task has no CPU ready queue (an "
+        "owner graph's, or one made with cpu_ready_queue=None): no thread can run its nodes",
+        "stop -> None",
+    ]
+
+
+def test_a_task_pushed_from_python_must_be_one_the_engine_can_run():
+    # See Note [A task pushed from Python is checked] in
+    # pyengine/_pure/ready_queue.py. thread_main cast a forged task's
+    # inputs to a list: a segfault.
+    lines = run_isolated('''
+        from pyengine import _core
+        sink = Sink("sink")
+        class Impostor:  # what NodeTask reads of a node, not a Node
+            _sequence_nr = 5
+        class Forger(Node):
+            def __init__(self, task_fields):
+                super().__init__(next_edges=[Edge(sink, 0)],
+                                 input_metadata=[((3,), np.float64)])
+                self.task_fields = task_fields
+            def apply(self, grads):
+                graph_task = _core.state_module.get_current_graph_task()
+                fields = [graph_task if field == "graph_task" else field
+                          for field in self.task_fields]
+                if fields[1] == "self":
+                    fields[1] = self
+                elif fields[1] == "impostor":
+                    fields[1] = Impostor()
+                graph_task.cpu_ready_queue.push(_core.NodeTask(*fields))
+                return [grads[0]]
+        for fields in [("graph_task", "self", "not a list"), ("graph_task", "impostor", []),
+                       (None, "self", [])]:
+            report(fields, lambda: run(Forger(fields)))
+        print("sink got", sink.got)
+        run(Fan([Edge(sink, 0)]))
+        print("then", sink.got)
+    ''')
+    assert lines == [
+        "('graph_task', 'self', 'not a list') -> TypeError: a NodeTask with a node is one the "
+        "engine runs: its inputs must be a list, got str",
+        "('graph_task', 'impostor', []) -> TypeError: a NodeTask with a node is one the engine "
+        "runs: its node must be a Node, got Impostor",
+        "(None, 'self', []) -> TypeError: a NodeTask with a node is one the engine runs: its "
+        "graph_task must be a GraphTask, got NoneType",
+        "sink got []",
+        "then [[1.0, 1.0, 1.0]]",
+    ]
+
+
+def test_a_list_python_code_shortens_while_c_indexes_it_is_an_index_error():
+    # Each list is reached through gc, as code that meant harm would.
+    lines = run_isolated('''
+        import gc
+        from pyengine import _core
+
+        # An owner graph's returned gradients, emptied by its metadata callback.
+        class V:
+            def __init__(self, *parents):
+                self.parents, self.grad = parents, None
+        a, b = V(), V()
+        g0, g1 = np.ones(2), np.full(2, 2.0)
+        def metadata(owner):
+            if owner is a:
+                for referrer in gc.get_referrers(g0):
+                    if type(referrer) is list and len(referrer) == 2 and referrer[0] is g0:
+                        referrer.clear()
+            return [((2,), np.float64)]
+        graph = pyengine.OwnerGraph(lambda o: o.parents, lambda o, grads: [g0, g1],
+                                    mode="returns", metadata=metadata)
+        report("owner graph", lambda: graph.backward(V(a, b), np.ones(2)))
+
+        # An InputBuffer's sums, emptied by the __del__ of the value a sum replaced.
+        buffer = _core.InputBuffer(1)
+        class Dropper:
+            def __del__(self):
+                for referent in gc.get_referents(buffer):
+                    if type(referent) is list and referent is not buffer.buffer:
+                        referent.clear()
+        class Element:
+            def __add__(self, other):
+                buffer.buffer[0] = Dropper()
+                return Element()
+        buffer.add(0, np.array([Element()], dtype=object), False)
+        report("InputBuffer.add", lambda: buffer.add(0, np.array([Element()], dtype=object), False))
+
+        # execute's root gradients, emptied by the __del__ of the gradient
+        # validate_outputs cast.
+        class Vanishing(np.ndarray):
+            def __del__(self):
+                for candidate in gc.get_objects():
+                    if (type(candidate) is list and len(candidate) == 1
+                            and type(candidate[0]) is np.ndarray
+                            and candidate[0].dtype == np.float32):
+                        candidate.clear()
+        class Float32Sink(Node):
+            def apply(self, grads):
+                return []
+        float32_sink = Float32Sink(input_metadata=[((2,), np.float32)])
+        report("execute", lambda: engine.execute(
+            [Edge(float32_sink, 0)], iter([np.full(2, 7.0).view(Vanishing)]), False, False, True))
+
+        # init_to_execute's outputs, emptied by a gc callback while it runs.
+        sinks = [Sink(str(i)) for i in range(4)]
+        outputs = [Edge(node, 0) for node in sinks]
+        graph_task = _core.GraphTask(False, False, 0, _core.ReadyQueue())
+        armed = []
+        def empty_outputs(phase, info):
+            if armed and outputs:
+                outputs.clear()
+        gc.callbacks.append(empty_outputs)
+        # Drain the free lists, so that the loop's first allocation collects.
+        keep = [[] for _ in range(200)], [(i, -i) for i in range(5000)]
+        gc.set_threshold(1)
+        armed.append(1)
+        report("init_to_execute", lambda: graph_task.init_to_execute(sinks[0], outputs, False))
+        gc.set_threshold(700)
+        gc.callbacks.remove(empty_outputs)
+        print("outputs emptied:", outputs == [])
+    ''')
+    assert lines == [
+        "owner graph -> IndexError: list index out of range",
+        "InputBuffer.add -> IndexError: list assignment index out of range",
+        "execute -> IndexError: list index out of range",
+        "init_to_execute -> None",
+        "outputs emptied: True",
+    ]
+
+
+def test_an_input_buffer_whose_list_a_sum_sets_to_none_is_an_error():
+    # The sum of two gradients runs Python code, which may reach the
+    # engine's InputBuffer (through gc) and set its list to None; the engine
+    # then handed None to the task as its inputs, read in C: a segfault.
+    lines = run_isolated('''
+        import gc
+        from pyengine import _core
+        class Element:
+            def __add__(self, other):
+                for candidate in gc.get_objects():
+                    if type(candidate) is _core.InputBuffer:
+                        candidate.buffer = None
+                return Element()
+        class ObjectSink(Node):
+            def __init__(self):
+                super().__init__(input_metadata=[None])
+                self.got = []
+            def apply(self, grads):
+                self.got.append(grads)
+                return ()
+        class Twice(Node):
+            def __init__(self, edge):
+                super().__init__(next_edges=[edge, edge], input_metadata=[((3,), np.float64)])
+            def apply(self, grads):
+                return [np.array([Element()], dtype=object) for _ in range(2)]
+        sink = ObjectSink()
+        report("backward", lambda: run(Twice(Edge(sink, 0))))
+        print("sink got", sink.got)
+    ''')
+    assert lines == [
+        "backward -> RuntimeError: an InputBuffer's list was set to None while the engine "
+        "summed gradients into it: no inputs to run its node on",
+        "sink got []",
+    ]

@@ -8,7 +8,9 @@ per graph task, before any node runs.
 """
 
 from .._shared.messages import init_to_execute_refused_message, node_name, not_initialized_message
-from .graph_task import ExecInfo, task_should_execute
+from .graph_task import ExecInfo, GraphTask, task_should_execute
+from .node import Edge, NodeBase
+from .static_types import check_argument
 
 # Note [Cycles in the backward graph]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -72,16 +74,28 @@ def init_to_execute(graph_root, graph_task, outputs, accumulate_grad):
     search]. Refused on a graph task already planned or started, or while
     another call plans it.
     """
+    # The compiled signature's ``NodeBase graph_root not None, GraphTask
+    # graph_task not None``.
+    for name, value, expected in (("graph_root", graph_root, NodeBase),
+                                  ("graph_task", graph_task, GraphTask)):
+        if value is None:
+            raise TypeError(f"Argument '{name}' must not be None")
+        check_argument(name, value, expected)
     if graph_task.planning:
         raise RuntimeError(init_to_execute_refused_message("planning"))
     if graph_task.exec_info:
         raise RuntimeError(init_to_execute_refused_message("planned"))
     if graph_task.outstanding_tasks != 0 or graph_task.future_completed:
         raise RuntimeError(init_to_execute_refused_message("started"))
+    # A tuple of our own, as the compiled core's: the loop may run Python
+    # code (a collection), which could change a list it walks.
+    outputs = tuple(outputs)
     exec_info = graph_task.exec_info
     graph_task.planning = True
     try:
         for output_idx, edge in enumerate(outputs):
+            if not isinstance(edge, Edge):  # the compiled core's <Edge?> cast
+                raise TypeError(f"Cannot convert {type(edge).__name__} to pyengine._node.Edge")
             info = exec_info.get(id(edge.node))
             if info is None:
                 info = exec_info[id(edge.node)] = ExecInfo()

@@ -234,6 +234,7 @@ from .._shared.engine_registry import register_engine
 from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
 from .._shared.messages import (
     gradients_changed_message,
+    input_buffer_list_gone_message,
     no_ready_queue_message,
     node_name,
     total_depth_message,
@@ -488,7 +489,8 @@ class Engine:
         """Queue the root task and drive the graph task: inline on this thread,
         or on a pool thread past the reentrant depth limit."""
         worker = _worker_state
-        queue = self.ready_queue(graph_task, node_device(graph_root, input_buffer.buffer))
+        inputs = task_inputs(input_buffer)
+        queue = self.ready_queue(graph_task, node_device(graph_root, inputs))
         if worker.worker_device == NO_DEVICE:
             # Not inside the engine: this thread drives the graph task.
             # See Note [CPU work runs on the caller].
@@ -500,7 +502,7 @@ class Engine:
                 worker.worker_device = CPU_DEVICE
                 graph_task.owner = CPU_DEVICE
                 flush_next_task(worker)
-                queue.push(NodeTask(graph_task, graph_root, input_buffer.buffer))
+                queue.push(NodeTask(graph_task, graph_root, inputs))
                 self.thread_main(graph_task)
                 if graph_task.has_error:
                     # It raises its error: See Note [A backward that raises
@@ -520,7 +522,7 @@ class Engine:
                                                          self.max_total_depth))
             graph_task.owner = worker.worker_device
             flush_next_task(worker)
-            queue.push(NodeTask(graph_task, graph_root, input_buffer.buffer))
+            queue.push(NodeTask(graph_task, graph_root, inputs))
             if worker.current_depth >= self.max_recursion_depth:
                 add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
                                      self._run_pool_task)
@@ -739,8 +741,9 @@ class Engine:
                     accumulate_on_streams(input_buffer, next_input_nr, output, grad_mode,
                                           producer_stream, next_node._stream, node, i)
                     if is_ready:
-                        queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
-                                   graph_task, next_node, input_buffer.buffer)
+                        gradients = task_inputs(input_buffer)
+                        queue_task(worker, self.route(graph_task, next_node, gradients),
+                                   graph_task, next_node, gradients)
                     else:
                         not_ready[key] = input_buffer
                 else:
@@ -748,8 +751,9 @@ class Engine:
                                           producer_stream, next_node._stream, node, i)
                     if is_ready:
                         del not_ready[key]
-                        queue_task(worker, self.route(graph_task, next_node, input_buffer.buffer),
-                                   graph_task, next_node, input_buffer.buffer)
+                        gradients = task_inputs(input_buffer)
+                        queue_task(worker, self.route(graph_task, next_node, gradients),
+                                   graph_task, next_node, gradients)
 
     # -- devices --
 
@@ -773,6 +777,9 @@ class Engine:
         check_argument("graph_task", graph_task, GraphTask)
         if device == CPU or not graph_task.multithreading:
             return graph_task.cpu_ready_queue
+        if graph_task.cpu_ready_queue is None:
+            # A device's worker wakes the owner through it (stop() too).
+            raise ValueError(no_ready_queue_message())
         return self._devices.queue_for(device, graph_task, self._device_thread_main)
 
     def ready_queue_by_index(self, cpu_ready_queue, device_id):
@@ -888,6 +895,15 @@ def flush_next_task(worker):
         # Counted, if not yet, before another thread can pop it.
         worker.local_ready_queue.push(task,
                                       increment_outstanding_tasks=not worker.next_task_counted)
+
+
+def task_inputs(input_buffer):
+    """``input_buffer``'s list, as the inputs of its node's task, which the
+    compiled engine reads in C: never None (See input_buffer_list_gone_message)."""
+    inputs = input_buffer.buffer
+    if inputs is None:
+        raise RuntimeError(input_buffer_list_gone_message())
+    return inputs
 
 
 def single_gradient(worker, num_inputs, input_nr, gradient):

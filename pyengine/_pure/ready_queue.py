@@ -62,6 +62,8 @@ hook order against PyTorch.
 
 import threading
 
+from .._shared.messages import task_field_message
+from .node import NodeBase
 from .static_types import check_argument, final
 
 # See Note [Waits honour signals] in pyengine/_locks.pxd: the compiled
@@ -84,6 +86,43 @@ def wait_honouring_signals(condition, on_main_thread):
 def is_main_thread():
     """Whether this thread runs signal handlers."""
     return threading.current_thread() is threading.main_thread()
+
+
+# Note [A task pushed from Python is checked]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A NodeTask holds any objects (the queue orders tasks by the numbers copied
+# into them, and its tests carry a push number in ``inputs``). But a task
+# with a node is one the engine runs once popped, and the compiled engine
+# reads its graph task, node and inputs as the types it made them with,
+# unchecked: a task a user made and pushed (on the queue of the graph task
+# ``get_current_graph_task()`` returns, say) could hand it None or a str
+# in their place. So ``push`` and ``push_pop``, the queue's doors from
+# Python, refuse a task with a node unless its node is a Node, its graph
+# task a GraphTask and its inputs a list (TypeError naming the field). The
+# engine's own tasks enter in C, already of those types. A wake-up or
+# shutdown task (no node) is not run: anything goes.
+
+
+# pyengine._pure.graph_task.GraphTask, imported on first use: that module
+# imports this one.
+_graph_task_type = None
+
+
+def check_task_to_run(task):
+    """TypeError for a task with a node whose fields the engine could not
+    run: See Note [A task pushed from Python is checked]."""
+    global _graph_task_type
+    if task.node is None:
+        return
+    if _graph_task_type is None:
+        from .graph_task import GraphTask
+        _graph_task_type = GraphTask
+    if not isinstance(task.node, NodeBase):
+        raise TypeError(task_field_message("node", "a Node", task.node))
+    if not isinstance(task.graph_task, _graph_task_type):
+        raise TypeError(task_field_message("graph_task", "a GraphTask", task.graph_task))
+    if type(task.inputs) is not list:
+        raise TypeError(task_field_message("inputs", "a list", task.inputs))
 
 
 @final
@@ -204,6 +243,7 @@ class ReadyQueue:
         """Queue ``task``; count it as outstanding in its graph task unless it is
         a wake-up or shutdown task or ``increment_outstanding_tasks`` is false."""
         check_argument("task", task, NodeTask)
+        check_task_to_run(task)
         with self._not_empty:
             if increment_outstanding_tasks and task.node is not None:
                 task.graph_task.increment_outstanding_tasks()
@@ -216,6 +256,7 @@ class ReadyQueue:
         push another thread makes at that moment comes after this pop). See
         Note [The next task skips the queue] in ``pyengine/_pure/engine.py``."""
         check_argument("task", task, NodeTask)
+        check_task_to_run(task)
         if increment_outstanding_tasks and task.node is not None:
             task.graph_task.increment_outstanding_tasks()
         if not self._heap:

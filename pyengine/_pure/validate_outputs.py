@@ -38,8 +38,9 @@ def validate_outputs(edges, grads, format_error, gradient_policy="reduce", node=
     read only for a gradient that is not already its slot's value.
     """
     exact = checked_gradient_policy(gradient_policy, "validate_outputs") is EXACT
-    # The compiled signature's ``list grads``: a list (not a subclass) or None.
-    if grads is not None and type(grads) is not list:
+    # The compiled signature's ``list grads not None``: a list, not a
+    # subclass, and not None (its size is read in C, without a check).
+    if type(grads) is not list:
         raise TypeError(f"Argument 'grads' has incorrect type (expected list, got "
                         f"{type(grads).__name__})")
     edges = tuple(edges)

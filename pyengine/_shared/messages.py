@@ -104,6 +104,21 @@ def _input_nr_error(node, input_nr):
             f"the slot with input_metadata first")
 
 
+def input_buffer_list_gone_message():
+    """An InputBuffer the engine filled whose list Python code set to None
+    meanwhile (the sum runs Python code, which reaches the buffer through
+    gc): the engine reads that list as the task's inputs, in C."""
+    return ("an InputBuffer's list was set to None while the engine summed gradients into it: "
+            "no inputs to run its node on")
+
+
+def task_field_message(field, expected, value):
+    """A NodeTask with a node that a ReadyQueue refuses: See Note [A task
+    pushed from Python is checked] in pyengine/_pure/ready_queue.py."""
+    return (f"a NodeTask with a node is one the engine runs: its {field} must be {expected}, "
+            f"got {type(value).__name__}")
+
+
 def no_ready_queue_message():
     return ("this graph task has no CPU ready queue (an owner graph's, or one made with "
             "cpu_ready_queue=None): no thread can run its nodes")
