@@ -73,18 +73,29 @@ cdef class InputMetadata:
         if self.shape is not None:
             # Its fields and the fast path's copy of them must agree.
             raise TypeError("InputMetadata is immutable: its __init__ ran already")
-        self.shape = tuple([int(size) for size in shape])
-        self.dtype = _normalize_dtype(dtype)
+        shape = tuple([int(size) for size in shape])
+        dtype = _normalize_dtype(dtype)
         if type(device) is not Device:
             device = as_device(device)
-        self.device = device
-        self.is_cpu = device == CPU
         # A numeric slot may take the fast path, which passes only a gradient
         # of the slot's very dtype and shape; the slow path casts the others.
-        if isinstance(self.dtype, np.dtype) and self.dtype.kind in "biufc" and device == CPU:
-            self.numpy_dtype = self.dtype
-            for size in self.shape:
-                self.dims.push_back(size)
+        cdef bint fast_path = (isinstance(dtype, np.dtype) and dtype.kind in "biufc"
+                               and device == CPU)
+        # Every size must fit a C size (OverflowError, as the twin's), though
+        # only the fast path keeps them.
+        cdef vector[cnp.npy_intp] dims
+        for size in shape:
+            dims.push_back(size)
+        if not fast_path:
+            dims.clear()
+        # Set once nothing can fail: an __init__ that raised leaves no field
+        # set, not a fast path whose sizes disagree with the shape.
+        self.dims = dims
+        self.numpy_dtype = dtype if fast_path else None
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.is_cpu = device == CPU
 
     @classmethod
     def from_value(cls, value):

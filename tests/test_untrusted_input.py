@@ -607,10 +607,10 @@ _WRITES = [
     ("_input_metadata fewer", "sink._input_metadata = []", "backward -> []"),
     ("_input_metadata never initialized",
      "sink._input_metadata = [pyengine.InputMetadata.__new__(pyengine.InputMetadata)]",
-     "write TypeError: input_metadata[0] is an InputMetadata whose __init__ never ran"),
+     "write TypeError: input_metadata[0] is an InputMetadata whose __init__ never completed"),
     ("add_input_metadata never initialized",
      "sink.add_input_metadata(pyengine.InputMetadata.__new__(pyengine.InputMetadata))",
-     "write TypeError: an input's metadata is an InputMetadata whose __init__ never ran"),
+     "write TypeError: an input's metadata is an InputMetadata whose __init__ never completed"),
     ("input_metadata shape", "sink.input_metadata[0].shape = (5,)", "write AttributeError"),
     ("input_metadata dtype", "sink.input_metadata[0].dtype = object()", "write AttributeError"),
     ("input_metadata is_cpu", "sink.input_metadata[0].is_cpu = False", "write AttributeError"),
@@ -1029,3 +1029,25 @@ def test_an_input_buffer_whose_list_a_sum_sets_to_none_is_an_error():
         "summed gradients into it: no inputs to run its node on",
         "sink got []",
     ]
+
+
+def test_an_input_metadata_whose_init_failed_is_left_uninitialized():
+    # The compiled core set the shape and its fast path's dtype before a
+    # size that does not fit a C long raised: the fast path then compared a
+    # gradient against fewer sizes than the shape has, and the twin, which
+    # took any size, disagreed.
+    metadata = pyengine.InputMetadata.__new__(pyengine.InputMetadata)
+    for shape in [(2, 2**64), (2, -2**63 - 1)]:
+        with pytest.raises(OverflowError, match="too large to convert to C long"):
+            metadata.__init__(shape, np.float64)
+        assert (metadata.shape, metadata.dtype, metadata.device, metadata.is_cpu) == (
+            None, None, None, False)
+    with pytest.raises(TypeError, match="whose __init__ never completed"):
+        Sink_(input_metadata=[metadata])
+    # Whatever its dtype: every size is a C size.
+    with pytest.raises(OverflowError, match="too large to convert to C long"):
+        pyengine.InputMetadata((2, 2**64), object)
+    metadata.__init__((3,), np.float64)
+    sink = Sink_(input_metadata=[metadata])
+    _backward(Scale([Edge(sink, 0)], 2.0))
+    assert sink.got == [[[2.0, 2.0, 2.0]]]

@@ -34,7 +34,7 @@ from ..backends import backend_of, backend_to_add
 from ..device import CPU, Device, as_device
 from ..indexed import IndexedGradient
 from . import state
-from .static_types import check_argument, final
+from .static_types import C_LONG_MAX, C_LONG_MIN, check_argument, check_c_long, final
 
 # AccumulateGrad sorts before every other node: See Note [AccumulateGrad first].
 ACCUMULATE_GRAD_SEQUENCE_NR = 2**64 - 1
@@ -83,11 +83,20 @@ class InputMetadata:
         if getattr(self, "shape", None) is not None:
             # Its fields and the compiled fast path's copy of them must agree.
             raise TypeError("InputMetadata is immutable: its __init__ ran already")
-        set_field = object.__setattr__
-        set_field(self, "shape", tuple(int(size) for size in shape))
-        set_field(self, "dtype", _normalize_dtype(dtype))
+        shape = tuple(int(size) for size in shape)
+        dtype = _normalize_dtype(dtype)
         if type(device) is not Device:
             device = as_device(device)
+        # The compiled core converts every size to a C size (its fast path
+        # keeps them): each must fit.
+        if shape and not (C_LONG_MIN <= min(shape) and max(shape) <= C_LONG_MAX):
+            for size in shape:
+                check_c_long(size)
+        # Set once nothing can fail, as the compiled core's: an __init__
+        # that raised leaves the metadata uninitialized.
+        set_field = object.__setattr__
+        set_field(self, "shape", shape)
+        set_field(self, "dtype", dtype)
         set_field(self, "device", device)
         set_field(self, "is_cpu", device == CPU)
 

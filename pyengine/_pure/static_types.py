@@ -16,7 +16,8 @@ before a compiled function's body runs, the twin refuses in the same words.
 import operator
 import struct
 
-__all__ = ["as_c_int", "as_ssize_t", "check_argument", "final"]
+__all__ = ["C_LONG_MAX", "C_LONG_MIN", "as_c_int", "as_ssize_t", "check_argument", "check_c_long",
+           "final"]
 
 
 def final(cls):
@@ -53,6 +54,17 @@ _C_INT_BITS = struct.calcsize("i") * 8
 _C_LONG_BITS = struct.calcsize("l") * 8
 
 
+C_LONG_MIN = -(1 << (_C_LONG_BITS - 1))
+C_LONG_MAX = (1 << (_C_LONG_BITS - 1)) - 1
+
+
+def check_c_long(value):
+    """OverflowError, in CPython's words, unless the int ``value`` fits the C
+    long that Cython converts it to."""
+    if not C_LONG_MIN <= value <= C_LONG_MAX:
+        raise OverflowError("Python int too large to convert to C long")
+
+
 def as_c_int(value):
     """``value`` as the compiled core's C int fields take it: See Note [The
     engine's bounds are C ints]."""
@@ -63,8 +75,7 @@ def as_c_int(value):
         value = to_int(value)
         if not isinstance(value, int):
             raise TypeError(f"__int__ returned non-int (type {type(value).__name__})")
-    if not -(1 << (_C_LONG_BITS - 1)) <= value < 1 << (_C_LONG_BITS - 1):
-        raise OverflowError("Python int too large to convert to C long")
+    check_c_long(value)
     if not -(1 << (_C_INT_BITS - 1)) <= value < 1 << (_C_INT_BITS - 1):
         raise OverflowError("value too large to convert to int")
     return int(value)

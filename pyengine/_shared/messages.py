@@ -40,9 +40,9 @@ def lock_taken_again_message():
 
 
 def uninitialized_metadata_message(where):
-    """An InputMetadata made with ``InputMetadata.__new__`` alone: its
-    fields were never set, so no slot can use it."""
-    return f"{where} is an InputMetadata whose __init__ never ran"
+    """An InputMetadata made with ``InputMetadata.__new__`` alone, or whose
+    ``__init__`` raised: its fields were never set, so no slot can use it."""
+    return f"{where} is an InputMetadata whose __init__ never completed"
 
 
 def accumulate_grad_grads_message(grads):
