@@ -114,7 +114,7 @@ cpdef int init_to_execute(NodeBase graph_root, GraphTask graph_task, outputs,
     graph_task.planning = True
     try:
         for output_idx in range(PyTuple_GET_SIZE(output_edges)):
-            edge = <Edge?>PyTuple_GET_ITEM(output_edges, output_idx)
+            edge = <Edge?><object>PyTuple_GET_ITEM(output_edges, output_idx)
             entry = &graph_task.exec_info_.make_entry(<PyObject*>edge.node)
             if accumulate_grad:
                 entry.needed = True

@@ -700,8 +700,11 @@ cdef class Engine:
         return self._devices.queue_for(device, graph_task, self._device_thread_main)
 
     cdef ReadyQueue ready_queue_by_index(self, ReadyQueue cpu_ready_queue, int device_id):
-        """The queue of the thread whose ``worker_device`` is ``device_id``."""
+        """The queue of the thread whose ``worker_device`` is ``device_id``;
+        never None: its callers call its C methods."""
         if device_id == CPU_DEVICE:
+            if cpu_ready_queue is None:  # a graph task's owner, a public int, set to the CPU
+                raise ValueError(no_ready_queue_message())
             return cpu_ready_queue
         return self._devices.queue_by_index(device_id)
 
@@ -738,9 +741,9 @@ cdef class Engine:
         error = RuntimeError(SHUTDOWN_ERROR)
         cdef GraphTask graph_task
         for task in in_flight:
-            # Only ready_queue() adds to in_flight, and only a GraphTask
-            # with a CPU queue.
-            graph_task = <GraphTask>task
+            # Checked: ready_queue() adds only GraphTasks with a CPU queue,
+            # but Python code can reach the set (through gc).
+            graph_task = <GraphTask?>task
             if not graph_task.future_completed_.load():
                 graph_task.set_exception(error)
                 self.ready_queue_by_index(graph_task.cpu_ready_queue, graph_task.owner).push_record(
@@ -818,7 +821,8 @@ cdef object gradient_stream(NodeBase node, Py_ssize_t i, object producer_stream)
     """The stream gradient ``i`` of ``node`` was written on: a GraphRoot's
     root ``i``'s, one per root (See Note [Streaming backwards]), else the
     stream ``node`` ran on. A root whose edges Python code changed since it
-    was made may have more gradients than streams: the first one stands in."""
+    was made may have more gradients than streams: ``producer_stream``
+    stands in for the others."""
     if type(node) is not GraphRoot:
         return producer_stream
     cdef tuple root_streams = (<GraphRoot>node)._root_streams

@@ -68,7 +68,9 @@ cdef class InputBuffer:
         if pos >= PyList_GET_SIZE(buffer):
             # A node that declared no metadata for this slot: grow to fit.
             buffer.extend([None] * (pos + 1 - PyList_GET_SIZE(buffer)))
-        old = <object>PyList_GET_ITEM(buffer, pos)
+        # Indexed with its bound checked: the grow allocates, and a collection
+        # then may run Python code that empties the list.
+        old = buffer[pos]
         if old is None:
             buffer[pos] = value
             return 0

@@ -88,14 +88,20 @@ cdef class InputMetadata:
             dims.push_back(size)
         if not fast_path:
             dims.clear()
+        cdef bint is_cpu = device == CPU
         # Set once nothing can fail: an __init__ that raised leaves no field
-        # set, not a fast path whose sizes disagree with the shape.
+        # set, not a fast path whose sizes disagree with the shape. The code
+        # above ran Python code (an __index__, a device's __eq__), which may
+        # have run this __init__ to its end already: asked again, and no
+        # Python code runs from here on.
+        if self.shape is not None:
+            raise TypeError("InputMetadata is immutable: its __init__ ran already")
         self.dims = dims
         self.numpy_dtype = dtype if fast_path else None
         self.shape = shape
         self.dtype = dtype
         self.device = device
-        self.is_cpu = device == CPU
+        self.is_cpu = is_cpu
 
     @classmethod
     def from_value(cls, value):

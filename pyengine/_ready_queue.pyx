@@ -23,7 +23,7 @@ from libcpp.vector cimport vector
 from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
 from pyengine._node cimport NodeBase
 
-from pyengine._shared.messages import task_field_message
+from pyengine._shared.messages import no_ready_queue_message, task_field_message
 
 
 cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
@@ -87,12 +87,16 @@ cdef int check_task_to_run(NodeTask task) except -1:
     if _graph_task_type is None:
         from pyengine._graph_task import GraphTask
         _graph_task_type = GraphTask
-    if not isinstance(task.node, NodeBase):
+    # By the objects' types, which a __class__ property cannot fake.
+    if not issubclass(type(task.node), NodeBase):
         raise TypeError(task_field_message("node", "a Node", task.node))
-    if not isinstance(task.graph_task, _graph_task_type):
+    if not issubclass(type(task.graph_task), _graph_task_type):
         raise TypeError(task_field_message("graph_task", "a GraphTask", task.graph_task))
     if type(task.inputs) is not list:
         raise TypeError(task_field_message("inputs", "a list", task.inputs))
+    if task.graph_task.cpu_ready_queue is None:
+        # The worker that runs the task wakes its owner through that queue.
+        raise ValueError(no_ready_queue_message())
     return 0
 
 

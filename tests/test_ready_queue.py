@@ -71,7 +71,9 @@ def _node(sequence_nr):
 
 
 def _graph_task(depth, queue=None):
-    return GraphTask(False, False, depth, queue)
+    # A CPU queue of its own by default: a queue refuses a task whose graph
+    # task has none (See Note [A task pushed from Python is checked]).
+    return GraphTask(False, False, depth, ReadyQueue() if queue is None else queue)
 
 
 def _other_core_objects(module):
@@ -91,7 +93,8 @@ def _other_core_objects(module):
         node = OtherCoreNode()
         node_module._set_sequence_nr(node, sequence_nr)
         nodes.append(node)
-    graph_tasks = [graph_task_module.GraphTask(False, False, depth, None) for depth in DEPTHS]
+    graph_tasks = [graph_task_module.GraphTask(False, False, depth, module.ReadyQueue())
+                   for depth in DEPTHS]
     return graph_tasks, nodes
 
 

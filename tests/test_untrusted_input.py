@@ -861,6 +861,30 @@ def test_none_where_a_list_or_object_is_read_in_c_is_refused():
         report("ready_queue, no CPU queue",
                lambda: engine.ready_queue(queueless, pyengine.Device("cuda", 0)))
         report("stop", engine.stop)
+        # init_to_execute read an output that is not an Edge as one.
+        for output in (None, 5):
+            report(f"init_to_execute output {output}", lambda: _core.GraphTask(
+                False, False, 0, _core.ReadyQueue()).init_to_execute(Sink("s"), [output], False))
+        # The signature's check comes first, as Cython's.
+        report("validate_outputs grads=None, policy zzz",
+               lambda: _core.validate_outputs((), None, None, gradient_policy="zzz"))
+        # The engine's device threads, reached through gc: what stop() and a
+        # device task's routing read from them in C.
+        import gc
+        from pyengine._shared.device_threads import _DeviceThreads
+        class Anything:
+            __slots__ = ("__weakref__",)
+        stranger = Anything()
+        for change in ("a graph task", "a queue"):
+            engine = pyengine.Engine()
+            engine.ready_queue(_core.GraphTask(False, False, 0, _core.ReadyQueue()),
+                               pyengine.Device("cuda", 0))
+            threads = [o for o in gc.get_referents(engine) if type(o) is _DeviceThreads][0]
+            if change == "a graph task":
+                threads.graph_tasks.add(stranger)
+            else:
+                threads.queues[0] = None
+            report(f"stop, {change} changed", engine.stop)
     ''')
     assert lines == [
         "validate_outputs grads=None -> TypeError: Argument 'grads' has incorrect type "
@@ -870,6 +894,14 @@ def test_none_where_a_list_or_object_is_read_in_c_is_refused():
         "ready_queue, no CPU queue -> ValueError: this graph task has no CPU ready queue (an "
         "owner graph's, or one made with cpu_ready_queue=None): no thread can run its nodes",
         "stop -> None",
+        "init_to_execute output None -> TypeError: Cannot convert NoneType to pyengine._node.Edge",
+        "init_to_execute output 5 -> TypeError: Cannot convert int to pyengine._node.Edge",
+        "validate_outputs grads=None, policy zzz -> TypeError: Argument 'grads' has incorrect "
+        "type (expected list, got NoneType)",
+        "stop, a graph task changed -> TypeError: Cannot convert Anything to "
+        "pyengine._graph_task.GraphTask",
+        "stop, a queue changed -> RuntimeError: the engine's device queues were changed: a "
+        "NoneType where a ReadyQueue was",
     ]
 
 
@@ -897,9 +929,18 @@ def test_a_task_pushed_from_python_must_be_one_the_engine_can_run():
                     fields[1] = Impostor()
                 graph_task.cpu_ready_queue.push(_core.NodeTask(*fields))
                 return [grads[0]]
+        class PosingGraphTask:  # isinstance takes a __class__ property's word
+            __class__ = property(lambda self: _core.GraphTask)
+            reentrant_depth = 0
+            def increment_outstanding_tasks(self):
+                pass
+        queueless = _core.GraphTask(False, False, 0, None)
         for fields in [("graph_task", "self", "not a list"), ("graph_task", "impostor", []),
-                       (None, "self", [])]:
-            report(fields, lambda: run(Forger(fields)))
+                       (None, "self", []), (PosingGraphTask(), "self", []),
+                       (queueless, "self", [])]:
+            shown = tuple(field if isinstance(field, (str, list)) or field is None
+                          else type(field).__name__ for field in fields)
+            report(shown, lambda: run(Forger(fields)))
         print("sink got", sink.got)
         run(Fan([Edge(sink, 0)]))
         print("then", sink.got)
@@ -911,6 +952,10 @@ def test_a_task_pushed_from_python_must_be_one_the_engine_can_run():
         "runs: its node must be a Node, got Impostor",
         "(None, 'self', []) -> TypeError: a NodeTask with a node is one the engine runs: its "
         "graph_task must be a GraphTask, got NoneType",
+        "('PosingGraphTask', 'self', []) -> TypeError: a NodeTask with a node is one the engine "
+        "runs: its graph_task must be a GraphTask, got PosingGraphTask",
+        "('GraphTask', 'self', []) -> ValueError: this graph task has no CPU ready queue (an "
+        "owner graph's, or one made with cpu_ready_queue=None): no thread can run its nodes",
         "sink got []",
         "then [[1.0, 1.0, 1.0]]",
     ]
@@ -968,13 +1013,15 @@ def test_a_list_python_code_shortens_while_c_indexes_it_is_an_index_error():
         report("execute", lambda: engine.execute(
             [Edge(float32_sink, 0)], iter([np.full(2, 7.0).view(Vanishing)]), False, False, True))
 
-        # init_to_execute's outputs, emptied by a gc callback while it runs.
+        # init_to_execute's outputs, emptied by a gc callback once its walk
+        # has begun (the first output marked), which a copy made before the
+        # walk does not see.
         sinks = [Sink(str(i)) for i in range(4)]
         outputs = [Edge(node, 0) for node in sinks]
         graph_task = _core.GraphTask(False, False, 0, _core.ReadyQueue())
         armed = []
         def empty_outputs(phase, info):
-            if armed and outputs:
+            if armed and outputs and graph_task.exec_info:
                 outputs.clear()
         gc.callbacks.append(empty_outputs)
         # Drain the free lists, so that the loop's first allocation collects.
@@ -984,14 +1031,14 @@ def test_a_list_python_code_shortens_while_c_indexes_it_is_an_index_error():
         report("init_to_execute", lambda: graph_task.init_to_execute(sinks[0], outputs, False))
         gc.set_threshold(700)
         gc.callbacks.remove(empty_outputs)
-        print("outputs emptied:", outputs == [])
+        print("outputs emptied:", outputs == [], "captured:", len(graph_task.captured_vars))
     ''')
     assert lines == [
         "owner graph -> IndexError: list index out of range",
         "InputBuffer.add -> IndexError: list assignment index out of range",
         "execute -> IndexError: list index out of range",
         "init_to_execute -> None",
-        "outputs emptied: True",
+        "outputs emptied: True captured: 4",
     ]
 
 
@@ -1051,3 +1098,59 @@ def test_an_input_metadata_whose_init_failed_is_left_uninitialized():
     sink = Sink_(input_metadata=[metadata])
     _backward(Scale([Edge(sink, 0)], 2.0))
     assert sink.got == [[[2.0, 2.0, 2.0]]]
+
+
+def test_an_input_metadata_init_run_again_from_its_own_index_is_refused():
+    # A size's __index__ that runs the same metadata's __init__ to its end:
+    # the outer __init__ then overwrote the fields (a CPU slot became a
+    # device's), under a node that had read them in between.
+    metadata = pyengine.InputMetadata.__new__(pyengine.InputMetadata)
+    made = []
+
+    class Reentrant:
+        def __index__(self):
+            if not made:
+                metadata.__init__((3,), np.float64)
+                made.append(Sink_(input_metadata=[metadata]))
+            return 3
+
+        __int__ = __index__
+
+    with pytest.raises(TypeError, match="its __init__ ran already"):
+        metadata.__init__((Reentrant(),), np.float64, "fake:0")
+    assert (metadata.shape, metadata.device) == ((3,), pyengine.Device("cpu"))
+    _backward(Scale([Edge(made[0], 0)], 2.0))
+    assert made[0].got == [[[2.0, 2.0, 2.0]]]
+
+
+def test_an_input_buffer_list_emptied_while_it_grows_is_never_read_past_its_end():
+    # Growing the list to a slot beyond it allocates, and a collection then
+    # may run a gc callback that empties it: the compiled core read the slot
+    # past the list's end (a segfault). Where the collection falls differs
+    # between the cores, so either outcome is right: the sum, or an
+    # IndexError for the slot that went away.
+    lines = run_isolated('''
+        import gc
+        from pyengine import _core
+        buffer = _core.InputBuffer(0)
+        slots = [np.ones(1)] * 2
+        buffer.buffer = slots
+        armed = []
+        def empty_slots(phase, info):
+            if armed and phase == "start" and slots:
+                armed.clear()
+                slots.clear()
+        gc.callbacks.append(empty_slots)
+        keep = [[] for _ in range(200)], [(i, -i) for i in range(5000)]
+        gc.set_threshold(1)
+        armed.append(1)
+        try:
+            buffer.add(40, np.ones(1), False)
+            outcome = "added" if buffer.buffer[40].tolist() == [1.0] else "wrong sum"
+        except IndexError:
+            outcome = "IndexError"
+        gc.set_threshold(700)
+        gc.callbacks.remove(empty_slots)
+        print(outcome, "emptied" if not armed else "not emptied")
+    ''')
+    assert lines in (["added emptied"], ["IndexError emptied"])

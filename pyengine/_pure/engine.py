@@ -783,8 +783,11 @@ class Engine:
         return self._devices.queue_for(device, graph_task, self._device_thread_main)
 
     def ready_queue_by_index(self, cpu_ready_queue, device_id):
-        """The queue of the thread whose ``worker_device`` is ``device_id``."""
+        """The queue of the thread whose ``worker_device`` is ``device_id``;
+        never None: its callers push to it."""
         if device_id == CPU_DEVICE:
+            if cpu_ready_queue is None:  # a graph task's owner, a public int, set to the CPU
+                raise ValueError(no_ready_queue_message())
             return cpu_ready_queue
         return self._devices.queue_by_index(device_id)
 
@@ -822,6 +825,11 @@ class Engine:
         in_flight, device_queues, device_threads = self._devices.stop()
         error = RuntimeError(SHUTDOWN_ERROR)
         for graph_task in in_flight:
+            # Checked as the compiled core's <GraphTask?> cast: Python code
+            # can reach the set (through gc).
+            if type(graph_task) is not GraphTask:
+                raise TypeError(f"Cannot convert {type(graph_task).__name__} to "
+                                "pyengine._graph_task.GraphTask")
             if not graph_task.future_completed:
                 graph_task.set_exception(error)
                 self.ready_queue_by_index(graph_task.cpu_ready_queue, graph_task.owner).push(
@@ -963,7 +971,8 @@ def gradient_stream(node, i, producer_stream):
     """The stream gradient ``i`` of ``node`` was written on: a GraphRoot's
     root ``i``'s, one per root (See Note [Streaming backwards]), else the
     stream ``node`` ran on. A root whose edges Python code changed since it
-    was made may have more gradients than streams: the first one stands in."""
+    was made may have more gradients than streams: ``producer_stream``
+    stands in for the others."""
     if type(node) is not GraphRoot:
         return producer_stream
     root_streams = node._root_streams

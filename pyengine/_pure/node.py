@@ -64,10 +64,6 @@ def _not_writable(self, name, value=None):
     raise AttributeError(f"attribute '{name}' of '{type(self).__name__}' objects is not writable")
 
 
-# What the compiled InputMetadata's fields hold before its __init__ runs.
-_UNSET_INPUT_METADATA = {"shape": None, "dtype": None, "device": None, "is_cpu": False}
-
-
 @final
 class InputMetadata:
     """Shape, dtype and device of the forward output an input slot stands for.
@@ -79,8 +75,20 @@ class InputMetadata:
 
     __slots__ = ("shape", "dtype", "device", "is_cpu")
 
+    def __new__(cls, *args, **kwargs):
+        # The compiled class's fields before its __init__ (C's None and
+        # False): one made by __new__ alone reads alike in both cores, and
+        # __init__ asks ``shape`` without an AttributeError.
+        self = object.__new__(cls)
+        set_field = object.__setattr__
+        set_field(self, "shape", None)
+        set_field(self, "dtype", None)
+        set_field(self, "device", None)
+        set_field(self, "is_cpu", False)
+        return self
+
     def __init__(self, shape, dtype, device=CPU):
-        if getattr(self, "shape", None) is not None:
+        if self.shape is not None:
             # Its fields and the compiled fast path's copy of them must agree.
             raise TypeError("InputMetadata is immutable: its __init__ ran already")
         shape = tuple(int(size) for size in shape)
@@ -92,24 +100,20 @@ class InputMetadata:
         if shape and not (C_LONG_MIN <= min(shape) and max(shape) <= C_LONG_MAX):
             for size in shape:
                 check_c_long(size)
+        is_cpu = device == CPU
         # Set once nothing can fail, as the compiled core's: an __init__
-        # that raised leaves the metadata uninitialized.
+        # that raised leaves the metadata uninitialized. The code above ran
+        # Python code, which may have run this __init__ to its end already:
+        # asked again.
+        if self.shape is not None:
+            raise TypeError("InputMetadata is immutable: its __init__ ran already")
         set_field = object.__setattr__
         set_field(self, "shape", shape)
         set_field(self, "dtype", dtype)
         set_field(self, "device", device)
-        set_field(self, "is_cpu", device == CPU)
+        set_field(self, "is_cpu", is_cpu)
 
     __setattr__ = __delattr__ = _not_writable
-
-    def __getattr__(self, name):
-        # Python calls this only for a slot no __init__ set (an InputMetadata
-        # made by __new__ alone), never on the normal path: the compiled
-        # class's zero fields, so that one reads alike in both cores.
-        try:
-            return _UNSET_INPUT_METADATA[name]
-        except KeyError:
-            raise AttributeError(f"'InputMetadata' object has no attribute '{name}'") from None
 
     def __reduce__(self):
         return InputMetadata, (self.shape, self.dtype, self.device)

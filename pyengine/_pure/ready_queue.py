@@ -62,7 +62,7 @@ hook order against PyTorch.
 
 import threading
 
-from .._shared.messages import task_field_message
+from .._shared.messages import no_ready_queue_message, task_field_message
 from .node import NodeBase
 from .static_types import check_argument, final
 
@@ -98,7 +98,10 @@ def is_main_thread():
 # ``get_current_graph_task()`` returns, say) could hand it None or a str
 # in their place. So ``push`` and ``push_pop``, the queue's doors from
 # Python, refuse a task with a node unless its node is a Node, its graph
-# task a GraphTask and its inputs a list (TypeError naming the field). The
+# task a GraphTask and its inputs a list (TypeError naming the field), by
+# the objects' types (``isinstance`` would take a ``__class__`` property's
+# word), and unless that graph task has a CPU queue, through which the
+# worker that runs the task wakes the task's owner (ValueError). The
 # engine's own tasks enter in C, already of those types. A wake-up or
 # shutdown task (no node) is not run: anything goes.
 
@@ -117,12 +120,16 @@ def check_task_to_run(task):
     if _graph_task_type is None:
         from .graph_task import GraphTask
         _graph_task_type = GraphTask
-    if not isinstance(task.node, NodeBase):
+    # By the objects' types, which a __class__ property cannot fake.
+    if not issubclass(type(task.node), NodeBase):
         raise TypeError(task_field_message("node", "a Node", task.node))
-    if not isinstance(task.graph_task, _graph_task_type):
+    if not issubclass(type(task.graph_task), _graph_task_type):
         raise TypeError(task_field_message("graph_task", "a GraphTask", task.graph_task))
     if type(task.inputs) is not list:
         raise TypeError(task_field_message("inputs", "a list", task.inputs))
+    if task.graph_task.cpu_ready_queue is None:
+        # The worker that runs the task wakes its owner through that queue.
+        raise ValueError(no_ready_queue_message())
 
 
 @final

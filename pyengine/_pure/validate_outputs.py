@@ -37,12 +37,13 @@ def validate_outputs(edges, grads, format_error, gradient_policy="reduce", node=
     default policy, the rule is ``node``'s class's ``gradient_policy``,
     read only for a gradient that is not already its slot's value.
     """
-    exact = checked_gradient_policy(gradient_policy, "validate_outputs") is EXACT
-    # The compiled signature's ``list grads not None``: a list, not a
-    # subclass, and not None (its size is read in C, without a check).
+    # The compiled signature's ``list grads not None``, checked as Cython
+    # checks it, before the body: a list, not a subclass, and not None (its
+    # size is read in C, without a check).
     if type(grads) is not list:
         raise TypeError(f"Argument 'grads' has incorrect type (expected list, got "
                         f"{type(grads).__name__})")
+    exact = checked_gradient_policy(gradient_policy, "validate_outputs") is EXACT
     edges = tuple(edges)
     # Only a caller from Python: the engine passes a node's checked edges.
     for i, edge in enumerate(edges):

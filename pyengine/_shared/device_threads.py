@@ -77,18 +77,27 @@ class _DeviceThreads:
                 self.queues.append(queue)
                 self.threads.append(thread)
                 thread.start()
-            return self.queues[device_id]
+            return self._checked_queue(self.queues[device_id])
 
     def queue_by_index(self, device_id):
         with self.lock:
-            return self.queues[device_id]
+            return self._checked_queue(self.queues[device_id])
+
+    def _checked_queue(self, queue):
+        # Python code can reach this object (through gc) and change its
+        # lists; the compiled engine calls the queue's C methods.
+        if type(queue) is not self._ready_queue_type:
+            raise RuntimeError(f"the engine's device queues were changed: a "
+                               f"{type(queue).__name__} where a ReadyQueue was")
+        return queue
 
     def stop(self):
         """Refuse new device work; return the graph tasks that may still wait
         on device work, and the workers' queues and threads."""
         with self.lock:
             self.stopping = True
-            return list(self.graph_tasks), list(self.queues), list(self.threads)
+            return (list(self.graph_tasks), [self._checked_queue(queue) for queue in self.queues],
+                    list(self.threads))
 
 
 SHUTDOWN_ERROR = f"pyengine's device threads stopped ({STOPPED_BY}) while this backward was running"
