@@ -96,5 +96,4 @@ cdef class Edge:
     cdef readonly Py_ssize_t input_nr
 
 
-cdef bint on_cpu(tuple input_metadata) noexcept
 cdef bint is_numpy_array(object value) noexcept

@@ -77,10 +77,10 @@ cdef class InputMetadata:
         dtype = _normalize_dtype(dtype)
         if type(device) is not Device:
             device = as_device(device)
+        cdef bint is_cpu = device == CPU
         # A numeric slot may take the fast path, which passes only a gradient
         # of the slot's very dtype and shape; the slow path casts the others.
-        cdef bint fast_path = (isinstance(dtype, np.dtype) and dtype.kind in "biufc"
-                               and device == CPU)
+        cdef bint fast_path = is_cpu and isinstance(dtype, np.dtype) and dtype.kind in "biufc"
         # Every size must fit a C size (OverflowError, as the twin's), though
         # only the fast path keeps them.
         cdef vector[cnp.npy_intp] dims
@@ -88,7 +88,6 @@ cdef class InputMetadata:
             dims.push_back(size)
         if not fast_path:
             dims.clear()
-        cdef bint is_cpu = device == CPU
         # Set once nothing can fail: an __init__ that raised leaves no field
         # set, not a fast path whose sizes disagree with the shape. The code
         # above ran Python code (an __index__, a device's __eq__), which may
