@@ -29,6 +29,11 @@ COMPILED_MODULES = ["_state", "_interrupts", "_node", "_ready_queue", "_input_bu
 directives = {
     "language_level": 3,
     "embedsignature": True,
+    # No generated __reduce_cython__ / __setstate_cython__: the latter set C
+    # fields from a tuple without the checks of __init__ (nor, in this
+    # build, a bound check). Each class that copies says how itself: See
+    # Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+    "auto_pickle": False,
     "boundscheck": DEBUG,
     "wraparound": DEBUG,
     "initializedcheck": DEBUG,

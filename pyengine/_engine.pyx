@@ -63,8 +63,9 @@ from pyengine import streams as _streams
 from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from pyengine._shared.engine_registry import register_engine
-from pyengine._shared.messages import (gradients_changed_message, input_buffer_list_gone_message,
-                                      no_ready_queue_message, total_depth_message)
+from pyengine._shared.messages import (cannot_pickle_message, gradients_changed_message,
+                                      input_buffer_list_gone_message, no_ready_queue_message,
+                                      total_depth_message)
 from pyengine._validate_outputs import plain_error_format, validate_outputs
 from pyengine.indexed import IndexedGradient
 
@@ -272,6 +273,10 @@ cdef class Engine:
         # See Note [Every engine is stopped at exit and reset after fork] in
         # pyengine/_shared/engine_registry.py.
         register_engine(self)
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
     # -- entry point --
 

@@ -25,7 +25,8 @@ from pyengine._state cimport ThreadState, thread_state
 from pyengine import streams as _streams
 from pyengine._shared import node_streams as _node_streams
 from pyengine._shared import task_queries as _task_queries
-from pyengine._shared.messages import lock_taken_again_message, node_name, not_ready_message
+from pyengine._shared.messages import (cannot_pickle_message, lock_taken_again_message, node_name,
+                                       not_ready_message)
 
 cdef extern from "Python.h":
     # exc NULL: an int beyond a Py_ssize_t is clipped to its range.
@@ -52,6 +53,10 @@ cdef class ExecInfo:
 
     def __repr__(self):
         return f"ExecInfo(needed={self.needed}, captures={self.captures})"
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
 
 
@@ -93,6 +98,10 @@ cdef class GraphTask:
                  ReadyQueue cpu_ready_queue, bint exit_on_error=False, bint multithreading=True):
         self._init_fields(keep_graph, grad_mode, reentrant_depth, cpu_ready_queue, exit_on_error,
                           multithreading)
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
     cdef int _init_fields(self, bint keep_graph, bint grad_mode, int reentrant_depth,
                           ReadyQueue cpu_ready_queue, bint exit_on_error,

@@ -9,6 +9,7 @@ cimport cython
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 
+from pyengine._shared.messages import cannot_pickle_message
 from pyengine.backends import backend_of, check_same_device, no_backend_to_add
 
 cimport numpy as cnp
@@ -46,6 +47,10 @@ cdef class InputBuffer:
         if size < 0:
             raise ValueError(f"InputBuffer size {size} is negative")
         self.buffer = _none_list(size)
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
     # Bounds checked: the writes at the end follow the sum and the first
     # write, either of which may run Python code (a backend, a replaced

@@ -35,8 +35,9 @@ from pyengine._shared import task_queries as _task_queries
 from pyengine._shared.gradient_checks import REDUCE, gradient_policy_of
 from pyengine._shared.hooks import call_post_accumulate_grad_hooks
 from pyengine._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
-                                       accumulate_grad_grads_message, node_name,
-                                       not_initialized_message, uninitialized_metadata_message)
+                                       accumulate_grad_grads_message, cannot_pickle_message,
+                                       node_name, not_initialized_message,
+                                       uninitialized_metadata_message)
 from pyengine._shared.node_streams import _creation_stream
 from pyengine._state import get_current_node
 
@@ -259,6 +260,12 @@ cdef class NodeBase:
 
     def __init__(self, next_edges=(), input_metadata=()):
         _initialize_node(self, next_edges, input_metadata)
+
+    def __reduce__(self):
+        # A node is neither copied nor pickled (nor are torch's), but a
+        # GradientFreeNode: See Note [Copying and pickling the engine's
+        # objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
     @property
     def _initialized(self):

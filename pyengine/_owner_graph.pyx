@@ -35,7 +35,7 @@ from pyengine._shared.owner_graph_checks import (EXACT, GRADIENTS_CHANGED, REDUC
                                                 check_hook_result, check_nan, check_options,
                                                 check_reader, cycle_error, format_owner_error,
                                                 format_root_error, mark_needed, owner_name,
-                                                read_returned)
+                                                read_returned, reduce_owner_graph)
 from pyengine._shared.owner_graph_checks import check_input_nr as check_input_nr_slow
 from pyengine._shared.owner_graph_checks import count_slots as count_slots_slow
 from pyengine._shared.owner_graph_checks import split_item as split_item_slow
@@ -175,6 +175,9 @@ cdef class OwnerGraph:
 
     def __repr__(self):
         return f"OwnerGraph({self.parents!r}, {self.backward_!r}, mode={self.mode!r})"
+
+    def __reduce__(self):
+        return reduce_owner_graph(self, OwnerGraph)
 
 
 cdef inline int split_item(object item, object holder, PyObject** parent,

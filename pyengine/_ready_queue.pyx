@@ -23,7 +23,7 @@ from libcpp.vector cimport vector
 from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
 from pyengine._node cimport NodeBase
 
-from pyengine._shared.messages import no_ready_queue_message, task_field_message
+from pyengine._shared.messages import cannot_pickle_message, no_ready_queue_message, task_field_message
 
 
 cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
@@ -70,6 +70,10 @@ cdef class NodeTask:
     @classmethod
     def shutdown(cls):
         return cls(None, None, None, is_shutdown=True)
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
 
 # pyengine._graph_task.GraphTask, imported on first use: that module cimports
@@ -120,6 +124,10 @@ cdef class ReadyQueue:
     def __init__(self):
         # Without it the type would take any arguments; the twin's takes none.
         pass
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
     def __dealloc__(self):
         for i in range(self.heap.size()):

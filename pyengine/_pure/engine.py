@@ -233,6 +233,7 @@ from .._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from .._shared.engine_registry import register_engine
 from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
 from .._shared.messages import (
+    cannot_pickle_message,
     gradients_changed_message,
     input_buffer_list_gone_message,
     no_ready_queue_message,
@@ -419,6 +420,10 @@ class Engine:
     max_recursion_depth = c_int_attribute("_max_recursion_depth")
     max_total_depth = c_int_attribute("_max_total_depth")
     max_pool_threads = c_int_attribute("_max_pool_threads")
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
     # -- entry point --
 

@@ -8,7 +8,7 @@ import threading
 
 from .. import streams
 from .._shared import node_streams, task_queries
-from .._shared.messages import lock_taken_again_message, node_name, not_ready_message
+from .._shared.messages import cannot_pickle_message, lock_taken_again_message, node_name, not_ready_message
 from . import state
 from .node import NodeBase
 from .ready_queue import is_main_thread, wait_honouring_signals
@@ -35,6 +35,10 @@ class ExecInfo:
 
     def should_execute(self):
         return self.needed or bool(self.captures)
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
 
 def refuse_lock_taken_again(graph_task):
@@ -117,6 +121,10 @@ class GraphTask:
     def decrement_outstanding_tasks(self):
         with self._outstanding_lock:
             self.outstanding_tasks -= 1
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
     def completed(self):
         """All tasks ran (or failed, when the task exits on the first error)."""

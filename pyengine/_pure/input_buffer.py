@@ -27,6 +27,7 @@ import operator
 
 import numpy as np
 
+from .._shared.messages import cannot_pickle_message
 from ..backends import backend_of, check_same_device, no_backend_to_add
 from .node import is_numpy_array
 from .static_types import final
@@ -58,6 +59,10 @@ class InputBuffer:
         self.buffer = [None] * size
         # _owned[i] is the value the buffer allocated for slot i, or None.
         self._owned = None
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
     @property
     def buffer(self):

@@ -25,6 +25,7 @@ from .._shared.messages import (
     _input_nr_error,
     _leaf_state_error,
     accumulate_grad_grads_message,
+    cannot_pickle_message,
     node_name,
     not_initialized_message,
     uninitialized_metadata_message,
@@ -450,10 +451,9 @@ class NodeBase:
         return self
 
     def __reduce__(self):
-        # The compiled class, which has a __cinit__, has no default
-        # __reduce__: a node is neither copied nor pickled (nor are torch's),
-        # but a GradientFreeNode (See Note [Copying a GradientFreeNode]).
-        raise TypeError(f"cannot pickle {type(self).__name__!r} object")
+        # A node is neither copied nor pickled (nor are torch's), but a
+        # GradientFreeNode: See Note [Copying and pickling the engine's objects].
+        raise TypeError(cannot_pickle_message(self))
 
     def __init__(self, next_edges=(), input_metadata=()):
         set_field = object.__setattr__
@@ -709,6 +709,27 @@ class GradientFreeNodeBase(NodeBase):
     def __reduce__(self):
         # See Note [Copying a GradientFreeNode].
         return type(self), (self.owner, self.method, self._next_edges)
+
+
+# Note [Copying and pickling the engine's objects]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What copies and pickles, in both cores, by ``__reduce__`` of each class:
+#
+# - an InputMetadata, an Edge, a GradientFreeNode (See Note [Copying a
+#   GradientFreeNode]), a LeafState (fresh engine state) and an OwnerGraph
+#   (its fields, given again to ``OwnerGraph.__init__``, with its checks,
+#   and a subclass's ``__dict__``) are made again by their constructors;
+# - a node of any other kind, a graph task and its ExecInfo, a ready queue,
+#   a task, an InputBuffer and an engine raise TypeError
+#   (``cannot_pickle_message``): as torch's, they hold a backward's state,
+#   locks and threads, which a copy could only share or lose.
+#
+# Cython would write a ``__reduce_cython__`` and a ``__setstate_cython__``
+# for a compiled class without a ``__cinit__`` and with no ``__reduce__`` of
+# its own: the second sets every C field from a tuple it indexes without a
+# bound check in the release build (a short tuple read past its end:
+# ``Engine().__setstate_cython__(())`` crashed the interpreter), and skips
+# the checks ``__init__`` makes. setup.py turns that off (``auto_pickle``).
 
 
 # Note [Copying a GradientFreeNode]

@@ -195,6 +195,7 @@ from .._shared.owner_graph_checks import (
     mark_needed,
     owner_name,
     read_returned,
+    reduce_owner_graph,
     split_item,
 )
 from . import state
@@ -287,6 +288,9 @@ class OwnerGraph:
 
     def __repr__(self):
         return f"OwnerGraph({self.parents!r}, {self.backward_!r}, mode={self.mode!r})"
+
+    def __reduce__(self):
+        return reduce_owner_graph(self, OwnerGraph)
 
 
 def read_parents(parents, owner):

@@ -62,7 +62,7 @@ hook order against PyTorch.
 
 import threading
 
-from .._shared.messages import no_ready_queue_message, task_field_message
+from .._shared.messages import cannot_pickle_message, no_ready_queue_message, task_field_message
 from .node import NodeBase
 from .static_types import check_argument, final
 
@@ -155,6 +155,10 @@ class NodeTask:
     def shutdown(cls):
         return cls(None, None, None, is_shutdown=True)
 
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
+
 
 def compare_node_task_time(task1, task2):
     """True when ``task1`` runs after ``task2`` (the comparator of a max-heap).
@@ -245,6 +249,10 @@ class ReadyQueue:
     def __init__(self):
         self._not_empty = threading.Condition(threading.Lock())
         self._heap = []
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
     def push(self, task, increment_outstanding_tasks=True):
         """Queue ``task``; count it as outstanding in its graph task unless it is

@@ -151,3 +151,10 @@ def not_ready_message(count):
     return (f"could not compute gradients for some functions: {count} "
             f"{'node' if count == 1 else 'nodes'} got some of their gradients but not all, "
             "so never ran (did a hook or node change next_edges during backward?)")
+
+
+def cannot_pickle_message(value):
+    """What copying or pickling a node, a graph task, a queue, a task, a
+    buffer or an engine raises, in both cores: See Note [Copying and
+    pickling the engine's objects] in pyengine/_pure/node.py."""
+    return f"cannot pickle {type(value).__name__!r} object"

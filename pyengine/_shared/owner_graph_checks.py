@@ -14,8 +14,8 @@ from .messages import MAX_INPUT_NR
 __all__ = ["WRITES", "RETURNS", "REDUCE", "EXACT", "OwnerRun", "accumulate_grad", "add_owner_note",
            "check_hook_result", "check_input_nr", "check_nan", "check_options", "check_reader",
            "count_slots", "cycle_error",
-           "format_owner_error", "format_root_error", "mark_needed", "owner_name", "read_returned",
-           "split_item"]
+           "format_owner_error", "format_root_error", "make_owner_graph", "mark_needed", "owner_name",
+           "read_returned", "reduce_owner_graph", "split_item"]
 
 
 WRITES = "writes"
@@ -56,6 +56,32 @@ def check_options(returns, should_compute_output, gradient_policy, accumulates, 
                 raise TypeError(f"{what} is for mode={RETURNS!r}: in mode={WRITES!r} the "
                                 "owners write their parents' gradients themselves")
     return str(gradient_policy)
+
+
+# OwnerGraph.__init__'s keyword-only arguments: each is kept as the field of
+# its name, and given again to make a copy.
+OWNER_GRAPH_KEYWORDS = ("mode", "num_inputs", "metadata", "accumulate", "visit",
+                        "needs_no_gradient", "pre_hook", "post_hook", "should_compute_output",
+                        "gradient_policy", "accumulates", "unpack_grads", "dense_gradient")
+
+
+def reduce_owner_graph(graph, owner_graph_type):
+    """``OwnerGraph.__reduce__`` of both cores (``owner_graph_type``: the
+    core's OwnerGraph): a copy or an unpickled graph is made by the base's
+    ``__init__`` from the fields, with its checks, and gets the instance's
+    ``__dict__`` (a subclass's attributes). See Note [Copying and pickling
+    the engine's objects] in pyengine/_pure/node.py."""
+    keywords = {name: getattr(graph, name) for name in OWNER_GRAPH_KEYWORDS}
+    return (make_owner_graph, (owner_graph_type, type(graph), graph.parents, graph.backward_,
+                               keywords), getattr(graph, "__dict__", None))
+
+
+def make_owner_graph(owner_graph_type, cls, parents, backward, keywords):
+    """A ``cls`` (an ``owner_graph_type`` or a subclass) initialized by
+    ``owner_graph_type.__init__``: what ``reduce_owner_graph`` gives pickle."""
+    graph = owner_graph_type.__new__(cls)
+    owner_graph_type.__init__(graph, parents, backward, **keywords)
+    return graph
 
 
 def read_returned(owner, outputs, count):
