@@ -7,15 +7,14 @@ passes). The engine cimports ``compute_dependencies`` and
 ``init_to_execute``; one of them runs once per graph task, not per node.
 """
 
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.stdint cimport int32_t, uint32_t
 from libcpp.vector cimport vector
 
-from pyengine._graph_task cimport (ExecInfoEntry, GraphTask, SEARCH_FINISHED, SEARCH_NOT_SEEN,
-                                   SEARCH_ON_PATH, SearchState)
+from pyengine._graph_task cimport (Capture, ExecInfoEntry, GraphTask, SEARCH_FINISHED,
+                                   SEARCH_NOT_SEEN, SEARCH_ON_PATH, SearchState)
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._node cimport Edge, NodeBase
 
@@ -110,7 +109,6 @@ cpdef int init_to_execute(NodeBase graph_root, GraphTask graph_task, outputs,
     cdef Py_ssize_t output_idx
     cdef Edge edge
     cdef ExecInfoEntry* entry
-    cdef int32_t captures
     graph_task.planning = True
     try:
         for output_idx in range(PyTuple_GET_SIZE(output_edges)):
@@ -119,15 +117,11 @@ cpdef int init_to_execute(NodeBase graph_root, GraphTask graph_task, outputs,
             if accumulate_grad:
                 entry.needed = True
                 continue
-            captures = entry.captures
-            if captures < 0:
-                graph_task.exec_captures.append([])
-                captures = <int32_t>(PyList_GET_SIZE(graph_task.exec_captures) - 1)
-                # Looked up again: the append may have run Python code (a
-                # collection), and the index is set only once its list is
-                # there, so that the engine may read it unchecked.
-                graph_task.exec_info_.make_entry(<PyObject*>edge.node).captures = captures
-            (<list>graph_task.exec_captures[captures]).append((edge.input_nr, output_idx))
+            if entry.captures < 0:
+                # Set once its vector is there: the engine reads it unchecked.
+                graph_task.exec_captures.push_back(vector[Capture]())
+                entry.captures = <int32_t>(graph_task.exec_captures.size() - 1)
+            graph_task.exec_captures[entry.captures].push_back(Capture(edge.input_nr, output_idx))
         graph_task.captured_vars = [None] * PyTuple_GET_SIZE(output_edges)
         graph_task.exec_info_.make_entry(<PyObject*>graph_root)
         graph_task.dependencies_.use_kept_table()

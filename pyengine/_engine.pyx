@@ -41,7 +41,7 @@ from cpython.ref cimport Py_DECREF, Py_INCREF, Py_REFCNT
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
 
-from pyengine._graph_task cimport (ExecInfoEntry, GraphTask, NodePtr, cancel_graph_task,
+from pyengine._graph_task cimport (Capture, ExecInfoEntry, GraphTask, NodePtr, cancel_graph_task,
                                    lock_mutex, new_graph_task, task_should_execute)
 from pyengine._dependencies cimport compute_dependencies, init_to_execute
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
@@ -190,6 +190,23 @@ cdef inline int release_variables(NodeBase node) except -1:
 
 
 cdef object _IndexedGradient = IndexedGradient
+
+
+@cython.boundscheck(True)
+cdef int capture_inputs(GraphTask graph_task, Py_ssize_t captures, list inputs) except -1:
+    """Give each output that ``captures`` (an index into the task's
+    exec_captures) names its gradient among ``inputs``. Bounds checked, and
+    ``captured_vars`` written as an object: Python code may have set it to
+    None or a shorter list, and the write then fails in the twin's words."""
+    cdef Capture capture
+    lock_mutex(graph_task)
+    try:
+        for capture in graph_task.exec_captures[captures]:
+            if capture.first < len(inputs):
+                (<object>graph_task.captured_vars)[capture.second] = inputs[capture.first]
+    finally:
+        graph_task.mutex_.unlock()
+    return 0
 
 
 cdef inline bint has_indexed(list inputs) noexcept:
@@ -540,13 +557,7 @@ cdef class Engine:
                 # Tensor pre-hooks run exactly once: here, or in call_function.
                 _hooks.call_tensor_pre_hooks(node, inputs)
             if captures >= 0:
-                lock_mutex(graph_task)
-                try:
-                    for input_nr, output_idx in <list>graph_task.exec_captures[captures]:
-                        if input_nr < len(inputs):
-                            graph_task.captured_vars[output_idx] = inputs[input_nr]
-                finally:
-                    graph_task.mutex_.unlock()
+                capture_inputs(graph_task, captures, inputs)
                 if node._stream is not None:
                     graph_task.add_leaf_stream(node._stream)
             if not needed:

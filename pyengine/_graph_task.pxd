@@ -7,12 +7,17 @@ from libcpp.atomic cimport atomic
 from libcpp.condition_variable cimport condition_variable
 from libcpp.mutex cimport mutex
 from libcpp.unordered_map cimport unordered_map
+from libcpp.utility cimport pair
+from libcpp.vector cimport vector
 
 from pyengine._ready_queue cimport ReadyQueue
 from pyengine._state cimport ThreadState, thread_state
 
 ctypedef PyObject* NodePtr
 ctypedef PyObject* InputBufferPtr
+# What grad(inputs=) takes from a node's gradients: (input_nr, output_idx),
+# the gradient of the node's input slot input_nr is output output_idx.
+ctypedef pair[Py_ssize_t, Py_ssize_t] Capture
 
 cdef extern from "_gil_guarded_lock.h":
     # Lock and unlock with the GIL held: See Note [A lock the GIL guards]
@@ -95,11 +100,13 @@ cdef class GraphTask:
     # Guarded by the GIL: written only by init_to_execute
     # (pyengine/_dependencies.pyx), before any task runs; planning is set
     # while it runs. exec_info_ is empty when every node runs; an entry's
-    # captures index exec_captures, a list of lists of (input_nr,
-    # output_idx) pairs. The nodes the search marks needed are marked in
-    # dependencies_: See _exec_info_map.h and task_should_execute.
+    # captures index exec_captures, a node's Captures. In C, which Python
+    # code cannot reach (it could reach a list through gc.get_referents, and
+    # shorten it under the engine's unchecked reads). The nodes the search
+    # marks needed are marked in dependencies_: See _exec_info_map.h and
+    # task_should_execute.
     cdef ExecInfoMap exec_info_
-    cdef list exec_captures
+    cdef vector[vector[Capture]] exec_captures
     cdef bint planning
 
     # Guarded by mutex_. Keys are borrowed node pointers: the graph keeps its

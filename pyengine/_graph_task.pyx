@@ -115,7 +115,6 @@ cdef class GraphTask:
         self.caller_current_streams = _streams.current_streams() if _stream_runtimes else {}
         self.owner = -2
         self.on_pool_thread = False
-        self.exec_captures = []
         self.captured_vars = []
         self.leaf_streams = []
         self.final_callbacks = []
@@ -272,8 +271,10 @@ cdef class GraphTask:
             return None
         cdef ExecInfo info = ExecInfo.__new__(ExecInfo)
         info.needed = marked or (entry != NULL and entry.needed)
+        cdef Capture capture
         if entry != NULL and entry.captures >= 0:
-            info.captures = list(self.exec_captures[entry.captures])
+            for capture in self.exec_captures[entry.captures]:
+                info.captures.append((capture.first, capture.second))
         return info
 
     # -- execution plan --

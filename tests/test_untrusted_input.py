@@ -1154,3 +1154,29 @@ def test_an_input_buffer_list_emptied_while_it_grows_is_never_read_past_its_end(
         print(outcome, "emptied" if not armed else "not emptied")
     ''')
     assert lines in (["added emptied"], ["IndexError emptied"])
+
+
+def test_what_grad_inputs_captures_is_out_of_python_codes_reach():
+    # The compiled core kept the (input_nr, output_idx) pairs of each
+    # captured node in a list of lists that gc.get_referents reaches from
+    # the graph task, and indexed it unchecked: a node that emptied it
+    # crashed the interpreter. They are in C now; the twin keeps them in its
+    # ExecInfo objects, which this node does not reach (the graph task's
+    # referents hold ExecInfos only inside a dict).
+    lines = run_isolated('''
+        import gc
+        from pyengine import _core
+        class Emptying(Fan):
+            def apply(self, grads):
+                task = _core.state_module.get_current_graph_task()
+                for referent in gc.get_referents(task):
+                    if type(referent) is list and referent and type(referent[0]) is list:
+                        referent.clear()
+                        print("emptied a list of lists")
+                return super().apply(grads)
+        sinks = [Sink(f"s{i}") for i in range(4)]
+        captured = run(Emptying([Edge(sink, 0) for sink in sinks]), accumulate_grad=False,
+                       outputs=[Edge(sink, 0) for sink in sinks])
+        print([value.tolist() for value in captured])
+    ''')
+    assert lines == [[[1.0] * 3, [2.0] * 3, [3.0] * 3, [4.0] * 3].__repr__()]
