@@ -477,7 +477,7 @@ class Engine:
             raise
         if graph_task.exception is not None:
             # Take the error off the task: the traceback must not keep the task alive.
-            error, graph_task.exception = graph_task.exception, None
+            error, graph_task.exception_ = graph_task.exception, None
             try:
                 raise error
             finally:

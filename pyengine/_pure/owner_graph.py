@@ -728,7 +728,7 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
     graph_task.mark_as_completed_and_run_post_processing()
     if graph_task.exception is not None:
         # A final callback's error; taken off the task, as execute does.
-        error, graph_task.exception = graph_task.exception, None
+        error, graph_task.exception_ = graph_task.exception, None
         try:
             raise error
         finally:
