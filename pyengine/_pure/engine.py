@@ -323,6 +323,15 @@ class GraphRoot(NodeBase):
                            tuple([streams.value_stream(grad) for grad in grads]))
         self._stream = next((stream for stream in self._root_streams if stream is not None), None)
 
+    def __setattr__(self, name, value):
+        # The compiled GraphRoot has no __dict__: Python code writes only its
+        # fields (a Python subclass, with a __dict__, writes what it likes).
+        if type(self) is GraphRoot and not hasattr(getattr(GraphRoot, name, None), "__set__"):
+            if hasattr(GraphRoot, name):
+                raise AttributeError(f"'GraphRoot' object attribute '{name}' is read-only")
+            raise AttributeError(f"'GraphRoot' object has no attribute '{name}'")
+        object.__setattr__(self, name, value)
+
     def apply(self, grads):
         return list(self.outputs)
 

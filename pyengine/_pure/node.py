@@ -34,7 +34,7 @@ from ..backends import backend_of, backend_to_add
 from ..device import CPU, Device, as_device
 from ..indexed import IndexedGradient
 from . import state
-from .static_types import C_LONG_MAX, C_LONG_MIN, check_argument, check_c_long, final
+from .static_types import C_LONG_MAX, C_LONG_MIN, c_bint_attribute, check_argument, check_c_long, final
 
 # AccumulateGrad sorts before every other node: See Note [AccumulateGrad first].
 ACCUMULATE_GRAD_SEQUENCE_NR = 2**64 - 1
@@ -62,6 +62,16 @@ def _normalize_dtype(dtype):
 def _not_writable(self, name, value=None):
     # What writing a compiled class's readonly field raises.
     raise AttributeError(f"attribute '{name}' of '{type(self).__name__}' objects is not writable")
+
+
+def _restore_fields(self, state):
+    """``__setstate__`` of a class whose ``__setattr__`` refuses its fields:
+    copy and pickle restore them (``state``: a dict, or a pair of the
+    instance's dict and its slots), as a compiled class's pickling
+    restores its C fields."""
+    for part in state if isinstance(state, tuple) else (state,):
+        for name, value in (part or {}).items():
+            object.__setattr__(self, name, value)
 
 
 @final
@@ -314,7 +324,9 @@ def _check_input_metadata(input_metadata):
 #   and an InputMetadata's ``__init__`` runs once;
 # - free: ``_saved_values``, ``_stream``, ``_released`` (its truth value),
 #   AccumulateGrad's ``variable``, a LeafState's ``accumulator`` and hook
-#   lists: the engine hands them to Python code only, never to C.
+#   lists: the engine hands them to Python code only, never to C. A
+#   LeafState's ``keep_indexed`` is a C bint: stored as its truth value (an
+#   array's is a ValueError), and deleting it is NotImplementedError.
 #
 # The engine also copies what it must not see change while a node runs:
 # See Note [Next edges while a node runs] in ``pyengine/_pure/engine.py``.
@@ -829,9 +841,11 @@ class LeafState:
     """
 
     __slots__ = ("lock_", "accumulator", "_owned_grad", "tensor_pre_hooks",
-                 "post_accumulate_grad_hooks", "keep_indexed")
+                 "post_accumulate_grad_hooks", "keep_indexed_")
 
     lock = _read_only_field("lock", "lock_")
+    # A C bint in the compiled class: stored as its truth value.
+    keep_indexed = c_bint_attribute("keep_indexed_")
 
     def __new__(cls, *args, **kwargs):
         # In __new__, as the compiled class makes its lock in __cinit__
@@ -843,7 +857,7 @@ class LeafState:
         self._owned_grad = None
         self.tensor_pre_hooks = None
         self.post_accumulate_grad_hooks = None
-        self.keep_indexed = False
+        self.keep_indexed_ = False
         return self
 
     def __init__(self):
