@@ -356,9 +356,10 @@ for attribute in task_fields():
 
             def during():
                 task = core.state_module.get_current_graph_task()
-                if mode == "backward":
-                    pyengine.queue_callback(lambda: None)
                 written.append(outcome(lambda: setattr(task, attribute, POOL[name]()), ()))
+                if mode == "backward":
+                    # Appended to what was written, if final_callbacks.
+                    pyengine.queue_callback(lambda: None)
 
             accumulate = pyengine.AccumulateGrad(Variable())
             root = Edge(Pass(accumulate, during), 0)
