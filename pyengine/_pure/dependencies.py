@@ -100,9 +100,9 @@ def init_to_execute(graph_root, graph_task, outputs, accumulate_grad):
             if info is None:
                 info = exec_info[id(edge.node)] = ExecInfo()
             if accumulate_grad:
-                info.needed = True
+                info.needed_ = True
             else:
-                info.captures.append((edge.input_nr, output_idx))
+                info.captures_.append((edge.input_nr, output_idx))
         graph_task.captured_vars = [None] * len(outputs)
         if id(graph_root) not in exec_info:
             exec_info[id(graph_root)] = ExecInfo()
@@ -233,5 +233,5 @@ def mark_exec_info(graph_task, frame):
     info = graph_task.exec_info.get(id(node))
     if info is None:
         info = graph_task.exec_info[id(node)] = ExecInfo()
-    info.needed = True
+    info.needed_ = True
     return True

@@ -324,6 +324,15 @@ class GraphRoot(NodeBase):
                            tuple([streams.value_stream(grad) for grad in grads]))
         self._stream = next((stream for stream in self._root_streams if stream is not None), None)
 
+    def __setattr__(self, name, value):
+        # The compiled GraphRoot has no __dict__: Python code writes only its
+        # fields (a Python subclass, with a __dict__, writes what it likes).
+        if type(self) is GraphRoot and not hasattr(getattr(GraphRoot, name, None), "__set__"):
+            if hasattr(GraphRoot, name):
+                raise AttributeError(f"'GraphRoot' object attribute '{name}' is read-only")
+            raise AttributeError(f"'GraphRoot' object has no attribute '{name}'")
+        object.__setattr__(self, name, value)
+
     def apply(self, grads):
         return list(self.outputs)
 
@@ -482,7 +491,7 @@ class Engine:
             raise
         if graph_task.exception is not None:
             # Take the error off the task: the traceback must not keep the task alive.
-            error, graph_task.exception = graph_task.exception, None
+            error, graph_task.exception_ = graph_task.exception, None
             try:
                 raise error
             finally:

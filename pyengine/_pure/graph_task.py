@@ -10,9 +10,9 @@ from .. import streams
 from .._shared import node_streams, task_queries
 from .._shared.messages import cannot_pickle_message, lock_taken_again_message, node_name, not_ready_message
 from . import state
-from .node import NodeBase
+from .node import NodeBase, _checked_field, _not_list, _read_only_field
 from .ready_queue import is_main_thread, wait_honouring_signals
-from .static_types import as_ssize_t, check_argument, final
+from .static_types import as_ssize_t, c_int_attribute, check_argument, final
 
 
 @final
@@ -27,14 +27,19 @@ class ExecInfo:
     ExecInfo objects only as copies for Python.
     """
 
-    __slots__ = ("needed", "captures")
+    __slots__ = ("needed_", "captures_")
+
+    # Read only to Python code, as the compiled copies' fields: the engine
+    # writes the slots.
+    needed = _read_only_field("needed", "needed_")
+    captures = _read_only_field("captures", "captures_")
 
     def __init__(self):
-        self.needed = False
-        self.captures = []
+        self.needed_ = False
+        self.captures_ = []
 
     def should_execute(self):
-        return self.needed or bool(self.captures)
+        return self.needed_ or bool(self.captures_)
 
     def __reduce__(self):
         # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
@@ -56,6 +61,23 @@ def refuse_lock_taken_again(graph_task):
         raise RuntimeError(lock_taken_again_message())
 
 
+# Note [A graph task's fields from Python]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Python code reaches a running graph task (a node asks
+# ``state.get_current_graph_task()``) and may write its fields. The
+# compiled GraphTask keeps them in C: most are ``readonly`` or read-only
+# views of C state (``outstanding_tasks``, ``has_error``,
+# ``future_completed``, ``exception``, ``exec_info``), AttributeError when
+# written; ``owner`` is a ``public int`` (converted as any C int: See Note
+# [The engine's bounds are C ints]); ``captured_vars``, ``leaf_streams`` and
+# ``final_callbacks`` are ``public list`` (a list or None, else TypeError;
+# deleting one stores None); ``graph_root`` takes any object. The twin
+# refuses and converts the same, through properties over attributes with a
+# trailing "_" that the engine itself writes: it took any value before,
+# and failed later (a str as captured_vars) or waited forever (a running
+# task's outstanding_tasks written).
+
+
 @final
 class GraphTask:
     """Fields and how they are guarded:
@@ -75,21 +97,53 @@ class GraphTask:
     ``exception``, ``_completing``; ``has_error`` is written under it and read without it.
 
     ``final_callbacks``: appended and iterated under the GIL.
+
+    What Python code may write, as in the compiled class: See Note [A graph
+    task's fields from Python]: ``owner`` (a C int), ``graph_root``, and
+    ``captured_vars``, ``leaf_streams``, ``final_callbacks`` (a list or
+    None); the rest is read only, kept in a slot with a trailing "_".
     """
+
+    # No __dict__, as the compiled class has none: a name it lacks is an
+    # AttributeError when written.
+    __slots__ = ("keep_graph_", "grad_mode_", "reentrant_depth_", "cpu_ready_queue_",
+                 "exit_on_error_", "multithreading_", "caller_current_streams_", "owner_",
+                 "graph_root", "on_pool_thread", "mutex", "dependencies", "not_ready",
+                 "exec_info_", "planning", "captured_vars_", "leaf_streams_", "final_callbacks_",
+                 "outstanding_tasks_", "_outstanding_lock", "has_error_", "exception_",
+                 "future_completed_", "_completing", "_completion", "__weakref__")
+
+    keep_graph = _read_only_field("keep_graph", "keep_graph_")
+    grad_mode = _read_only_field("grad_mode", "grad_mode_")
+    reentrant_depth = _read_only_field("reentrant_depth", "reentrant_depth_")
+    cpu_ready_queue = _read_only_field("cpu_ready_queue", "cpu_ready_queue_")
+    exit_on_error = _read_only_field("exit_on_error", "exit_on_error_")
+    multithreading = _read_only_field("multithreading", "multithreading_")
+    caller_current_streams = _read_only_field("caller_current_streams", "caller_current_streams_")
+    exec_info = _read_only_field("exec_info", "exec_info_")
+    outstanding_tasks = _read_only_field("outstanding_tasks", "outstanding_tasks_")
+    has_error = _read_only_field("has_error", "has_error_")
+    exception = _read_only_field("exception", "exception_")
+    future_completed = _read_only_field("future_completed", "future_completed_")
+    owner = c_int_attribute("owner_")
+    captured_vars = _checked_field("captured_vars", "captured_vars_", _not_list, "list")
+    leaf_streams = _checked_field("leaf_streams", "leaf_streams_", _not_list, "list")
+    final_callbacks = _checked_field("final_callbacks", "final_callbacks_", _not_list, "list")
 
     def __init__(self, keep_graph, grad_mode, reentrant_depth, cpu_ready_queue, exit_on_error=False,
                  multithreading=True):
-        self.keep_graph = keep_graph
-        self.grad_mode = grad_mode
-        self.reentrant_depth = reentrant_depth
-        self.cpu_ready_queue = cpu_ready_queue
-        self.exit_on_error = exit_on_error
+        self.keep_graph_ = keep_graph
+        self.grad_mode_ = grad_mode
+        self.reentrant_depth_ = reentrant_depth
+        self.cpu_ready_queue_ = cpu_ready_queue
+        self.exit_on_error_ = exit_on_error
         # Whether device tasks go to device threads; else all to cpu_ready_queue.
-        self.multithreading = multithreading
+        self.multithreading_ = multithreading
         # The caller's current stream per device, stashed when the task is
         # made. See Note [Streaming backwards].
-        self.caller_current_streams = streams.current_streams()
-        self.owner = None
+        self.caller_current_streams_ = streams.current_streams()
+        # NO_DEVICE (pyengine/_pure/engine.py) until execute sets it.
+        self.owner_ = -2
         self.graph_root = None
         # Guarded by the engine's pool lock. See Note [A pool thread is back
         # before its caller] in pyengine/_pure/thread_pool.py.
@@ -98,17 +152,17 @@ class GraphTask:
         self.mutex = threading.RLock()
         self.dependencies = {}
         self.not_ready = {}
-        self.exec_info = {}
+        self.exec_info_ = {}
         # Set while init_to_execute plans the task: a second call is refused.
         self.planning = False
-        self.captured_vars = []
-        self.leaf_streams = []
-        self.final_callbacks = []
-        self.outstanding_tasks = 0
+        self.captured_vars_ = []
+        self.leaf_streams_ = []
+        self.final_callbacks_ = []
+        self.outstanding_tasks_ = 0
         self._outstanding_lock = threading.Lock()
-        self.has_error = False
-        self.exception = None
-        self.future_completed = False
+        self.has_error_ = False
+        self.exception_ = None
+        self.future_completed_ = False
         self._completing = False
         self._completion = threading.Condition(threading.Lock())
 
@@ -116,11 +170,11 @@ class GraphTask:
 
     def increment_outstanding_tasks(self):
         with self._outstanding_lock:
-            self.outstanding_tasks += 1
+            self.outstanding_tasks_ += 1
 
     def decrement_outstanding_tasks(self):
         with self._outstanding_lock:
-            self.outstanding_tasks -= 1
+            self.outstanding_tasks_ -= 1
 
     def __reduce__(self):
         # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
@@ -213,12 +267,12 @@ class GraphTask:
     def set_exception(self, exception):
         """Record the first error and complete the task's future with it."""
         with self._completion:
-            self.has_error = True
+            self.has_error_ = True
             if not self.future_completed:
-                self.exception = exception
+                self.exception_ = exception
                 # No final callback runs after an error.
                 self._completing = True
-                self.future_completed = True
+                self.future_completed_ = True
                 self._completion.notify_all()
 
     def mark_as_completed_and_run_post_processing(self):
@@ -238,7 +292,7 @@ class GraphTask:
             return
         with self._completion:
             if not self.future_completed:
-                self.future_completed = True
+                self.future_completed_ = True
                 self._completion.notify_all()
 
     def exec_post_processing(self):
@@ -251,7 +305,9 @@ class GraphTask:
         gradients but never ran fails the task: See Note [Gradients left in
         not ready]."""
         check_not_ready_empty(self)
-        node_streams.sync_leaf_streams(self)
+        # None or empty: no leaf stream to wait on (as the compiled core's).
+        if self.leaf_streams:
+            node_streams.sync_leaf_streams(self)
         previous = state.set_current_graph_task(self)
         previous_grad_mode = state.is_grad_enabled()
         state.set_grad_enabled(self.grad_mode)
@@ -309,7 +365,7 @@ def cancel_graph_task(graph_task, error):
     graph_task.set_exception(error)
     # The caller raises the error: the task must not keep it (and its traceback).
     if graph_task.exception is error:
-        graph_task.exception = None
+        graph_task.exception_ = None
     graph_task.cpu_ready_queue.discard_graph_task(graph_task)
 
 

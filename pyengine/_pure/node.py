@@ -35,7 +35,7 @@ from ..backends import backend_of, backend_to_add
 from ..device import CPU, Device, as_device
 from ..indexed import IndexedGradient
 from . import state
-from .static_types import C_LONG_MAX, C_LONG_MIN, check_argument, check_c_long, final
+from .static_types import C_LONG_MAX, C_LONG_MIN, c_bint_attribute, check_argument, check_c_long, final
 
 # AccumulateGrad sorts before every other node: See Note [AccumulateGrad first].
 ACCUMULATE_GRAD_SEQUENCE_NR = 2**64 - 1
@@ -315,7 +315,9 @@ def _check_input_metadata(input_metadata):
 #   and an InputMetadata's ``__init__`` runs once;
 # - free: ``_saved_values``, ``_stream``, ``_released`` (its truth value),
 #   AccumulateGrad's ``variable``, a LeafState's ``accumulator`` and hook
-#   lists: the engine hands them to Python code only, never to C.
+#   lists: the engine hands them to Python code only, never to C. A
+#   LeafState's ``keep_indexed`` is a C bint: stored as its truth value (an
+#   array's is a ValueError), and deleting it is NotImplementedError.
 #
 # The engine also copies what it must not see change while a node runs:
 # See Note [Next edges while a node runs] in ``pyengine/_pure/engine.py``.
@@ -850,9 +852,11 @@ class LeafState:
     """
 
     __slots__ = ("lock_", "accumulator", "_owned_grad", "tensor_pre_hooks",
-                 "post_accumulate_grad_hooks", "keep_indexed")
+                 "post_accumulate_grad_hooks", "keep_indexed_")
 
     lock = _read_only_field("lock", "lock_")
+    # A C bint in the compiled class: stored as its truth value.
+    keep_indexed = c_bint_attribute("keep_indexed_")
 
     def __new__(cls, *args, **kwargs):
         # In __new__, as the compiled class makes its lock in __cinit__
@@ -864,7 +868,7 @@ class LeafState:
         self._owned_grad = None
         self.tensor_pre_hooks = None
         self.post_accumulate_grad_hooks = None
-        self.keep_indexed = False
+        self.keep_indexed_ = False
         return self
 
     def __init__(self):

@@ -201,7 +201,7 @@ from .._shared.owner_graph_checks import (
 from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer
-from .node import InputMetadata, as_input_metadata
+from .node import InputMetadata, _not_writable, as_input_metadata
 from .static_types import check_argument
 from .validate_outputs import known_value_type
 
@@ -240,40 +240,54 @@ class OwnerGraph:
         # both cores.
         self = object.__new__(cls)
         for name in OwnerGraph.__slots__:
-            setattr(self, name, None)
+            object.__setattr__(self, name, None)
         for name in ("returns", "should_compute_output", "accumulates", "unpack_grads"):
-            setattr(self, name, False)
+            object.__setattr__(self, name, False)
         return self
+
+    def __setattr__(self, name, value):
+        # The compiled class's fields are readonly: AttributeError when
+        # Python code writes one (a subclass's own attributes it takes).
+        if name in OwnerGraph.__slots__:
+            _not_writable(self, name)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        if name in OwnerGraph.__slots__:
+            _not_writable(self, name)
+        object.__delattr__(self, name)
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
                  post_hook=None, should_compute_output=False, gradient_policy=REDUCE,
                  accumulates=False, unpack_grads=False, dense_gradient=None):
-        self.parents = check_reader("parents", parents)
-        self.backward_ = check_reader("backward", backward)
+        # Only __init__ writes the fields: See OwnerGraph.__setattr__.
+        set_field = object.__setattr__
+        set_field(self, "parents", check_reader("parents", parents))
+        set_field(self, "backward_", check_reader("backward", backward))
         if mode != WRITES and mode != RETURNS:
             raise ValueError(f"mode must be {WRITES!r} or {RETURNS!r}, got {mode!r}")
-        self.mode = mode
-        self.returns = mode == RETURNS
+        set_field(self, "mode", mode)
+        set_field(self, "returns", mode == RETURNS)
         if not self.returns:
             for what, value in (("num_inputs", num_inputs), ("metadata", metadata),
                                 ("accumulate", accumulate), ("dense_gradient", dense_gradient)):
                 if value is not None:
                     raise TypeError(f"{what} is for mode={RETURNS!r}: in mode={WRITES!r} "
                                     "the owners write their parents' gradients themselves")
-        self.num_inputs = _check_optional("num_inputs", num_inputs)
-        self.metadata = _check_optional("metadata", metadata)
-        self.accumulate = _check_optional("accumulate", accumulate)
-        self.visit = _check_optional("visit", visit)
-        self.needs_no_gradient = _check_optional("needs_no_gradient", needs_no_gradient)
-        self.pre_hook = _check_optional("pre_hook", pre_hook)
-        self.post_hook = _check_optional("post_hook", post_hook)
-        self.gradient_policy = check_options(self.returns, should_compute_output,
-                                             gradient_policy, accumulates, unpack_grads)
-        self.should_compute_output = should_compute_output
-        self.accumulates = accumulates
-        self.unpack_grads = unpack_grads
-        self.dense_gradient = _check_optional("dense_gradient", dense_gradient)
+        set_field(self, "num_inputs", _check_optional("num_inputs", num_inputs))
+        set_field(self, "metadata", _check_optional("metadata", metadata))
+        set_field(self, "accumulate", _check_optional("accumulate", accumulate))
+        set_field(self, "visit", _check_optional("visit", visit))
+        set_field(self, "needs_no_gradient", _check_optional("needs_no_gradient", needs_no_gradient))
+        set_field(self, "pre_hook", _check_optional("pre_hook", pre_hook))
+        set_field(self, "post_hook", _check_optional("post_hook", post_hook))
+        set_field(self, "gradient_policy", check_options(
+            self.returns, should_compute_output, gradient_policy, accumulates, unpack_grads))
+        set_field(self, "should_compute_output", should_compute_output)
+        set_field(self, "accumulates", accumulates)
+        set_field(self, "unpack_grads", unpack_grads)
+        set_field(self, "dense_gradient", _check_optional("dense_gradient", dense_gradient))
 
     def backward(self, root, grad=None):
         """Run backward from ``root`` (an owner, or a pair ``(owner,
@@ -732,7 +746,7 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
     graph_task.mark_as_completed_and_run_post_processing()
     if graph_task.exception is not None:
         # A final callback's error; taken off the task, as execute does.
-        error, graph_task.exception = graph_task.exception, None
+        error, graph_task.exception_ = graph_task.exception, None
         try:
             raise error
         finally:

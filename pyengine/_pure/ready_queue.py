@@ -63,7 +63,7 @@ hook order against PyTorch.
 import threading
 
 from .._shared.messages import cannot_pickle_message, no_ready_queue_message, task_field_message
-from .node import NodeBase
+from .node import NodeBase, _not_writable
 from .static_types import check_argument, final
 
 # See Note [Waits honour signals] in pyengine/_locks.pxd: the compiled
@@ -144,12 +144,18 @@ class NodeTask:
     __slots__ = ("graph_task", "node", "inputs", "is_shutdown", "reentrant_depth", "sequence_nr")
 
     def __init__(self, graph_task, node, inputs, is_shutdown=False):
-        self.graph_task = graph_task
-        self.node = node
-        self.inputs = inputs
-        self.is_shutdown = is_shutdown
-        self.reentrant_depth = graph_task.reentrant_depth if graph_task is not None else 0
-        self.sequence_nr = node._sequence_nr if node is not None else 0
+        # Python code cannot write the fields (AttributeError), as the
+        # compiled class's readonly ones: only __init__ sets them.
+        set_field = object.__setattr__
+        set_field(self, "graph_task", graph_task)
+        set_field(self, "node", node)
+        set_field(self, "inputs", inputs)
+        set_field(self, "is_shutdown", is_shutdown)
+        set_field(self, "reentrant_depth",
+                  graph_task.reentrant_depth if graph_task is not None else 0)
+        set_field(self, "sequence_nr", node._sequence_nr if node is not None else 0)
+
+    __setattr__ = __delattr__ = _not_writable
 
     @classmethod
     def shutdown(cls):
@@ -245,6 +251,9 @@ class ReadyQueue:
 
     ``_heap`` is guarded by ``_not_empty``'s lock.
     """
+
+    # No __dict__, as the compiled class has none.
+    __slots__ = ("_not_empty", "_heap")
 
     def __init__(self):
         self._not_empty = threading.Condition(threading.Lock())

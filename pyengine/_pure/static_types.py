@@ -16,8 +16,8 @@ before a compiled function's body runs, the twin refuses in the same words.
 import operator
 import struct
 
-__all__ = ["C_LONG_MAX", "C_LONG_MIN", "as_c_int", "as_ssize_t", "check_argument", "check_c_long",
-           "final"]
+__all__ = ["C_LONG_MAX", "C_LONG_MIN", "as_c_int", "as_ssize_t", "c_bint_attribute",
+           "c_int_attribute", "check_argument", "check_c_long", "final"]
 
 
 def final(cls):
@@ -92,6 +92,24 @@ def c_int_attribute(field):
 
     def set(self, value):
         setattr(self, field, as_c_int(value))
+
+    def delete(self):
+        raise NotImplementedError("__del__")
+
+    return property(get, set, delete)
+
+
+def c_bint_attribute(field):
+    """A property over the slot ``field`` that behaves as a Cython ``cdef
+    public bint`` attribute: a value set is stored as its truth value (an
+    array of several elements is Python's ValueError), and ``del`` is
+    NotImplementedError "__del__", as for a C int."""
+
+    def get(self):
+        return getattr(self, field)
+
+    def set(self, value):
+        setattr(self, field, bool(value))
 
     def delete(self):
         raise NotImplementedError("__del__")
