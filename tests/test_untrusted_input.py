@@ -784,16 +784,21 @@ def test_a_grad_no_backend_adds_to_is_named_and_kept():
 
 
 # Each names an argument the compiled function reads as an extension type
-# at once: None there was read as one (SIGSEGV, or a write into None).
+# at once: None there was read as one (SIGSEGV, or a write into None). With
+# the type Cython's error names, in both cores (the twin names its classes
+# by the compiled core's names: See Note [Type names in Cython's words] in
+# pyengine/_pure/static_types.py).
 _NONE_ARGUMENTS = [
-    ("graph_task", "engine.ready_queue(None, pyengine.CPU)"),
-    ("queue", "engine._device_thread_main(1, None)"),
-    ("graph_task", "engine._run_pool_task(None)"),
-    ("node", "core.set_sequence_nr(None, 0)"),
-    ("graph", "core.owner_graph_module.run_owner_graph(None, None, None, None, False)"),
-    ("task", "core.ReadyQueue().push(None)"),
-    ("task", "core.ReadyQueue().push_pop(None)"),
-    ("pool", "thread_pool._reentrant_thread_main(None, None, [])"),
+    ("graph_task", "engine.ready_queue(None, pyengine.CPU)", "pyengine._graph_task.GraphTask"),
+    ("queue", "engine._device_thread_main(1, None)", "pyengine._ready_queue.ReadyQueue"),
+    ("graph_task", "engine._run_pool_task(None)", "pyengine._graph_task.GraphTask"),
+    ("node", "core.set_sequence_nr(None, 0)", "pyengine._node.NodeBase"),
+    ("graph", "core.owner_graph_module.run_owner_graph(None, None, None, None, False)",
+     "pyengine._owner_graph.OwnerGraph"),
+    ("task", "core.ReadyQueue().push(None)", "pyengine._ready_queue.NodeTask"),
+    ("task", "core.ReadyQueue().push_pop(None)", "pyengine._ready_queue.NodeTask"),
+    ("pool", "thread_pool._reentrant_thread_main(None, None, [])",
+     "pyengine._thread_pool._ThreadPoolShared"),
 ]
 
 
@@ -806,7 +811,7 @@ def test_none_where_the_compiled_core_reads_an_extension_type():
         thread_pool = importlib.import_module(
             "pyengine._thread_pool" if core.IMPLEMENTATION == "compiled"
             else "pyengine._pure.thread_pool")
-        for name, statement in {_NONE_ARGUMENTS!r}:
+        for name, statement, _ in {_NONE_ARGUMENTS!r}:
             try:
                 exec(statement)
             except TypeError as error:
@@ -814,6 +819,12 @@ def test_none_where_the_compiled_core_reads_an_extension_type():
             else:
                 print(name, "| no error")
             gc.collect()
+        # Cython names a type defined in C with its module.
+        import numpy as np
+        try:
+            core.set_sequence_nr(np.int64(1), 0)
+        except TypeError as error:
+            print("numpy |", error)
         # A graph task may lack a queue (an owner graph's has none); no
         # thread may then run it.
         try:
@@ -824,15 +835,16 @@ def test_none_where_the_compiled_core_reads_an_extension_type():
         run(Fan([Edge(sink, 0)]))
         print("after", sink.got)
     ''')
-    assert len(lines) == len(_NONE_ARGUMENTS) + 2
-    assert lines[-2] == ("no queue | this graph task has no CPU ready queue (an owner graph's, or "
-                         "one made with cpu_ready_queue=None): no thread can run its nodes")
-    for (name, _), line in zip(_NONE_ARGUMENTS, lines):
-        argument, error = line.split(" | ")
-        assert argument == name
-        assert error.startswith(f"Argument '{name}' has incorrect type (expected pyengine."), line
-        assert error.endswith(", got NoneType)"), line
-    assert lines[-1] == "after [[1.0, 1.0, 1.0]]"
+    assert lines[:len(_NONE_ARGUMENTS)] == [
+        f"{name} | Argument '{name}' has incorrect type (expected {expected}, got NoneType)"
+        for name, _, expected in _NONE_ARGUMENTS]
+    assert lines[len(_NONE_ARGUMENTS):] == [
+        "numpy | Argument 'node' has incorrect type (expected pyengine._node.NodeBase, got "
+        "numpy.int64)",
+        "no queue | this graph task has no CPU ready queue (an owner graph's, or one made with "
+        "cpu_ready_queue=None): no thread can run its nodes",
+        "after [[1.0, 1.0, 1.0]]",
+    ]
 
 
 # -- values the compiled core read in C unchecked (found by the review of
@@ -862,8 +874,8 @@ def test_none_where_a_list_or_object_is_read_in_c_is_refused():
                lambda: engine.ready_queue(queueless, pyengine.Device("cuda", 0)))
         report("stop", engine.stop)
         # init_to_execute read an output that is not an Edge as one.
-        for output in (None, 5):
-            report(f"init_to_execute output {output}", lambda: _core.GraphTask(
+        for output in (None, 5, np.int64(5)):
+            report(f"init_to_execute output {output!r}", lambda: _core.GraphTask(
                 False, False, 0, _core.ReadyQueue()).init_to_execute(Sink("s"), [output], False))
         # The signature's check comes first, as Cython's.
         report("validate_outputs grads=None, policy zzz",
@@ -896,6 +908,8 @@ def test_none_where_a_list_or_object_is_read_in_c_is_refused():
         "stop -> None",
         "init_to_execute output None -> TypeError: Cannot convert NoneType to pyengine._node.Edge",
         "init_to_execute output 5 -> TypeError: Cannot convert int to pyengine._node.Edge",
+        "init_to_execute output np.int64(5) -> TypeError: Cannot convert numpy.int64 to "
+        "pyengine._node.Edge",
         "validate_outputs grads=None, policy zzz -> TypeError: Argument 'grads' has incorrect "
         "type (expected list, got NoneType)",
         "stop, a graph task changed -> TypeError: Cannot convert Anything to "
