@@ -622,6 +622,12 @@ _WRITES = [
     ("_retains_grad_hooks list", "mid._retains_grad_hooks = []",
      "write TypeError: Expected dict, got list"),
     ("_metadata int", "mid._metadata = 1", "write TypeError: Expected dict, got int"),
+    # Cython names a type defined in C with its module: See Note [Type names
+    # in Cython's words] in pyengine/_pure/static_types.py.
+    ("_metadata numpy int", "mid._metadata = np.int64(1)",
+     "write TypeError: Expected dict, got numpy.int64"),
+    ("_pre_hooks array", "mid._pre_hooks = np.ones(1)",
+     "write TypeError: Expected list, got numpy.ndarray"),
     ("del _pre_hooks", "del mid._pre_hooks", "backward -> []"),
     ("_sequence_nr", "mid._sequence_nr = 2**70", "write AttributeError"),
     ("_initialized", "mid._initialized = False", "write AttributeError"),
@@ -669,6 +675,8 @@ _WRITES = [
      "write TypeError: Expected list, got tuple"),
     ("input buffer list subclass", "InputBuffer(1).buffer = type('L', (list,), {})([None])",
      "write TypeError: Expected list, got L"),
+    ("input buffer array", "InputBuffer(1).buffer = np.ones(1)",
+     "write TypeError: Expected list, got numpy.ndarray"),
     ("del input buffer list",
      "b = InputBuffer(1); del b.buffer; assert b.buffer is None; b.add(0, np.ones(3), False)",
      "write TypeError: InputBuffer.buffer is None; expected a list"),
