@@ -64,7 +64,7 @@ from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from pyengine._shared.engine_registry import register_engine
 from pyengine._shared.messages import (gradients_changed_message, input_buffer_list_gone_message,
-                                      no_ready_queue_message, total_depth_message)
+                                      no_ready_queue_message, raise_error, total_depth_message)
 from pyengine._validate_outputs import plain_error_format, validate_outputs
 from pyengine.indexed import IndexedGradient
 
@@ -346,6 +346,8 @@ cdef class Engine:
             # Take the error off the task: the traceback must not keep the task alive.
             error = graph_task.exception_
             graph_task.exception_ = None
+            if not isinstance(error, BaseException):
+                raise_error(error)
             raise error
         return graph_task.captured_vars
 
@@ -539,7 +541,10 @@ cdef class Engine:
                 try:
                     for input_nr, output_idx in <list>graph_task.exec_captures[captures]:
                         if input_nr < len(inputs):
-                            graph_task.captured_vars[output_idx] = inputs[input_nr]
+                            # As an object: Python code may have set the
+                            # field to None, which then fails in the twin's
+                            # (Python's) words, not Cython's.
+                            (<object>graph_task.captured_vars)[output_idx] = inputs[input_nr]
                 finally:
                     graph_task.mutex_.unlock()
                 if node._stream is not None:
