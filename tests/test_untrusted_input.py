@@ -1176,3 +1176,79 @@ def test_an_input_buffer_list_emptied_while_it_grows_is_never_read_past_its_end(
         print(outcome, "emptied" if not armed else "not emptied")
     ''')
     assert lines in (["added emptied"], ["IndexError emptied"])
+
+
+# -- a graph task's fields and its exception, set by a running node (found
+# by comparing both cores' error messages) --
+
+def test_graph_task_fields_a_running_node_sets_fail_in_the_same_words():
+    lines = run_isolated('''
+        from pyengine._core import state_module
+
+
+        class Poke(Node):
+            """Sets its graph task's field ``field`` to ``value`` and passes its
+            gradient on."""
+
+            def __init__(self, edges, field, value):
+                super().__init__(next_edges=edges, input_metadata=[((3,), np.float64)])
+                self.field, self.value = field, value
+
+            def apply(self, grads):
+                graph_task = state_module.get_current_graph_task()
+                if self.field == "exception":
+                    graph_task.set_exception(self.value)
+                else:
+                    setattr(graph_task, self.field, self.value)
+                return [grads[0]]
+
+
+        for field, value in (("captured_vars", None), ("captured_vars", []),
+                             ("leaf_streams", None), ("final_callbacks", None),
+                             ("exception", 5), ("exception", KeyError)):
+            sink = Sink("sink")
+            for outputs in (None, [Edge(sink, 0)]):
+                report(f"{field}={value!r} outputs={outputs is not None}",
+                       lambda: run(Poke([Edge(sink, 0)], field, value), outputs=outputs,
+                                   accumulate_grad=outputs is None))
+        # A final callback sets it in an owner graph's backward.
+
+
+        class Value:
+            def __init__(self, kids=()):
+                self.kids = kids
+
+            def back(self):
+                pyengine.queue_callback(
+                    lambda: state_module.get_current_graph_task().set_exception(5))
+
+
+        report("owner graph exception=5",
+               lambda: pyengine.execute_owner_graph(Value((Value(),)), "kids", "back"))
+        sink = Sink("sink")
+        run(Fan([Edge(sink, 0)]))
+        print("after", sink.got)
+    ''')
+    assert lines == [
+        # Nothing captured: execute returns the field as it is.
+        "captured_vars=None outputs=False -> None",
+        # The compiled core said "'NoneType' object is not subscriptable".
+        "captured_vars=None outputs=True -> TypeError: 'NoneType' object does not support item "
+        "assignment",
+        "captured_vars=[] outputs=False -> []",
+        "captured_vars=[] outputs=True -> IndexError: list assignment index out of range",
+        # The twin iterated None ("'NoneType' object is not iterable"); the
+        # compiled core syncs leaf streams only when there are any.
+        "leaf_streams=None outputs=False -> []",
+        "leaf_streams=None outputs=True -> [array([1., 1., 1.])]",
+        "final_callbacks=None outputs=False -> TypeError: object of type 'NoneType' has no len()",
+        "final_callbacks=None outputs=True -> TypeError: object of type 'NoneType' has no len()",
+        # The compiled core said "raise: exception class must be a subclass
+        # of BaseException".
+        "exception=5 outputs=False -> TypeError: exceptions must derive from BaseException",
+        "exception=5 outputs=True -> TypeError: exceptions must derive from BaseException",
+        "exception=<class 'KeyError'> outputs=False -> KeyError: ",
+        "exception=<class 'KeyError'> outputs=True -> KeyError: ",
+        "owner graph exception=5 -> TypeError: exceptions must derive from BaseException",
+        "after [[1.0, 1.0, 1.0]]",
+    ]

@@ -243,7 +243,10 @@ class GraphTask:
         gradients but never ran fails the task: See Note [Gradients left in
         not ready]."""
         check_not_ready_empty(self)
-        node_streams.sync_leaf_streams(self)
+        # Only when there are any (as the compiled core, which calls no
+        # Python code otherwise): None, which Python code may set, is none.
+        if self.leaf_streams:
+            node_streams.sync_leaf_streams(self)
         previous = state.set_current_graph_task(self)
         previous_grad_mode = state.is_grad_enabled()
         state.set_grad_enabled(self.grad_mode)
