@@ -30,6 +30,7 @@ import threading
 import numpy as np
 
 import pyengine
+from pyengine._core import state_module
 
 SHAPE = (2,)
 
@@ -194,6 +195,15 @@ class Program:
                 handle.remove()
         elif action == "raise":
             raise FuzzError(f"{action} in node {getattr(node, 'index', '?')}")
+        elif action.startswith("task_"):
+            # The running graph task's fields, as Python code may set them.
+            graph_task = state_module.get_current_graph_task()
+            if action == "task_captured_none":
+                graph_task.captured_vars = None
+            elif action == "task_leaf_streams_none":
+                graph_task.leaf_streams = None
+            else:
+                graph_task.set_exception(5)
         else:
             return False
         return True

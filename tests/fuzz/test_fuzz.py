@@ -5,7 +5,8 @@ Hypothesis generates batches of 20 programs as plain data
 float64 gradients, and misuse mixed in: edges with odd ``input_nr``, into
 wrong slots or not edges at all, ``next_edges`` set through the setter
 (cycles included), private fields written (``_next_edges``,
-``_input_metadata``), hooks of every kind and ``apply`` / ``release_variables``
+``_input_metadata``, and the running graph task's ``captured_vars``,
+``leaf_streams`` and exception), hooks of every kind and ``apply`` / ``release_variables``
 that return odd values, raise or change the graph while it runs, odd
 arguments to ``backward`` / ``grad`` / ``Engine.execute``, and owner graphs
 (``execute_owner_graph``) whose collections are odd or change during the
