@@ -65,7 +65,7 @@ from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node
 from pyengine._shared.engine_registry import register_engine
 from pyengine._shared.messages import (cannot_pickle_message, gradients_changed_message,
                                       input_buffer_list_gone_message, no_ready_queue_message,
-                                      total_depth_message)
+                                      raise_error, total_depth_message)
 from pyengine._validate_outputs import plain_error_format, validate_outputs
 from pyengine.indexed import IndexedGradient
 
@@ -368,6 +368,8 @@ cdef class Engine:
             # Take the error off the task: the traceback must not keep the task alive.
             error = graph_task.exception_
             graph_task.exception_ = None
+            if not isinstance(error, BaseException):
+                raise_error(error)
             raise error
         return graph_task.captured_vars
 

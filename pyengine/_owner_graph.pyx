@@ -39,7 +39,7 @@ from pyengine._shared.owner_graph_checks import (EXACT, GRADIENTS_CHANGED, REDUC
 from pyengine._shared.owner_graph_checks import check_input_nr as check_input_nr_slow
 from pyengine._shared.owner_graph_checks import count_slots as count_slots_slow
 from pyengine._shared.owner_graph_checks import split_item as split_item_slow
-from pyengine._shared.messages import MAX_INPUT_NR
+from pyengine._shared.messages import MAX_INPUT_NR, raise_error
 from pyengine._node import as_input_metadata
 from pyengine._shared.gradient_checks import validate_gradient, validate_gradient_exact
 
@@ -863,6 +863,8 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
         # A final callback's error; taken off the task, as execute does.
         error = graph_task.exception_
         graph_task.exception_ = None
+        if not isinstance(error, BaseException):
+            raise_error(error)
         raise error
     if captured is None:
         return None

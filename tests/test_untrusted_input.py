@@ -622,6 +622,12 @@ _WRITES = [
     ("_retains_grad_hooks list", "mid._retains_grad_hooks = []",
      "write TypeError: Expected dict, got list"),
     ("_metadata int", "mid._metadata = 1", "write TypeError: Expected dict, got int"),
+    # Cython names a type defined in C with its module: See Note [Type names
+    # in Cython's words] in pyengine/_pure/static_types.py.
+    ("_metadata numpy int", "mid._metadata = np.int64(1)",
+     "write TypeError: Expected dict, got numpy.int64"),
+    ("_pre_hooks array", "mid._pre_hooks = np.ones(1)",
+     "write TypeError: Expected list, got numpy.ndarray"),
     ("del _pre_hooks", "del mid._pre_hooks", "backward -> []"),
     ("_sequence_nr", "mid._sequence_nr = 2**70", "write AttributeError"),
     ("_initialized", "mid._initialized = False", "write AttributeError"),
@@ -669,6 +675,8 @@ _WRITES = [
      "write TypeError: Expected list, got tuple"),
     ("input buffer list subclass", "InputBuffer(1).buffer = type('L', (list,), {})([None])",
      "write TypeError: Expected list, got L"),
+    ("input buffer array", "InputBuffer(1).buffer = np.ones(1)",
+     "write TypeError: Expected list, got numpy.ndarray"),
     ("del input buffer list",
      "b = InputBuffer(1); del b.buffer; assert b.buffer is None; b.add(0, np.ones(3), False)",
      "write TypeError: InputBuffer.buffer is None; expected a list"),
@@ -784,16 +792,21 @@ def test_a_grad_no_backend_adds_to_is_named_and_kept():
 
 
 # Each names an argument the compiled function reads as an extension type
-# at once: None there was read as one (SIGSEGV, or a write into None).
+# at once: None there was read as one (SIGSEGV, or a write into None). With
+# the type Cython's error names, in both cores (the twin names its classes
+# by the compiled core's names: See Note [Type names in Cython's words] in
+# pyengine/_pure/static_types.py).
 _NONE_ARGUMENTS = [
-    ("graph_task", "engine.ready_queue(None, pyengine.CPU)"),
-    ("queue", "engine._device_thread_main(1, None)"),
-    ("graph_task", "engine._run_pool_task(None)"),
-    ("node", "core.set_sequence_nr(None, 0)"),
-    ("graph", "core.owner_graph_module.run_owner_graph(None, None, None, None, False)"),
-    ("task", "core.ReadyQueue().push(None)"),
-    ("task", "core.ReadyQueue().push_pop(None)"),
-    ("pool", "thread_pool._reentrant_thread_main(None, None, [])"),
+    ("graph_task", "engine.ready_queue(None, pyengine.CPU)", "pyengine._graph_task.GraphTask"),
+    ("queue", "engine._device_thread_main(1, None)", "pyengine._ready_queue.ReadyQueue"),
+    ("graph_task", "engine._run_pool_task(None)", "pyengine._graph_task.GraphTask"),
+    ("node", "core.set_sequence_nr(None, 0)", "pyengine._node.NodeBase"),
+    ("graph", "core.owner_graph_module.run_owner_graph(None, None, None, None, False)",
+     "pyengine._owner_graph.OwnerGraph"),
+    ("task", "core.ReadyQueue().push(None)", "pyengine._ready_queue.NodeTask"),
+    ("task", "core.ReadyQueue().push_pop(None)", "pyengine._ready_queue.NodeTask"),
+    ("pool", "thread_pool._reentrant_thread_main(None, None, [])",
+     "pyengine._thread_pool._ThreadPoolShared"),
 ]
 
 
@@ -806,7 +819,7 @@ def test_none_where_the_compiled_core_reads_an_extension_type():
         thread_pool = importlib.import_module(
             "pyengine._thread_pool" if core.IMPLEMENTATION == "compiled"
             else "pyengine._pure.thread_pool")
-        for name, statement in {_NONE_ARGUMENTS!r}:
+        for name, statement, _ in {_NONE_ARGUMENTS!r}:
             try:
                 exec(statement)
             except TypeError as error:
@@ -814,6 +827,12 @@ def test_none_where_the_compiled_core_reads_an_extension_type():
             else:
                 print(name, "| no error")
             gc.collect()
+        # Cython names a type defined in C with its module.
+        import numpy as np
+        try:
+            core.set_sequence_nr(np.int64(1), 0)
+        except TypeError as error:
+            print("numpy |", error)
         # A graph task may lack a queue (an owner graph's has none); no
         # thread may then run it.
         try:
@@ -824,15 +843,16 @@ def test_none_where_the_compiled_core_reads_an_extension_type():
         run(Fan([Edge(sink, 0)]))
         print("after", sink.got)
     ''')
-    assert len(lines) == len(_NONE_ARGUMENTS) + 2
-    assert lines[-2] == ("no queue | this graph task has no CPU ready queue (an owner graph's, or "
-                         "one made with cpu_ready_queue=None): no thread can run its nodes")
-    for (name, _), line in zip(_NONE_ARGUMENTS, lines):
-        argument, error = line.split(" | ")
-        assert argument == name
-        assert error.startswith(f"Argument '{name}' has incorrect type (expected pyengine."), line
-        assert error.endswith(", got NoneType)"), line
-    assert lines[-1] == "after [[1.0, 1.0, 1.0]]"
+    assert lines[:len(_NONE_ARGUMENTS)] == [
+        f"{name} | Argument '{name}' has incorrect type (expected {expected}, got NoneType)"
+        for name, _, expected in _NONE_ARGUMENTS]
+    assert lines[len(_NONE_ARGUMENTS):] == [
+        "numpy | Argument 'node' has incorrect type (expected pyengine._node.NodeBase, got "
+        "numpy.int64)",
+        "no queue | this graph task has no CPU ready queue (an owner graph's, or one made with "
+        "cpu_ready_queue=None): no thread can run its nodes",
+        "after [[1.0, 1.0, 1.0]]",
+    ]
 
 
 # -- values the compiled core read in C unchecked (found by the review of
@@ -862,8 +882,8 @@ def test_none_where_a_list_or_object_is_read_in_c_is_refused():
                lambda: engine.ready_queue(queueless, pyengine.Device("cuda", 0)))
         report("stop", engine.stop)
         # init_to_execute read an output that is not an Edge as one.
-        for output in (None, 5):
-            report(f"init_to_execute output {output}", lambda: _core.GraphTask(
+        for output in (None, 5, np.int64(5)):
+            report(f"init_to_execute output {output!r}", lambda: _core.GraphTask(
                 False, False, 0, _core.ReadyQueue()).init_to_execute(Sink("s"), [output], False))
         # The signature's check comes first, as Cython's.
         report("validate_outputs grads=None, policy zzz",
@@ -896,6 +916,8 @@ def test_none_where_a_list_or_object_is_read_in_c_is_refused():
         "stop -> None",
         "init_to_execute output None -> TypeError: Cannot convert NoneType to pyengine._node.Edge",
         "init_to_execute output 5 -> TypeError: Cannot convert int to pyengine._node.Edge",
+        "init_to_execute output np.int64(5) -> TypeError: Cannot convert numpy.int64 to "
+        "pyengine._node.Edge",
         "validate_outputs grads=None, policy zzz -> TypeError: Argument 'grads' has incorrect "
         "type (expected list, got NoneType)",
         "stop, a graph task changed -> TypeError: Cannot convert Anything to "
@@ -1180,3 +1202,79 @@ def test_what_grad_inputs_captures_is_out_of_python_codes_reach():
         print([value.tolist() for value in captured])
     ''')
     assert lines == [[[1.0] * 3, [2.0] * 3, [3.0] * 3, [4.0] * 3].__repr__()]
+
+
+# -- a graph task's fields and its exception, set by a running node (found
+# by comparing both cores' error messages) --
+
+def test_graph_task_fields_a_running_node_sets_fail_in_the_same_words():
+    lines = run_isolated('''
+        from pyengine._core import state_module
+
+
+        class Poke(Node):
+            """Sets its graph task's field ``field`` to ``value`` and passes its
+            gradient on."""
+
+            def __init__(self, edges, field, value):
+                super().__init__(next_edges=edges, input_metadata=[((3,), np.float64)])
+                self.field, self.value = field, value
+
+            def apply(self, grads):
+                graph_task = state_module.get_current_graph_task()
+                if self.field == "exception":
+                    graph_task.set_exception(self.value)
+                else:
+                    setattr(graph_task, self.field, self.value)
+                return [grads[0]]
+
+
+        for field, value in (("captured_vars", None), ("captured_vars", []),
+                             ("leaf_streams", None), ("final_callbacks", None),
+                             ("exception", 5), ("exception", KeyError)):
+            sink = Sink("sink")
+            for outputs in (None, [Edge(sink, 0)]):
+                report(f"{field}={value!r} outputs={outputs is not None}",
+                       lambda: run(Poke([Edge(sink, 0)], field, value), outputs=outputs,
+                                   accumulate_grad=outputs is None))
+        # A final callback sets it in an owner graph's backward.
+
+
+        class Value:
+            def __init__(self, kids=()):
+                self.kids = kids
+
+            def back(self):
+                pyengine.queue_callback(
+                    lambda: state_module.get_current_graph_task().set_exception(5))
+
+
+        report("owner graph exception=5",
+               lambda: pyengine.execute_owner_graph(Value((Value(),)), "kids", "back"))
+        sink = Sink("sink")
+        run(Fan([Edge(sink, 0)]))
+        print("after", sink.got)
+    ''')
+    assert lines == [
+        # Nothing captured: execute returns the field as it is.
+        "captured_vars=None outputs=False -> None",
+        # The compiled core said "'NoneType' object is not subscriptable".
+        "captured_vars=None outputs=True -> TypeError: 'NoneType' object does not support item "
+        "assignment",
+        "captured_vars=[] outputs=False -> []",
+        "captured_vars=[] outputs=True -> IndexError: list assignment index out of range",
+        # The twin iterated None ("'NoneType' object is not iterable"); the
+        # compiled core syncs leaf streams only when there are any.
+        "leaf_streams=None outputs=False -> []",
+        "leaf_streams=None outputs=True -> [array([1., 1., 1.])]",
+        "final_callbacks=None outputs=False -> TypeError: object of type 'NoneType' has no len()",
+        "final_callbacks=None outputs=True -> TypeError: object of type 'NoneType' has no len()",
+        # The compiled core said "raise: exception class must be a subclass
+        # of BaseException".
+        "exception=5 outputs=False -> TypeError: exceptions must derive from BaseException",
+        "exception=5 outputs=True -> TypeError: exceptions must derive from BaseException",
+        "exception=<class 'KeyError'> outputs=False -> KeyError: ",
+        "exception=<class 'KeyError'> outputs=True -> KeyError: ",
+        "owner graph exception=5 -> TypeError: exceptions must derive from BaseException",
+        "after [[1.0, 1.0, 1.0]]",
+    ]

@@ -10,7 +10,7 @@ per graph task, before any node runs.
 from .._shared.messages import init_to_execute_refused_message, node_name, not_initialized_message
 from .graph_task import ExecInfo, GraphTask, task_should_execute
 from .node import Edge, NodeBase
-from .static_types import check_argument
+from .static_types import c_type_name, check_argument
 
 # Note [Cycles in the backward graph]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -95,7 +95,7 @@ def init_to_execute(graph_root, graph_task, outputs, accumulate_grad):
     try:
         for output_idx, edge in enumerate(outputs):
             if not isinstance(edge, Edge):  # the compiled core's <Edge?> cast
-                raise TypeError(f"Cannot convert {type(edge).__name__} to pyengine._node.Edge")
+                raise TypeError(f"Cannot convert {c_type_name(type(edge))} to pyengine._node.Edge")
             info = exec_info.get(id(edge.node))
             if info is None:
                 info = exec_info[id(edge.node)] = ExecInfo()

@@ -247,7 +247,7 @@ from .graph_task import GraphTask, cancel_graph_task, refuse_lock_taken_again, t
 from .input_buffer import InputBuffer
 from .node import Edge, NodeBase, _checked_field, _not_list, _read_only_field
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
-from .static_types import c_int_attribute, check_argument
+from .static_types import c_int_attribute, c_type_name, check_argument
 from .thread_pool import _ThreadPoolShared, add_thread_pool_task, stop_thread_pool
 from .validate_outputs import validate_outputs
 
@@ -842,7 +842,7 @@ class Engine:
             # Checked as the compiled core's <GraphTask?> cast: Python code
             # can reach the set (through gc).
             if type(graph_task) is not GraphTask:
-                raise TypeError(f"Cannot convert {type(graph_task).__name__} to "
+                raise TypeError(f"Cannot convert {c_type_name(type(graph_task))} to "
                                 "pyengine._graph_task.GraphTask")
             if not graph_task.future_completed:
                 graph_task.set_exception(error)

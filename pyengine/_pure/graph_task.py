@@ -305,7 +305,8 @@ class GraphTask:
         gradients but never ran fails the task: See Note [Gradients left in
         not ready]."""
         check_not_ready_empty(self)
-        # None or empty: no leaf stream to wait on (as the compiled core's).
+        # Only when there are any (as the compiled core, which calls no
+        # Python code otherwise): None, which Python code may set, is none.
         if self.leaf_streams:
             node_streams.sync_leaf_streams(self)
         previous = state.set_current_graph_task(self)

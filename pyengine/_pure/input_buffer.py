@@ -30,7 +30,7 @@ import numpy as np
 from .._shared.messages import cannot_pickle_message
 from ..backends import backend_of, check_same_device, no_backend_to_add
 from .node import is_numpy_array
-from .static_types import final
+from .static_types import c_type_name, final
 
 
 @final
@@ -73,7 +73,7 @@ class InputBuffer:
     @buffer.setter
     def buffer(self, value):
         if value is not None and type(value) is not list:
-            raise TypeError(f"Expected list, got {type(value).__name__}")
+            raise TypeError(f"Expected list, got {c_type_name(type(value))}")
         self._buffer = value
 
     @buffer.deleter

@@ -35,7 +35,15 @@ from ..backends import backend_of, backend_to_add
 from ..device import CPU, Device, as_device
 from ..indexed import IndexedGradient
 from . import state
-from .static_types import C_LONG_MAX, C_LONG_MIN, c_bint_attribute, check_argument, check_c_long, final
+from .static_types import (
+    C_LONG_MAX,
+    C_LONG_MIN,
+    c_bint_attribute,
+    c_type_name,
+    check_argument,
+    check_c_long,
+    final,
+)
 
 # AccumulateGrad sorts before every other node: See Note [AccumulateGrad first].
 ACCUMULATE_GRAD_SEQUENCE_NR = 2**64 - 1
@@ -341,7 +349,7 @@ def _checked_field(name, storage, wrong_type, expected):
 
     def set_field(self, value):
         if wrong_type(value):
-            raise TypeError(f"Expected {expected}, got {type(value).__name__}")
+            raise TypeError(f"Expected {expected}, got {c_type_name(type(value))}")
         object.__setattr__(self, storage, value)
 
     def delete_field(self):

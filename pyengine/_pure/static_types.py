@@ -17,7 +17,8 @@ import operator
 import struct
 
 __all__ = ["C_LONG_MAX", "C_LONG_MIN", "as_c_int", "as_ssize_t", "c_bint_attribute",
-           "c_int_attribute", "check_argument", "check_c_long", "final"]
+           "c_int_attribute", "c_type_name", "check_argument", "check_c_long", "compiled_name",
+           "final"]
 
 
 def final(cls):
@@ -30,12 +31,41 @@ def final(cls):
     return cls
 
 
+# Note [Type names in Cython's words]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Cython's errors (an argument's or a field's type check, a <T?> cast) name
+# a type by its C name, tp_name: a class defined in Python by its name
+# (Leaf), a built-in type by its name (int), any other type defined in C with
+# its module (numpy.int64, numpy.ndarray, pyengine._node.Edge). The twin's
+# words for the same checks name types as Cython would (c_type_name), and
+# its own classes by the compiled core's names (compiled_name: the twin's
+# pyengine._pure.node.NodeBase is pyengine._node.NodeBase there), so that
+# both cores' errors read alike.
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made at run time
+
+
+def c_type_name(cls):
+    """``cls``'s tp_name, as Cython's errors print a type: See Note [Type
+    names in Cython's words]."""
+    if cls.__flags__ & _HEAP_TYPE or cls.__module__ == "builtins":
+        return cls.__name__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def compiled_name(cls):
+    """The compiled core's tp_name of the twin's class ``cls``: See Note [Type
+    names in Cython's words]."""
+    module = cls.__module__
+    if module.startswith("pyengine._pure."):
+        module = "pyengine._" + module[len("pyengine._pure."):]
+    return f"{module}.{cls.__qualname__}"
+
+
 def check_argument(name, value, expected):
     """TypeError, in Cython's words, unless ``value`` is an ``expected``."""
     if not isinstance(value, expected):
         raise TypeError(f"Argument '{name}' has incorrect type (expected "
-                        f"{expected.__module__}.{expected.__qualname__}, got "
-                        f"{type(value).__name__})")
+                        f"{compiled_name(expected)}, got {c_type_name(type(value))})")
 
 
 # Note [The engine's bounds are C ints]

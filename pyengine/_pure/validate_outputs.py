@@ -21,6 +21,7 @@ from .._shared.gradient_checks import (
 )
 from .._shared.messages import gradients_changed_message
 from .node import Edge, NodeBase
+from .static_types import c_type_name
 
 
 def validate_outputs(edges, grads, format_error, gradient_policy="reduce", node=None):
@@ -42,7 +43,7 @@ def validate_outputs(edges, grads, format_error, gradient_policy="reduce", node=
     # size is read in C, without a check).
     if type(grads) is not list:
         raise TypeError(f"Argument 'grads' has incorrect type (expected list, got "
-                        f"{type(grads).__name__})")
+                        f"{c_type_name(type(grads))})")
     exact = checked_gradient_policy(gradient_policy, "validate_outputs") is EXACT
     edges = tuple(edges)
     # Only a caller from Python: the engine passes a node's checked edges.

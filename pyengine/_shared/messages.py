@@ -30,6 +30,16 @@ def gradients_changed_message(node):
             "passed them on")
 
 
+def raise_error(error):
+    """``raise error``, in Python's words for an ``error`` that is not an
+    exception: a graph task's exception that Python code set (set_exception)
+    to anything. The twin raises it so; Cython's ``raise`` says "raise:
+    exception class must be a subclass of BaseException" where Python says
+    "exceptions must derive from BaseException", so the compiled core raises
+    such an object here."""
+    raise error
+
+
 def lock_taken_again_message():
     """A thread asked for its graph task's lock while it held it: See Note
     [Accumulating under the graph task lock] in pyengine/_engine.pyx."""

@@ -3,9 +3,10 @@
 ``python fuzz_interpreter.py`` reads a JSON list of programs (see
 ``fuzz_programs.py`` for their form) on stdin and prints one JSON line per
 program: ``{"i": index, "exc": exception type name or None, "stage": where
-it was raised, "grads": the leaves' gradients, "captured": what grad()
-returned, "owner": an owner graph's gradients, "check": "ok" or what the
-reference backward after the program found wrong}``. The reference backward
+it was raised, "message": its ``str`` (when one was raised), "grads": the
+leaves' gradients, "captured": what grad() returned, "owner": an owner
+graph's gradients, "check": "ok" or what the reference backward after the
+program found wrong}``. The reference backward
 runs a fresh small graph after every program: the engine must still give the
 right gradient, leave grad mode and anomaly mode as they were, and leave no
 thread behind.
@@ -29,6 +30,7 @@ import threading
 import numpy as np
 
 import pyengine
+from pyengine._core import state_module
 
 SHAPE = (2,)
 
@@ -193,6 +195,15 @@ class Program:
                 handle.remove()
         elif action == "raise":
             raise FuzzError(f"{action} in node {getattr(node, 'index', '?')}")
+        elif action.startswith("task_"):
+            # The running graph task's fields, as Python code may set them.
+            graph_task = state_module.get_current_graph_task()
+            if action == "task_captured_none":
+                graph_task.captured_vars = None
+            elif action == "task_leaf_streams_none":
+                graph_task.leaf_streams = None
+            else:
+                graph_task.set_exception(5)
         else:
             return False
         return True
@@ -493,6 +504,12 @@ def reference_check(baseline_threads):
     return "ok" if not problems else "; ".join(problems)
 
 
+def message_of(error):
+    """``str(error)``, the words the parent compares between the cores (a
+    long one cut, to keep the line short)."""
+    return str(error)[:2000]
+
+
 def run_one(index, spec, baseline_threads):
     result = {"i": index, "exc": None, "stage": None, "grads": None, "captured": None,
               "owner": None}
@@ -502,7 +519,7 @@ def run_one(index, spec, baseline_threads):
             result["owner"] = graph.run()
         except Exception as error:
             result["exc"], result["stage"] = type(error).__name__, "owner"
-            result["message"] = str(error)[:200]
+            result["message"] = message_of(error)
     else:
         program = Program(spec)
         try:
@@ -511,7 +528,7 @@ def run_one(index, spec, baseline_threads):
                 result["captured"] = [_encode(value) for value in captured]
         except Exception as error:
             result["exc"], result["stage"] = type(error).__name__, program.stage
-            result["message"] = str(error)[:200]
+            result["message"] = message_of(error)
         result["grads"] = [_encode(leaf.grad) for leaf in program.leaves]
         for handle in program.handles:
             handle.remove()

@@ -37,7 +37,8 @@ from hypothesis import strategies as st
 
 WEIGHTS = [-2.0, -1.0, 0.5, 1.0, 2.0, 3.0]
 MUTATIONS = ["shorten", "extend", "cycle", "private_edges", "private_meta", "clear_meta",
-             "remove_hooks", "raise"]
+             "remove_hooks", "raise", "task_captured_none", "task_leaf_streams_none",
+             "task_exception"]
 RETURNS = ["none", "nones", "more", "fewer", "shape", "f32", "i64", "scalar", "str", "bare_str",
            "int", "tuple", "generator", "nan"]
 HOOK_ACTIONS = ["none", "scale"] + MUTATIONS + RETURNS

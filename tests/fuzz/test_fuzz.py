@@ -5,7 +5,8 @@ Hypothesis generates batches of 20 programs as plain data
 float64 gradients, and misuse mixed in: edges with odd ``input_nr``, into
 wrong slots or not edges at all, ``next_edges`` set through the setter
 (cycles included), private fields written (``_next_edges``,
-``_input_metadata``), hooks of every kind and ``apply`` / ``release_variables``
+``_input_metadata``, and the running graph task's ``captured_vars``,
+``leaf_streams`` and exception), hooks of every kind and ``apply`` / ``release_variables``
 that return odd values, raise or change the graph while it runs, odd
 arguments to ``backward`` / ``grad`` / ``Engine.execute``, and owner graphs
 (``execute_owner_graph``) whose collections are odd or change during the
@@ -14,7 +15,8 @@ per core (``PYENGINE_PURE=0`` and ``1``), at once. The oracles:
 
 - no child crashes or hangs (a negative status, a timeout, or a missing
   line): the program it stopped at is run again alone, and named;
-- for every program, both cores raise the same exception type, or neither;
+- for every program, both cores raise the same exception type with the same
+  message (object addresses aside: ``normalized``), or neither;
 - where neither raises, both give the same gradients (and, for a
   well-formed program, the exact gradients of its linear maps);
 - after every program, a reference backward on a fresh graph gives its
@@ -36,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -139,6 +142,15 @@ def close(a, b):
     return a == b
 
 
+def normalized(message):
+    """``message`` with what may differ between two processes made alike:
+    only object addresses (``<... object at 0x7f...>``), which each process
+    picks for itself."""
+    if message is None:
+        return None
+    return re.sub(r" at 0x[0-9a-fA-F]+", " at 0x...", message)
+
+
 def describe_crash(core, program, index, code, stderr):
     """Run ``program`` alone on ``core`` to name it as the one that crashed or hung."""
     process = start(core, [program])
@@ -168,6 +180,10 @@ def problems_of(programs, outcome):
                             f"{pure['stage']} ({pure.get('message')})")
             continue
         if compiled["exc"] is not None:
+            if normalized(compiled.get("message")) != normalized(pure.get("message")):
+                problems.append(f"{where}both raised {compiled['exc']}, in other words: "
+                                f"compiled {compiled.get('message')!r} at {compiled['stage']}; "
+                                f"pure {pure.get('message')!r} at {pure['stage']}")
             continue
         for field in ("grads", "captured", "owner"):
             if not close(compiled[field], pure[field]):
@@ -212,3 +228,11 @@ def test_the_oracles_can_fail():
     assert problems_of([wrong], outcome), "a wrong exact gradient went unnoticed"
     broken = dict(outcome, pure=({}, [(0, -11, "")]))
     assert any("exited with -11" in problem for problem in problems_of([program], broken))
+    # The same exception type in other words must fail; the same words with
+    # another object's address must not.
+    raised = {"i": 0, "exc": "TypeError", "stage": "call0", "grads": [None], "captured": None,
+              "owner": None, "check": "ok", "message": "<object object at 0x7f00aa> is odd"}
+    for message, fails in (("<object object at 0x7f11bb> is odd", False),
+                           ("<object object at 0x7f11bb> is wrong", True)):
+        worded = {"compiled": ({0: raised}, []), "pure": ({0: dict(raised, message=message)}, [])}
+        assert bool(problems_of([program], worded)) == fails, message
