@@ -41,7 +41,7 @@ from cpython.ref cimport Py_DECREF, Py_INCREF, Py_REFCNT
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
 
-from pyengine._graph_task cimport (Capture, ExecInfoEntry, GraphTask, NodePtr, cancel_graph_task,
+from pyengine._graph_task cimport (Capture, ExecInfoEntry, GraphTask, cancel_graph_task,
                                    lock_mutex, new_graph_task, task_should_execute)
 from pyengine._dependencies cimport compute_dependencies, init_to_execute
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
@@ -122,6 +122,10 @@ cdef class WorkerState:
         if self.has_next_task:
             release_record(&self.next_task)
 
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
+
 
 _thread_local = threading.local()
 
@@ -195,9 +199,10 @@ cdef object _IndexedGradient = IndexedGradient
 @cython.boundscheck(True)
 cdef int capture_inputs(GraphTask graph_task, Py_ssize_t captures, list inputs) except -1:
     """Give each output that ``captures`` (an index into the task's
-    exec_captures) names its gradient among ``inputs``. Bounds checked, and
-    ``captured_vars`` written as an object: Python code may have set it to
-    None or a shorter list, and the write then fails in the twin's words."""
+    exec_captures, which only init_to_execute sets and fills) names its
+    gradient among ``inputs``. Bounds checked, and ``captured_vars`` written
+    as an object: Python code may have set it to None or a shorter list,
+    and the write then fails in the twin's words."""
     cdef Capture capture
     lock_mutex(graph_task)
     try:
@@ -290,10 +295,6 @@ cdef class Engine:
         # See Note [Every engine is stopped at exit and reset after fork] in
         # pyengine/_shared/engine_registry.py.
         register_engine(self)
-
-    def __reduce__(self):
-        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
-        raise TypeError(cannot_pickle_message(self))
 
     # -- entry point --
 
@@ -788,6 +789,12 @@ cdef class Engine:
         if graph_task == NULL:
             raise RuntimeError("Final callbacks can only be installed during backward pass.")
         (<GraphTask>graph_task).final_callbacks.append(callback)
+
+    # Last of the methods: profile_chain.py and callgrind_steps.py name
+    # execute by its place among them (Engine_3execute).
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
 
 cdef inline void push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node,

@@ -23,7 +23,7 @@ from pyengine._locks cimport lock_releasing_gil
 
 import threading
 
-from pyengine._shared.messages import pool_full_message, pool_stopped_message
+from pyengine._shared.messages import cannot_pickle_message, pool_full_message, pool_stopped_message
 
 
 @cython.final
@@ -38,6 +38,10 @@ cdef class _ThreadPoolShared:
 
     def __cinit__(self):
         self.threads = []
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
     def __dealloc__(self):
         while not self.graph_tasks.empty():

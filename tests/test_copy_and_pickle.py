@@ -14,6 +14,7 @@ generates it.
 from __future__ import annotations
 
 import copy
+import importlib
 import pickle
 
 import numpy as np
@@ -22,6 +23,9 @@ from conftest import run_on_this_core
 
 import pyengine
 from pyengine import Edge, Node, _core
+
+thread_pool_module = importlib.import_module(
+    "pyengine._pure.thread_pool" if pyengine.IMPLEMENTATION == "pure" else "pyengine._thread_pool")
 
 
 class Sink(Node):
@@ -50,6 +54,8 @@ REFUSED = {
     "NodeTask": lambda: _core.NodeTask(None, None, None),
     "InputBuffer": lambda: _core.InputBuffer(2),
     "Engine": _core.Engine,
+    "the engine's reentrant pool": thread_pool_module._ThreadPoolShared,
+    "a thread's WorkerState": _core.engine_module.WorkerState,
 }
 
 COPIES = {"copy": copy.copy, "deepcopy": copy.deepcopy,
@@ -132,7 +138,7 @@ def test_an_owner_graph_made_by_new_alone_copies_with_its_init_error():
 def test_no_class_of_either_core_has_cythons_pickle_methods():
     modules = [_core.engine_module, _core.graph_task_module, _core.input_buffer_module,
                _core.node_module, _core.owner_graph_module, _core.ready_queue_module,
-               _core.state_module, _core.validate_outputs_module]
+               _core.state_module, _core.validate_outputs_module, thread_pool_module]
     classes = {value for module in modules for value in vars(module).values()
                if isinstance(value, type) and value.__module__ == module.__name__}
     assert len(classes) >= 12

@@ -247,7 +247,7 @@ from .graph_task import GraphTask, cancel_graph_task, refuse_lock_taken_again, t
 from .input_buffer import InputBuffer
 from .node import Edge, NodeBase, _checked_field, _not_list, _read_only_field
 from .ready_queue import NodeTask, ReadyQueue, is_main_thread
-from .static_types import c_int_attribute, c_type_name, check_argument
+from .static_types import c_int_attribute, c_type_name, check_argument, refuse_write
 from .thread_pool import _ThreadPoolShared, add_thread_pool_task, stop_thread_pool
 from .validate_outputs import validate_outputs
 
@@ -287,6 +287,10 @@ class WorkerState(threading.local):
     def __init__(self):
         # Whether this thread runs signal handlers: See Note [Waits honour signals].
         self.on_main_thread = is_main_thread()
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
 
 _worker_state = WorkerState()
@@ -328,10 +332,13 @@ class GraphRoot(NodeBase):
         # The compiled GraphRoot has no __dict__: Python code writes only its
         # fields (a Python subclass, with a __dict__, writes what it likes).
         if type(self) is GraphRoot and not hasattr(getattr(GraphRoot, name, None), "__set__"):
-            if hasattr(GraphRoot, name):
-                raise AttributeError(f"'GraphRoot' object attribute '{name}' is read-only")
-            raise AttributeError(f"'GraphRoot' object has no attribute '{name}'")
+            refuse_write(self, name)
         object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        if type(self) is GraphRoot and not hasattr(getattr(GraphRoot, name, None), "__delete__"):
+            refuse_write(self, name)
+        object.__delattr__(self, name)
 
     def apply(self, grads):
         return list(self.outputs)

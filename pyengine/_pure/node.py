@@ -43,6 +43,7 @@ from .static_types import (
     check_argument,
     check_c_long,
     final,
+    refuse_write,
 )
 
 # AccumulateGrad sorts before every other node: See Note [AccumulateGrad first].
@@ -69,8 +70,8 @@ def _normalize_dtype(dtype):
 
 
 def _not_writable(self, name, value=None):
-    # What writing a compiled class's readonly field raises.
-    raise AttributeError(f"attribute '{name}' of '{type(self).__name__}' objects is not writable")
+    # What writing a compiled class's readonly field, or a name it lacks, raises.
+    refuse_write(self, name)
 
 
 @final
@@ -359,9 +360,9 @@ def _checked_field(name, storage, wrong_type, expected):
                     doc=f"{name}: See Note [Fields Python code can write].")
 
 
-def _read_only_field(name, storage):
-    """A property ``name`` over slot ``storage`` that Python code cannot
-    write, as a readonly Cython field."""
+def _read_only_property(name, getter):
+    """A property ``name`` read by ``getter`` that Python code cannot write,
+    as a readonly Cython field."""
 
     def set_field(self, value):
         _not_writable(self, name)
@@ -369,7 +370,19 @@ def _read_only_field(name, storage):
     def delete_field(self):
         _not_writable(self, name)
 
-    return property(operator.attrgetter(storage), set_field, delete_field)
+    return property(getter, set_field, delete_field)
+
+
+def _metadata_made_on_first_use(node):
+    if node._metadata is None:
+        node._metadata = {}
+    return node._metadata
+
+
+def _read_only_field(name, storage):
+    """A property ``name`` over slot ``storage`` that Python code cannot
+    write, as a readonly Cython field."""
+    return _read_only_property(name, operator.attrgetter(storage))
 
 
 class NodeBase:
@@ -422,10 +435,8 @@ class NodeBase:
     _overrides_release_variables = _read_only_field("_overrides_release_variables",
                                                     "_overrides_release_variables_")
 
-    @property
-    def _gradient_policy(self):
-        """The class's ``gradient_policy``, checked (See Note [Gradient policy])."""
-        return gradient_policy_of(self)
+    # The class's gradient_policy, checked (See Note [Gradient policy]).
+    _gradient_policy = _read_only_property("_gradient_policy", gradient_policy_of)
 
     _pre_hooks = _checked_field("_pre_hooks", "_pre_hooks_", _not_list, "list")
     _post_hooks = _checked_field("_post_hooks", "_post_hooks_", _not_list, "list")
@@ -487,9 +498,7 @@ class NodeBase:
         if state.is_anomaly_enabled():
             _record_forward_traceback(self)
 
-    @property
-    def sequence_nr(self):
-        return self._sequence_nr
+    sequence_nr = _read_only_field("sequence_nr", "_sequence_nr")
 
     @property
     def next_edges(self):
@@ -535,9 +544,7 @@ class NodeBase:
     def _released(self):
         _cannot_delete("_released")
 
-    @property
-    def input_metadata(self):
-        return self._input_metadata_
+    input_metadata = _read_only_field("input_metadata", "_input_metadata_")
 
     def num_inputs(self):
         return len(self._input_metadata_)
@@ -550,15 +557,8 @@ class NodeBase:
             self._stream = _creation_stream(self._input_metadata_)
         return len(self._input_metadata_) - 1
 
-    @property
-    def metadata(self):
-        if self._metadata is None:
-            self._metadata = {}
-        return self._metadata
-
-    @property
-    def stream(self):
-        return self._stream
+    metadata = _read_only_property("metadata", _metadata_made_on_first_use)
+    stream = _read_only_field("stream", "_stream")
 
     def apply(self, grads):
         raise NotImplementedError(f"{type(self).__name__} must override apply(grads)")
@@ -722,17 +722,19 @@ class GradientFreeNodeBase(NodeBase):
 
 
 # Note [Copying and pickling the engine's objects]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # What copies and pickles, in both cores, by ``__reduce__`` of each class:
 #
 # - an InputMetadata, an Edge, a GradientFreeNode (See Note [Copying a
 #   GradientFreeNode]), a LeafState (fresh engine state) and an OwnerGraph
 #   (its fields, given again to ``OwnerGraph.__init__``, with its checks,
-#   and a subclass's ``__dict__``) are made again by their constructors;
+#   and a subclass's ``__dict__``, not its own ``__slots__``) are made again
+#   by their constructors;
 # - a node of any other kind, a graph task and its ExecInfo, a ready queue,
-#   a task, an InputBuffer and an engine raise TypeError
-#   (``cannot_pickle_message``): as torch's, they hold a backward's state,
-#   locks and threads, which a copy could only share or lose.
+#   a task, an InputBuffer, an engine, its reentrant pool and a thread's
+#   WorkerState raise TypeError (``cannot_pickle_message``): as torch's,
+#   they hold a backward's state, locks and threads, which a copy could
+#   only share or lose.
 #
 # Cython would write a ``__reduce_cython__`` and a ``__setstate_cython__``
 # for a compiled class without a ``__cinit__`` and with no ``__reduce__`` of

@@ -18,7 +18,7 @@ import struct
 
 __all__ = ["C_LONG_MAX", "C_LONG_MIN", "as_c_int", "as_ssize_t", "c_bint_attribute",
            "c_int_attribute", "c_type_name", "check_argument", "check_c_long", "compiled_name",
-           "final"]
+           "final", "refuse_write"]
 
 
 def final(cls):
@@ -45,11 +45,31 @@ _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made at run time
 
 
 def c_type_name(cls):
-    """``cls``'s tp_name, as Cython's errors print a type: See Note [Type
-    names in Cython's words]."""
+    """``cls``'s tp_name, as Cython's errors print a type (the twin's own
+    classes by the compiled core's names): See Note [Type names in Cython's
+    words]."""
+    if cls.__module__.startswith("pyengine._pure."):
+        return compiled_name(cls)
     if cls.__flags__ & _HEAP_TYPE or cls.__module__ == "builtins":
         return cls.__name__
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def refuse_write(value, name):
+    """What writing or deleting attribute ``name`` of ``value`` raises where
+    ``value``'s compiled class takes no such write (it has no ``__dict__``),
+    in CPython's words: a field (a slot or property of the twin) is "not
+    writable", named with the class that declares it; another class
+    attribute (a method) is "read-only"; any other name does not exist."""
+    cls = type(value)
+    for owner in cls.__mro__:
+        declared = vars(owner).get(name)
+        if declared is not None:
+            if hasattr(declared, "__set__"):
+                raise AttributeError(f"attribute '{name}' of '{c_type_name(owner)}' objects is "
+                                     "not writable")
+            raise AttributeError(f"'{c_type_name(cls)}' object attribute '{name}' is read-only")
+    raise AttributeError(f"'{c_type_name(cls)}' object has no attribute '{name}'")
 
 
 def compiled_name(cls):
@@ -117,16 +137,13 @@ def c_int_attribute(field):
     [The engine's bounds are C ints]), and ``del`` is NotImplementedError
     "__del__", Cython's answer for a C field that cannot be absent."""
 
-    def get(self):
-        return getattr(self, field)
-
     def set(self, value):
         setattr(self, field, as_c_int(value))
 
     def delete(self):
         raise NotImplementedError("__del__")
 
-    return property(get, set, delete)
+    return property(operator.attrgetter(field), set, delete)
 
 
 def c_bint_attribute(field):
@@ -135,16 +152,13 @@ def c_bint_attribute(field):
     array of several elements is Python's ValueError), and ``del`` is
     NotImplementedError "__del__", as for a C int."""
 
-    def get(self):
-        return getattr(self, field)
-
     def set(self, value):
         setattr(self, field, bool(value))
 
     def delete(self):
         raise NotImplementedError("__del__")
 
-    return property(get, set, delete)
+    return property(operator.attrgetter(field), set, delete)
 
 
 _SSIZE_T_BITS = struct.calcsize("n") * 8

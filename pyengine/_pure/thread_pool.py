@@ -111,7 +111,7 @@ stopped device: See Note [A shutdown task is the device worker's] in
 
 import threading
 
-from .._shared.messages import pool_full_message, pool_stopped_message
+from .._shared.messages import cannot_pickle_message, pool_full_message, pool_stopped_message
 from .graph_task import cancel_graph_task
 from .static_types import check_argument
 
@@ -130,6 +130,10 @@ class _ThreadPoolShared:
         self.num_threads = 0
         self.threads = []
         self.stopping = False
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
 
 def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
