@@ -75,7 +75,13 @@ def refuse_lock_taken_again(graph_task):
 # refuses and converts the same, through properties over attributes with a
 # trailing "_" that the engine itself writes: it took any value before,
 # and failed later (a str as captured_vars) or waited forever (a running
-# task's outstanding_tasks written).
+# task's outstanding_tasks written). Those attributes, and the twin's
+# ``mutex``, ``dependencies``, ``not_ready``, ``planning`` and
+# ``on_pool_thread``, are the state the compiled core keeps in C, out of
+# Python's reach: the twin's are plain Python, so code that writes them
+# changes its engine's state (``outstanding_tasks_`` written still leaves a
+# backward waiting), as writing any private attribute of a Python library
+# may.
 
 
 @final
