@@ -101,7 +101,11 @@ def run_on_this_core(code: str, timeout: float) -> list[str]:
 
 
 def run_on_core(code: str, pure: bool, timeout: float) -> list[str]:
-    """``run_on_this_core`` on the twin (``pure``) or the compiled core."""
+    """``run_on_this_core`` on the twin (``pure``) or the compiled core. The
+    child runs in the folder that holds the pyengine this process imported:
+    "-c" puts the current folder first on sys.path, and from a checkout
+    without an in-place build (CI, which tests the installed package) the
+    child would import the source tree, which has no compiled core."""
     import subprocess
 
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
@@ -113,7 +117,7 @@ def run_on_core(code: str, pure: bool, timeout: float) -> list[str]:
         env.pop("PYENGINE_PURE", None)
     try:
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, timeout=timeout)
+                              text=True, timeout=timeout, cwd=repo_root)
     except subprocess.TimeoutExpired:
         pytest.fail(f"no exit within {timeout} s: a hang or a deadlock")
     assert proc.returncode == 0, (

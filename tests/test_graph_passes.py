@@ -364,8 +364,9 @@ def test_edges_cut_by_another_thread_while_the_pass_yields(call):
         env["PYENGINE_PURE"] = "1"
     else:
         env.pop("PYENGINE_PURE", None)
+    # From the folder of the pyengine imported here: See run_on_core in conftest.py.
     proc = subprocess.run([sys.executable, "-c", _CUT_WHILE_PASSING, call], env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     allowed = {"ran", "Function Pass returned an invalid number of gradients - expected 0, but got 1"}
     lines = proc.stdout.splitlines()

@@ -395,3 +395,37 @@ def test_a_node_planning_its_running_graph_task_is_refused_and_grad_works():
         outputs=[pyengine.gradient_edge(x)])
     np.testing.assert_array_equal(grad_x, np.full(2, 6.0))
     assert len(errors) == 1 and "already called" in errors[0]
+
+
+def test_a_second_init_keeps_a_planned_tasks_plan_and_an_uninitialized_task_reads_zeroes():
+    # The compiled GraphTask's __init__ sets the fields of a backward's
+    # start (flags, counts, the result lists); its plan, tables, locks and
+    # error are made with the object. The twin's __new__ makes the same
+    # split: a second __init__ used to drop its plan, so that a planned
+    # task could be planned again.
+    core = pyengine._core
+
+    class Sink(pyengine.Node):
+        def __init__(self):
+            super().__init__(input_metadata=[((3,), np.float64)])
+
+        def apply(self, grads):
+            return ()
+
+    sink = Sink()
+    task = core.GraphTask(False, False, 0, core.ReadyQueue())
+    task.init_to_execute(sink, [pyengine.Edge(sink, 0), pyengine.Edge(sink, 0)], False)
+    task.__init__(True, True, 1, core.ReadyQueue())
+    assert task.find_exec_info(sink).captures == [(0, 0), (0, 1)]
+    assert (task.keep_graph, task.owner, task.captured_vars) == (True, -2, [])
+    with pytest.raises(RuntimeError, match="^init_to_execute was already called"):
+        task.init_to_execute(sink, [pyengine.Edge(sink, 0)], False)
+
+    bare = core.GraphTask.__new__(core.GraphTask)
+    assert [getattr(bare, name) for name in (
+        "keep_graph", "grad_mode", "reentrant_depth", "cpu_ready_queue", "exit_on_error",
+        "multithreading", "caller_current_streams", "owner", "graph_root", "captured_vars",
+        "leaf_streams", "final_callbacks", "outstanding_tasks", "has_error", "exception",
+        "future_completed", "exec_info")] == [
+        False, False, 0, None, False, False, None, 0, None, None, None, None, 0, False, None,
+        False, {}]

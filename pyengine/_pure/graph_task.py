@@ -136,8 +136,34 @@ class GraphTask:
     leaf_streams = _checked_field("leaf_streams", "leaf_streams_", _not_list, "list")
     final_callbacks = _checked_field("final_callbacks", "final_callbacks_", _not_list, "list")
 
+    def __new__(cls, *args, **kwargs):
+        # What the compiled type's allocation makes, __init__ or not (C's
+        # zeroes and None; its C++ members constructed): the plan, the
+        # tables, the locks and the error are not __init__'s, so that a
+        # second __init__ leaves a planned task's plan as the compiled one
+        # does.
+        self = object.__new__(cls)
+        self.keep_graph_ = self.grad_mode_ = self.exit_on_error_ = self.multithreading_ = False
+        self.reentrant_depth_ = self.owner_ = self.outstanding_tasks_ = 0
+        self.cpu_ready_queue_ = self.caller_current_streams_ = self.graph_root = None
+        self.captured_vars_ = self.leaf_streams_ = self.final_callbacks_ = None
+        self.on_pool_thread = self.has_error_ = self.future_completed_ = False
+        self.exception_ = None
+        # An RLock only to be asked its owner: See refuse_lock_taken_again.
+        self.mutex = threading.RLock()
+        self.dependencies = {}
+        self.not_ready = {}
+        self.exec_info_ = {}
+        # Set while init_to_execute plans the task: a second call is refused.
+        self.planning = False
+        self._outstanding_lock = threading.Lock()
+        self._completing = False
+        self._completion = threading.Condition(threading.Lock())
+        return self
+
     def __init__(self, keep_graph, grad_mode, reentrant_depth, cpu_ready_queue, exit_on_error=False,
                  multithreading=True):
+        # The compiled _init_fields' fields: See GraphTask.__new__.
         self.keep_graph_ = keep_graph
         self.grad_mode_ = grad_mode
         self.reentrant_depth_ = reentrant_depth
@@ -150,27 +176,15 @@ class GraphTask:
         self.caller_current_streams_ = streams.current_streams()
         # NO_DEVICE (pyengine/_pure/engine.py) until execute sets it.
         self.owner_ = -2
-        self.graph_root = None
         # Guarded by the engine's pool lock. See Note [A pool thread is back
         # before its caller] in pyengine/_pure/thread_pool.py.
         self.on_pool_thread = False
-        # An RLock only to be asked its owner: See refuse_lock_taken_again.
-        self.mutex = threading.RLock()
-        self.dependencies = {}
-        self.not_ready = {}
-        self.exec_info_ = {}
-        # Set while init_to_execute plans the task: a second call is refused.
-        self.planning = False
         self.captured_vars_ = []
         self.leaf_streams_ = []
         self.final_callbacks_ = []
         self.outstanding_tasks_ = 0
-        self._outstanding_lock = threading.Lock()
         self.has_error_ = False
-        self.exception_ = None
         self.future_completed_ = False
-        self._completing = False
-        self._completion = threading.Condition(threading.Lock())
 
     # -- outstanding tasks ------------------------------------------------
 
