@@ -248,12 +248,12 @@ class OwnerGraph:
     def __setattr__(self, name, value):
         # The compiled class's fields are readonly: AttributeError when
         # Python code writes one (a subclass's own attributes it takes).
-        if name in OwnerGraph.__slots__:
+        if name in OwnerGraph.__slots__ or type(self) is OwnerGraph:
             _not_writable(self, name)
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name):
-        if name in OwnerGraph.__slots__:
+        if name in OwnerGraph.__slots__ or type(self) is OwnerGraph:
             _not_writable(self, name)
         object.__delattr__(self, name)
 

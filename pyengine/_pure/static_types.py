@@ -15,6 +15,7 @@ before a compiled function's body runs, the twin refuses in the same words.
 
 import operator
 import struct
+import sys
 
 __all__ = ["C_LONG_MAX", "C_LONG_MIN", "as_c_int", "as_ssize_t", "c_bint_attribute",
            "c_int_attribute", "c_type_name", "check_argument", "check_c_long", "compiled_name",
@@ -55,6 +56,11 @@ def c_type_name(cls):
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+# CPython 3.13 words a name that an object without a __dict__ lacks, set or
+# deleted, with this ending.
+_NO_DICT = " and no __dict__ for setting new attributes" if sys.version_info >= (3, 13) else ""
+
+
 def refuse_write(value, name):
     """What writing or deleting attribute ``name`` of ``value`` raises where
     ``value``'s compiled class takes no such write (it has no ``__dict__``),
@@ -69,7 +75,7 @@ def refuse_write(value, name):
                 raise AttributeError(f"attribute '{name}' of '{c_type_name(owner)}' objects is "
                                      "not writable")
             raise AttributeError(f"'{c_type_name(cls)}' object attribute '{name}' is read-only")
-    raise AttributeError(f"'{c_type_name(cls)}' object has no attribute '{name}'")
+    raise AttributeError(f"'{c_type_name(cls)}' object has no attribute '{name}'{_NO_DICT}")
 
 
 def compiled_name(cls):
@@ -115,6 +121,13 @@ def check_c_long(value):
         raise OverflowError("Python int too large to convert to C long")
 
 
+# Cython converts an int of one or two 30-bit digits to a C int itself
+# ("value too large to convert to int" where it does not fit); a wider one it
+# hands to CPython, whose words changed in 3.13: before, PyLong_AsLong's (a
+# C long's, beyond one), since, the C int's.
+_WIDE_FOR_C_INT = 1 << 60 if sys.version_info >= (3, 13) else None
+
+
 def as_c_int(value):
     """``value`` as the compiled core's C int fields take it: See Note [The
     engine's bounds are C ints]."""
@@ -125,6 +138,8 @@ def as_c_int(value):
         value = to_int(value)
         if not isinstance(value, int):
             raise TypeError(f"__int__ returned non-int (type {type(value).__name__})")
+    if _WIDE_FOR_C_INT is not None and abs(value) >= _WIDE_FOR_C_INT:
+        raise OverflowError("Python int too large to convert to C int")
     check_c_long(value)
     if not -(1 << (_C_INT_BITS - 1)) <= value < 1 << (_C_INT_BITS - 1):
         raise OverflowError("value too large to convert to int")
