@@ -560,6 +560,9 @@ class Engine:
 
     def thread_main(self, graph_task):
         """Pop and run tasks until ``graph_task`` completes (forever for None)."""
+        # Here and in evaluate_function and route, the engine reads its
+        # graph tasks' slots, not the properties that check Python code's
+        # writes (See Note [A graph task's fields from Python]).
         worker = _worker_state
         queue = worker.local_ready_queue
         # See Note [Waits honour signals].
@@ -568,7 +571,7 @@ class Engine:
         # See Note [A shutdown task is the device worker's].
         shutdown_held = False
         try:
-            while graph_task is None or not graph_task.future_completed:
+            while graph_task is None or not graph_task.future_completed_:
                 if worker.next_task is not None:
                     # See Note [The next task skips the queue].
                     task, worker.next_task = worker.next_task, None
@@ -589,13 +592,13 @@ class Engine:
                 # See Note [Queries a running node makes] in pyengine/_shared/task_queries.py.
                 previous_node = state.set_current_node(task.node, local_graph_task)
                 previous_grad_mode = state.is_grad_enabled()
-                state.set_grad_enabled(local_graph_task.grad_mode)
+                state.set_grad_enabled(local_graph_task.grad_mode_)
                 # ANDed with the enclosing task's: See Note [Checkpoint valid
                 # in nested backward] in pyengine/_pure/state.py.
                 previous_checkpoint_valid = state.swap_checkpoint_valid(
                     local_graph_task.can_checkpoint() and state.is_checkpoint_valid())
                 try:
-                    if not local_graph_task.has_error:
+                    if not local_graph_task.has_error_:
                         if state.profiler() is None:
                             self.evaluate_function(worker, local_graph_task, task.node,
                                                    task.inputs)
@@ -620,11 +623,11 @@ class Engine:
                     worker.next_task_counted = True
                 else:
                     local_graph_task.decrement_outstanding_tasks()
-                owner = local_graph_task.owner
-                if worker.worker_device != owner and local_graph_task.has_error:
+                owner = local_graph_task.owner_
+                if worker.worker_device != owner and local_graph_task.has_error_:
                     # Tasks this node queued for an owner that may have gone:
                     # See Note [Cancelling a graph task].
-                    dropped = self.ready_queue_by_index(local_graph_task.cpu_ready_queue,
+                    dropped = self.ready_queue_by_index(local_graph_task.cpu_ready_queue_,
                                                         owner).discard_graph_task(local_graph_task)
                     for _ in range(dropped):
                         local_graph_task.decrement_outstanding_tasks()
@@ -635,7 +638,7 @@ class Engine:
                         # holds no graph task, so that one left in the queue of
                         # an owner that has gone keeps nothing alive.
                         flush_next_task(worker)
-                        self.ready_queue_by_index(local_graph_task.cpu_ready_queue, owner).push(
+                        self.ready_queue_by_index(local_graph_task.cpu_ready_queue_, owner).push(
                             NodeTask(None, None, None))
                 # Let go of the task now: a worker about to sleep in pop() must not
                 # keep its last graph alive until the next task comes.
@@ -653,7 +656,7 @@ class Engine:
         flush_next_task(worker)
         if shutdown_held:
             queue.push_shutdown()
-        if graph_task is not None and graph_task.has_error:
+        if graph_task is not None and graph_task.has_error_:
             queue.discard_graph_task(graph_task)
 
     def evaluate_profiled(self, worker, graph_task, node, inputs):
@@ -672,7 +675,7 @@ class Engine:
         pass its gradients on to the nodes they flow into. ``worker``: this
         thread's state, which holds back the last task queued for this
         thread (See Note [The next task skips the queue])."""
-        exec_info = graph_task.exec_info
+        exec_info = graph_task.exec_info_
         if exec_info:
             info = exec_info.get(id(node))
             if info is None:
@@ -700,7 +703,7 @@ class Engine:
         # See Note [Streaming backwards]: apply runs on the node's stream.
         with streams.stream_guard(producer_stream):
             outputs = call_function(graph_task, node, inputs, next_edges)
-        if not graph_task.keep_graph:
+        if not graph_task.keep_graph_:
             release_variables(node)
         if not outputs:
             if producer_stream is not None:
@@ -709,7 +712,7 @@ class Engine:
         if state.is_anomaly_enabled() and state.is_anomaly_check_nan_enabled():
             check_nan(node, outputs)
 
-        grad_mode = graph_task.grad_mode
+        grad_mode = graph_task.grad_mode_
         # validate_outputs checked the count; the node's release_variables
         # or a hook may have changed the list since.
         num_outputs = len(outputs)
@@ -781,14 +784,14 @@ class Engine:
     def route(self, graph_task, node, gradients):
         """The queue ``node``'s task goes to: its device's worker, or, on the
         CPU or with multithreading disabled, the graph task's CPU queue."""
-        if not graph_task.multithreading:
-            return graph_task.cpu_ready_queue
+        if not graph_task.multithreading_:
+            return graph_task.cpu_ready_queue_
         if node._on_cpu_:
             for gradient in gradients:
                 if gradient is not None and type(gradient) is not np.ndarray:
                     break
             else:
-                return graph_task.cpu_ready_queue
+                return graph_task.cpu_ready_queue_
         return self.ready_queue(graph_task, node_device(node, gradients))
 
     def ready_queue(self, graph_task, device):
