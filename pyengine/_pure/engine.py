@@ -684,11 +684,7 @@ class Engine:
                 # Tensor pre-hooks run exactly once: here, or in call_function.
                 call_tensor_pre_hooks(node, inputs)
             if info.captures:
-                refuse_lock_taken_again(graph_task)
-                with graph_task.mutex:
-                    for input_nr, output_idx in info.captures:
-                        if input_nr < len(inputs):
-                            graph_task.captured_vars[output_idx] = inputs[input_nr]
+                capture_inputs(graph_task, info.captures, inputs)
                 if node._stream is not None:
                     graph_task.add_leaf_stream(node._stream)
             if not info.needed:
@@ -936,6 +932,17 @@ def task_inputs(input_buffer):
     if inputs is None:
         raise RuntimeError(input_buffer_list_gone_message())
     return inputs
+
+
+def capture_inputs(graph_task, captures, inputs):
+    """Give each output that ``captures`` (a node's ``(input_nr,
+    output_idx)`` pairs) names its gradient among ``inputs``, under the
+    graph task's lock."""
+    refuse_lock_taken_again(graph_task)
+    with graph_task.mutex:
+        for input_nr, output_idx in captures:
+            if input_nr < len(inputs):
+                graph_task.captured_vars[output_idx] = inputs[input_nr]
 
 
 def single_gradient(worker, num_inputs, input_nr, gradient):
