@@ -135,6 +135,29 @@ def test_an_owner_graph_made_by_new_alone_copies_with_its_init_error():
         copy.copy(uninitialized)
 
 
+class NotAGraph:
+    pass
+
+
+class CraftedOwnerGraphPickle:
+    """Pickles as an OwnerGraph's reduce does, naming a class that is not one."""
+
+    def __reduce__(self):
+        graph = pyengine.OwnerGraph("parents", "run_backward")
+        function, arguments, state = graph.__reduce__()
+        return function, (arguments[0], NotAGraph, *arguments[2:]), state
+
+
+def test_a_pickle_that_names_another_class_is_refused():
+    # The compiled OwnerGraph's tp_new refuses a class that is not an
+    # OwnerGraph; the twin's made a NotAGraph and ran OwnerGraph.__init__ on
+    # it. See Note [A class's __new__ called with another class].
+    name = "pyengine._owner_graph.OwnerGraph"
+    with pytest.raises(TypeError) as error:
+        pickle.loads(pickle.dumps(CraftedOwnerGraphPickle()))
+    assert str(error.value) == (f"{name}.__new__(NotAGraph): NotAGraph is not a subtype of {name}")
+
+
 def test_no_class_of_either_core_has_cythons_pickle_methods():
     modules = [_core.engine_module, _core.graph_task_module, _core.input_buffer_module,
                _core.node_module, _core.owner_graph_module, _core.ready_queue_module,

@@ -410,3 +410,54 @@ def test_both_cores_answer_attribute_writes_alike():
     differences = [(write, compiled[write], pure[write]) for write in common
                    if compiled[write] != pure[write]]
     assert differences == [], f"{len(differences)} differ, the first: {differences[:8]}"
+
+
+_NEW_SWEEP = _WRITE_SWEEP.split("def execute(")[0] + r'''
+# Each class's __new__ called with each class (and a few non-classes): the
+# core's classes, the public ones built on them, user subclasses with and
+# without a __new__ of their own, and unrelated types. Edge's takes a node.
+class Plain:
+    pass
+
+
+CLASSES = {name: value for name, value in vars(core).items()
+           if isinstance(value, type) and value.__module__.startswith("pyengine")}
+CLASSES["ExecInfo"] = core.graph_task_module.ExecInfo
+for name in ("Node", "AccumulateGrad", "GradientFreeNode", "OwnerGraph"):
+    CLASSES["pyengine." + name] = getattr(pyengine, name)
+SUBCLASSES = {}
+for name, cls in CLASSES.items():
+    try:
+        SUBCLASSES["Sub" + name] = type("Sub" + name, (cls,), {})
+        SUBCLASSES["New" + name] = type("New" + name, (cls,), {
+            "__new__": lambda cls, *args, **kwargs: super(cls.__mro__[1], cls).__new__(cls)})
+    except TypeError:
+        pass  # final: no subclass, in either core
+ARGUMENTS = {**CLASSES, **SUBCLASSES, "Plain": Plain, "int": int, "dict": dict, "3": 3,
+             "None": None, "'x'": "x"}
+
+for name, cls in sorted(CLASSES.items()):
+    for argument_name, argument in sorted(ARGUMENTS.items()):
+        extra = (Sink(),) if cls is Edge else ()
+        def make(cls=cls, argument=argument, extra=extra):
+            return cls.__new__(argument, *extra)
+        print(f"{name}.__new__({argument_name}) -> {result(make)}")
+'''
+
+
+def test_both_cores_answer_new_with_another_class_alike():
+    """``X.__new__(cls)`` for each core class X and each class, subclass and
+    odd value as ``cls``: CPython refuses a ``cls`` that is not X or a
+    subclass whose allocation is X's before a compiled class's tp_new runs,
+    and the twin refuses it in the same words (Note [A class's __new__
+    called with another class] in pyengine/_pure/static_types.py); the rest
+    are made alike. The twin made an instance of any plain class before. A
+    call with no class at all is left out: Python words the missing argument
+    of the twin's ``__new__`` itself."""
+    compiled = dict(line.split(" -> ") for line in run_on_core(_NEW_SWEEP, pure=False, timeout=300))
+    pure = dict(line.split(" -> ") for line in run_on_core(_NEW_SWEEP, pure=True, timeout=300))
+    assert compiled.keys() == pure.keys() and len(compiled) > 500
+    assert sum(answer.startswith("returns") for answer in compiled.values()) > 50
+    differences = [(call, compiled[call], pure[call]) for call in compiled
+                   if compiled[call] != pure[call]]
+    assert differences == [], f"{len(differences)} differ, the first: {differences[:8]}"

@@ -245,9 +245,9 @@ from . import state
 from .dependencies import compute_dependencies, init_to_execute
 from .graph_task import GraphTask, cancel_graph_task, refuse_lock_taken_again, task_should_execute
 from .input_buffer import InputBuffer
-from .node import Edge, NodeBase, _checked_field, _not_list, _read_only_field
-from .ready_queue import NodeTask, ReadyQueue, is_main_thread
-from .static_types import c_int_attribute, c_type_name, check_argument, refuse_write
+from .node import Edge, NodeBase, _checked_field, _not_list, _read_only_field, new_node_base
+from .ready_queue import ReadyQueue, is_main_thread, make_record
+from .static_types import c_int_attribute, c_type_name, check_argument, check_new, refuse_write
 from .thread_pool import _ThreadPoolShared, add_thread_pool_task, stop_thread_pool
 from .validate_outputs import validate_outputs
 
@@ -313,7 +313,9 @@ class GraphRoot(NodeBase):
         # The compiled class's fields before __init__ (its __cinit__'s and
         # C's None): a GraphRoot whose __init__ never ran reads alike in
         # both cores, and its _root_streams is a tuple.
-        self = super().__new__(cls, *args, **kwargs)
+        if cls.__new__ is not GraphRoot.__new__:
+            check_new(GraphRoot, cls)
+        self = new_node_base(cls)
         object.__setattr__(self, "outputs_", None)
         object.__setattr__(self, "_root_streams_", ())
         return self
@@ -414,6 +416,13 @@ class Engine:
     # replaced on an instance, nor attributes added (a subclass may).
     __slots__ = ("_max_recursion_depth", "_max_total_depth", "_max_pool_threads", "_pool",
                  "_devices", "__weakref__")
+
+    def __new__(cls, *args, **kwargs):
+        # See Note [A class's __new__ called with another class] in
+        # pyengine/_pure/static_types.py.
+        if cls.__new__ is not Engine.__new__:
+            check_new(Engine, cls)
+        return object.__new__(cls)
 
     def __init__(self, max_recursion_depth=MAX_RECURSION_DEPTH, max_total_depth=MAX_TOTAL_DEPTH,
                  max_pool_threads=MAX_POOL_THREADS):
@@ -523,7 +532,7 @@ class Engine:
                 worker.worker_device = CPU_DEVICE
                 graph_task.owner = CPU_DEVICE
                 flush_next_task(worker)
-                queue.push(NodeTask(graph_task, graph_root, inputs))
+                queue.push(make_record(graph_task, graph_root, inputs))
                 self.thread_main(graph_task)
                 if graph_task.has_error:
                     # It raises its error: See Note [A backward that raises
@@ -543,7 +552,7 @@ class Engine:
                                                          self.max_total_depth))
             graph_task.owner = worker.worker_device
             flush_next_task(worker)
-            queue.push(NodeTask(graph_task, graph_root, inputs))
+            queue.push(make_record(graph_task, graph_root, inputs))
             if worker.current_depth >= self.max_recursion_depth:
                 add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
                                      self._run_pool_task)
@@ -639,7 +648,7 @@ class Engine:
                         # an owner that has gone keeps nothing alive.
                         flush_next_task(worker)
                         self.ready_queue_by_index(local_graph_task.cpu_ready_queue_, owner).push(
-                            NodeTask(None, None, None))
+                            make_record(None, None, None))
                 # Let go of the task now: a worker about to sleep in pop() must not
                 # keep its last graph alive until the next task comes.
                 local_graph_task = None
@@ -853,7 +862,7 @@ class Engine:
             if not graph_task.future_completed:
                 graph_task.set_exception(error)
                 self.ready_queue_by_index(graph_task.cpu_ready_queue, graph_task.owner).push(
-                    NodeTask(None, None, None))
+                    make_record(None, None, None))
         for queue in device_queues:
             queue.push_shutdown()
         # See Note [Stopping the pool] in pyengine/_pure/thread_pool.py.
@@ -879,7 +888,7 @@ class Engine:
 
 
 def push_task(queue, graph_task, node, inputs):
-    queue.push(NodeTask(graph_task, node, inputs))
+    queue.push(make_record(graph_task, node, inputs))
 
 
 def queue_task(worker, queue, graph_task, node, inputs):
@@ -892,7 +901,7 @@ def queue_task(worker, queue, graph_task, node, inputs):
         push_task(queue, graph_task, node, inputs)
         return
     # Not counted yet: See Note [A held task takes over its maker's count].
-    worker.next_task = NodeTask(graph_task, node, inputs)
+    worker.next_task = make_record(graph_task, node, inputs)
     worker.next_task_counted = False
 
 

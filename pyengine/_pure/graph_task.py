@@ -12,7 +12,7 @@ from .._shared.messages import cannot_pickle_message, lock_taken_again_message, 
 from . import state
 from .node import NodeBase, _checked_field, _not_list, _read_only_field
 from .ready_queue import is_main_thread, wait_honouring_signals
-from .static_types import as_ssize_t, c_int_attribute, check_argument, final
+from .static_types import as_ssize_t, c_int_attribute, check_argument, check_new, final
 
 
 @final
@@ -33,6 +33,13 @@ class ExecInfo:
     # writes the slots.
     needed = _read_only_field("needed", "needed_")
     captures = _read_only_field("captures", "captures_")
+
+    def __new__(cls, *args, **kwargs):
+        # See Note [A class's __new__ called with another class] in
+        # pyengine/_pure/static_types.py.
+        if cls.__new__ is not ExecInfo.__new__:
+            check_new(ExecInfo, cls)
+        return object.__new__(cls)
 
     def __init__(self):
         self.needed_ = False
@@ -142,6 +149,8 @@ class GraphTask:
         # tables, the locks and the error are not __init__'s, so that a
         # second __init__ leaves a planned task's plan as the compiled one
         # does.
+        if cls.__new__ is not GraphTask.__new__:
+            check_new(GraphTask, cls)
         self = object.__new__(cls)
         self.keep_graph_ = self.grad_mode_ = self.exit_on_error_ = self.multithreading_ = False
         self.reentrant_depth_ = self.owner_ = self.outstanding_tasks_ = 0

@@ -30,7 +30,7 @@ import numpy as np
 from .._shared.messages import cannot_pickle_message
 from ..backends import backend_of, check_same_device, no_backend_to_add
 from .node import is_numpy_array
-from .static_types import c_type_name, final
+from .static_types import c_type_name, check_new, final
 
 
 @final
@@ -47,6 +47,8 @@ class InputBuffer:
     def __new__(cls, *args, **kwargs):
         # As the compiled type's fields: None until set, even where
         # ``__init__`` never runs (``InputBuffer.__new__(InputBuffer)``).
+        if cls.__new__ is not InputBuffer.__new__:
+            check_new(InputBuffer, cls)
         self = object.__new__(cls)
         self._buffer = None
         self._owned = None

@@ -42,6 +42,7 @@ from .static_types import (
     c_type_name,
     check_argument,
     check_c_long,
+    check_new,
     final,
     refuse_write,
 )
@@ -89,6 +90,8 @@ class InputMetadata:
         # The compiled class's fields before its __init__ (C's None and
         # False): one made by __new__ alone reads alike in both cores, and
         # __init__ asks ``shape`` without an AttributeError.
+        if cls.__new__ is not InputMetadata.__new__:
+            check_new(InputMetadata, cls)
         self = object.__new__(cls)
         set_field = object.__setattr__
         set_field(self, "shape", None)
@@ -174,6 +177,10 @@ def _check_input_nr(node, input_nr):
     return index
 
 
+# Edge.__new__'s node when none is given: See Edge.__new__.
+_NO_NODE = object()
+
+
 @final
 class Edge:
     """Which input slot (``input_nr``) of which ``node`` a gradient flows into.
@@ -185,9 +192,14 @@ class Edge:
 
     __slots__ = ("node", "input_nr")
 
-    def __new__(cls, node, input_nr=0):
+    def __new__(cls, node=_NO_NODE, input_nr=0):
         # In __new__, not __init__: no Edge exists without a checked node
         # (Edge.__new__(Edge) is a TypeError), and none changes after.
+        if cls.__new__ is not Edge.__new__:
+            check_new(Edge, cls)
+        if node is _NO_NODE:
+            # Python's words, after the check of cls as the compiled class's.
+            raise TypeError("Edge.__new__() missing 1 required positional argument: 'node'")
         if not isinstance(node, NodeBase):
             raise TypeError(f"Edge needs a Node, got {type(node).__name__}")
         if not getattr(node, "_initialized", False):
@@ -385,6 +397,35 @@ def _read_only_field(name, storage):
     return _read_only_property(name, operator.attrgetter(storage))
 
 
+def new_node_base(cls):
+    """A ``cls`` with the fields the compiled NodeBase has before any
+    ``__init__`` runs (its ``__cinit__``'s and C's zeroes): a node whose
+    class's ``__init__`` skipped NodeBase's reads alike in both cores, and
+    both refuse to run it (not initialized). The twin's subclasses of
+    NodeBase start from it: See Note [A class's __new__ called with another
+    class] in pyengine/_pure/static_types.py."""
+    self = object.__new__(cls)
+    set_field = object.__setattr__
+    set_field(self, "_next_edges_", ())
+    # As _keep_input_metadata(self, ()) would: no slot, so on the CPU.
+    set_field(self, "_input_metadata_", ())
+    set_field(self, "_on_cpu_", True)
+    set_field(self, "_sequence_nr_", 0)
+    set_field(self, "_overrides_release_variables_", False)
+    set_field(self, "_pre_hooks_", None)
+    set_field(self, "_post_hooks_", None)
+    set_field(self, "_tensor_pre_hooks_", None)
+    set_field(self, "_retains_grad_hooks_", None)
+    set_field(self, "_metadata_", None)
+    set_field(self, "_only_next_node_", None)
+    set_field(self, "_only_input_nr_", -1)
+    set_field(self, "_released_", False)
+    set_field(self, "_initialized_", False)
+    self._saved_values = None
+    self._stream = None
+    return self
+
+
 class NodeBase:
     """The per-node state the engine reads; see :class:`pyengine.Node`.
 
@@ -446,30 +487,9 @@ class NodeBase:
     _metadata = _checked_field("_metadata", "_metadata_", _not_dict, "dict")
 
     def __new__(cls, *args, **kwargs):
-        # The fields the compiled NodeBase has before any __init__ runs (its
-        # __cinit__'s and C's zeroes): a node whose class's __init__ skipped
-        # NodeBase's reads alike in both cores, and both refuse to run it
-        # (not initialized).
-        self = object.__new__(cls)
-        set_field = object.__setattr__
-        set_field(self, "_next_edges_", ())
-        # As _keep_input_metadata(self, ()) would: no slot, so on the CPU.
-        set_field(self, "_input_metadata_", ())
-        set_field(self, "_on_cpu_", True)
-        set_field(self, "_sequence_nr_", 0)
-        set_field(self, "_overrides_release_variables_", False)
-        set_field(self, "_pre_hooks_", None)
-        set_field(self, "_post_hooks_", None)
-        set_field(self, "_tensor_pre_hooks_", None)
-        set_field(self, "_retains_grad_hooks_", None)
-        set_field(self, "_metadata_", None)
-        set_field(self, "_only_next_node_", None)
-        set_field(self, "_only_input_nr_", -1)
-        set_field(self, "_released_", False)
-        set_field(self, "_initialized_", False)
-        self._saved_values = None
-        self._stream = None
-        return self
+        if cls.__new__ is not NodeBase.__new__:
+            check_new(NodeBase, cls)
+        return new_node_base(cls)
 
     def __reduce__(self):
         # A node is neither copied nor pickled (nor are torch's), but a
@@ -699,8 +719,10 @@ class GradientFreeNodeBase(NodeBase):
     method = _read_only_field("method", "method_")
 
     def __new__(cls, *args, **kwargs):
-        # As the compiled class's fields before __init__: See NodeBase.__new__.
-        self = super().__new__(cls, *args, **kwargs)
+        # As the compiled class's fields before __init__: See new_node_base.
+        if cls.__new__ is not GradientFreeNodeBase.__new__:
+            check_new(GradientFreeNodeBase, cls)
+        self = new_node_base(cls)
         object.__setattr__(self, "owner_", None)
         object.__setattr__(self, "method_", None)
         return self
@@ -872,6 +894,8 @@ class LeafState:
         # In __new__, as the compiled class makes its lock in __cinit__
         # (which ignores arguments): one made by __new__ alone has its
         # fields in both cores.
+        if cls.__new__ is not LeafState.__new__:
+            check_new(LeafState, cls)
         self = object.__new__(cls)
         object.__setattr__(self, "lock_", threading.Lock())
         self.accumulator = None
@@ -919,7 +943,9 @@ class AccumulateGradBase(NodeBase):
         # apply reads leaf_state: it is never None, a fresh LeafState until
         # the subclass sets it (See Note [Fields Python code can write]),
         # from before __init__, as the compiled class's __cinit__ makes it.
-        self = super().__new__(cls, *args, **kwargs)
+        if cls.__new__ is not AccumulateGradBase.__new__:
+            check_new(AccumulateGradBase, cls)
+        self = new_node_base(cls)
         self.variable = None
         self.leaf_state_ = LeafState()
         return self

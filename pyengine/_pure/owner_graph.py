@@ -202,7 +202,7 @@ from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer
 from .node import InputMetadata, _not_writable, as_input_metadata
-from .static_types import check_argument
+from .static_types import check_argument, check_new
 from .validate_outputs import known_value_type
 
 __all__ = ["OwnerGraph", "OwnerRun", "WRITES", "RETURNS", "check_reader", "cycle_error",
@@ -238,6 +238,8 @@ class OwnerGraph:
         # The fields the compiled OwnerGraph has before __init__ (C's None
         # and zeroes): one made by __new__ alone reads and fails alike in
         # both cores.
+        if cls.__new__ is not OwnerGraph.__new__:
+            check_new(OwnerGraph, cls)
         self = object.__new__(cls)
         for name in OwnerGraph.__slots__:
             object.__setattr__(self, name, None)

@@ -64,7 +64,7 @@ import threading
 
 from .._shared.messages import cannot_pickle_message, no_ready_queue_message, task_field_message
 from .node import NodeBase, _not_writable
-from .static_types import check_argument, final
+from .static_types import check_argument, check_new, final
 
 # See Note [Waits honour signals] in pyengine/_locks.pxd: the compiled
 # core's WAIT_SLICE_MS, in seconds.
@@ -143,6 +143,13 @@ class NodeTask:
 
     __slots__ = ("graph_task", "node", "inputs", "is_shutdown", "reentrant_depth", "sequence_nr")
 
+    def __new__(cls, *args, **kwargs):
+        # See Note [A class's __new__ called with another class] in
+        # pyengine/_pure/static_types.py.
+        if cls.__new__ is not NodeTask.__new__:
+            check_new(NodeTask, cls)
+        return object.__new__(cls)
+
     def __init__(self, graph_task, node, inputs, is_shutdown=False):
         # Python code cannot write the fields (AttributeError), as the
         # compiled class's readonly ones: only __init__ sets them.
@@ -164,6 +171,22 @@ class NodeTask:
     def __reduce__(self):
         # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
         raise TypeError(cannot_pickle_message(self))
+
+
+_allocate_task = object.__new__
+_initialize_task = NodeTask.__init__
+
+
+def make_record(graph_task, node, inputs):
+    """A task the engine makes, where the compiled core makes its C record
+    (``make_record``): a NodeTask built by its two steps called directly.
+    ``NodeTask(...)`` would take them through CPython's slots for a class
+    whose ``__new__`` and ``__init__`` are Python, two calls from C per
+    task; the check in ``__new__`` is for a class Python code passes, and
+    here the class is NodeTask."""
+    task = _allocate_task(NodeTask)
+    _initialize_task(task, graph_task, node, inputs)
+    return task
 
 
 def compare_node_task_time(task1, task2):
@@ -254,6 +277,13 @@ class ReadyQueue:
 
     # No __dict__, as the compiled class has none.
     __slots__ = ("_not_empty", "_heap")
+
+    def __new__(cls, *args, **kwargs):
+        # See Note [A class's __new__ called with another class] in
+        # pyengine/_pure/static_types.py.
+        if cls.__new__ is not ReadyQueue.__new__:
+            check_new(ReadyQueue, cls)
+        return object.__new__(cls)
 
     def __init__(self):
         self._not_empty = threading.Condition(threading.Lock())

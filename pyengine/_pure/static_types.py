@@ -8,6 +8,9 @@ before a compiled function's body runs, the twin refuses in the same words.
 - Arguments typed with an extension type and ``not None``: the compiled
   body reads the object's C fields at once (None would be read as one).
   ``check_argument`` is the same check for the twin's function.
+- ``X.__new__(cls)``: CPython checks ``cls`` before a compiled class's
+  ``tp_new`` runs. ``check_new`` is the same check for the twin's
+  ``__new__``.
 - Arguments and fields typed with a C integer: ``as_c_int`` (an ``int``)
   and ``as_ssize_t`` (a ``Py_ssize_t``) convert as Cython does, with its
   errors.
@@ -18,8 +21,8 @@ import struct
 import sys
 
 __all__ = ["C_LONG_MAX", "C_LONG_MIN", "as_c_int", "as_ssize_t", "c_bint_attribute",
-           "c_int_attribute", "c_type_name", "check_argument", "check_c_long", "compiled_name",
-           "final", "refuse_write"]
+           "c_int_attribute", "c_type_name", "check_argument", "check_c_long", "check_new",
+           "compiled_name", "final", "refuse_write"]
 
 
 def final(cls):
@@ -76,6 +79,50 @@ def refuse_write(value, name):
                                      "not writable")
             raise AttributeError(f"'{c_type_name(cls)}' object attribute '{name}' is read-only")
     raise AttributeError(f"'{c_type_name(cls)}' object has no attribute '{name}'{_NO_DICT}")
+
+
+# Note [A class's __new__ called with another class]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``X.__new__(cls)`` on a compiled class goes through CPython's wrapper of
+# its tp_new, which refuses, before any field is made: a ``cls`` that is
+# not a type, one that is not X or a subclass of it, and one whose
+# allocation is another compiled class's (``NodeBase.__new__(GraphRoot)``,
+# "not safe"; that last class is the first in ``cls``'s MRO whose
+# ``__new__`` is not Python code: CPython's ``staticbase``). The twin's
+# classes are Python, whose ``object.__new__`` makes an instance of any
+# plain class: its ``__new__``s call ``check_new`` wherever
+# ``cls.__new__`` is not their own (so the usual construction pays one
+# identity test), and its classes that extend another of its classes make
+# their base's fields through a function, not through the base's
+# ``__new__``, which would take them for a foreign class.
+
+def _is_core_class(cls):
+    # A class the compiled core defines (its twin here), or object: where
+    # a tp_new of C comes from.
+    return cls.__module__.startswith("pyengine._pure.") or cls is object
+
+
+def _new_defined_by(cls):
+    return next(owner for owner in cls.__mro__ if "__new__" in vars(owner))
+
+
+def check_new(base, cls):
+    """TypeError, in CPython's words, where ``base.__new__(cls)`` on the
+    compiled class would refuse ``cls``: See Note [A class's __new__ called
+    with another class]."""
+    name = compiled_name(base)
+    if not isinstance(cls, type):
+        raise TypeError(f"{name}.__new__(X): X is not a type object ({c_type_name(type(cls))})")
+    if not issubclass(cls, base):
+        raise TypeError(f"{name}.__new__({c_type_name(cls)}): {c_type_name(cls)} is not a "
+                        f"subtype of {name}")
+    for static_base in cls.__mro__:
+        allocator = _new_defined_by(static_base)
+        if _is_core_class(allocator):
+            break
+    if allocator is not base:
+        raise TypeError(f"{name}.__new__({c_type_name(cls)}) is not safe, use "
+                        f"{c_type_name(static_base)}.__new__()")
 
 
 def compiled_name(cls):
