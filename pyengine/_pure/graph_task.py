@@ -34,16 +34,17 @@ class ExecInfo:
     needed = _read_only_field("needed", "needed_")
     captures = _read_only_field("captures", "captures_")
 
-    def __new__(cls, *args, **kwargs):
-        # See Note [A class's __new__ called with another class] in
-        # pyengine/_pure/static_types.py.
+    def __new__(cls):
+        # The fields at allocation, as the compiled class's __cinit__ makes
+        # them; its __init__ is object's, which a second call, with any
+        # arguments, leaves as it was. See Note [A class's __new__ called
+        # with another class] in pyengine/_pure/static_types.py.
         if cls.__new__ is not ExecInfo.__new__:
             check_new(ExecInfo, cls)
-        return object.__new__(cls)
-
-    def __init__(self):
+        self = object.__new__(cls)
         self.needed_ = False
         self.captures_ = []
+        return self
 
     def should_execute(self):
         return self.needed_ or bool(self.captures_)

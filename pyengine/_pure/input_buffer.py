@@ -23,14 +23,12 @@ the gradients' devices only for a node that declared no non-CPU metadata),
 and an InputBuffer keeps no device.
 """
 
-import operator
-
 import numpy as np
 
 from .._shared.messages import cannot_pickle_message
 from ..backends import backend_of, check_same_device, no_backend_to_add
 from .node import is_numpy_array
-from .static_types import c_type_name, check_new, final
+from .static_types import as_ssize_t, c_type_name, check_new, final
 
 
 @final
@@ -55,7 +53,7 @@ class InputBuffer:
         return self
 
     def __init__(self, size):
-        size = operator.index(size)
+        size = as_ssize_t(size)
         if size < 0:
             raise ValueError(f"InputBuffer size {size} is negative")
         self.buffer = [None] * size
