@@ -12,6 +12,18 @@ the twin's differ in module paths and phrasing. This sweep found None read
 as an extension type (SIGSEGV) in five functions, a write into None, and
 the twin accepting what the compiled core refuses (issue notes of
 2026-12-02).
+
+The sweeps after it compare words as well (but a wrong count of arguments,
+which Cython and Python word apart): each method of each public instance;
+what an object whose ``__init__`` never ran reads; each field written and
+deleted; ``X.__new__(cls)`` with another class; and a second ``__init__``.
+Not compared, and where the cores still differ, because the twin's classes
+are Python's (heap types) and the compiled ones static types: assigning
+``__class__`` (refused on a static type; a property on the twin's
+``__class__`` would run on every ``isinstance`` that fails), the type name
+CPython's own ``object.__format__`` error prints, and ``vars()`` of a
+GraphRoot (the twin's node classes keep a ``__dict__`` slot for their
+Python subclasses).
 """
 
 from __future__ import annotations
