@@ -20,12 +20,14 @@ process must have imported.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import json
 import os
 import sys
 import threading
+import warnings
 
 import numpy as np
 
@@ -113,6 +115,13 @@ def odd_return(action, values):
         return _generator(values)
     if action == "nan":
         return [np.full(SHAPE, np.nan) for _ in values]
+    if action == "indexed":
+        # Row 0 of each gradient as an IndexedGradient: the shared slow path
+        # of validate_outputs, InputBuffer sums of two kinds, densify at a leaf.
+        return [pyengine.IndexedGradient(np.array([0]), np.asarray(v, dtype=np.float64)[:1], SHAPE)
+                for v in values]
+    if action == "indexed_shape":
+        return [pyengine.IndexedGradient(np.array([2]), np.ones(1), (3,)) for _ in values]
     return None
 
 
@@ -125,6 +134,9 @@ class Program:
         self.nodes = []
         self.handles = []
         self.stage = "build"
+        # What nodes, hooks and callbacks saw (compared between the cores).
+        self.log = []
+        self.reentrant_depth = 0
 
     # -- values a program names --
 
@@ -195,6 +207,27 @@ class Program:
                 handle.remove()
         elif action == "raise":
             raise FuzzError(f"{action} in node {getattr(node, 'index', '?')}")
+        elif action == "remove_twice":
+            for handle in self.handles:
+                handle.remove()
+                handle.remove()
+        elif action.startswith("callback"):
+            self.queue_callback(node, action)
+        elif action.startswith("reentrant"):
+            self.reentrant(node, action)
+        elif action.startswith("query_"):
+            # A running node's questions to its graph task; asked from a hook
+            # on another node or from release_variables, they are misuse.
+            query, which = action.split("_")[1:]
+            index = {"0": 0, "last": len(node.next_edges) - 1, "out": 7, "str": "0"}[which]
+            if query == "should":
+                self.log.append(["should", node.index, node.task_should_compute_output(index)])
+            else:
+                self.log.append(["buffered", node.index,
+                                 _encode(node.task_buffered_gradient(index))])
+        elif action == "grad_mode_off":
+            # The engine sets grad mode per node, and puts the caller's back.
+            pyengine.set_grad_enabled(False)
         elif action.startswith("task_"):
             # The running graph task's fields, as Python code may set them.
             graph_task = state_module.get_current_graph_task()
@@ -207,6 +240,47 @@ class Program:
         else:
             return False
         return True
+
+    def queue_callback(self, node, action):
+        name = f"cb{len(self.log)}"
+
+        def callback():
+            self.log.append(["callback", name])
+            if action == "callback_raise":
+                raise FuzzError(f"callback {name}")
+            if action == "callback_nested":
+                # A final callback that queues another: PyTorch runs it too.
+                pyengine.queue_callback(lambda: self.log.append(["nested", name]))
+            if action == "callback_backward":
+                self.small_backward()
+
+        pyengine.queue_callback(callback)
+
+    def small_backward(self):
+        """A backward on a fresh one-node graph into leaf 0 (adds 3 * [1, 1])."""
+        node = _Scale([pyengine.gradient_edge(self.leaves[0])], [(SHAPE, np.float64)])
+        pyengine.backward([pyengine.Edge(node, 0)], [np.ones(SHAPE)])
+
+    def reentrant(self, node, action):
+        """A backward called from inside the engine: on a fresh graph, or (at
+        most three levels deep) on this program's own graph again."""
+        if self.reentrant_depth >= 3:
+            return
+        self.reentrant_depth += 1
+        try:
+            if action == "reentrant":
+                self.small_backward()
+            elif action == "reentrant_grad":
+                fresh = _Scale([pyengine.gradient_edge(self.leaves[0])], [(SHAPE, np.float64)])
+                (captured,) = pyengine.grad([pyengine.Edge(fresh, 0)], [self.leaves[0]],
+                                            [np.ones(SHAPE)])
+                self.log.append(["reentrant_grad", _encode(captured)])
+            elif action == "reentrant_same":
+                roots = self.roots(self.spec["call"])
+                grads = [self.root_grad(spec) for spec in self.spec["call"]["grads"]]
+                pyengine.backward(roots, grads, retain_graph=True)
+        finally:
+            self.reentrant_depth -= 1
 
     # -- what nodes do --
 
@@ -308,21 +382,68 @@ class Program:
         return [self.edge(root) for root in call["roots"]]
 
     def run(self):
-        self.build()
         call = self.spec["call"]
+        with contextlib.ExitStack() as stack:
+            if call.get("mode") == "anomaly_build":
+                # Nodes made in anomaly mode keep their forward traceback,
+                # which an error's note then quotes.
+                stack.enter_context(pyengine.detect_anomaly())
+            self.build()
+            self.stage = "retain_grad"
+            retained = self.retained_tensors(call.get("retain_grad", ()))
+            if call.get("engine") is not None:
+                self.stage = "engine"
+                engine = pyengine.Engine(*call["engine"])
+                previous = pyengine.set_default_engine(engine)
+
+                def restore():
+                    pyengine.set_default_engine(previous)
+                    engine.stop()
+
+                stack.callback(restore)
+            if call.get("mode") == "anomaly":
+                stack.enter_context(pyengine.detect_anomaly())
+            elif call.get("mode") == "profile":
+                prof = pyengine.profile()
+                # Read once the profile has stopped (the exit stack's order).
+                stack.callback(lambda: self.log.append(
+                    ["profile", prof.runs, [[event.name, event.executed] for event in prof.events]]))
+                stack.enter_context(prof)
+            try:
+                return self.calls(call)
+            finally:
+                for tensor in retained:
+                    self.log.append(["retained", _encode(tensor.grad)])
+
+    def retained_tensors(self, specs):
+        """Non-leaf tensors (a node's output ``k``) that keep their gradient."""
+        tensors = []
+        for j, k in specs:
+            tensor = Leaf(np.zeros(SHAPE))
+            tensor.grad_fn, tensor.output_nr = self.nodes[j % len(self.nodes)], k
+            pyengine.retain_grad(tensor)
+            tensors.append(tensor)
+        return tensors
+
+    def calls(self, call):
         api = call["api"]
         captured = None
+        create = call.get("create", False)
         for repeat in range(call.get("repeat", 1)):
             self.stage = f"call{repeat}"
             retain = call.get("retain", False) or repeat + 1 < call.get("repeat", 1)
             roots = self.roots(call)
             grads = [self.root_grad(spec) for spec in call["grads"]]
             if api == "backward":
-                pyengine.backward(roots, grads, retain_graph=retain)
+                inputs = call.get("binputs")
+                if inputs is not None:
+                    inputs = [self.leaves[i % len(self.leaves)] for i in inputs]
+                pyengine.backward(roots, grads, retain_graph=retain, create_graph=create,
+                                  inputs=inputs)
             elif api == "grad":
                 inputs = [self.leaves[i % len(self.leaves)] for i in call["inputs"]]
                 captured = pyengine.grad(roots, inputs, grads, retain_graph=retain,
-                                         allow_unused=True)
+                                         create_graph=create, allow_unused=True)
             else:
                 outputs = call.get("outputs")
                 if isinstance(outputs, list):
@@ -336,8 +457,8 @@ class Program:
                     roots = []
                 elif call.get("roots_kind") == "generator":
                     roots = _generator(roots)
-                captured = engine.execute(roots, grads, retain, False, call.get("accumulate", True),
-                                          outputs)
+                captured = engine.execute(roots, grads, retain, create,
+                                          call.get("accumulate", True), outputs)
         return captured
 
 
@@ -468,6 +589,10 @@ def _encode(value):
         return {"type": f"ndarray[{value.dtype}]", "value": [float(v) for v in value.ravel()]}
     if isinstance(value, float):
         return {"type": "float", "value": value}
+    if isinstance(value, pyengine.IndexedGradient):
+        return {"type": "IndexedGradient", "value": _encode(value.to_dense())}
+    if isinstance(value, bool):
+        return value
     return {"type": type(value).__name__}
 
 
@@ -505,14 +630,16 @@ def reference_check(baseline_threads):
 
 
 def message_of(error):
-    """``str(error)``, the words the parent compares between the cores (a
-    long one cut, to keep the line short)."""
-    return str(error)[:2000]
+    """``str(error)`` and its notes (anomaly mode's), the words the parent
+    compares between the cores (a long one cut, to keep the line short)."""
+    notes = getattr(error, "__notes__", None)
+    text = str(error) if not isinstance(notes, list) else "\n".join([str(error)] + notes)
+    return text[:2000]
 
 
 def run_one(index, spec, baseline_threads):
     result = {"i": index, "exc": None, "stage": None, "grads": None, "captured": None,
-              "owner": None}
+              "owner": None, "log": None}
     if spec.get("kind") == "owner":
         graph = OwnerGraph(spec)
         try:
@@ -530,6 +657,7 @@ def run_one(index, spec, baseline_threads):
             result["exc"], result["stage"] = type(error).__name__, program.stage
             result["message"] = message_of(error)
         result["grads"] = [_encode(leaf.grad) for leaf in program.leaves]
+        result["log"] = program.log
         for handle in program.handles:
             handle.remove()
         del program
@@ -545,6 +673,7 @@ def main():
               file=sys.stderr)
         return 2
     faulthandler.enable()  # a crash prints the stack of the program that made it
+    warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
     timeout = float(os.environ.get("PYENGINE_FUZZ_PROGRAM_TIMEOUT", "20"))
     programs = json.load(sys.stdin)
     baseline_threads = threading.active_count()

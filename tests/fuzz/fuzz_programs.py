@@ -40,9 +40,26 @@ MUTATIONS = ["shorten", "extend", "cycle", "private_edges", "private_meta", "cle
              "remove_hooks", "raise", "task_captured_none", "task_leaf_streams_none",
              "task_exception"]
 RETURNS = ["none", "nones", "more", "fewer", "shape", "f32", "i64", "scalar", "str", "bare_str",
-           "int", "tuple", "generator", "nan"]
-HOOK_ACTIONS = ["none", "scale"] + MUTATIONS + RETURNS
-APPLY_ACTIONS = ["raise"] + MUTATIONS + RETURNS
+           "int", "tuple", "generator", "nan", "indexed", "indexed_shape"]
+# What a node, hook or release_variables may do besides changing the graph:
+# final callbacks (that raise, queue more, or run a backward), reentrant
+# backward (on a fresh graph, or on the program's own up to three levels),
+# a running node's queries (from another node's hook or release_variables
+# they are misuse), removing hook handles twice, grad mode turned off.
+SIDE_EFFECTS = ["remove_twice", "callback", "callback_raise", "callback_nested",
+                "callback_backward", "reentrant", "reentrant_grad", "reentrant_same",
+                "query_should_0", "query_should_last", "query_should_out", "query_should_str",
+                "query_buffered_0", "query_buffered_out", "grad_mode_off"]
+HOOK_ACTIONS = ["none", "scale"] + MUTATIONS + RETURNS + SIDE_EFFECTS
+APPLY_ACTIONS = ["raise"] + MUTATIONS + RETURNS + SIDE_EFFECTS
+# Engine(max_recursion_depth, max_total_depth, max_pool_threads) for the call:
+# small bounds send reentrant backward to the pool, or past the total depth.
+# Odd ones are values, not a wrong count of arguments: Cython words an
+# argument count otherwise than CPython (see tests/test_surface_agreement.py).
+ENGINE_BOUNDS = [[0, 1, 1], [1, 2, 1], [1, 8, 2], [2, 3, 0], [60, 4096, 256]]
+ODD_ENGINE_BOUNDS = [[-1, 8, 2], [1, -1, 2], [1, 8, -1], ["x", 8, 2], [1.5, 8, 2], [None, 8, 2],
+                     [2 ** 31, 8, 2], [1, 2 ** 63, 2], [True, 8, 2]]
+MODES = ["anomaly", "anomaly_build", "profile"]
 ODD_NEXT_EDGES = ["tuple_object", "list", "none", "tuple_str", "tuple_none", "empty", "leaf",
                   "doubled", "self"]
 ODD_METADATA = ["none", "tuple", "list_object", "list_spec", "list_none", "empty", "wrong_shape",
@@ -121,7 +138,8 @@ def misuse(draw):
     n = len(nodes)
     for _ in range(draw(st.integers(1, 3))):
         what = draw(st.sampled_from(["edge", "set_next_edges", "private", "hook", "apply",
-                                     "release", "call", "roots", "outputs", "grads"]))
+                                     "release", "call", "roots", "outputs", "grads", "engine",
+                                     "mode", "create", "binputs", "retain_grad"]))
         i = draw(st.integers(0, n - 1))
         if what == "edge":
             edges = nodes[i]["edges"]
@@ -150,7 +168,7 @@ def misuse(draw):
         elif what == "apply":
             nodes[i]["apply"] = draw(st.sampled_from(APPLY_ACTIONS))
         elif what == "release":
-            nodes[i]["release"] = draw(st.sampled_from(MUTATIONS))
+            nodes[i]["release"] = draw(st.sampled_from(MUTATIONS + SIDE_EFFECTS))
             program["call"]["retain"] = False
         elif what == "call":
             program["call"]["api"] = draw(st.sampled_from(["backward", "grad", "execute"]))
@@ -176,6 +194,18 @@ def misuse(draw):
                 calls.append(draw(st.sampled_from(ODD_GRADS)))
             else:
                 calls[draw(st.integers(0, len(calls) - 1))] = draw(st.sampled_from(ODD_GRADS))
+        elif what == "engine":
+            program["call"]["engine"] = draw(st.sampled_from(ENGINE_BOUNDS * 2 + ODD_ENGINE_BOUNDS))
+        elif what == "mode":
+            program["call"]["mode"] = draw(st.sampled_from(MODES))
+        elif what == "create":
+            program["call"]["create"] = True
+        elif what == "binputs":
+            program["call"]["binputs"] = draw(st.lists(st.integers(0, leaves - 1), max_size=2))
+        elif what == "retain_grad":
+            program["call"]["retain_grad"] = draw(st.lists(
+                st.tuples(st.integers(0, n - 1), st.sampled_from([0, 0, 1, 5])).map(list),
+                min_size=1, max_size=2))
     program["call"].setdefault("inputs", [0])
     return program
 
@@ -253,6 +283,8 @@ def is_well_formed(program):
                 return False
     call = program["call"]
     if call.get("roots_kind") or call.get("outputs") not in (None,):
+        return False
+    if call.get("binputs") is not None or call.get("engine") not in (None, *ENGINE_BOUNDS):
         return False
     if len(call["grads"]) != len(call["roots"]) or any(g[0] != "ok" for g in call["grads"]):
         return False

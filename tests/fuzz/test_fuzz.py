@@ -7,8 +7,13 @@ wrong slots or not edges at all, ``next_edges`` set through the setter
 (cycles included), private fields written (``_next_edges``,
 ``_input_metadata``, and the running graph task's ``captured_vars``,
 ``leaf_streams`` and exception), hooks of every kind and ``apply`` / ``release_variables``
-that return odd values, raise or change the graph while it runs, odd
-arguments to ``backward`` / ``grad`` / ``Engine.execute``, and owner graphs
+that return odd values (indexed gradients too), raise or change the graph while it runs, queue
+final callbacks, call backward reentrantly, ask the running graph task
+``task_should_compute_output`` / ``task_buffered_gradient`` (from the
+wrong node too), remove hook handles twice, or turn grad mode off, odd
+arguments to ``backward`` / ``grad`` / ``Engine.execute`` (``create_graph``,
+``backward(inputs=)``), calls under anomaly mode or the profiler, through an
+``Engine`` with small or odd bounds, with ``retain_grad`` on a node's outputs, and owner graphs
 (``execute_owner_graph``) whose collections are odd or change during the
 walk. Each batch runs in two child processes (``fuzz_interpreter.py``), one
 per core (``PYENGINE_PURE=0`` and ``1``), at once. The oracles:
@@ -18,7 +23,9 @@ per core (``PYENGINE_PURE=0`` and ``1``), at once. The oracles:
 - for every program, both cores raise the same exception type with the same
   message (object addresses aside: ``normalized``), or neither;
 - where neither raises, both give the same gradients (and, for a
-  well-formed program, the exact gradients of its linear maps);
+  well-formed program, the exact gradients of its linear maps), and log
+  the same events: callbacks run, queries' answers, retained gradients, the
+  profile's node names;
 - after every program, a reference backward on a fresh graph gives its
   exact gradient, with global state restored and no thread left behind.
 
@@ -185,7 +192,7 @@ def problems_of(programs, outcome):
                                 f"compiled {compiled.get('message')!r} at {compiled['stage']}; "
                                 f"pure {pure.get('message')!r} at {pure['stage']}")
             continue
-        for field in ("grads", "captured", "owner"):
+        for field in ("grads", "captured", "owner", "log"):
             if not close(compiled[field], pure[field]):
                 problems.append(f"{where}{field}: compiled {compiled[field]} != pure {pure[field]}")
         if fuzz_programs.is_well_formed(program):
