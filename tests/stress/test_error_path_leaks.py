@@ -302,6 +302,8 @@ def test_planted_graph_kept_in_a_list_fails(monkeypatch):
         return original_apply(self, grads)
 
     monkeypatch.setattr(FunctionNode, "apply", keeps_its_graph)
+    # No engine thread to wait for: what is alive stays alive.
+    monkeypatch.setattr(sys.modules[__name__], "LET_GO_S", 0.05)
     # A few calls: the graphs of every call are kept, the last one's suffice.
     with pytest.raises(LeakFound, match="alive after gc.collect()"):
         check_error_path(SCENARIOS[PLANTED_ON], calls=4, warm_up=2)
@@ -327,8 +329,9 @@ def test_planted_reference_to_none_per_call_fails():
         check_error_path(plant(lambda track: kept.append(None)))
 
 
-def test_planted_cycle_per_call_fails():
+def test_planted_cycle_per_call_fails(monkeypatch):
     # A node that refers to itself: gc.collect() frees it, reference counting does not.
+    monkeypatch.setattr(sys.modules[__name__], "LET_GO_S", 0.05)
     def make_cycle(track):
         node = FunctionNode([], scenarios.passes)
         node.itself = node
