@@ -378,13 +378,16 @@ def reentrant_caught(track):
     assert (x.grad == 2.0).all()
 
 
-def nested_chain(track, levels):
+def nested_chain(track, levels, innermost_raises=True):
     """A node whose apply runs a backward through a node whose apply ... for
-    ``levels`` levels; the innermost raises."""
+    ``levels`` levels; the innermost raises (or, where not
+    ``innermost_raises``, returns: an engine's bound must raise)."""
     def make(level):
         def fn(node, grads):
             if level == 0:
-                raise Boom("innermost")
+                if innermost_raises:
+                    raise Boom("innermost")
+                return grads
             ix = track(Leaf(np.ones(3)))
             inner = track(FunctionNode([gradient_edge(ix)], make(level - 1)))
             run(inner)
@@ -859,31 +862,16 @@ def create_graph_retain_fail(track):
 
 
 
-def nested_ok_chain(track, levels):
-    """Like nested_chain, but nothing raises: the bound must."""
-    def make(level):
-        def fn(node, grads):
-            if level > 0:
-                ix = track(Leaf(np.ones(3)))
-                inner = track(FunctionNode([gradient_edge(ix)], make(level - 1)))
-                run(inner)
-            return grads
-        return fn
-    x = track(Leaf(np.ones(3)))
-    root = track(FunctionNode([gradient_edge(x)], make(levels)))
-    return x, root
-
-
 def total_depth_exceeded(track):
     """Run on TOTAL_DEPTH_ENGINE."""
-    x, root = nested_ok_chain(track, 9)
+    x, root = nested_chain(track, 9, innermost_raises=False)
     track(expect(RecursionError, lambda: run(root)))
     assert x.grad is None
 
 
 def pool_full(track):
     """Run on ONE_POOL_THREAD_ENGINE."""
-    x, root = nested_ok_chain(track, 4)
+    x, root = nested_chain(track, 4, innermost_raises=False)
     track(expect(RuntimeError, lambda: run(root)))
     assert x.grad is None
 
