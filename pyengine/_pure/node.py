@@ -177,8 +177,14 @@ def _check_input_nr(node, input_nr):
     return index
 
 
-# Edge.__new__'s node when none is given: See Edge.__new__.
-_NO_NODE = object()
+class _NoNode:
+    """Edge.__new__'s node when none is given: See Edge.__new__."""
+
+    def __repr__(self):
+        return "<required>"
+
+
+_NO_NODE = _NoNode()
 
 
 @final
