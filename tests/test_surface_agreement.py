@@ -20,10 +20,8 @@ deleted; ``X.__new__(cls)`` with another class; and a second ``__init__``.
 Not compared, and where the cores still differ, because the twin's classes
 are Python's (heap types) and the compiled ones static types: assigning
 ``__class__`` (refused on a static type; a property on the twin's
-``__class__`` would run on every ``isinstance`` that fails), the type name
-CPython's own ``object.__format__`` error prints, and ``vars()`` of a
-GraphRoot (the twin's node classes keep a ``__dict__`` slot for their
-Python subclasses).
+``__class__`` would run on every ``isinstance`` that fails), and the type
+name CPython's own ``object.__format__`` error prints.
 """
 
 from __future__ import annotations

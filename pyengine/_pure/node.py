@@ -468,7 +468,7 @@ class NodeBase:
         "_next_edges_", "_input_metadata_", "_sequence_nr_", "_pre_hooks_", "_post_hooks_",
         "_tensor_pre_hooks_", "_retains_grad_hooks_", "_saved_values", "_released_",
         "_overrides_release_variables_", "_on_cpu_", "_stream", "_metadata_", "_initialized_",
-        "_only_next_node_", "_only_input_nr_", "__weakref__", "__dict__",
+        "_only_next_node_", "_only_input_nr_", "__weakref__",
     )
 
     # Read from the node's class when a gradient takes validate_outputs' slow
