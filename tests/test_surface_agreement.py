@@ -192,6 +192,10 @@ for cls in (Node, pyengine.AccumulateGrad, pyengine.GradientFreeNode, pyengine.O
                       ("deepcopy", lambda node: __import__("copy").deepcopy(node))]:
         print(f"{name}({cls.__name__}.__new__) -> {outcome(lambda: use(cls.__new__(cls)), ())}")
     gc.collect()
+# A core class's instance has no __dict__; its Python subclasses' have one.
+for cls in (core.NodeBase, core.AccumulateGradBase, core.GradientFreeNodeBase, core.GraphRoot,
+            Node, pyengine.AccumulateGrad, pyengine.GradientFreeNode):
+    print(f"vars({cls.__name__}.__new__) -> {outcome(lambda: vars(cls.__new__(cls)), ())}")
 # And made whole: copied (a GradientFreeNode only) as the compiled core does.
 for name, make in [("Node", Sink), ("AccumulateGrad", lambda: pyengine.AccumulateGrad(Variable())),
                    ("GradientFreeNode", lambda: pyengine.GradientFreeNode(Variable(), "x")),
