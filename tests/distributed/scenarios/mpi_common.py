@@ -41,8 +41,13 @@ def report(line):
             file.write(line + "\n")
 
 
-def passed():
-    report(f"PASS {scenario_name()} rank {rank} of {size} ({pyengine.IMPLEMENTATION} core)")
+def passed(evidence=None):
+    """Report the pass, after ``evidence`` (a line saying what was seen) in
+    the same write: a launcher that ends the job once a rank died can kill
+    a rank between two reports, which would leave the evidence without its
+    pass (one CI run saw it with 4 ranks)."""
+    line = f"PASS {scenario_name()} rank {rank} of {size} ({pyengine.IMPLEMENTATION} core)"
+    report(line if evidence is None else f"{evidence}\n{line}")
 
 
 def skip_all(reason):
