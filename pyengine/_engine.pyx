@@ -765,8 +765,10 @@ cdef class Engine:
             graph_task = <GraphTask?>task
             if not graph_task.future_completed_.load():
                 graph_task.set_exception(error)
-                self.ready_queue_by_index(graph_task.cpu_ready_queue, graph_task.owner).push_record(
-                    make_record(None, None, None, 0, 0))
+                if graph_task.owner != NO_DEVICE:  # else no thread drives it, none waits in pop
+                    self.ready_queue_by_index(graph_task.cpu_ready_queue,
+                                              graph_task.owner).push_record(
+                        make_record(None, None, None, 0, 0))
         for queue in device_queues:
             (<ReadyQueue>queue).push_shutdown()
         # See Note [Stopping the pool] in pyengine/_pure/thread_pool.py.

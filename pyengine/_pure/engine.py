@@ -861,8 +861,9 @@ class Engine:
                                 "pyengine._graph_task.GraphTask")
             if not graph_task.future_completed:
                 graph_task.set_exception(error)
-                self.ready_queue_by_index(graph_task.cpu_ready_queue, graph_task.owner).push(
-                    make_record(None, None, None))
+                if graph_task.owner != NO_DEVICE:  # else no thread drives it, none waits in pop
+                    self.ready_queue_by_index(graph_task.cpu_ready_queue, graph_task.owner).push(
+                        make_record(None, None, None))
         for queue in device_queues:
             queue.push_shutdown()
         # See Note [Stopping the pool] in pyengine/_pure/thread_pool.py.

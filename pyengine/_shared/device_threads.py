@@ -37,6 +37,26 @@ def node_device(node, gradients):
 STOPPED_BY = "Engine.stop(), which runs at interpreter exit"
 
 
+# Note [A device worker's claim]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The first task for a device starts its worker on the thread that routes
+# it, often the main thread, where Ctrl-C can raise KeyboardInterrupt
+# between any two steps of queue_for, or inside thread.start(), which waits
+# for the new thread. The device must end up registered with a worker that
+# serves its queue, or not registered at all: a queue registered without a
+# worker makes every later backward on that device wait forever; a
+# worker running for a queue that is not registered is a thread that never
+# ends (stop() does not know it). Whether an interrupted start() started the
+# thread cannot be told from outside (See Note [A slot taken for a pool
+# thread] in pyengine/_pure/thread_pool.py). So the thread is given a
+# one-item list, its claim, holding its device's index, and takes it under
+# ``lock`` before it serves; the starter registers the device under the same
+# lock, after start() returns. The new thread cannot take its claim before the
+# starter lets go of the lock, so a starter that is interrupted, still
+# holding it, finds the claim there, empties it and takes back what it
+# registered; a thread that then runs finds nothing to claim and ends.
+
+
 class _DeviceThreads:
     """One ReadyQueue and one worker thread per non-CPU device, started the
     first time a graph task sends that device a task. A device's worker
@@ -61,7 +81,8 @@ class _DeviceThreads:
     def queue_for(self, device, graph_task, worker_main):
         """The queue of ``device``, for a task of ``graph_task``; on first use,
         starts the device's worker thread, which runs
-        ``worker_main(device_id, queue)``."""
+        ``worker_main(device_id, queue)``. See Note [A device worker's
+        claim]."""
         with self.lock:
             if self.stopping:
                 raise RuntimeError(f"cannot run a task on {device}: the engine's device "
@@ -69,18 +90,42 @@ class _DeviceThreads:
             self.graph_tasks.add(graph_task)
             device_id = self.ids.get(device)
             if device_id is None:
-                device_id = self.ids[device] = len(self.devices)
+                device_id = len(self.devices)
                 queue = self._ready_queue_type()
-                thread = threading.Thread(target=worker_main, args=(device_id, queue),
+                claim = [device_id]
+                thread = threading.Thread(target=self._run_worker, args=(claim, queue, worker_main),
                                           name=f"pyengine-{device}", daemon=True)
-                self.devices.append(device)
-                self.queues.append(queue)
-                self.threads.append(thread)
-                thread.start()
+                try:
+                    thread.start()
+                    self.devices.append(device)
+                    self.queues.append(queue)
+                    self.threads.append(thread)
+                    self.ids[device] = device_id
+                except BaseException:
+                    # Interrupted: the device stays unstarted, and a thread
+                    # that did start finds its claim gone.
+                    claim.clear()
+                    del self.devices[device_id:], self.queues[device_id:], self.threads[device_id:]
+                    raise
             return self._checked_queue(self.queues[device_id])
+
+    def _run_worker(self, claim, queue, worker_main):
+        """A device worker thread's body: serve ``queue`` if its starter
+        registered it. See Note [A device worker's claim]."""
+        with self.lock:
+            if not claim:
+                return
+            device_id = claim.pop()
+        worker_main(device_id, queue)
 
     def queue_by_index(self, device_id):
         with self.lock:
+            if not 0 <= device_id < len(self.queues):
+                # A graph task's owner is a public int; a negative one would
+                # index from the end.
+                raise ValueError(f"no device thread has index {device_id}: this engine has "
+                                 f"{len(self.queues)} (a graph task's owner is -1 for the "
+                                 "CPU, else the index of a device thread)")
             return self._checked_queue(self.queues[device_id])
 
     def _checked_queue(self, queue):
