@@ -43,10 +43,6 @@ from pyengine.device import CPU
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill"),
-    # The defect: Note [A backward that raises leaves its ready queue] did
-    # not cover a node that catches the KeyboardInterrupt of its hand-off.
-    pytest.mark.xfail(strict=True, reason="a node that catches the KeyboardInterrupt of an "
-                      "interrupted hand-off leaves its thread serving a queue the pool shares"),
 ]
 
 F0 = fd.device(0)
