@@ -64,6 +64,7 @@ from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from pyengine._shared.engine_registry import register_engine
 from pyengine._shared.messages import (cannot_pickle_message, gradients_changed_message,
+                                      handoff_interrupted_message,
                                       input_buffer_list_gone_message, no_ready_queue_message,
                                       raise_error, total_depth_message)
 from pyengine._validate_outputs import plain_error_format, validate_outputs
@@ -113,10 +114,20 @@ cdef class WorkerState:
     # next single_gradient. See Note [Reusing a task's gradients list] in
     # pyengine/_pure/engine.py.
     cdef list spare_list
+    # Whether a hand-off of this thread's was interrupted while a pool thread
+    # ran its graph task: until its outermost backward raises, every
+    # backward it drives has failed and no new one starts. See Note [A
+    # backward that raises leaves its ready queue] in pyengine/_pure/engine.py.
+    cdef bint handoff_interrupted
+    # The graph tasks whose loops (thread_main) run on this thread,
+    # outermost first; never None. See Note [A backward that raises leaves
+    # its ready queue] in pyengine/_pure/engine.py.
+    cdef list driven_graph_tasks
 
     def __cinit__(self):
         self.worker_device = NO_DEVICE
         self.on_main_thread = is_main_thread()
+        self.driven_graph_tasks = []
 
     def __dealloc__(self):
         if self.has_next_task:
@@ -387,6 +398,7 @@ cdef class Engine:
             graph_task.owner = CPU_DEVICE
             flush_next_task(worker)
             push_task(queue, graph_task, graph_root, inputs)
+            worker.driven_graph_tasks.append(graph_task)
             try:
                 self.thread_main(worker, graph_task)
                 if graph_task.has_error_.load():
@@ -398,24 +410,40 @@ cdef class Engine:
                 raise
             finally:
                 worker.worker_device = NO_DEVICE
+                del worker.driven_graph_tasks[:]
         else:
             # A reentrant backward. See Note [Reentrant backward].
             if graph_task.reentrant_depth > self.max_total_depth:
                 # See Note [Bounds on reentrant backward].
                 raise RecursionError(total_depth_message(graph_task.reentrant_depth,
                                                          self.max_total_depth))
+            if worker.handoff_interrupted:
+                # See Note [A backward that raises leaves its ready queue] in
+                # pyengine/_pure/engine.py.
+                raise RuntimeError(handoff_interrupted_message())
             graph_task.owner = worker.worker_device
             flush_next_task(worker)
             push_task(queue, graph_task, graph_root, inputs)
             if worker.current_depth >= self.max_recursion_depth:
-                add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
-                                     self._run_pool_task)
+                try:
+                    add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
+                                         self._run_pool_task)
+                except BaseException as error:
+                    if graph_task.on_pool_thread:
+                        # Cancelled, and still run by a pool thread that
+                        # serves this thread's queue: See Note [A backward
+                        # that raises leaves its ready queue] in
+                        # pyengine/_pure/engine.py.
+                        fail_driven_graph_tasks(worker, error)
+                    raise
             else:
                 worker.total_depth += 1
                 worker.current_depth += 1
+                worker.driven_graph_tasks.append(graph_task)
                 try:
                     self.thread_main(worker, graph_task)
                 finally:
+                    leave_driven_graph_task(worker, graph_task)
                     worker.current_depth -= 1
                     worker.total_depth -= 1
         return 0
@@ -747,10 +775,15 @@ cdef class Engine:
         worker.total_depth = graph_task.reentrant_depth
         worker.current_depth = 0
         try:
+            worker.driven_graph_tasks.append(graph_task)
             self.thread_main(worker, graph_task)
         finally:
             worker.local_ready_queue = None
             worker.worker_device = NO_DEVICE
+            # The outermost backward of a pool thread: See Note [A backward
+            # that raises leaves its ready queue] in pyengine/_pure/engine.py.
+            del worker.driven_graph_tasks[:]
+            worker.handoff_interrupted = False
 
     def stop(self, timeout=1.0):
         """Stop the device and pool threads (at interpreter exit). A backward
@@ -831,6 +864,36 @@ cdef inline void leave_ready_queue(WorkerState worker) noexcept:
     that an interrupt may have left half restored there; here nothing is
     interrupted between two steps."""
     worker.local_ready_queue = None
+    # The thread's next backward serves its new queue alone.
+    worker.handoff_interrupted = False
+
+
+cdef int fail_driven_graph_tasks(WorkerState worker, object error) except -1:
+    """A hand-off of this thread's was interrupted (``error``) while a pool
+    thread ran its graph task, which serves this thread's queue until it is
+    back: every graph task this thread drives fails with ``error`` (kept,
+    so that each one's ``execute`` raises it), its tasks dropped from its
+    queue, and no new backward starts here until the outermost one raises.
+    See Note [A backward that raises leaves its ready queue] in
+    ``pyengine/_pure/engine.py``."""
+    cdef GraphTask graph_task
+    worker.handoff_interrupted = True
+    # A copy: set_exception may run Python code that starts or ends a level.
+    for driven in list(worker.driven_graph_tasks):
+        graph_task = <GraphTask>driven
+        graph_task.set_exception(error)
+        graph_task.cpu_ready_queue.discard_graph_task_records(graph_task)
+    return 0
+
+
+cdef inline int leave_driven_graph_task(WorkerState worker, GraphTask graph_task) except -1:
+    """Take ``graph_task``, whose loop on this thread ended, off the
+    thread's driven graph tasks: the last one."""
+    cdef list driven = worker.driven_graph_tasks
+    if PyList_GET_SIZE(driven) and PyList_GET_ITEM(driven, PyList_GET_SIZE(driven) - 1) == \
+            <PyObject*>graph_task:
+        driven.pop()
+    return 0
 
 
 cdef inline void flush_next_task(WorkerState worker) noexcept:

@@ -33,6 +33,10 @@ itself:
   the owner's queue (counting them as done), and a wake-up it sends holds
   no graph task, so nothing left in a queue keeps a cancelled task alive.
 
+A caller whose hand-off is interrupted while a pool thread still runs the
+graph task also fails every graph task it drives: See Note [A backward that
+raises leaves its ready queue].
+
 Only a wait raises in the compiled core; the twin's main thread may see
 KeyboardInterrupt between any two bytecodes, so ``thread_main`` cancels its
 graph task whatever escapes its loop, and ``discard_graph_task`` rebuilds
@@ -71,9 +75,40 @@ the pool is full. So a thread's outermost backward that raises (through
 its loop, or with its graph task's error) leaves its ReadyQueue to whoever
 still serves it, and the thread's next backward makes a new one; in the
 twin, ``leave_ready_queue`` also puts back the per-thread state (See Note
-[Where the twin's main thread sees an interrupt]). A node that catches the
-KeyboardInterrupt of a backward nested in it, and returns, goes on sharing
-its queue with the pool threads: that case is not covered.
+[Where the twin's main thread sees an interrupt]).
+
+A node may catch the KeyboardInterrupt of the backward nested in it and
+return normally. In PyTorch that KeyboardInterrupt comes only once the
+nested backward is done (its C++ wait ignores Ctrl-C), and the outer
+backward goes on. Here the pool threads still serve the queue, so the
+thread can no longer serve it; nor can it wait for them before it pops
+again, since what runs nested in the cancelled graph task may take as
+long as it likes, and Ctrl-C must end that wait too. So pyengine ends
+every backward the thread drives with the interruption: where a hand-off's
+wait raises while a pool thread still runs its cancelled graph task
+(``on_pool_thread``; a pool thread that took the task and has not marked
+it yet finds it completed and never pops), ``fail_driven_graph_tasks``,
+before the node sees the error, sets it on each graph task whose loop runs
+on this thread (``driven_graph_tasks``, outermost first; the task keeps
+the error so that its ``execute`` raises it, taking it off first: See
+Note [A raised error must not name itself in its frame]), drops their
+tasks from the queue, and sets ``handoff_interrupted``. A node that
+catches the error and returns finds its loop's graph task completed, and
+the loop ends without popping again; each level's ``execute`` raises the
+same KeyboardInterrupt into the node that called it, and the outermost one
+raises it to the caller, leaves the queue and clears
+``handoff_interrupted`` (a pool thread clears it as its task ends). Until
+then, a reentrant backward started on the thread (a node that caught the
+error and tries again) raises RuntimeError before it queues anything. A
+node that catches the KeyboardInterrupt can clean up, as in a ``finally``,
+but the backward ends with it: Ctrl-C stays a KeyboardInterrupt up to the
+caller (rather than an error chained from it), whose handler for it runs.
+None of this is on the per-node path: the list grows by one item per
+backward this thread runs, and the checks are on the error paths and at a
+level's exit. ``tests/test_interrupted_handoff.py`` shows the hang this
+prevents: the thread and a pool thread each ran one of a node's two next
+nodes, the pool thread completed the graph task, and the thread slept in
+``pop``.
 
 Note [Where the twin's main thread sees an interrupt]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -92,10 +127,11 @@ ones that must both happen or neither. Each such pair is made safe:
   through the node of each enclosing level (See Note [Cancelling a graph
   task]);
 - the per-node state (grad mode, current graph task and node, checkpoint
-  valid) and the thread's ``worker_device``, depths and held task, whose
-  restores an interrupt may cut short, are put back by the outermost
-  backward as it raises (``leave_ready_queue``: See Note [A backward that
-  raises leaves its ready queue]);
+  valid) and the thread's ``worker_device``, depths, held task, driven
+  graph tasks and ``handoff_interrupted``, whose restores an interrupt may
+  cut short, are put back by the outermost backward as it raises
+  (``leave_ready_queue``: See Note [A backward that raises leaves its
+  ready queue]);
 - the reentrant pool's slots and queue: See Note [A slot taken for a pool
   thread] in ``pyengine/_pure/thread_pool.py``.
 
@@ -235,6 +271,7 @@ from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
 from .._shared.messages import (
     cannot_pickle_message,
     gradients_changed_message,
+    handoff_interrupted_message,
     input_buffer_list_gone_message,
     no_ready_queue_message,
     node_name,
@@ -283,10 +320,19 @@ class WorkerState(threading.local):
     # A gradients list a task left that nothing else refers to, for the next
     # single_gradient. See Note [Reusing a task's gradients list].
     spare_list = None
+    # Whether a hand-off of this thread's was interrupted while a pool thread
+    # ran its graph task: until its outermost backward raises, every
+    # backward it drives has failed and no new one starts. See Note [A
+    # backward that raises leaves its ready queue].
+    handoff_interrupted = False
 
     def __init__(self):
         # Whether this thread runs signal handlers: See Note [Waits honour signals].
         self.on_main_thread = is_main_thread()
+        # The graph tasks whose loops (thread_main) run on this thread,
+        # outermost first. See Note [A backward that raises leaves its ready
+        # queue].
+        self.driven_graph_tasks = []
 
     def __reduce__(self):
         # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
@@ -533,6 +579,7 @@ class Engine:
                 graph_task.owner = CPU_DEVICE
                 flush_next_task(worker)
                 queue.push(make_record(graph_task, graph_root, inputs))
+                worker.driven_graph_tasks.append(graph_task)
                 self.thread_main(graph_task)
                 if graph_task.has_error:
                     # It raises its error: See Note [A backward that raises
@@ -544,24 +591,38 @@ class Engine:
                 raise
             finally:
                 worker.worker_device = NO_DEVICE
+                worker.driven_graph_tasks.clear()
         else:
             # A reentrant backward. See Note [Reentrant backward].
             if graph_task.reentrant_depth > self.max_total_depth:
                 # See Note [Bounds on reentrant backward].
                 raise RecursionError(total_depth_message(graph_task.reentrant_depth,
                                                          self.max_total_depth))
+            if worker.handoff_interrupted:
+                # See Note [A backward that raises leaves its ready queue].
+                raise RuntimeError(handoff_interrupted_message())
             graph_task.owner = worker.worker_device
             flush_next_task(worker)
             queue.push(make_record(graph_task, graph_root, inputs))
             if worker.current_depth >= self.max_recursion_depth:
-                add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
-                                     self._run_pool_task)
+                try:
+                    add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
+                                         self._run_pool_task)
+                except BaseException as error:
+                    if graph_task.on_pool_thread:
+                        # Cancelled, and still run by a pool thread that
+                        # serves this thread's queue: See Note [A backward
+                        # that raises leaves its ready queue].
+                        fail_driven_graph_tasks(worker, error)
+                    raise
             else:
                 worker.total_depth += 1
                 worker.current_depth += 1
+                worker.driven_graph_tasks.append(graph_task)
                 try:
                     self.thread_main(graph_task)
                 finally:
+                    leave_driven_graph_task(worker, graph_task)
                     worker.current_depth -= 1
                     worker.total_depth -= 1
 
@@ -842,10 +903,15 @@ class Engine:
         worker.total_depth = graph_task.reentrant_depth
         worker.current_depth = 0
         try:
+            worker.driven_graph_tasks.append(graph_task)
             self.thread_main(graph_task)
         finally:
             worker.local_ready_queue = None
             worker.worker_device = NO_DEVICE
+            # The outermost backward of a pool thread: See Note [A backward
+            # that raises leaves its ready queue].
+            worker.driven_graph_tasks.clear()
+            worker.handoff_interrupted = False
 
     def stop(self, timeout=1.0):
         """Stop the device and pool threads (at interpreter exit). A backward
@@ -913,6 +979,8 @@ def leave_ready_queue(worker, outside):
     valid; no node runs there). See Note [A backward that raises leaves its
     ready queue]."""
     worker.local_ready_queue = None
+    # The thread's next backward serves its new queue alone.
+    worker.handoff_interrupted = False
     # The twin only: an interrupt may have cut a restore short (See Note
     # [Where the twin's main thread sees an interrupt]).
     worker.next_task = None
@@ -923,6 +991,28 @@ def leave_ready_queue(worker, outside):
     state.set_current_graph_task(graph_task)
     state.swap_checkpoint_valid(checkpoint_valid)
     state.set_grad_enabled(grad_mode)
+
+
+def fail_driven_graph_tasks(worker, error):
+    """A hand-off of this thread's was interrupted (``error``) while a pool
+    thread ran its graph task, which serves this thread's queue until it is
+    back: every graph task this thread drives fails with ``error`` (kept,
+    so that each one's ``execute`` raises it), its tasks dropped from its
+    queue, and no new backward starts here until the outermost one raises.
+    See Note [A backward that raises leaves its ready queue]."""
+    worker.handoff_interrupted = True
+    for graph_task in list(worker.driven_graph_tasks):
+        graph_task.set_exception(error)
+        graph_task.cpu_ready_queue.discard_graph_task(graph_task)
+
+
+def leave_driven_graph_task(worker, graph_task):
+    """Take ``graph_task``, whose loop on this thread ended, off the
+    thread's driven graph tasks (the last one, unless an interrupt in the
+    twin left one behind it, which the outermost backward clears)."""
+    driven = worker.driven_graph_tasks
+    if driven and driven[-1] is graph_task:
+        driven.pop()
 
 
 def flush_next_task(worker):

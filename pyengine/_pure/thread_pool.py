@@ -60,7 +60,10 @@ the mark in the same critical section that counts it idle again; the
 caller, once its task completed, waits for the mark to clear. The wait is
 short (the thread needs only the GIL, which the caller does not hold), and
 a backward that returns has every pool thread it used idle again. A caller
-that cancels its task (Ctrl-C, a thread that did not start) does not wait.
+that cancels its task (Ctrl-C, a thread that did not start) does not wait;
+if a pool thread still runs the task, the caller's backward ends: See Note
+[A backward that raises leaves its ready queue] in
+``pyengine/_pure/engine.py``.
 
 Note [A slot taken for a pool thread]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -149,6 +149,15 @@ def pool_full_message(depth, limit):
             f"Engine(max_pool_threads=...) to allow more")
 
 
+def handoff_interrupted_message():
+    """See Note [A backward that raises leaves its ready queue] in pyengine/_pure/engine.py."""
+    return ("cannot start a backward here: this thread's backward was interrupted (Ctrl-C) "
+            "while a reentrant pool thread ran a backward nested in it, which still serves "
+            "this thread's ready queue; every backward this thread runs ends with that "
+            "KeyboardInterrupt, even where a node caught it (a backward started after the "
+            "outermost one has raised runs as usual)")
+
+
 def pool_stopped_message(depth):
     """See Note [Stopping the pool] in pyengine/_pure/thread_pool.py."""
     return (f"cannot run a reentrant backward nested {depth} levels deep on a pool thread: "
