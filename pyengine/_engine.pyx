@@ -63,10 +63,10 @@ from pyengine import streams as _streams
 from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from pyengine._shared.engine_registry import register_engine
-from pyengine._shared.messages import (cannot_pickle_message, gradients_changed_message,
-                                      handoff_interrupted_message,
-                                      input_buffer_list_gone_message, no_ready_queue_message,
-                                      raise_error, total_depth_message)
+from pyengine._shared.messages import (ENGINE_INITIALIZED_WHY, cannot_pickle_message,
+                                      gradients_changed_message, handoff_interrupted_message,
+                                      initialized_once_message, input_buffer_list_gone_message,
+                                      no_ready_queue_message, raise_error, total_depth_message)
 from pyengine._validate_outputs import plain_error_format, validate_outputs
 from pyengine.indexed import IndexedGradient
 
@@ -298,6 +298,8 @@ cdef class Engine:
         backward raises RecursionError; ``max_pool_threads``: threads of the
         reentrant pool, past which a hand-off raises RuntimeError. See
         Note [Bounds on reentrant backward]."""
+        if self._pool is not None:
+            raise TypeError(initialized_once_message(self, ENGINE_INITIALIZED_WHY))
         self.max_recursion_depth = max_recursion_depth
         self.max_total_depth = max_total_depth
         self.max_pool_threads = max_pool_threads

@@ -92,6 +92,8 @@ cdef class GraphTask:
     cdef readonly bint multithreading
     cdef readonly dict caller_current_streams
     cdef public int owner
+    # Set by _init_fields: a second __init__ is refused.
+    cdef bint initialized_
     cdef public object graph_root
     # Whether a reentrant pool thread runs this task and has not gone back
     # to idle yet. Guarded by the engine's pool mutex once the task is

@@ -25,8 +25,9 @@ from pyengine._state cimport ThreadState, thread_state
 from pyengine import streams as _streams
 from pyengine._shared import node_streams as _node_streams
 from pyengine._shared import task_queries as _task_queries
-from pyengine._shared.messages import (cannot_pickle_message, lock_taken_again_message, node_name,
-                                       not_ready_message)
+from pyengine._shared.messages import (GRAPH_TASK_INITIALIZED_WHY, cannot_pickle_message,
+                                       initialized_once_message, lock_taken_again_message,
+                                       node_name, not_ready_message)
 
 cdef extern from "Python.h":
     # exc NULL: an int beyond a Py_ssize_t is clipped to its range.
@@ -96,6 +97,8 @@ cdef class GraphTask:
 
     def __init__(self, bint keep_graph, bint grad_mode, int reentrant_depth,
                  ReadyQueue cpu_ready_queue, bint exit_on_error=False, bint multithreading=True):
+        if self.initialized_:
+            raise TypeError(initialized_once_message(self, GRAPH_TASK_INITIALIZED_WHY))
         self._init_fields(keep_graph, grad_mode, reentrant_depth, cpu_ready_queue, exit_on_error,
                           multithreading)
 
@@ -106,6 +109,7 @@ cdef class GraphTask:
     cdef int _init_fields(self, bint keep_graph, bint grad_mode, int reentrant_depth,
                           ReadyQueue cpu_ready_queue, bint exit_on_error,
                           bint multithreading) except -1:
+        self.initialized_ = True
         self.keep_graph = keep_graph
         self.grad_mode = grad_mode
         self.reentrant_depth = reentrant_depth

@@ -397,12 +397,14 @@ def test_a_node_planning_its_running_graph_task_is_refused_and_grad_works():
     assert len(errors) == 1 and "already called" in errors[0]
 
 
-def test_a_second_init_keeps_a_planned_tasks_plan_and_an_uninitialized_task_reads_zeroes():
+def test_a_second_init_is_refused_and_an_uninitialized_task_reads_zeroes():
     # The compiled GraphTask's __init__ sets the fields of a backward's
     # start (flags, counts, the result lists); its plan, tables, locks and
-    # error are made with the object. The twin's __new__ makes the same
-    # split: a second __init__ used to drop its plan, so that a planned
-    # task could be planned again.
+    # error are made with the object, as the twin's __new__ makes them. A
+    # second __init__ once reset a running task's counts and queue (the
+    # compiled core then pushed to None: a segfault), and in the twin
+    # dropped a planned task's plan: now both refuse it, and the task keeps
+    # its fields and its plan.
     core = pyengine._core
 
     class Sink(pyengine.Node):
@@ -415,9 +417,11 @@ def test_a_second_init_keeps_a_planned_tasks_plan_and_an_uninitialized_task_read
     sink = Sink()
     task = core.GraphTask(False, False, 0, core.ReadyQueue())
     task.init_to_execute(sink, [pyengine.Edge(sink, 0), pyengine.Edge(sink, 0)], False)
-    task.__init__(True, True, 1, core.ReadyQueue())
+    with pytest.raises(TypeError, match=r"^GraphTask.__init__ ran already: it runs once per"):
+        task.__init__(True, True, 1, core.ReadyQueue())
     assert task.find_exec_info(sink).captures == [(0, 0), (0, 1)]
-    assert (task.keep_graph, task.owner, task.captured_vars) == (True, -2, [])
+    assert (task.keep_graph, task.reentrant_depth, task.owner, task.captured_vars) == (
+        False, 0, -2, [None, None])
     with pytest.raises(RuntimeError, match="^init_to_execute was already called"):
         task.init_to_execute(sink, [pyengine.Edge(sink, 0)], False)
 

@@ -1278,3 +1278,47 @@ def test_graph_task_fields_a_running_node_sets_fail_in_the_same_words():
         "owner graph exception=5 -> TypeError: exceptions must derive from BaseException",
         "after [[1.0, 1.0, 1.0]]",
     ]
+
+
+def test_a_second_init_of_a_graph_task_or_an_engine_is_refused():
+    # A node that called __init__ again on its running graph task reset its
+    # counts and set its CPU queue to None, which the compiled core then
+    # pushed to (a segfault; the twin raised AttributeError). An engine's
+    # second __init__ left its device and pool threads to run unknown to it.
+    lines = run_isolated('''
+        from pyengine import _core
+        class Reinit(Node):
+            def apply(self, grads):
+                _core.state_module.get_current_graph_task().__init__(False, False, 0, None)
+                return [grads[0]]
+        sink = Sink("sink")
+        report("running graph task", lambda: run(Reinit([Edge(sink, 0)])))
+        print("sink got", sink.got)
+        graph_task = _core.GraphTask(False, False, 0, _core.ReadyQueue())
+        report("new graph task", lambda: graph_task.__init__(True, True, 1, None))
+        print("fields kept:", graph_task.keep_graph, graph_task.reentrant_depth,
+              type(graph_task.cpu_ready_queue).__name__)
+        engine = pyengine.Engine(3)
+        report("engine", lambda: engine.__init__(5))
+        print("bound kept:", engine.max_recursion_depth)
+        fresh = _core.GraphTask.__new__(_core.GraphTask)
+        fresh.__init__(False, False, 2, None)
+        print("__new__ then __init__:", fresh.reentrant_depth)
+        run(Fan([Edge(sink, 0)]))
+        print("after", sink.got)
+    ''')
+    graph_task_refused = ("TypeError: GraphTask.__init__ ran already: it runs once per instance (a "
+                          "second __init__ would reset the counts, queue and error of a backward "
+                          "that may be running)")
+    assert lines == [
+        f"running graph task -> {graph_task_refused}",
+        "sink got []",
+        f"new graph task -> {graph_task_refused}",
+        "fields kept: False 0 ReadyQueue",
+        "engine -> TypeError: Engine.__init__ ran already: it runs once per instance (a second "
+        "__init__ would leave its device and pool threads to run on, unknown to it and never "
+        "stopped)",
+        "bound kept: 3",
+        "__new__ then __init__: 2",
+        "after [[1.0, 1.0, 1.0]]",
+    ]

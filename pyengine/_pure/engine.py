@@ -269,9 +269,11 @@ from .._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from .._shared.engine_registry import register_engine
 from .._shared.hooks import add_anomaly_note, call_tensor_pre_hooks, check_nan
 from .._shared.messages import (
+    ENGINE_INITIALIZED_WHY,
     cannot_pickle_message,
     gradients_changed_message,
     handoff_interrupted_message,
+    initialized_once_message,
     input_buffer_list_gone_message,
     no_ready_queue_message,
     node_name,
@@ -284,7 +286,7 @@ from .graph_task import GraphTask, cancel_graph_task, refuse_lock_taken_again, t
 from .input_buffer import InputBuffer
 from .node import Edge, NodeBase, _checked_field, _not_list, _read_only_field, new_node_base
 from .ready_queue import ReadyQueue, is_main_thread, make_record
-from .static_types import c_int_attribute, c_type_name, check_argument, check_new, refuse_write
+from .static_types import as_c_int, c_int_attribute, c_type_name, check_argument, check_new, refuse_write
 from .thread_pool import _ThreadPoolShared, add_thread_pool_task, stop_thread_pool
 from .validate_outputs import validate_outputs
 
@@ -477,6 +479,12 @@ class Engine:
         backward raises RecursionError; ``max_pool_threads``: threads of the
         reentrant pool, past which a hand-off raises RuntimeError. See
         Note [Bounds on reentrant backward]."""
+        # Converted first, as the compiled signature's C ints are.
+        max_recursion_depth = as_c_int(max_recursion_depth)
+        max_total_depth = as_c_int(max_total_depth)
+        max_pool_threads = as_c_int(max_pool_threads)
+        if getattr(self, "_pool", None) is not None:
+            raise TypeError(initialized_once_message(self, ENGINE_INITIALIZED_WHY))
         self.max_recursion_depth = max_recursion_depth
         self.max_total_depth = max_total_depth
         self.max_pool_threads = max_pool_threads

@@ -8,7 +8,14 @@ import threading
 
 from .. import streams
 from .._shared import node_streams, task_queries
-from .._shared.messages import cannot_pickle_message, lock_taken_again_message, node_name, not_ready_message
+from .._shared.messages import (
+    GRAPH_TASK_INITIALIZED_WHY,
+    cannot_pickle_message,
+    initialized_once_message,
+    lock_taken_again_message,
+    node_name,
+    not_ready_message,
+)
 from . import state
 from .node import NodeBase, _checked_field, _not_list, _read_only_field
 from .ready_queue import is_main_thread, wait_honouring_signals
@@ -125,7 +132,7 @@ class GraphTask:
                  "graph_root", "on_pool_thread", "mutex", "dependencies", "not_ready",
                  "exec_info_", "planning", "captured_vars_", "leaf_streams_", "final_callbacks_",
                  "outstanding_tasks_", "_outstanding_lock", "has_error_", "exception_",
-                 "future_completed_", "_completing", "_completion", "__weakref__")
+                 "future_completed_", "_completing", "_completion", "initialized_", "__weakref__")
 
     keep_graph = _read_only_field("keep_graph", "keep_graph_")
     grad_mode = _read_only_field("grad_mode", "grad_mode_")
@@ -169,11 +176,15 @@ class GraphTask:
         self._outstanding_lock = threading.Lock()
         self._completing = False
         self._completion = threading.Condition(threading.Lock())
+        self.initialized_ = False
         return self
 
     def __init__(self, keep_graph, grad_mode, reentrant_depth, cpu_ready_queue, exit_on_error=False,
                  multithreading=True):
+        if self.initialized_:
+            raise TypeError(initialized_once_message(self, GRAPH_TASK_INITIALIZED_WHY))
         # The compiled _init_fields' fields: See GraphTask.__new__.
+        self.initialized_ = True
         self.keep_graph_ = keep_graph
         self.grad_mode_ = grad_mode
         self.reentrant_depth_ = reentrant_depth

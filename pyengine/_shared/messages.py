@@ -142,6 +142,19 @@ def total_depth_message(depth, limit):
             f"Engine(max_total_depth=...)")
 
 
+def initialized_once_message(instance, why):
+    """A second ``__init__`` on a GraphTask or an Engine: it would reset what
+    a running backward or the engine's threads use (``why``)."""
+    name = type(instance).__name__
+    return f"{name}.__init__ ran already: it runs once per instance ({why})"
+
+
+GRAPH_TASK_INITIALIZED_WHY = ("a second __init__ would reset the counts, queue and error of a "
+                              "backward that may be running")
+ENGINE_INITIALIZED_WHY = ("a second __init__ would leave its device and pool threads to run on, "
+                          "unknown to it and never stopped")
+
+
 def pool_full_message(depth, limit):
     return (f"reentrant backward nested {depth} levels deep needs a pool thread, but all "
             f"{limit} threads of the engine's reentrant pool are busy; set "
