@@ -112,29 +112,32 @@ def draw_runs(seed_value, count, core, cold_engines=False):
     return runs
 
 
-def env_for(core):
+def env_for(core, plant=None, program_timeout=PROGRAM_TIMEOUT):
     env = dict(os.environ)
+    env.pop("PYENGINE_INTERRUPT_FUZZ_PLANT", None)
+    if plant:
+        env["PYENGINE_INTERRUPT_FUZZ_PLANT"] = plant
     env["PYENGINE_PURE"] = "1" if core == "pure" else "0"
     env["PYENGINE_FUZZ_EXPECT"] = core
-    env["PYENGINE_FUZZ_PROGRAM_TIMEOUT"] = str(PROGRAM_TIMEOUT)
+    env["PYENGINE_FUZZ_PROGRAM_TIMEOUT"] = str(program_timeout)
     if env.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry)
                                             for entry in env["PYTHONPATH"].split(os.pathsep))
     return env
 
 
-def run_children(core, runs):
+def run_children(core, runs, plant=None, program_timeout=PROGRAM_TIMEOUT):
     """Runs ``runs`` on ``core``: ``(results by index, failures)``; a failure
     is ``{"i", "why", "stderr"}`` for a crash or a hang, and for a result
     with problems, the result itself."""
     results, failures, start = {}, [], 0
     while start < len(runs):
         batch = runs[start:]
-        timeout = 30.0 + PROGRAM_TIMEOUT * 2 + 2.0 * len(batch)
+        timeout = 30.0 + program_timeout * 2 + 2.0 * len(batch)
         # From this folder: there the package imported is the one on PYTHONPATH.
         process = subprocess.Popen([sys.executable, INTERPRETER], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=HERE, env=env_for(core))
+                                   cwd=HERE, env=env_for(core, plant, program_timeout))
         try:
             out, err = process.communicate(json.dumps({"runs": batch}), timeout=timeout)
             code = process.returncode

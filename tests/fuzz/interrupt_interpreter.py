@@ -35,6 +35,9 @@ Each run, in this process:
 4. the reference backwards: a fresh CPU graph, one through a fake device
    worker, exact, and the fuzz's global-state and thread checks.
 
+``PYENGINE_INTERRUPT_FUZZ_PLANT`` names a fault to plant (test-only: it
+shows that each oracle can fail; see ``PLANTS``).
+
 Programs run with ``PYENGINE_FUZZ_PROGRAM_TIMEOUT`` (default 20 s) each: a
 hang makes faulthandler print every thread's stack and end the process
 with status 1, so the parent sees a missing line.
@@ -70,9 +73,85 @@ from pyengine import fake_device as fd  # noqa: E402
 SHAPE = fi.SHAPE
 # How long engine threads may take to leave the program's code after the call.
 QUIESCE_S = 3.0
+# How long the program's objects may take to die once dropped.
+RELEASE_S = 2.0
 # Frames of these files on an engine thread's stack mean it still runs the program.
 PROGRAM_FILES = {os.path.join(HERE, name) for name in
                  ("fuzz_interpreter.py", "interrupt_interpreter.py")}
+
+
+# A planted fault, what it breaks once a call was interrupted (or, for
+# "swallow", in the API), and the oracle that must catch it.
+PLANTS = {
+    "swallow": "backward/grad/execute swallow KeyboardInterrupt: the call's result",
+    "hang": "the interrupted call never returns: the per-program timeout",
+    "crash": "the process aborts: a negative status",
+    "stuck": "an engine thread left blocked in the program's code: quiesce",
+    "corrupt_grad": "every leaf's .grad overwritten: the leaf gradient check",
+    "keep_alive": "the program's nodes kept in a global: the weak references",
+    "grad_mode": "grad mode left off: the reference check",
+    "thread_left": "an extra thread left running: the thread count",
+    "stop_devices": "the default engine's device workers stopped: the device reference",
+    "again": "root gradients doubled from then on: the uninterrupted rerun",
+}
+PLANT = os.environ.get("PYENGINE_INTERRUPT_FUZZ_PLANT", "")
+KEPT_BY_PLANT = []
+DOUBLE_ROOT_GRADS = False  # set by the "again" plant
+
+
+def _blocked_forever():
+    threading.Event().wait()
+
+
+def plant_after_interrupt(program, setup):
+    """The planted fault (PYENGINE_INTERRUPT_FUZZ_PLANT), once a call was interrupted."""
+    global DOUBLE_ROOT_GRADS
+    if PLANT == "hang":
+        _blocked_forever()
+    elif PLANT == "crash":
+        os.abort()
+    elif PLANT == "stuck":
+        threading.Thread(target=_blocked_forever, name="pyengine-planted", daemon=True).start()
+    elif PLANT == "corrupt_grad":
+        for leaf in program.leaves:
+            leaf.grad = np.full(SHAPE, 0.25)
+    elif PLANT == "keep_alive":
+        KEPT_BY_PLANT.append(list(program.nodes))
+    elif PLANT == "grad_mode":
+        pyengine.set_grad_enabled(False)
+    elif PLANT == "thread_left":
+        threading.Thread(target=time.sleep, args=(60,), name="planted", daemon=True).start()
+    elif PLANT == "stop_devices":
+        GLOBAL_DEFAULT_ENGINE[0].stop()
+    elif PLANT == "again":
+        DOUBLE_ROOT_GRADS = True
+
+
+GLOBAL_DEFAULT_ENGINE = []
+
+
+def plant_swallow():
+    """Backward, grad and execute that return normally on KeyboardInterrupt."""
+    def swallowing(function):
+        def call(*args, **kwargs):
+            try:
+                return function(*args, **kwargs)
+            except KeyboardInterrupt:
+                return None
+        return call
+
+    class SwallowingEngine:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            attribute = getattr(self.engine, name)
+            return swallowing(attribute) if name == "execute" else attribute
+
+    get_default_engine = pyengine.get_default_engine
+    pyengine.backward = swallowing(pyengine.backward)
+    pyengine.grad = swallowing(pyengine.grad)
+    pyengine.get_default_engine = lambda: SwallowingEngine(get_default_engine())
 
 
 def device_of(index):
@@ -140,6 +219,8 @@ class DeviceProgram(fi.Program):
     def root_grad(self, spec):
         value = super().root_grad(spec)
         device = self.pending_root_devices.pop(0) if self.pending_root_devices else -1
+        if DOUBLE_ROOT_GRADS and isinstance(value, np.ndarray):
+            value = value * 2.0
         if device >= 0 and isinstance(value, np.ndarray):
             return fd.to_fake(value, fd.device(device))
         return value
@@ -202,13 +283,21 @@ class Setup:
         return False
 
 
+def same(a, b):
+    """Equal as the JSON lines say (nan equals nan)."""
+    return json.dumps(a) == json.dumps(b)
+
+
 def outcome_of(program, returned=None, error=None):
     """What a run gives, in words the runs compare."""
     result = {"exc": None, "message": None, "captured": None,
               "grads": [fi._encode(leaf.grad) for leaf in program.leaves]}
     if error is not None:
         result["exc"] = type(error).__name__
-        result["message"] = re.sub(r"0x[0-9a-fA-F]+", "0x?", fi.message_of(error))
+        # Object addresses aside, and anomaly mode's forward traceback, whose
+        # lines are this file's, different for each run of the program.
+        message = re.sub(r"0x[0-9a-fA-F]+", "0x?", fi.message_of(error))
+        result["message"] = message.split("Traceback of forward call")[0]
     elif returned is not None:
         result["captured"] = [fi._encode(value) for value in returned]
     return result
@@ -229,6 +318,15 @@ def run_plain(spec):
     outcome = outcome_of(program, returned, error)
     del error, returned
     return outcome, program
+
+
+def compared_keys(baseline):
+    """What two runs of a program must agree on. Where it raised, not the
+    leaves' gradients: which AccumulateGrads ran before the error stopped
+    the graph task is a race between the caller and the device workers."""
+    if baseline["exc"] is not None:
+        return ("exc", "message")
+    return ("exc", "message", "captured", "grads")
 
 
 def chained_from_interrupt(error):
@@ -350,26 +448,33 @@ def pool_reference(engine):
     return answers
 
 
+class OnDevice(pyengine.Node):
+    """``grad * 3`` on its fake device, noting the thread that ran it."""
+
+    def __init__(self, edges, metadata):
+        super().__init__(edges, metadata)
+        self.ran_on = []
+
+    def apply(self, grads):
+        self.ran_on.append(threading.current_thread().name)
+        return [grads[0].numpy() * 3.0]
+
+
 def device_reference():
-    """A backward through a node on each fake device, exact."""
+    """A backward through a node on each fake device, exact, run by that
+    device's worker."""
     problems = []
     for index in (0, 1):
         x = fi.Leaf(np.zeros(SHAPE))
-        ran_on = []
-
-        class OnDevice(pyengine.Node):
-            def apply(self, grads):
-                ran_on.append(threading.current_thread().name)
-                return [grads[0].numpy() * 3.0]
-
         node = OnDevice([pyengine.gradient_edge(x)],
                         [pyengine.InputMetadata(SHAPE, np.float64, fd.device(index))])
         try:
-            pyengine.backward([pyengine.Edge(node, 0)], [fd.to_fake(np.ones(SHAPE), fd.device(index))])
+            pyengine.backward([pyengine.Edge(node, 0)],
+                              [fd.to_fake(np.ones(SHAPE), fd.device(index))])
             if not (isinstance(x.grad, np.ndarray) and (x.grad == 3.0).all()):
                 problems.append(f"device {index} reference gave {x.grad!r}")
-            if ran_on != [f"pyengine-fake:{index}"]:
-                problems.append(f"device {index} reference ran on {ran_on}")
+            if node.ran_on != [f"pyengine-fake:{index}"]:
+                problems.append(f"device {index} reference ran on {node.ran_on}")
         except Exception as error:
             problems.append(f"device {index} reference raised {type(error).__name__}: {error}")
     return problems
@@ -412,7 +517,15 @@ def interrupted_run(spec, interrupts, call_s, baseline, engine_answers):
             error, kind = caught, "raised"
     except KeyboardInterrupt as caught:  # in the except clause itself
         error, kind = caught, "raised"
-    drain(interrupter)
+    late = False
+    while True:  # a KeyboardInterrupt may come as drain is entered
+        try:
+            late = drain(interrupter) or late
+            break
+        except KeyboardInterrupt:
+            late = True
+    if PLANT and (late or chained_from_interrupt(error)):
+        plant_after_interrupt(program, setup)
     stuck = quiesce()
     if stuck:
         problems.append(f"engine thread stuck after the call: {stuck}")
@@ -421,14 +534,14 @@ def interrupted_run(spec, interrupts, call_s, baseline, engine_answers):
     if kind == "raised" and chained_from_interrupt(error):
         kind = "interrupted"
     else:
-        for key in ("exc", "message", "captured", "grads"):
-            if outcome[key] != baseline[key]:
+        for key in compared_keys(baseline):
+            if not same(outcome[key], baseline[key]):
                 problems.append(f"interrupted call ({kind}, {type(error).__name__ if error else ''}) "
                                 f"gave {key} {outcome[key]!r}, uninterrupted {baseline[key]!r}")
     if kind == "interrupted" and baseline["well_formed"]:
         for leaf, (grad, allowed) in enumerate(zip(outcome["grads"],
                                                   allowed_leaf_grads(baseline))):
-            if grad not in allowed:
+            if not any(same(grad, value) for value in allowed):
                 problems.append(f"leaf {leaf} grad {grad!r} after the interrupt; "
                                 f"allowed {allowed!r}")
     answers = pool_reference(setup.engine)
@@ -442,11 +555,44 @@ def interrupted_run(spec, interrupts, call_s, baseline, engine_answers):
         problems.append(f"leaving the setup raised {type(caught).__name__}: {caught}\n"
                         f"{traceback.format_exc()}")
     del program, setup, returned, error, interrupter
-    gc.collect()
-    alive = sum(ref() is not None for ref in refs)
+    # A worker that ran the program's last node may still be on its way
+    # out of the engine's code, its locals not yet dropped: give it time.
+    deadline = time.monotonic() + RELEASE_S
+    while True:
+        gc.collect()
+        if all(ref() is None for ref in refs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
+    alive = [ref() for ref in refs if ref() is not None]
     if alive and not baseline["leaks"]:
-        problems.append(f"{alive} node(s) of the interrupted program still alive once dropped")
+        problems.append(f"{len(alive)} node(s) of the interrupted program still alive once "
+                        f"dropped; what holds one: {holders(alive[0])}")
+    del alive
     return kind, problems
+
+
+def holders(obj, depth=5):
+    """What keeps ``obj`` alive: a chain of its referrers' types, outward
+    (the first referrer at each step that is not this function's)."""
+    chain = []
+    mine = sys._getframe()
+    for _ in range(depth):
+        referrers = [ref for ref in gc.get_referrers(obj)
+                     if ref is not mine and not (isinstance(ref, list) and obj in ref
+                                                 and ref is chain)]
+        if not referrers:
+            break
+        described = []
+        for ref in referrers[:3]:
+            name = type(ref).__name__
+            if isinstance(ref, dict):
+                name += "{" + ",".join(map(str, list(ref)[:6])) + "}"
+            elif hasattr(ref, "f_code"):
+                name += f"({ref.f_code.co_name}:{ref.f_lineno})"
+            described.append(name)
+        chain.append(" | ".join(described))
+        obj = referrers[0]
+    return " <- ".join(chain)
 
 
 def baseline_of(spec):
@@ -480,15 +626,15 @@ def run_one(index, run, baseline_threads):
     exact = spec.get("expected")
     if exact and baseline["exc"] is None:
         for key in ("grads", "captured"):
-            if baseline[key] != exact[key]:
+            if not same(baseline[key], exact[key]):
                 problems.append(f"well-formed program gave {key} {baseline[key]}, "
                                 f"exact {exact[key]}")
     kind, found = interrupted_run(spec, run["interrupts"], call_s, baseline, engine_answers)
     problems += found
     again, program = run_plain(spec)
     del program
-    for key in ("exc", "message", "captured", "grads"):
-        if again[key] != baseline[key]:
+    for key in compared_keys(baseline):
+        if not same(again[key], baseline[key]):
             problems.append(f"run again uninterrupted gave {key} {again[key]!r}, "
                             f"first {baseline[key]!r}")
     gc.collect()
@@ -516,6 +662,9 @@ def main():
     warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
     timeout = float(os.environ.get("PYENGINE_FUZZ_PROGRAM_TIMEOUT", "20"))
     runs = json.load(sys.stdin)["runs"]
+    GLOBAL_DEFAULT_ENGINE.append(pyengine.get_default_engine())
+    if PLANT == "swallow":
+        plant_swallow()
     warm_up()
     baseline_threads = threading.active_count()
     for index, run in enumerate(runs):
