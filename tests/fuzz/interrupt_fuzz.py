@@ -95,15 +95,19 @@ def dress(program, rng):
     return program
 
 
-def draw_runs(seed_value, count, core, cold_engines=False):
+def draw_runs(seed_value, count, core, cold_engines=False, second_interrupts=None):
     """``count`` runs: dressed programs, each with its interrupts. With
     ``cold_engines``, a program's Engine starts its device workers inside
-    the interrupt window (a known bug: see test_interrupt_fuzz.py)."""
+    the interrupt window (a known bug: see test_interrupt_fuzz.py).
+    ``second_interrupts`` (default: in the compiled core only) lets a
+    quarter of the runs have a second interrupt."""
+    if second_interrupts is None:
+        second_interrupts = core == "compiled"
     rng = random.Random(seed_value)
     runs = []
     for index, program in enumerate(draw_programs(seed_value, count)):
         interrupts = [[rng.choice(HOWS), rng.uniform(0.0, 1.2)]]
-        if core == "compiled" and rng.random() < 0.25:
+        if second_interrupts and rng.random() < 0.25:
             interrupts.append([rng.choice(HOWS), rng.uniform(0.0, 0.2)])
         program = dress(program, rng)
         program["cold_engine"] = cold_engines
@@ -176,6 +180,8 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=200, help="runs per child process")
     parser.add_argument("--cold-engines", action="store_true",
                         help="let a program's Engine start its device workers in the window")
+    parser.add_argument("--second-interrupts", action="store_true",
+                        help="second interrupts in the twin too (a window its Note leaves open)")
     parser.add_argument("--replay", help="a JSON file with a list of runs to run as they are")
     parser.add_argument("--save", help="write failing runs to this JSON file")
     args = parser.parse_args(argv)
@@ -186,7 +192,7 @@ def main(argv=None):
         runs = []
         for chunk_seed in range(args.seed, args.seed + (args.runs + args.chunk - 1) // args.chunk):
             runs += draw_runs(chunk_seed, min(args.chunk, args.runs - len(runs)), args.core,
-                              args.cold_engines)
+                              args.cold_engines, args.second_interrupts or None)
     started = time.monotonic()
     results, failures = {}, []
     for offset in range(0, len(runs), args.chunk):

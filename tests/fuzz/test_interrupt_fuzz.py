@@ -135,10 +135,10 @@ PLANT_REPORTS = {
 
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_a_planted_fault_fails_the_fuzz(plant):
-    # One run where the fault stays (a blocked thread, a hang) and every
-    # later run would pay for it; four otherwise (an interrupt may come
+    # One run where the fault stays (a blocked thread, a hang, the graph
+    # kept) and every later run would wait for it; four otherwise (an interrupt may come
     # after a short call ends).
-    runs = plant_runs()[: 1 if plant in ("stuck", "hang") else 4]
+    runs = plant_runs()[: 1 if plant in ("stuck", "hang", "keep_alive") else 4]
     # Long enough for quiesce's 3 s, short for a hang.
     timeout = 2.0 if plant == "hang" else 8.0
     _, failures = interrupt_fuzz.run_children("compiled", runs, plant=plant,
@@ -214,7 +214,7 @@ def test_ctrl_c_before_a_device_worker_starts_leaves_the_device_usable(core):
             backward_on_device(x)
         except KeyboardInterrupt:
             print("interrupted")
-        watchdog = threading.Timer(3.0, signal.pthread_kill,
+        watchdog = threading.Timer(1.5, signal.pthread_kill,
                                    (threading.main_thread().ident, signal.SIGINT))
         watchdog.start()
         try:
