@@ -93,6 +93,7 @@ PLANTS = {
     "thread_left": "an extra thread left running: the thread count",
     "stop_devices": "the default engine's device workers stopped: the device reference",
     "again": "root gradients doubled from then on: the uninterrupted rerun",
+    "pool_count": "(twin) a pool slot taken and never given back: the pool's counts",
 }
 PLANT = os.environ.get("PYENGINE_INTERRUPT_FUZZ_PLANT", "")
 KEPT_BY_PLANT = []
@@ -125,6 +126,9 @@ def plant_after_interrupt(program, setup):
         GLOBAL_DEFAULT_ENGINE[0].stop()
     elif PLANT == "again":
         DOUBLE_ROOT_GRADS = True
+    elif PLANT == "pool_count" and hasattr(getattr(setup.engine, "_pool", None), "num_idle"):
+        with setup.engine._pool.condition:
+            setup.engine._pool.num_threads += 1
 
 
 GLOBAL_DEFAULT_ENGINE = []
@@ -428,6 +432,26 @@ class Reenter(pyengine.Node):
         return [grads[0]]
 
 
+def pool_idle(engine):
+    """In the twin, whose pool is Python: every pool thread of ``engine``
+    idle again, none of its slots taken, no hand-off left queued (None), or
+    what is not. The compiled pool's counts are C fields: there
+    ``pool_reference`` and the threads' ending on stop stand for this."""
+    pool = getattr(engine, "_pool", None)
+    if pool is None or not hasattr(pool, "num_idle"):
+        return None
+    deadline = time.monotonic() + QUIESCE_S
+    while True:
+        with pool.condition:
+            counts = (pool.num_idle, pool.num_threads, len(pool.graph_tasks))
+        if counts[0] == counts[1] and not counts[2]:
+            return None
+        if time.monotonic() > deadline:
+            return f"pool not idle after the call: idle {counts[0]}, threads {counts[1]}, " \
+                   f"queued {counts[2]}"
+        time.sleep(0.002)
+
+
 def pool_reference(engine):
     """Chains of 1 to 4 reentrant backwards on ``engine`` (its pool, when its
     recursion depth is small): per depth, the gradient or the error's type."""
@@ -544,6 +568,9 @@ def interrupted_run(spec, interrupts, call_s, baseline, engine_answers):
             if not any(same(grad, value) for value in allowed):
                 problems.append(f"leaf {leaf} grad {grad!r} after the interrupt; "
                                 f"allowed {allowed!r}")
+    idle = pool_idle(setup.engine)
+    if idle:
+        problems.append(idle)
     answers = pool_reference(setup.engine)
     if answers != engine_answers:
         problems.append(f"pool reference after the interrupt gave {answers}, "

@@ -34,8 +34,8 @@ Each oracle can fail: ``test_a_planted_fault_fails_the_fuzz`` plants a fault
 in the child (``PYENGINE_INTERRUPT_FUZZ_PLANT``: a KeyboardInterrupt
 swallowed by backward/grad/execute, a hang, a crash, a thread left blocked in
 a node, corrupted ``.grad``, the graph kept alive, grad mode left off, a
-thread left running, the device workers stopped, a rerun that differs) and
-checks that the fuzz reports it.
+thread left running, the device workers stopped, a rerun that differs, in
+the twin a pool slot never given back) and checks that the fuzz reports it.
 
 Budget: ``PYENGINE_INTERRUPT_FUZZ_RUNS`` runs per core (default 100; the
 two cores at once), seeded by ``PYENGINE_INTERRUPT_FUZZ_SEED`` (default 1):
@@ -130,6 +130,7 @@ PLANT_REPORTS = {
     "thread_left": "thread(s) left running",
     "stop_devices": "device 0 reference raised",
     "again": "run again uninterrupted gave",
+    "pool_count": "pool not idle after the call",
 }
 
 
@@ -138,11 +139,16 @@ def test_a_planted_fault_fails_the_fuzz(plant):
     # One run where the fault stays (a blocked thread, a hang, the graph
     # kept) and every later run would wait for it; four otherwise (an interrupt may come
     # after a short call ends).
-    runs = plant_runs()[: 1 if plant in ("stuck", "hang", "keep_alive") else 4]
+    runs = plant_runs()[: 1 if plant in ("stuck", "hang", "keep_alive", "pool_count") else 4]
+    core = "compiled"
+    if plant == "pool_count":
+        # The pool's counts are Python only in the twin; an Engine of its own.
+        core = "pure"
+        for run in runs:
+            run["program"]["call"]["engine"] = [0, 1, 1]
     # Long enough for quiesce's 3 s, short for a hang.
     timeout = 2.0 if plant == "hang" else 8.0
-    _, failures = interrupt_fuzz.run_children("compiled", runs, plant=plant,
-                                              program_timeout=timeout)
+    _, failures = interrupt_fuzz.run_children(core, runs, plant=plant, program_timeout=timeout)
     problems = [problem for failure in failures for problem in failure["problems"]]
     assert any(PLANT_REPORTS[plant] in problem for problem in problems), (plant, problems)
 
