@@ -18,11 +18,15 @@ gradient). Misuse programs come as drawn, with sleeps.
 
 ``python interrupt_fuzz.py --core compiled --runs 2000 --seed 1`` runs the
 fuzz widely from the command line and prints a summary and every failure,
-with the run as JSON to replay (``--replay FILE``).
+with the run as JSON to replay (``--replay FILE``, runs saved by ``--save
+FILE``). ``--second-interrupts`` draws second interrupts in the twin too,
+``--cold-engines`` lets a program's Engine start its device workers inside
+the interrupt window (a known bug: see ``test_interrupt_fuzz.py``).
 
-In the twin, ``TWIN_KNOWN_WINDOWS`` lists what the Note [Where the twin's
-main thread sees an interrupt] (``pyengine/_pure/engine.py``) says is not
-covered: a second interrupt while the first is handled is not drawn there.
+In the twin, a second interrupt while the first is handled is a window
+that Note [Where the twin's main thread sees an interrupt]
+(``pyengine/_pure/engine.py``) leaves uncovered: by default it is not drawn
+there.
 """
 
 from __future__ import annotations
@@ -46,10 +50,6 @@ INTERPRETER = os.path.join(HERE, "interrupt_interpreter.py")
 PROGRAM_TIMEOUT = 20.0
 HOWS = ("pthread_kill", "interrupt_main")
 SIDE_ACTIONS = ("reentrant", "reentrant_grad", "reentrant_same", "callback", "callback_backward")
-# A second interrupt while the first is handled: the twin's engine is
-# Python, and the Note [Where the twin's main thread sees an interrupt]
-# leaves that window uncovered, so the twin's runs draw one interrupt only.
-TWIN_KNOWN_WINDOWS = ("second interrupt",)
 
 
 def draw_programs(seed_value, count):
