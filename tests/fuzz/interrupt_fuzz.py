@@ -122,11 +122,13 @@ def draw_runs(seed_value, count, core, cold_engines=False, second_interrupts=Non
     return runs
 
 
-def env_for(core, plant=None, program_timeout=PROGRAM_TIMEOUT):
+def env_for(core, plant=None, program_timeout=PROGRAM_TIMEOUT, quiesce_s=None):
     env = dict(os.environ)
     env.pop("PYENGINE_INTERRUPT_FUZZ_PLANT", None)
     if plant:
         env["PYENGINE_INTERRUPT_FUZZ_PLANT"] = plant
+    if quiesce_s is not None:
+        env["PYENGINE_INTERRUPT_FUZZ_QUIESCE_S"] = str(quiesce_s)
     env["PYENGINE_PURE"] = "1" if core == "pure" else "0"
     env["PYENGINE_FUZZ_EXPECT"] = core
     env["PYENGINE_FUZZ_PROGRAM_TIMEOUT"] = str(program_timeout)
@@ -136,7 +138,7 @@ def env_for(core, plant=None, program_timeout=PROGRAM_TIMEOUT):
     return env
 
 
-def run_children(core, runs, plant=None, program_timeout=PROGRAM_TIMEOUT):
+def run_children(core, runs, plant=None, program_timeout=PROGRAM_TIMEOUT, quiesce_s=None):
     """Runs ``runs`` on ``core``: ``(results by index, failures)``; a failure
     is ``{"i", "why", "stderr"}`` for a crash or a hang, and for a result
     with problems, the result itself."""
@@ -147,7 +149,7 @@ def run_children(core, runs, plant=None, program_timeout=PROGRAM_TIMEOUT):
         # From this folder: there the package imported is the one on PYTHONPATH.
         process = subprocess.Popen([sys.executable, INTERPRETER], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=HERE, env=env_for(core, plant, program_timeout))
+                                   cwd=HERE, env=env_for(core, plant, program_timeout, quiesce_s))
         try:
             out, err = process.communicate(json.dumps({"runs": batch}), timeout=timeout)
             code = process.returncode

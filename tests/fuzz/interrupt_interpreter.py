@@ -36,7 +36,9 @@ Each run, in this process:
    worker, exact, and the fuzz's global-state and thread checks.
 
 ``PYENGINE_INTERRUPT_FUZZ_PLANT`` names a fault to plant (test-only: it
-shows that each oracle can fail; see ``PLANTS``).
+shows that each oracle can fail; see ``PLANTS``);
+``PYENGINE_INTERRUPT_FUZZ_QUIESCE_S`` (default 3) bounds the waits for
+engine threads to leave the program's code and for its objects to die.
 
 Programs run with ``PYENGINE_FUZZ_PROGRAM_TIMEOUT`` (default 20 s) each: a
 hang makes faulthandler print every thread's stack and end the process
@@ -71,10 +73,11 @@ import pyengine  # noqa: E402
 from pyengine import fake_device as fd  # noqa: E402
 
 SHAPE = fi.SHAPE
-# How long engine threads may take to leave the program's code after the call.
-QUIESCE_S = 3.0
-# How long the program's objects may take to die once dropped.
-RELEASE_S = 2.0
+# How long engine threads may take to leave the program's code after the
+# call, and the program's objects to die once dropped (shorter where a
+# planted fault makes every run wait them out).
+QUIESCE_S = float(os.environ.get("PYENGINE_INTERRUPT_FUZZ_QUIESCE_S", "3"))
+RELEASE_S = min(QUIESCE_S, 2.0)
 # Frames of these files on an engine thread's stack mean it still runs the program.
 PROGRAM_FILES = {os.path.join(HERE, name) for name in
                  ("fuzz_interpreter.py", "interrupt_interpreter.py")}
