@@ -9,14 +9,18 @@ anomaly mode; each run's call gets SIGINT at a random moment
 (``signal.pthread_kill`` or ``_thread.interrupt_main``), and in the compiled
 core sometimes a second one within a fifth of the call. A child process per
 core (``interrupt_interpreter.py``) runs them and checks, per run: no crash,
-no hang; the call gives its uninterrupted result or raises
-KeyboardInterrupt (or an error chained from one); every engine thread
-leaves the program's code; each leaf's ``.grad`` is None or what an
-uninterrupted call writes (AccumulateGrad writes a leaf's whole sum once);
-a pool engine still runs chains of reentrant backwards as a fresh one does;
-the program's nodes die once dropped; the program run again uninterrupted
-gives the same result; reference backwards on the CPU and on each fake
-device are exact, with grad and anomaly mode restored and no thread left.
+no hang; the call gives its uninterrupted result (an error's type and
+message; where none, the leaves' ``.grad`` and what grad/execute return) or
+raises KeyboardInterrupt (or an error chained from one); every engine
+thread leaves the program's code; for a well-formed program, each leaf's
+``.grad`` after an interrupt is None or what the uninterrupted calls write
+(AccumulateGrad writes a leaf's whole sum at once: never a part of it; with
+two calls, the first one's too); in the twin, the pool's threads are idle
+again; a pool engine still runs chains of reentrant backwards as a fresh
+one does; the program's nodes die once dropped; the program run again
+uninterrupted gives the same result; reference backwards on the CPU and on
+each fake device are exact, with grad and anomaly mode restored and no
+thread left.
 
 Kept out of the runs, so that the fuzz is not flaky:
 
