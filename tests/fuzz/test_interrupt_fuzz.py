@@ -43,7 +43,8 @@ the twin a pool slot never given back) and checks that the fuzz reports it.
 
 Budget: ``PYENGINE_INTERRUPT_FUZZ_RUNS`` runs per core (default 100; the
 two cores at once), seeded by ``PYENGINE_INTERRUPT_FUZZ_SEED`` (default 1):
-about 30 s for the file on two busy cores. ``python interrupt_fuzz.py
+29 s for the file on this two-core machine at load average 0.7, 37 s at
+1.8 (other work running). ``python interrupt_fuzz.py
 --runs 5000`` runs it widely.
 """
 
