@@ -666,11 +666,34 @@ def run_one(index, spec, baseline_threads):
     return result
 
 
-def main():
+def child_env(core, program_timeout):
+    """The environment a parent runs this interpreter (or another fuzz
+    child built on it) in: ``core`` (``compiled`` or ``pure``) selected and
+    expected, the hang timeout, and ``PYTHONPATH`` made absolute (the child
+    runs from this folder)."""
+    env = dict(os.environ)
+    env["PYENGINE_PURE"] = "1" if core == "pure" else "0"
+    env["PYENGINE_FUZZ_EXPECT"] = core
+    env["PYENGINE_FUZZ_PROGRAM_TIMEOUT"] = str(program_timeout)
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry)
+                                            for entry in env["PYTHONPATH"].split(os.pathsep))
+    return env
+
+
+def imported_the_expected_core():
+    """Whether this process imported the core ``PYENGINE_FUZZ_EXPECT``
+    names (any, where it names none); says which it got where not."""
     expected = os.environ.get("PYENGINE_FUZZ_EXPECT")
     if expected and pyengine.IMPLEMENTATION != expected:
         print(f"expected the {expected} core, imported the {pyengine.IMPLEMENTATION} one",
               file=sys.stderr)
+        return False
+    return True
+
+
+def main():
+    if not imported_the_expected_core():
         return 2
     faulthandler.enable()  # a crash prints the stack of the program that made it
     warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")

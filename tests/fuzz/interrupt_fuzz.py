@@ -44,6 +44,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import fuzz_interpreter  # noqa: E402
 import fuzz_programs  # noqa: E402
 
 INTERPRETER = os.path.join(HERE, "interrupt_interpreter.py")
@@ -124,18 +125,12 @@ def draw_runs(seed_value, count, core, cold_engines=None, second_interrupts=None
 
 
 def env_for(core, plant=None, program_timeout=PROGRAM_TIMEOUT, quiesce_s=None):
-    env = dict(os.environ)
+    env = fuzz_interpreter.child_env(core, program_timeout)
     env.pop("PYENGINE_INTERRUPT_FUZZ_PLANT", None)
     if plant:
         env["PYENGINE_INTERRUPT_FUZZ_PLANT"] = plant
     if quiesce_s is not None:
         env["PYENGINE_INTERRUPT_FUZZ_QUIESCE_S"] = str(quiesce_s)
-    env["PYENGINE_PURE"] = "1" if core == "pure" else "0"
-    env["PYENGINE_FUZZ_EXPECT"] = core
-    env["PYENGINE_FUZZ_PROGRAM_TIMEOUT"] = str(program_timeout)
-    if env.get("PYTHONPATH"):
-        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry)
-                                            for entry in env["PYTHONPATH"].split(os.pathsep))
     return env
 
 

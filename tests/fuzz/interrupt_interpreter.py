@@ -682,10 +682,7 @@ def warm_up():
 
 
 def main():
-    expected = os.environ.get("PYENGINE_FUZZ_EXPECT")
-    if expected and pyengine.IMPLEMENTATION != expected:
-        print(f"expected the {expected} core, imported the {pyengine.IMPLEMENTATION} one",
-              file=sys.stderr)
+    if not fi.imported_the_expected_core():
         return 2
     signal.signal(signal.SIGINT, signal.default_int_handler)
     faulthandler.enable()

@@ -57,6 +57,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # the parent imports the programs from here too.
 sys.path.insert(0, HERE)
 
+import fuzz_interpreter  # noqa: E402
 import fuzz_programs  # noqa: E402
 
 pytestmark = pytest.mark.fuzz
@@ -69,14 +70,7 @@ SHRINK = os.environ.get("PYENGINE_FUZZ_SHRINK", "") not in ("", "0")
 
 
 def _env(core):
-    env = dict(os.environ)
-    env["PYENGINE_PURE"] = "1" if core == "pure" else "0"
-    env["PYENGINE_FUZZ_EXPECT"] = core
-    env["PYENGINE_FUZZ_PROGRAM_TIMEOUT"] = str(PROGRAM_TIMEOUT)
-    if env.get("PYTHONPATH"):
-        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry)
-                                            for entry in env["PYTHONPATH"].split(os.pathsep))
-    return env
+    return fuzz_interpreter.child_env(core, PROGRAM_TIMEOUT)
 
 
 def start(core, programs):
