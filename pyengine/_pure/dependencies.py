@@ -66,7 +66,7 @@ from .static_types import c_type_name, check_argument
 
 def init_to_execute(graph_root, graph_task, outputs, accumulate_grad):
     """Mark the nodes on a path from ``graph_root`` to an edge of ``outputs``
-    in ``graph_task.exec_info``, and count the dependencies, in one search.
+    in ``graph_task.exec_info_``, and count the dependencies, in one search.
 
     An output edge's node is captured (``grad``) or run (``backward(inputs=)``,
     ``accumulate_grad``). A node runs when it is needed or captures; the
@@ -83,14 +83,14 @@ def init_to_execute(graph_root, graph_task, outputs, accumulate_grad):
         check_argument(name, value, expected)
     if graph_task.planning:
         raise RuntimeError(init_to_execute_refused_message("planning"))
-    if graph_task.exec_info:
+    if graph_task.exec_info_:
         raise RuntimeError(init_to_execute_refused_message("planned"))
     if graph_task.outstanding_tasks != 0 or graph_task.future_completed:
         raise RuntimeError(init_to_execute_refused_message("started"))
     # A tuple of our own, as the compiled core's: the loop may run Python
     # code (a collection), which could change a list it walks.
     outputs = tuple(outputs)
-    exec_info = graph_task.exec_info
+    exec_info = graph_task.exec_info_
     graph_task.planning = True
     try:
         for output_idx, edge in enumerate(outputs):
@@ -169,7 +169,7 @@ def search_dependencies(graph_root, graph_task):
     runs as it finishes. Iterative: any depth."""
     on_path, finished = 1, 2
     dependencies = graph_task.dependencies
-    exec_info = graph_task.exec_info
+    exec_info = graph_task.exec_info_
     marking = bool(exec_info)
     search_state = {id(graph_root): on_path}
     if not getattr(graph_root, "_initialized", False):
@@ -230,8 +230,8 @@ def mark_exec_info(graph_task, frame):
     node, _, _, needed, _ = frame
     if not needed:
         return task_should_execute(graph_task, id(node))
-    info = graph_task.exec_info.get(id(node))
+    info = graph_task.exec_info_.get(id(node))
     if info is None:
-        info = graph_task.exec_info[id(node)] = ExecInfo()
+        info = graph_task.exec_info_[id(node)] = ExecInfo()
     info.needed_ = True
     return True

@@ -422,7 +422,7 @@ def release_variables(node):
     if node._overrides_release_variables:
         type(node).release_variables(node)
     else:
-        node._saved_values = None  # NodeBase.release_variables
+        node._saved_values_ = None  # NodeBase.release_variables
 
 
 def has_hooks(node):
@@ -763,12 +763,12 @@ class Engine:
                 call_tensor_pre_hooks(node, inputs)
             if info.captures:
                 capture_inputs(graph_task, info.captures, inputs)
-                if node._stream is not None:
-                    graph_task.add_leaf_stream(node._stream)
+                if node._stream_ is not None:
+                    graph_task.add_leaf_stream(node._stream_)
             if not info.needed:
                 return
 
-        producer_stream = node._stream
+        producer_stream = node._stream_
         # The edges the node's gradients go along: those it had before it
         # ran. See Note [Next edges while a node runs]. With them, the only
         # one, if so: See Note [A node's only next edge] in node.py.
@@ -826,7 +826,7 @@ class Engine:
                 if input_buffer is None:
                     if not task_should_execute(graph_task, key):
                         continue
-                    streamed = producer_stream is not None or next_node._stream is not None
+                    streamed = producer_stream is not None or next_node._stream_ is not None
                     if not streamed and is_ready:
                         # Its only gradient: what InputBuffer's first add
                         # would hold, without the InputBuffer.
@@ -837,7 +837,7 @@ class Engine:
                         continue
                     input_buffer = InputBuffer(len(next_node._input_metadata))
                     accumulate_on_streams(input_buffer, next_input_nr, output, grad_mode,
-                                          producer_stream, next_node._stream, node, i)
+                                          producer_stream, next_node._stream_, node, i)
                     if is_ready:
                         gradients = task_inputs(input_buffer)
                         queue_task(worker, self.route(graph_task, next_node, gradients),
@@ -846,7 +846,7 @@ class Engine:
                         not_ready[key] = input_buffer
                 else:
                     accumulate_on_streams(input_buffer, next_input_nr, output, grad_mode,
-                                          producer_stream, next_node._stream, node, i)
+                                          producer_stream, next_node._stream_, node, i)
                     if is_ready:
                         del not_ready[key]
                         gradients = task_inputs(input_buffer)

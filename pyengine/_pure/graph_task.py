@@ -17,7 +17,7 @@ from .._shared.messages import (
     not_ready_message,
 )
 from . import state
-from .node import NodeBase, _checked_field, _not_list, _read_only_field
+from .node import NodeBase, _checked_field, _free_field, _not_list, _read_only_field, _read_only_property
 from .ready_queue import is_main_thread, wait_honouring_signals
 from .static_types import as_ssize_t, c_int_attribute, check_argument, check_new, final
 
@@ -56,6 +56,16 @@ class ExecInfo:
     def should_execute(self):
         return self.needed_ or bool(self.captures_)
 
+
+def copy_exec_info(info):
+    """A copy of exec_info entry ``info``, its own captures list: what the
+    compiled core makes for Python, which can change a copy but never the
+    entry the engine reads."""
+    copy = ExecInfo()
+    copy.needed_ = info.needed_
+    copy.captures_ = list(info.captures_)
+    return copy
+
     def __reduce__(self):
         # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
         raise TypeError(cannot_pickle_message(self))
@@ -86,7 +96,11 @@ def refuse_lock_taken_again(graph_task):
 # written; ``owner`` is a ``public int`` (converted as any C int: See Note
 # [The engine's bounds are C ints]); ``captured_vars``, ``leaf_streams`` and
 # ``final_callbacks`` are ``public list`` (a list or None, else TypeError;
-# deleting one stores None); ``graph_root`` takes any object. The twin
+# deleting one stores None); ``graph_root`` takes any object (deleting it
+# stores None). ``exec_info`` and ``find_exec_info`` give copies, their
+# own ExecInfo objects and captures lists, in both cores: the twin gave its
+# live dict before, which a node could clear or fill (the rest of its
+# backward then captured nothing, or pruned every node). The twin
 # refuses and converts the same, through properties over attributes with a
 # trailing "_" that the engine itself writes: it took any value before,
 # and failed later (a str as captured_vars) or waited forever (a running
@@ -129,7 +143,7 @@ class GraphTask:
     # AttributeError when written.
     __slots__ = ("keep_graph_", "grad_mode_", "reentrant_depth_", "cpu_ready_queue_",
                  "exit_on_error_", "multithreading_", "caller_current_streams_", "owner_",
-                 "graph_root", "on_pool_thread", "mutex", "dependencies", "not_ready",
+                 "graph_root_", "on_pool_thread", "mutex", "dependencies", "not_ready",
                  "exec_info_", "planning", "captured_vars_", "leaf_streams_", "final_callbacks_",
                  "outstanding_tasks_", "_outstanding_lock", "has_error_", "exception_",
                  "future_completed_", "_completing", "_completion", "initialized_", "__weakref__")
@@ -141,12 +155,12 @@ class GraphTask:
     exit_on_error = _read_only_field("exit_on_error", "exit_on_error_")
     multithreading = _read_only_field("multithreading", "multithreading_")
     caller_current_streams = _read_only_field("caller_current_streams", "caller_current_streams_")
-    exec_info = _read_only_field("exec_info", "exec_info_")
     outstanding_tasks = _read_only_field("outstanding_tasks", "outstanding_tasks_")
     has_error = _read_only_field("has_error", "has_error_")
     exception = _read_only_field("exception", "exception_")
     future_completed = _read_only_field("future_completed", "future_completed_")
     owner = c_int_attribute("owner_")
+    graph_root = _free_field("graph_root", "graph_root_")
     captured_vars = _checked_field("captured_vars", "captured_vars_", _not_list, "list")
     leaf_streams = _checked_field("leaf_streams", "leaf_streams_", _not_list, "list")
     final_callbacks = _checked_field("final_callbacks", "final_callbacks_", _not_list, "list")
@@ -162,7 +176,7 @@ class GraphTask:
         self = object.__new__(cls)
         self.keep_graph_ = self.grad_mode_ = self.exit_on_error_ = self.multithreading_ = False
         self.reentrant_depth_ = self.owner_ = self.outstanding_tasks_ = 0
-        self.cpu_ready_queue_ = self.caller_current_streams_ = self.graph_root = None
+        self.cpu_ready_queue_ = self.caller_current_streams_ = self.graph_root_ = None
         self.captured_vars_ = self.leaf_streams_ = self.final_callbacks_ = None
         self.on_pool_thread = self.has_error_ = self.future_completed_ = False
         self.exception_ = None
@@ -234,11 +248,20 @@ class GraphTask:
 
     def can_checkpoint(self):
         """A reentrant checkpoint needs every node to run: no pruning."""
-        return not self.exec_info
+        return not self.exec_info_
+
+    # -- exec_info, for Python: copies, as the compiled core's (See Note [A
+    # graph task's fields from Python]) --
+
+    # ``{id(node): ExecInfo}`` in the order the entries were made: a copy,
+    # for tests and debugging.
+    exec_info = _read_only_property("exec_info", lambda self: {
+        key: copy_exec_info(info) for key, info in self.exec_info_.items()})
 
     def find_exec_info(self, node):
-        """``node``'s entry of exec_info, or None."""
-        return self.exec_info.get(id(node))
+        """A copy of ``node``'s entry of exec_info, or None."""
+        info = self.exec_info_.get(id(node))
+        return None if info is None else copy_exec_info(info)
 
     # -- what a running node asks: Node.task_should_compute_output and
     # Node.task_buffered_gradient (See Note [Queries a running node makes]
@@ -415,7 +438,7 @@ def task_should_execute(graph_task, key):
     """Whether the node of id ``key`` runs or captures in ``graph_task``:
     every node does without exec_info. Under the graph task's mutex, or
     before any task runs."""
-    if not graph_task.exec_info:
+    if not graph_task.exec_info_:
         return True
-    info = graph_task.exec_info.get(key)
+    info = graph_task.exec_info_.get(key)
     return info is not None and info.should_execute()

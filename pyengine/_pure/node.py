@@ -342,7 +342,11 @@ def _check_input_metadata(input_metadata):
 #   and an InputMetadata's ``__init__`` runs once;
 # - free: ``_saved_values``, ``_stream``, ``_released`` (its truth value),
 #   AccumulateGrad's ``variable``, a LeafState's ``accumulator`` and hook
-#   lists: the engine hands them to Python code only, never to C. A
+#   lists: the engine hands them to Python code only, never to C. Deleting
+#   one stores None, as deleting a Cython ``public object`` field does (the
+#   twin's are properties over slots, ``_free_field``: a deleted slot was an
+#   AttributeError at the engine's next read, where the compiled core read
+#   None). A
 #   LeafState's ``keep_indexed`` is a C bint: stored as its truth value (an
 #   array's is a ValueError), and deleting it is NotImplementedError.
 #
@@ -375,6 +379,20 @@ def _checked_field(name, storage, wrong_type, expected):
         object.__setattr__(self, storage, None)
 
     return property(get_field, set_field, delete_field,
+                    doc=f"{name}: See Note [Fields Python code can write].")
+
+
+def _free_field(name, storage):
+    """A property ``name`` over slot ``storage`` that takes any value, and
+    stores None when deleted, as a Cython ``public object`` field does:
+    a free field of Note [Fields Python code can write]."""
+    def set_field(self, value):
+        object.__setattr__(self, storage, value)
+
+    def delete_field(self):
+        object.__setattr__(self, storage, None)
+
+    return property(operator.attrgetter(storage), set_field, delete_field,
                     doc=f"{name}: See Note [Fields Python code can write].")
 
 
@@ -427,8 +445,8 @@ def new_node_base(cls):
     set_field(self, "_only_input_nr_", -1)
     set_field(self, "_released_", False)
     set_field(self, "_initialized_", False)
-    self._saved_values = None
-    self._stream = None
+    set_field(self, "_saved_values_", None)
+    set_field(self, "_stream_", None)
     return self
 
 
@@ -466,8 +484,8 @@ class NodeBase:
     # can write].
     __slots__ = (
         "_next_edges_", "_input_metadata_", "_sequence_nr_", "_pre_hooks_", "_post_hooks_",
-        "_tensor_pre_hooks_", "_retains_grad_hooks_", "_saved_values", "_released_",
-        "_overrides_release_variables_", "_on_cpu_", "_stream", "_metadata_", "_initialized_",
+        "_tensor_pre_hooks_", "_retains_grad_hooks_", "_saved_values_", "_released_",
+        "_overrides_release_variables_", "_on_cpu_", "_stream_", "_metadata_", "_initialized_",
         "_only_next_node_", "_only_input_nr_", "__weakref__",
     )
 
@@ -491,6 +509,8 @@ class NodeBase:
     _retains_grad_hooks = _checked_field("_retains_grad_hooks", "_retains_grad_hooks_", _not_dict,
                                          "dict")
     _metadata = _checked_field("_metadata", "_metadata_", _not_dict, "dict")
+    _saved_values = _free_field("_saved_values", "_saved_values_")
+    _stream = _free_field("_stream", "_stream_")
 
     def __new__(cls, *args, **kwargs):
         if cls.__new__ is not NodeBase.__new__:
@@ -519,7 +539,7 @@ class NodeBase:
         # The hooks, saved values, metadata and stream are __new__'s: a
         # second __init__ keeps them, as the compiled core's does.
         if not self._on_cpu_:
-            self._stream = _creation_stream(self._input_metadata_)
+            self._stream_ = _creation_stream(self._input_metadata_)
         set_field(self, "_initialized_", True)
         if state.is_anomaly_enabled():
             _record_forward_traceback(self)
@@ -550,8 +570,8 @@ class NodeBase:
     @_input_metadata.setter
     def _input_metadata(self, input_metadata):
         _keep_input_metadata(self, _check_input_metadata(input_metadata))
-        if self._stream is None and not self._on_cpu_:
-            self._stream = _creation_stream(self._input_metadata_)
+        if self._stream_ is None and not self._on_cpu_:
+            self._stream_ = _creation_stream(self._input_metadata_)
 
     @_input_metadata.deleter
     def _input_metadata(self):
@@ -579,12 +599,12 @@ class NodeBase:
         """Append an input slot described by ``spec``; return its index."""
         # A new tuple: See Note [Shared empty input metadata].
         _keep_input_metadata(self, self._input_metadata_ + (as_input_metadata(spec),))
-        if self._stream is None and not self._on_cpu_:
-            self._stream = _creation_stream(self._input_metadata_)
+        if self._stream_ is None and not self._on_cpu_:
+            self._stream_ = _creation_stream(self._input_metadata_)
         return len(self._input_metadata_) - 1
 
     metadata = _read_only_property("metadata", _metadata_made_on_first_use)
-    stream = _read_only_field("stream", "_stream")
+    stream = _read_only_field("stream", "_stream_")
 
     def apply(self, grads):
         raise NotImplementedError(f"{type(self).__name__} must override apply(grads)")
@@ -619,7 +639,7 @@ class NodeBase:
         free more: the engine calls the method of the node's class, as C++
         calls a virtual method, where the class overrode it when the node was
         made. See Note [Overriding release variables]."""
-        self._saved_values = None
+        self._saved_values_ = None
 
 
 def running_graph_task(node, query):
@@ -889,10 +909,14 @@ class LeafState:
         The AccumulateGrad runs ``tensor_pre_hooks`` as its tensor pre-hooks.
     """
 
-    __slots__ = ("lock_", "accumulator", "_owned_grad", "tensor_pre_hooks",
-                 "post_accumulate_grad_hooks", "keep_indexed_")
+    __slots__ = ("lock_", "accumulator_", "_owned_grad", "tensor_pre_hooks_",
+                 "post_accumulate_grad_hooks_", "keep_indexed_")
 
     lock = _read_only_field("lock", "lock_")
+    accumulator = _free_field("accumulator", "accumulator_")
+    tensor_pre_hooks = _free_field("tensor_pre_hooks", "tensor_pre_hooks_")
+    post_accumulate_grad_hooks = _free_field("post_accumulate_grad_hooks",
+                                             "post_accumulate_grad_hooks_")
     # A C bint in the compiled class: stored as its truth value.
     keep_indexed = c_bint_attribute("keep_indexed_")
 
@@ -904,10 +928,10 @@ class LeafState:
             check_new(LeafState, cls)
         self = object.__new__(cls)
         object.__setattr__(self, "lock_", threading.Lock())
-        self.accumulator = None
+        self.accumulator_ = None
         self._owned_grad = None
-        self.tensor_pre_hooks = None
-        self.post_accumulate_grad_hooks = None
+        self.tensor_pre_hooks_ = None
+        self.post_accumulate_grad_hooks_ = None
         self.keep_indexed_ = False
         return self
 
@@ -943,7 +967,9 @@ class AccumulateGradBase(NodeBase):
     ``.grad``, the hooks).
     """
 
-    __slots__ = ("variable", "leaf_state_")
+    __slots__ = ("variable_", "leaf_state_")
+
+    variable = _free_field("variable", "variable_")
 
     def __new__(cls, *args, **kwargs):
         # apply reads leaf_state: it is never None, a fresh LeafState until
@@ -952,7 +978,7 @@ class AccumulateGradBase(NodeBase):
         if cls.__new__ is not AccumulateGradBase.__new__:
             check_new(AccumulateGradBase, cls)
         self = new_node_base(cls)
-        self.variable = None
+        self.variable_ = None
         self.leaf_state_ = LeafState()
         return self
 
@@ -976,7 +1002,7 @@ class AccumulateGradBase(NodeBase):
         if len(grads) == 0:
             raise ValueError(accumulate_grad_grads_message(grads))
         new_grad = grads[0]
-        variable = self.variable
+        variable = self.variable_
         leaf_state = self.leaf_state
         if new_grad is not None:
             grads[0] = None
@@ -997,7 +1023,7 @@ class AccumulateGradBase(NodeBase):
                 else:
                     variable.grad = add_values(old_grad, new_grad)
                 leaf_state.set_owned_grad(variable.grad)
-        hooks = leaf_state.post_accumulate_grad_hooks
+        hooks = leaf_state.post_accumulate_grad_hooks_
         if hooks:
             call_post_accumulate_grad_hooks(variable, hooks)
         return ()
