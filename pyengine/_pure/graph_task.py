@@ -56,6 +56,10 @@ class ExecInfo:
     def should_execute(self):
         return self.needed_ or bool(self.captures_)
 
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
+
 
 def copy_exec_info(info):
     """A copy of exec_info entry ``info``, its own captures list: what the
@@ -65,10 +69,6 @@ def copy_exec_info(info):
     copy.needed_ = info.needed_
     copy.captures_ = list(info.captures_)
     return copy
-
-    def __reduce__(self):
-        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
-        raise TypeError(cannot_pickle_message(self))
 
 
 def refuse_lock_taken_again(graph_task):
