@@ -39,7 +39,8 @@ from pyengine._shared.owner_graph_checks import (EXACT, GRADIENTS_CHANGED, REDUC
 from pyengine._shared.owner_graph_checks import check_input_nr as check_input_nr_slow
 from pyengine._shared.owner_graph_checks import count_slots as count_slots_slow
 from pyengine._shared.owner_graph_checks import split_item as split_item_slow
-from pyengine._shared.messages import MAX_INPUT_NR, raise_error
+from pyengine._shared.messages import (MAX_INPUT_NR, OWNER_GRAPH_INITIALIZED_WHY,
+                                       initialized_once_message, raise_error)
 from pyengine._node import as_input_metadata
 from pyengine._shared.gradient_checks import validate_gradient, validate_gradient_exact
 
@@ -131,11 +132,19 @@ cdef class OwnerGraph:
     # The number of owners the last walk reached: the next one sizes its
     # table and vectors by it (a hint; written under the GIL).
     cdef size_t owners_hint
+    # Set as __init__ starts: a second __init__ is refused (See Note [An
+    # owner graph is initialized once] in pyengine/_pure/owner_graph.py).
+    cdef bint initialized_
 
     def __init__(self, parents, backward, *, mode=WRITES, num_inputs=None, metadata=None,
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
                  post_hook=None, should_compute_output=False, gradient_policy=REDUCE,
                  accumulates=False, unpack_grads=False, dense_gradient=None):
+        # Before any Python code runs (a mode's __eq__ may): See Note [An
+        # owner graph is initialized once] in pyengine/_pure/owner_graph.py.
+        if self.initialized_:
+            raise TypeError(initialized_once_message(self, OWNER_GRAPH_INITIALIZED_WHY))
+        self.initialized_ = True
         self.parents = check_reader("parents", parents)
         self.backward_ = check_reader("backward", backward)
         if mode != WRITES and mode != RETURNS:

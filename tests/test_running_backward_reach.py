@@ -110,3 +110,60 @@ def test_a_deleted_free_field_reads_none_in_both_cores():
     with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'grad'"):
         pyengine.get_default_engine().execute([Edge(node, 0)], [np.ones(3)], False, False, True)
     assert accumulate.variable is None
+
+
+class Owner:
+    def __init__(self, *parents):
+        self.parents = list(parents)
+        self.grad = None
+
+
+def test_an_owner_graph_is_initialized_once():
+    # A parents reader or a backward that called __init__ again on the
+    # graph being walked switched its mode mid-walk: the compiled walk ran
+    # owners of a writes-mode search as returns-mode ones, and the twin
+    # failed elsewhere, in other words. See Note [An owner graph is
+    # initialized once] in pyengine/_pure/owner_graph.py.
+    refused = ("TypeError: OwnerGraph.__init__ ran already: it runs once per instance (a second "
+               "__init__ would change the mode, readers and hooks that a walk of the graph, "
+               "which may be running, reads as it goes)")
+    answers = []
+
+    def again(graph, mode):
+        try:
+            graph.__init__(parents, backward, mode=mode)
+        except TypeError as error:
+            answers.append(f"TypeError: {error}")
+
+    def parents(owner):
+        again(graph, "returns" if graph.mode == "writes" else "writes")
+        return owner.parents
+
+    def backward(owner, grads=None):
+        again(graph, "returns" if graph.mode == "writes" else "writes")
+        return [grads[0] * 3 for _ in owner.parents] if graph.returns else None
+
+    a, b = Owner(), Owner()
+    root = Owner(Owner(a, b), a)
+    graph = pyengine.OwnerGraph(parents, backward, mode="returns")
+    graph.backward(root, np.ones(3))
+    assert (a.grad.tolist(), b.grad.tolist()) == ([12.0] * 3, [9.0] * 3)
+    graph = pyengine.OwnerGraph(parents, backward, mode="writes")
+    graph.backward(root)
+    assert graph.mode == "writes" and len(answers) == 12 and set(answers) == {refused}
+
+    # One __init__ that runs another from inside (a gradient policy's
+    # __ne__): the inner one is refused, and the outer one's fields stand.
+    class Policy(str):
+        def __ne__(self, other):
+            again(graph, "writes")
+            return str.__ne__(self, other)
+
+        __hash__ = str.__hash__
+
+    graph = pyengine.OwnerGraph.__new__(pyengine.OwnerGraph)
+    graph.__init__(parents, backward, mode="returns", gradient_policy=Policy("reduce"))
+    assert graph.returns and answers[-1] == refused and len(answers) == 13
+    # A mode that is a str subclass: the compiled field takes a str only.
+    with pytest.raises(TypeError, match="^Expected str, got Policy$"):
+        pyengine.OwnerGraph(parents, backward, mode=Policy("returns"))

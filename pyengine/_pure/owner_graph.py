@@ -174,6 +174,7 @@ import time
 import numpy as np
 
 from .._shared.gradient_checks import validate_gradient, validate_gradient_exact
+from .._shared.messages import OWNER_GRAPH_INITIALIZED_WHY, initialized_once_message
 from .._shared.owner_graph_checks import (
     EXACT,
     GRADIENTS_CHANGED,
@@ -202,7 +203,7 @@ from . import state
 from .graph_task import GraphTask
 from .input_buffer import InputBuffer
 from .node import InputMetadata, _not_writable, as_input_metadata
-from .static_types import check_argument, check_new
+from .static_types import c_type_name, check_argument, check_new
 from .validate_outputs import known_value_type
 
 __all__ = ["OwnerGraph", "OwnerRun", "WRITES", "RETURNS", "check_reader", "cycle_error",
@@ -221,6 +222,24 @@ def _check_optional(what, value):
     return value
 
 
+# Note [An owner graph is initialized once]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A walk reads its OwnerGraph's fields as it goes (``returns`` in the
+# search, in each owner's run and in the routing; the readers and hooks as
+# it calls them), and Python code it runs (a parents reader, a backward,
+# a hook, ``num_inputs``) reaches the graph. A second ``__init__`` from
+# there switched the graph's mode in the middle of the walk: the search
+# then entered owners into the other mode's tables, and the compiled walk
+# ran owners of a writes-mode search as returns-mode ones (without their
+# parent items), where the twin failed elsewhere. So ``__init__`` runs
+# once per instance in both cores, as a GraphTask's and an Engine's
+# (TypeError, ``initialized_once_message``); the flag is set before any
+# Python code can run (a ``mode``'s ``__eq__``, a ``__bool__``), so that
+# an ``__init__`` run from inside the first is refused too. A first
+# ``__init__`` that raised leaves the graph as far as it got, and it too
+# is not run again: make a new graph.
+
+
 class OwnerGraph:
     """How to read a framework's own graph, and backward on it. See Note
     [Owner graphs] for every argument; made once per framework.
@@ -232,7 +251,7 @@ class OwnerGraph:
     __slots__ = ("parents", "backward_", "mode", "returns", "num_inputs", "metadata",
                  "accumulate", "visit", "needs_no_gradient", "pre_hook", "post_hook",
                  "should_compute_output", "gradient_policy", "accumulates", "unpack_grads",
-                 "dense_gradient")
+                 "dense_gradient", "initialized_")
 
     def __new__(cls, *args, **kwargs):
         # The fields the compiled OwnerGraph has before __init__ (C's None
@@ -243,7 +262,8 @@ class OwnerGraph:
         self = object.__new__(cls)
         for name in OwnerGraph.__slots__:
             object.__setattr__(self, name, None)
-        for name in ("returns", "should_compute_output", "accumulates", "unpack_grads"):
+        for name in ("returns", "should_compute_output", "accumulates", "unpack_grads",
+                     "initialized_"):
             object.__setattr__(self, name, False)
         return self
 
@@ -263,12 +283,20 @@ class OwnerGraph:
                  accumulate=None, visit=None, needs_no_gradient=None, pre_hook=None,
                  post_hook=None, should_compute_output=False, gradient_policy=REDUCE,
                  accumulates=False, unpack_grads=False, dense_gradient=None):
-        # Only __init__ writes the fields: See OwnerGraph.__setattr__.
+        # Only __init__ writes the fields (See OwnerGraph.__setattr__), once:
+        # See Note [An owner graph is initialized once]. The flag is set
+        # before any Python code runs (a mode's __eq__ may).
+        if self.initialized_:
+            raise TypeError(initialized_once_message(self, OWNER_GRAPH_INITIALIZED_WHY))
         set_field = object.__setattr__
+        set_field(self, "initialized_", True)
         set_field(self, "parents", check_reader("parents", parents))
         set_field(self, "backward_", check_reader("backward", backward))
         if mode != WRITES and mode != RETURNS:
             raise ValueError(f"mode must be {WRITES!r} or {RETURNS!r}, got {mode!r}")
+        if type(mode) is not str:
+            # The compiled field's type: a str, exactly.
+            raise TypeError(f"Expected str, got {c_type_name(type(mode))}")
         set_field(self, "mode", mode)
         set_field(self, "returns", mode == RETURNS)
         if not self.returns:
