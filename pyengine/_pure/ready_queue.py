@@ -283,11 +283,20 @@ class ReadyQueue:
         # pyengine/_pure/static_types.py.
         if cls.__new__ is not ReadyQueue.__new__:
             check_new(ReadyQueue, cls)
-        return object.__new__(cls)
-
-    def __init__(self):
+        self = object.__new__(cls)
+        # Made here, as the compiled class's C++ heap, mutex and condition
+        # variable are made with the object: a second __init__ (a node's,
+        # on its running graph task's queue) leaves the queued tasks and
+        # the waiting thread's condition as they are. It emptied the heap
+        # before, and the backward waited forever for the tasks it dropped.
         self._not_empty = threading.Condition(threading.Lock())
         self._heap = []
+        return self
+
+    def __init__(self):
+        # Takes no arguments, as the compiled class's; sets nothing (See
+        # ReadyQueue.__new__).
+        pass
 
     def __reduce__(self):
         # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
