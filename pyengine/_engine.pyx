@@ -466,6 +466,7 @@ cdef class Engine:
         # See Note [A shutdown task is the device worker's] in
         # pyengine/_pure/engine.py.
         cdef bint shutdown_held = False
+        cdef int owner
         try:
             while graph_task is None or not graph_task.future_completed_.load():
                 if worker.has_next_task:
@@ -526,24 +527,27 @@ cdef class Engine:
                     worker.next_task_counted = True
                 else:
                     local_graph_task.outstanding_tasks_.fetch_sub(1)
-                if (worker.worker_device != local_graph_task.owner
-                        and local_graph_task.has_error_.load()):
+                # Read once, as the twin does: the final callbacks that
+                # mark_as_completed_and_run_post_processing runs may write
+                # the public field, and the thread to wake is the one that
+                # drove the task.
+                owner = local_graph_task.owner
+                if worker.worker_device != owner and local_graph_task.has_error_.load():
                     # Tasks this node queued for an owner that may have gone:
                     # See Note [Cancelling a graph task].
                     local_graph_task.outstanding_tasks_.fetch_sub(
-                        self.ready_queue_by_index(local_graph_task.cpu_ready_queue,
-                                                  local_graph_task.owner)
+                        self.ready_queue_by_index(local_graph_task.cpu_ready_queue, owner)
                         .discard_graph_task_records(local_graph_task))
                 if (local_graph_task.outstanding_tasks_.load() == 0
                         or (local_graph_task.exit_on_error and local_graph_task.has_error_.load())):
                     local_graph_task.mark_as_completed_and_run_post_processing()
-                    if worker.worker_device != local_graph_task.owner:
+                    if worker.worker_device != owner:
                         # The owner may sleep in pop(): wake it up. A wake-up
                         # holds no graph task, so that one left in the queue of
                         # an owner that has gone keeps nothing alive.
                         flush_next_task(worker)
                         self.ready_queue_by_index(local_graph_task.cpu_ready_queue,
-                                                  local_graph_task.owner).push_record(
+                                                  owner).push_record(
                             make_record(None, None, None, 0, 0))
                 # Let go of the task now: a worker about to sleep in pop() must not
                 # keep its last graph alive until the next task comes.

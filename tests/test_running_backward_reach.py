@@ -161,6 +161,22 @@ def test_a_second_init_of_a_running_ready_queue_keeps_its_tasks():
     assert lines == ["[1, 1] [4.0, 4.0, 4.0] [12.0, 12.0, 12.0]"]
 
 
+def test_an_owner_a_final_callback_writes_is_not_the_thread_woken():
+    # The compiled loop read the graph task's owner (a public int) again
+    # after the final callbacks ran, and woke the thread of what a callback
+    # wrote there (no device thread 0: ValueError, after a backward that had
+    # completed); the twin reads it once, before them. Both read it once.
+    def during():
+        def callback():
+            state.get_current_graph_task().owner = 0
+        pyengine.queue_callback(callback)
+
+    a = Leaf()
+    node = During([pyengine.gradient_edge(a)], during)
+    pyengine.get_default_engine().execute([Edge(node, 0)], [np.ones(3)], False, False, True)
+    assert a.grad.tolist() == [2.0] * 3
+
+
 class Owner:
     def __init__(self, *parents):
         self.parents = list(parents)
