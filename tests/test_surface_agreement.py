@@ -364,8 +364,15 @@ for maker_name, (make, use) in WRITE_MAKERS.items():
             if use is not None:
                 line += f"; then {result(lambda: use(instance))}"
             print(line)
-        print(f"del {maker_name}.{attribute} -> "
-              f"{outcome(lambda: delattr(make(), attribute), ())}")
+        # Deleted, then read and used: a Cython public object field
+        # deleted holds None (the twin's slots were deleted, which only a
+        # later read told apart).
+        instance = make()
+        line = (f"del {maker_name}.{attribute} -> {outcome(lambda: delattr(instance, attribute), ())}"
+                f"; reads {result(lambda: getattr(instance, attribute))}")
+        if use is not None:
+            line += f"; then {result(lambda: use(instance))}"
+        print(line)
     # A name the class does not have: a compiled class without a __dict__
     # refuses it.
     print(f"{maker_name}.not_a_field = 0 -> "
@@ -411,7 +418,10 @@ for attribute in task_fields():
 def test_both_cores_answer_attribute_writes_alike():
     """Each field of each public instance written with each odd value (and
     deleted): the write, and a use of the instance after it, answer alike in
-    both cores, and neither crashes."""
+    both cores, and neither crashes. A deleted field is read too: the twin's
+    free fields (a node's _stream and _saved_values, AccumulateGrad's
+    variable, a LeafState's accumulator and hook lists) were deleted slots,
+    an AttributeError where the compiled field holds None."""
     def answers(pure):
         lines = run_on_core(_WRITE_SWEEP, pure=pure, timeout=300)
         return dict(line.split(" -> ") for line in lines)
