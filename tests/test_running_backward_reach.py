@@ -318,6 +318,7 @@ def _count_words(outcome):
 
 @pytest.mark.skipif(importlib.util.find_spec("pyengine._engine") is None,
                     reason="no compiled core to compare with")
+@pytest.mark.skipif(sys.platform == "win32", reason="select() on a pipe is POSIX's")
 def test_what_a_running_backward_reaches_never_crashes_and_answers_alike_in_both_cores():
     """Each case of tests/running_backward_sweep.py (about 2,300: every
     method and field of the graph task, its queue, the nodes, the engine
