@@ -306,7 +306,12 @@ KNOWN_WAITS = ("graph_task.increment_outstanding_tasks()", "ready_queue.push_pop
                "device/grad: ready_queue.push_shutdown+pop", "pool/backward: ready_queue.push_shutdown+pop",
                "pool/grad: ready_queue.push_shutdown+pop",
                "device/backward: engine._device_thread_main(-1, running queue)",
-               "device/grad: engine._device_thread_main(-1, running queue)")
+               "device/grad: engine._device_thread_main(-1, running queue)",
+               # From a device thread, a task for a node of the running
+               # graph task pushed to its owner's queue: the node runs twice,
+               # the second time before or after the first as the two
+               # threads race (the full sweep saw the cores answer apart).
+               "device/backward: ready_queue.push(task", "device/grad: ready_queue.push(task")
 TARGET_TYPES = {
     "graph_task": core.GraphTask, "ready_queue": core.ReadyQueue, "graph_root": None,
     "current_node": None, "mid": None, "other": None,

@@ -270,7 +270,8 @@ def _lines(process, deadline):
 def sweep(pure, budget=600.0):
     """Run the sweep on one core: ``{case: outcome}``, a crash or a hang
     being an outcome (``CRASH`` with the exit status, ``HANG``) after which
-    a new interpreter goes on with the next case."""
+    a new interpreter goes on with the next case. One case runs alone, with
+    its stderr, as ``python tests/running_backward_sweep.py 0 'KEY'``."""
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
@@ -282,8 +283,10 @@ def sweep(pure, budget=600.0):
     outcomes = {}
     first = 0
     while True:
+        # Its stderr apart: a thread's traceback (a pool thread's that a
+        # case's write ended) must not break a line of the answers.
         process = subprocess.Popen([sys.executable, _SWEEP, str(first)], stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, cwd=repo_root, env=env)
+                                   stderr=subprocess.DEVNULL, cwd=repo_root, env=env)
         begun, ended, hung, other = None, False, False, []
         for line in _lines(process, deadline):
             if line is None:
