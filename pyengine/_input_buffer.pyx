@@ -9,7 +9,8 @@ cimport cython
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 
-from pyengine._shared.messages import cannot_pickle_message
+from pyengine._shared.messages import (INPUT_BUFFER_INITIALIZED_WHY, cannot_pickle_message,
+                                       initialized_once_message)
 from pyengine.backends import backend_of, check_same_device, no_backend_to_add
 
 cimport numpy as cnp
@@ -31,6 +32,7 @@ cdef InputBuffer new_input_buffer(Py_ssize_t size):
     """An InputBuffer of ``size`` empty slots, without calling ``__init__``."""
     cdef InputBuffer input_buffer = InputBuffer.__new__(InputBuffer)
     input_buffer.buffer = _none_list(size)
+    input_buffer.initialized_ = True
     return input_buffer
 
 
@@ -44,9 +46,14 @@ cdef class InputBuffer:
     """
 
     def __init__(self, Py_ssize_t size):
+        # Python code can reach a buffer the engine fills (through gc): a
+        # second __init__ would drop the gradients summed so far.
+        if self.initialized_:
+            raise TypeError(initialized_once_message(self, INPUT_BUFFER_INITIALIZED_WHY))
         if size < 0:
             raise ValueError(f"InputBuffer size {size} is negative")
         self.buffer = _none_list(size)
+        self.initialized_ = True
 
     def __reduce__(self):
         # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.

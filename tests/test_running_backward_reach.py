@@ -161,6 +161,43 @@ def test_a_second_init_of_a_running_ready_queue_keeps_its_tasks():
     assert lines == ["[1, 1] [4.0, 4.0, 4.0] [12.0, 12.0, 12.0]"]
 
 
+def test_a_second_init_of_a_pending_input_buffer_is_refused():
+    # A node that found, through gc, the InputBuffer of a node still waiting
+    # for its other input and ran its __init__ again emptied it: the
+    # gradient summed there so far was lost, in both cores, without a word.
+    # Both refuse a second __init__, as GraphTask's.
+    import gc
+
+    refused = ("InputBuffer.__init__ ran already: it runs once per instance (a second __init__ "
+               "would empty the slots of the gradients that a running backward may have summed "
+               "into it)")
+    answers = set()
+
+    def again():
+        for found in gc.get_objects():
+            if type(found) is core.InputBuffer:
+                try:
+                    found.__init__(1)
+                except TypeError as error:
+                    answers.add(str(error))
+                else:
+                    answers.add("ran")
+
+    a = Leaf()
+    left = During([pyengine.gradient_edge(a)], again)
+    right = During([pyengine.gradient_edge(a)], again)
+    root = During([Edge(left, 0), Edge(right, 0)], lambda: None)
+    pyengine.get_default_engine().execute([Edge(root, 0)], [np.ones(3)], False, False, True)
+    assert answers == {refused}
+    assert a.grad.tolist() == [8.0] * 3
+    fresh = core.InputBuffer.__new__(core.InputBuffer)
+    fresh.__init__(2)
+    assert fresh.buffer == [None, None]
+    with pytest.raises(TypeError, match="InputBuffer.__init__ ran already"):
+        fresh.__init__(1)
+    assert fresh.buffer == [None, None]
+
+
 def test_an_owner_a_final_callback_writes_is_not_the_thread_woken():
     # The compiled loop read the graph task's owner (a public int) again
     # after the final callbacks ran, and woke the thread of what a callback

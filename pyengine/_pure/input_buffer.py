@@ -25,7 +25,11 @@ and an InputBuffer keeps no device.
 
 import numpy as np
 
-from .._shared.messages import cannot_pickle_message
+from .._shared.messages import (
+    INPUT_BUFFER_INITIALIZED_WHY,
+    cannot_pickle_message,
+    initialized_once_message,
+)
 from ..backends import backend_of, check_same_device, no_backend_to_add
 from .node import is_numpy_array
 from .static_types import as_ssize_t, c_type_name, check_new, final
@@ -40,7 +44,7 @@ class InputBuffer:
     GraphTask's ``not_ready`` map, whose lock guards it.
     """
 
-    __slots__ = ("_buffer", "_owned")
+    __slots__ = ("_buffer", "_owned", "initialized_")
 
     def __new__(cls, *args, **kwargs):
         # As the compiled type's fields: None until set, even where
@@ -50,15 +54,21 @@ class InputBuffer:
         self = object.__new__(cls)
         self._buffer = None
         self._owned = None
+        self.initialized_ = False
         return self
 
     def __init__(self, size):
         size = as_ssize_t(size)
+        # Python code can reach a buffer the engine fills (through gc): a
+        # second __init__ would drop the gradients summed so far.
+        if self.initialized_:
+            raise TypeError(initialized_once_message(self, INPUT_BUFFER_INITIALIZED_WHY))
         if size < 0:
             raise ValueError(f"InputBuffer size {size} is negative")
         self.buffer = [None] * size
         # _owned[i] is the value the buffer allocated for slot i, or None.
         self._owned = None
+        self.initialized_ = True
 
     def __reduce__(self):
         # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.

@@ -143,9 +143,9 @@ def total_depth_message(depth, limit):
 
 
 def initialized_once_message(instance, why):
-    """A second ``__init__`` on a GraphTask, an Engine or an OwnerGraph: it
-    would reset what a running backward, the engine's threads or a running
-    walk use (``why``)."""
+    """A second ``__init__`` on a GraphTask, an InputBuffer, an Engine or an
+    OwnerGraph: it would reset what a running backward, the engine's
+    threads or a running walk use (``why``)."""
     name = type(instance).__name__
     return f"{name}.__init__ ran already: it runs once per instance ({why})"
 
@@ -154,6 +154,8 @@ GRAPH_TASK_INITIALIZED_WHY = ("a second __init__ would reset the counts, queue a
                               "backward that may be running")
 OWNER_GRAPH_INITIALIZED_WHY = ("a second __init__ would change the mode, readers and hooks that a "
                                "walk of the graph, which may be running, reads as it goes")
+INPUT_BUFFER_INITIALIZED_WHY = ("a second __init__ would empty the slots of the gradients that a "
+                                "running backward may have summed into it")
 ENGINE_INITIALIZED_WHY = ("a second __init__ would leave its device and pool threads to run on, "
                           "unknown to it and never stopped")
 
