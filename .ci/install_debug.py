@@ -2,7 +2,12 @@
 wraparound checks, line tracing, -O0; see setup.py) into the environment of
 the Python that runs this script, and check that it is the debug build.
 
-``python .ci/install_debug.py [EXTRAS]``, e.g. ``test``.
+``python .ci/install_debug.py [--sanitize] [EXTRAS]``, e.g. ``test``.
+``--sanitize`` builds AddressSanitizer and UndefinedBehaviorSanitizer in
+as well (``PYENGINE_SANITIZE=1``, See Note [A sanitized build] in
+setup.py); such a build runs only under ``.ci/sanitized``, as the check
+here does, and the check also asks that every module links the ASan
+runtime.
 
 It builds from a copy of the checkout without build outputs: built in the
 checkout, setuptools would reuse the extensions an optimized build left in
@@ -49,6 +54,18 @@ sys.settrace(None)
 traced = sorted(name.rsplit("/", 1)[-1] for name in seen if name.endswith(".pyx"))
 assert "_engine.pyx" in traced, f"not a debug build: no line of _engine.pyx was traced ({traced})"
 print("debug build:", pyengine.__file__, "traces", ", ".join(traced))
+if len(sys.argv) > 1 and sys.argv[1] == "--sanitize":
+    import glob
+    import os
+    import subprocess
+
+    modules = glob.glob(os.path.join(os.path.dirname(pyengine.__file__), "_*.so"))
+    assert modules, "no compiled module found"
+    for module in modules:
+        needed = subprocess.run(["readelf", "-d", module], capture_output=True, text=True,
+                                check=True).stdout
+        assert "libasan" in needed, f"not a sanitized build: {module} does not link libasan"
+    print("sanitized:", len(modules), "modules link libasan")
 """
 
 
@@ -73,17 +90,23 @@ def copy_sources(destination):
 
 
 def main(argv):
+    sanitize = "--sanitize" in argv
+    argv = [arg for arg in argv if arg != "--sanitize"]
     extras = f"[{argv[0]}]" if argv else ""
     with tempfile.TemporaryDirectory(prefix="pyengine-debug-") as scratch:
         source = os.path.join(scratch, "src")
         copy_sources(source)
         env = dict(os.environ, PYENGINE_DEBUG="1")
+        check = [sys.executable, "-c", CHECK]
+        if sanitize:
+            env["PYENGINE_SANITIZE"] = "1"
+            check = [os.path.join(ROOT, ".ci", "sanitized")] + check + ["--sanitize"]
         # pip builds a local project each time it installs it; the check
         # below fails if an optimized pyengine was left in place instead.
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-cache-dir",
                         source + extras], check=True, env=env)
         # From the scratch folder, so that the installed package is the one imported.
-        subprocess.run([sys.executable, "-c", CHECK], check=True, cwd=scratch)
+        subprocess.run(check, check=True, cwd=scratch)
     return 0
 
 
