@@ -10,7 +10,8 @@ A *program* (plain JSON, drawn by ``draw_program`` from a seed)::
                 "device": -1 | 0 | 1,       # the CPU, or a fake device (its worker thread)
                 "sleep0": bool,             # time.sleep(0) in apply: the threads interleave
                 "reentrant": [j, k, grad] | None,  # apply runs backward from node j's slot k
-                "callback": bool}, ...],    # apply queues a final callback
+                "callback": bool,           # apply queues a final callback
+                "const": [a, b] | None}, ...],  # output 0: one array, the node's own
      "hooks": [{"kind": "pre" | "tensor_pre" | "post", "node": i}
                | {"kind": "post_acc" | "leaf_hook", "leaf": l}, ...],
      "rewires": [{"by": i, "node": t, "how": "same" | "shorten" | "extend"}, ...],
@@ -18,11 +19,14 @@ A *program* (plain JSON, drawn by ``draw_program`` from a seed)::
      "misuse": {"kind": "raise" | "shape" | "callback_raise" | "release", "node": i} | None,
      "profile": bool, "anomaly": bool,      # a profile / anomaly mode around the threads
      "width": w,                            # every gradient is w copies of a pair
+     "shared_grads": bool,                  # one root gradient array for all threads
+     "engine2": bounds | None,              # the Engine of execute_other
      "engine": [max_recursion_depth, max_total_depth, max_pool_threads] | None,
      "switch": 1e-6 | None,                 # sys.setswitchinterval while the threads run
      "threads": [{"late": bool, "no_grad": bool, "calls": [call, ...]}, ...]}
 
-A call is ``{"api": "backward" | "grad" | "execute" | "execute_grad", "roots":
+A call is ``{"api": "backward" | "grad" | "execute" | "execute_grad" |
+"backward_inputs" | "execute_other", "roots":
 [[j, k], ...], "grads": [[a, b] | "bad", ...], "inputs": [l, ...]}`` (all
 with ``retain_graph=True``, unless ``"retain": false``: the misuse
 "release"), or ``{"api": "fresh", "leaf": m, "grads":
@@ -83,7 +87,8 @@ WEIGHTS = [-2.0, -1.0, 0.5, 1.0, 2.0]
 GRADS = [-1.0, 0.5, 1.0, 2.0]
 # Small bounds (reentrant backward handed to pool threads), and a roomy one.
 ENGINE_BOUNDS = [[0, 64, 1], [0, 64, 2], [1, 64, 2], [1, 64, 8], [0, 64, 64], [60, 4096, 256]]
-APIS = ["backward", "backward", "grad", "execute", "execute_grad", "fresh"]
+APIS = ["backward", "backward", "grad", "execute", "execute_grad", "backward_inputs",
+        "execute_other", "fresh"]
 
 
 # -- programs --
@@ -109,7 +114,8 @@ def draw_program(rng):
                 "w": [[rng.choice(WEIGHTS) for _ in range(n_in)] for _ in edges],
                 "device": rng.choice([-1, -1, 0, 1]) if devices else -1,
                 "sleep0": rng.random() < 0.5, "reentrant": None,
-                "callback": rng.random() < 0.15}
+                "callback": rng.random() < 0.15,
+                "const": [rng.choice(GRADS), rng.choice(GRADS)] if rng.random() < 0.1 else None}
         if i > 0 and rng.random() < 0.2:
             j = rng.randrange(i)
             node["reentrant"] = [j, rng.randrange(nodes[j]["n_in"]),
@@ -150,7 +156,7 @@ def draw_program(rng):
             if rng.random() < 0.04:
                 grads[0] = "bad"
             call = {"api": api, "roots": roots, "grads": grads}
-            if api in ("grad", "execute_grad"):
+            if api in ("grad", "execute_grad", "backward_inputs"):
                 call["inputs"] = sorted(rng.sample(range(leaves), rng.randint(1, leaves)))
             calls.append(call)
         threads.append({"late": rng.random() < 0.3, "no_grad": rng.random() < 0.3,
@@ -164,6 +170,8 @@ def draw_program(rng):
             "rewires": rewires, "hook_churn": hook_churn, "misuse": misuse,
             "profile": rng.random() < 0.15, "anomaly": rng.random() < 0.1,
             "width": 1 if rng.random() < 0.6 else rng.choice([256, 4096]),
+            "shared_grads": rng.random() < 0.3,
+            "engine2": rng.choice(ENGINE_BOUNDS) if rng.random() < 0.5 else None,
             "engine": rng.choice(ENGINE_BOUNDS) if rng.random() < 0.5 else None,
             "switch": 1e-6 if rng.random() < 0.4 else None, "threads": threads}
 
@@ -209,9 +217,10 @@ def reached_leaves(program, starts):
     return leaves
 
 
-def simulate(program, roots, grads, inputs=None):
+def simulate(program, roots, grads, inputs=None, accumulate=None):
     """One graph task: ``roots`` ([node, slot]) with ``grads``; ``inputs``
-    (leaf indices) for grad mode, else None (accumulate). Returns ``{"exc":
+    (leaf indices) for grad mode (with ``accumulate``: backward(inputs=),
+    which accumulates into those leaves only), else None (accumulate). Returns ``{"exc":
     type name or None, "leaves": what it adds to each leaf, "captured",
     "counts"}``; the counts include those of the reentrant backwards in it."""
     nodes, n_leaves = program["nodes"], program["leaves"]
@@ -274,11 +283,13 @@ def simulate(program, roots, grads, inputs=None):
             return out
         if misuse.get("kind") == "callback_raise" and misuse["node"] == i:
             out["exc_at_end"] = "FuzzError"
-        for row, edge in zip(node["w"], node["edges"]):
+        for index, (row, edge) in enumerate(zip(node["w"], node["edges"])):
             value = [0.0, 0.0]
             for weight, grad in zip(row, grads_in):
                 if grad is not None:
                     value = [v + weight * g for v, g in zip(value, grad)]
+            if index == 0 and node.get("const") is not None:
+                value = list(node["const"])
             if edge is None:
                 continue
             kind, j = edge["to"]
@@ -291,11 +302,11 @@ def simulate(program, roots, grads, inputs=None):
         for hook in hooks:
             if hook["kind"] == "post" and hook["node"] == i:
                 counts["post"][i] += 1
-    if inputs is not None:
+    if inputs is not None and not accumulate:
         out["captured"] = [at_leaf[leaf] for leaf in inputs]
     else:
         for leaf in range(n_leaves):
-            if leaf_reached[leaf]:
+            if leaf_reached[leaf] and (inputs is None or leaf in inputs):
                 out["leaves"][leaf] = _add(out["leaves"][leaf], at_leaf[leaf])
                 for hook in hooks:
                     if hook["kind"] == "post_acc" and hook["leaf"] == leaf:
@@ -313,9 +324,10 @@ def expected_call(program, call):
     if call["api"] == "fresh":
         return {"exc": None, "leaves": [None] * program["leaves"], "captured": None,
                 "lazy": [[3.0 * v for v in call["grads"][0]]], "counts": None}
-    inputs = call.get("inputs") if call["api"] in ("grad", "execute_grad") else None
-    result = simulate(program, call["roots"], call["grads"], inputs)
-    if call["api"] == "execute" and result["exc"] is None:
+    inputs = call.get("inputs")
+    result = simulate(program, call["roots"], call["grads"], inputs,
+                      accumulate=call["api"] == "backward_inputs")
+    if call["api"] in ("execute", "execute_other") and result["exc"] is None:
         result["captured"] = []
     return result
 
@@ -338,6 +350,8 @@ def problems_of(program, result):
     problems = []
     if result["check"] != "ok":
         problems.append(f"after the program: {result['check']}")
+    if result.get("intact"):
+        problems.append(f"written into: {result['intact']}")
     if result.get("grad_mode_wrong"):
         problems.append(f"grad mode: {result['grad_mode_wrong']}")
     if result["stuck"]:

@@ -12,6 +12,8 @@ program::
      "stuck": [what was still running after the joins],
      "profiled": how many ThreadNode applies a profile saw, or None,
      "grad_mode_wrong": where grad mode was not as it should be (at most 5),
+     "intact": arrays the engine was handed (constant outputs, shared root
+               gradients) that changed,
      "check": "ok" or what the reference backwards after the program found wrong}
 
 Each program: its leaves and nodes are built (edges, hooks and, where the
@@ -154,6 +156,10 @@ class Program:
         self.apply_count = [0]
         self.profiled = None
         self.grad_mode_wrong = []
+        self.constants = {i: self.tile(node["const"]) for i, node in enumerate(spec["nodes"])
+                          if node.get("const") is not None}
+        self.shared_grads = {}
+        self.engine2 = None
 
     def tile(self, pair):
         return np.tile(np.asarray(pair, dtype=np.float64), self.width)
@@ -273,6 +279,10 @@ class Program:
                     handle.remove()
         (weights,) = node.saved_values
         outs = self.linear(weights.tolist(), host)
+        if spec.get("const") is not None and outs:
+            # The same array, the node's own, to every call of every thread:
+            # the engine must never write into it.
+            outs[0] = self.constants[i]
         if PLANT == "drop":
             self.apply_count[0] += 1
             if self.apply_count[0] % 3 == 0:
@@ -303,8 +313,27 @@ class Program:
     # -- the calls --
 
     def root_grad(self, value, node_index):
+        device = self.spec["nodes"][node_index]["device"]
+        if self.spec.get("shared_grads") and value != "bad":
+            # One array per value and device, passed by every thread that
+            # uses that value: the engine must never write into it.
+            key = (tuple(value), device)
+            if key not in self.shared_grads:
+                self.shared_grads[key] = on_device(self.tile(value), device)
+            return self.shared_grads[key]
         array = np.ones((3,)) if value == "bad" else self.tile(value)
-        return on_device(array, self.spec["nodes"][node_index]["device"])
+        return on_device(array, device)
+
+    def intact(self):
+        """The arrays the engine was handed and must not write into, as they were."""
+        problems = []
+        for i, array in self.constants.items():
+            if encode(array) != self.spec["nodes"][i]["const"]:
+                problems.append(f"node {i}'s constant output became {encode(array)}")
+        for (value, _), array in self.shared_grads.items():
+            if encode(array) != list(value):
+                problems.append(f"root gradient {list(value)} became {encode(array)}")
+        return problems
 
     def call(self, call):
         api = call["api"]
@@ -322,6 +351,13 @@ class Program:
         if api == "backward":
             pyengine.backward(roots, grads, retain_graph=retain)
             return None
+        if api == "backward_inputs":
+            pyengine.backward(roots, grads, retain_graph=retain, inputs=inputs)
+            return None
+        if api == "execute_other":
+            # A second Engine at once with the default one (reentrant
+            # backwards in its nodes go to the default engine).
+            return self.engine2.execute(roots, grads, retain, False, True, None)
         if api == "grad":
             return pyengine.grad(roots, inputs, grads, retain_graph=retain, allow_unused=True)
         engine = pyengine.get_default_engine()
@@ -367,6 +403,7 @@ class Program:
         if spec.get("engine") is not None:
             self.engine = pyengine.Engine(*spec["engine"])
             self.previous_engine = pyengine.set_default_engine(self.engine)
+        self.engine2 = pyengine.Engine(*spec.get("engine2") or ())
         prof = None
         if spec.get("profile"):
             prof = pyengine.profile()
@@ -407,6 +444,7 @@ class Program:
         if self.engine is not None:
             pyengine.set_default_engine(self.previous_engine)
             self.engine.stop()
+        self.engine2.stop()
         for handle in self.handles:
             handle.remove()
         return outcomes, stuck
@@ -471,7 +509,8 @@ def run_one(index, spec, baseline_threads):
                          "post_acc": [len(c) for c in program.post_acc],
                          "leaf_hook": [len(c) for c in program.leaf_hook],
                          "callbacks": len(program.callbacks)},
-              "profiled": program.profiled, "grad_mode_wrong": program.grad_mode_wrong[:5]}
+              "profiled": program.profiled, "grad_mode_wrong": program.grad_mode_wrong[:5],
+              "intact": program.intact()}
     del program
     gc.collect()
     problems = device_reference()
