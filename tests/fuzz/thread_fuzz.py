@@ -9,7 +9,8 @@ A *program* (plain JSON, drawn by ``draw_program`` from a seed)::
                 "w": [[w_jk]],              # apply: out_j = sum_k w_jk * grad_k
                 "device": -1 | 0 | 1,       # the CPU, or a fake device (its worker thread)
                 "sleep0": bool,             # time.sleep(0) in apply: the threads interleave
-                "reentrant": [j, k, grad] | None,  # apply runs backward from node j's slot k
+                "reentrant": [j, k, grad] | None,  # a backward from node j's slot k, run
+                "reentrant_in": "apply" | "hook" | "callback",  # by apply, a pre-hook, a final callback
                 "callback": bool,           # apply queues a final callback
                 "const": [a, b] | None}, ...],  # output 0: one array, the node's own
      "hooks": [{"kind": "pre" | "tensor_pre" | "post", "node": i}
@@ -23,7 +24,8 @@ A *program* (plain JSON, drawn by ``draw_program`` from a seed)::
      "engine2": bounds | None,              # the Engine of execute_other
      "engine": [max_recursion_depth, max_total_depth, max_pool_threads] | None,
      "switch": 1e-6 | None,                 # sys.setswitchinterval while the threads run
-     "threads": [{"late": bool, "no_grad": bool, "calls": [call, ...]}, ...]}
+     "threads": [{"late": bool, "no_grad": bool, "calls": [call, ...],
+                  "single": bool}, ...]}    # set_multithreading_enabled(False) in that thread
 
 A call is ``{"api": "backward" | "grad" | "execute" | "execute_grad" |
 "backward_inputs" | "execute_other", "roots":
@@ -120,6 +122,7 @@ def draw_program(rng):
             j = rng.randrange(i)
             node["reentrant"] = [j, rng.randrange(nodes[j]["n_in"]),
                                  [rng.choice(GRADS), rng.choice(GRADS)]]
+            node["reentrant_in"] = rng.choice(["apply", "apply", "hook", "callback"])
         nodes.append(node)
     hooks = []
     for _ in range(rng.choice([0, 0, 1, 2, 3])):
@@ -160,7 +163,7 @@ def draw_program(rng):
                 call["inputs"] = sorted(rng.sample(range(leaves), rng.randint(1, leaves)))
             calls.append(call)
         threads.append({"late": rng.random() < 0.3, "no_grad": rng.random() < 0.3,
-                        "calls": calls})
+                        "single": devices and rng.random() < 0.25, "calls": calls})
     if misuse and misuse["kind"] == "release":
         # One call lets the graph go (retain_graph=False) while the others use it.
         calls = [c for t in threads for c in t["calls"] if c["api"] != "fresh"]
@@ -247,6 +250,7 @@ def simulate(program, roots, grads, inputs=None, accumulate=None):
         slots[j][k] = _add(slots[j][k], grad)
         reached[j] = True
     callbacks = 0
+    deferred = []  # backwards that final callbacks run
     for i in range(len(nodes) - 1, -1, -1):
         if not (reached[i] and needed[i]):
             continue
@@ -259,18 +263,9 @@ def simulate(program, roots, grads, inputs=None, accumulate=None):
                 grads_in = [_scale(g, 2.0) for g in grads_in]
         counts["applies"][i] += 1
         if node["reentrant"] is not None:
-            j, k, grad = node["reentrant"]
-            sub = simulate(program, [[j, k]], [grad])
-            for name, values in sub["counts"].items():
-                if name == "callbacks":
-                    counts[name] += values
-                else:
-                    counts[name] = [a + b for a, b in zip(counts[name], values)]
-            for leaf, value in enumerate(sub["leaves"]):
-                if value is not None:
-                    out["leaves"][leaf] = _add(out["leaves"][leaf], value)
-            if sub["exc"]:
-                out["exc"] = sub["exc"]
+            if node.get("reentrant_in") == "callback":
+                deferred.append(node["reentrant"])
+            elif _nested(program, node["reentrant"], out):
                 return out
         if node["callback"]:
             callbacks += 1
@@ -314,8 +309,31 @@ def simulate(program, roots, grads, inputs=None, accumulate=None):
     if out.pop("exc_at_end", None):
         out["exc"] = "FuzzError"
         return out
+    for nested in deferred:
+        if _nested(program, nested, out):
+            return out
     counts["callbacks"] += callbacks
     return out
+
+
+def _nested(program, nested, out):
+    """A backward run inside ``out``'s graph task (from a node, a hook or a
+    final callback): its parts added to ``out``'s; True if it raised."""
+    j, k, grad = nested
+    sub = simulate(program, [[j, k]], [grad])
+    counts = out["counts"]
+    for name, values in sub["counts"].items():
+        if name == "callbacks":
+            counts[name] += values
+        else:
+            counts[name] = [a + b for a, b in zip(counts[name], values)]
+    for leaf, value in enumerate(sub["leaves"]):
+        if value is not None:
+            out["leaves"][leaf] = _add(out["leaves"][leaf], value)
+    if sub["exc"]:
+        out["exc"] = sub["exc"]
+        return True
+    return False
 
 
 def expected_call(program, call):

@@ -205,6 +205,10 @@ class Program:
             self.nodes.append(node)
         for hook in self.spec["hooks"]:
             self.add_hook(hook)
+        for node, node_spec in zip(self.nodes, self.spec["nodes"]):
+            if node_spec.get("reentrant") is not None and node_spec.get("reentrant_in") == "hook":
+                nested = node_spec["reentrant"]
+                node.register_prehook(lambda grads, nested=nested: self.nested_backward(nested))
 
     def add_hook(self, hook):
         kind = hook["kind"]
@@ -250,9 +254,11 @@ class Program:
             os.abort()
         reentrant = spec.get("reentrant")
         if reentrant is not None:
-            j, slot, value = reentrant
-            grad = on_device(self.tile(value), self.spec["nodes"][j]["device"])
-            pyengine.backward([pyengine.Edge(self.nodes[j], slot)], [grad], retain_graph=True)
+            where = spec.get("reentrant_in", "apply")
+            if where == "apply":
+                self.nested_backward(reentrant)
+            elif where == "callback":
+                pyengine.queue_callback(lambda: self.nested_backward(reentrant))
         if spec.get("callback"):
             pyengine.queue_callback(lambda: self.callbacks.append(i))
             if PLANT == "extra_callback":
@@ -295,6 +301,13 @@ class Program:
                 out = on_device(out, self.spec["nodes"][edge["to"][1]]["device"])
             result.append(out)
         return result
+
+    def nested_backward(self, nested):
+        """A backward from node ``j``'s slot ``k`` with ``grad``, inside the
+        engine (a node, a hook, a final callback)."""
+        j, slot, value = nested
+        grad = on_device(self.tile(value), self.spec["nodes"][j]["device"])
+        pyengine.backward([pyengine.Edge(self.nodes[j], slot)], [grad], retain_graph=True)
 
     def rewire(self, rewire):
         """Replace a node's ``next_edges`` while other threads may run it:
@@ -366,7 +379,7 @@ class Program:
         outputs = [self.leaf_edge(k) for k in call["inputs"]]
         return engine.execute(roots, grads, retain, False, False, outputs)
 
-    def thread_body(self, calls, late, no_grad, barrier, outcomes):
+    def thread_body(self, calls, late, no_grad, single, barrier, outcomes):
         try:
             if late:
                 self.started.wait(LATE_WAIT_S)
@@ -379,6 +392,9 @@ class Program:
         # A thread's grad mode is its own: a backward leaves it as it found it.
         mode = not no_grad
         pyengine.set_grad_enabled(mode)
+        if single:
+            # This thread's backwards run their device nodes on it (per thread).
+            pyengine.set_multithreading_enabled(False)
         for call in calls:
             outcome = {"exc": None, "message": None, "captured": None}
             try:
@@ -419,7 +435,7 @@ class Program:
         self.first_outcomes = outcomes[0]
         threads = [threading.Thread(target=self.thread_body,
                                     args=(t["calls"], t["late"], t.get("no_grad", False),
-                                          barrier, outcomes[k]),
+                                          t.get("single", False), barrier, outcomes[k]),
                                     name=f"fuzz-caller-{k}", daemon=True)
                    for k, t in enumerate(threads_spec)]
         stuck = []
