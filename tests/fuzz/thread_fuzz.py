@@ -21,6 +21,8 @@ A *program* (plain JSON, drawn by ``draw_program`` from a seed)::
      "profile": bool, "anomaly": bool,      # a profile / anomaly mode around the threads
      "width": w,                            # every gradient is w copies of a pair
      "shared_grads": bool,                  # one root gradient array for all threads
+     "mutator": bool,                       # a thread swapping the nodes' private fields
+                                            # for equal new ones, and adding hooks
      "engine2": bounds | None,              # the Engine of execute_other
      "engine": [max_recursion_depth, max_total_depth, max_pool_threads] | None,
      "switch": 1e-6 | None,                 # sys.setswitchinterval while the threads run
@@ -174,6 +176,7 @@ def draw_program(rng):
             "profile": rng.random() < 0.15, "anomaly": rng.random() < 0.1,
             "width": 1 if rng.random() < 0.6 else rng.choice([256, 4096]),
             "shared_grads": rng.random() < 0.3,
+            "mutator": rng.random() < 0.25,
             "engine2": rng.choice(ENGINE_BOUNDS) if rng.random() < 0.5 else None,
             "engine": rng.choice(ENGINE_BOUNDS) if rng.random() < 0.5 else None,
             "switch": 1e-6 if rng.random() < 0.4 else None, "threads": threads}

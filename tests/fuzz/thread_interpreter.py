@@ -309,6 +309,20 @@ class Program:
         grad = on_device(self.tile(value), self.spec["nodes"][j]["device"])
         pyengine.backward([pyengine.Edge(self.nodes[j], slot)], [grad], retain_graph=True)
 
+    def mutate_until(self, done):
+        nodes = self.nodes
+        k = 0
+        while not done.is_set():
+            node = nodes[k % len(nodes)]
+            k += 1
+            node._next_edges = tuple(None if e is None else pyengine.Edge(e.node, e.input_nr)
+                                     for e in node._next_edges)
+            node._input_metadata = tuple(pyengine.InputMetadata(m.shape, m.dtype, m.device)
+                                         for m in node._input_metadata)
+            handle = node.register_prehook(lambda grads: None)
+            time.sleep(0)
+            handle.remove()
+
     def rewire(self, rewire):
         """Replace a node's ``next_edges`` while other threads may run it:
         with new Edges to the same places ("same": the gradients do not
@@ -439,11 +453,21 @@ class Program:
                                     name=f"fuzz-caller-{k}", daemon=True)
                    for k, t in enumerate(threads_spec)]
         stuck = []
+        done = threading.Event()
+        if spec.get("mutator"):
+            # A thread that, while the others run, swaps the nodes' private
+            # fields for equal new objects and adds and removes hooks: it runs
+            # wherever the engine lets go of the GIL (its waits, numpy's wide
+            # adds, Python code), and the gradients must not change.
+            threads.append(threading.Thread(target=self.mutate_until, args=(done,),
+                                            name="fuzz-mutator", daemon=True))
         try:
             for thread in threads:
                 thread.start()
             deadline = time.monotonic() + JOIN_S
             for thread in threads:
+                if thread.name == "fuzz-mutator":
+                    done.set()
                 thread.join(max(0.0, deadline - time.monotonic()))
             stuck = [f"{t.name} still running" for t in threads if t.is_alive()]
         finally:
