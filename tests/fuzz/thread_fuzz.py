@@ -17,7 +17,8 @@ A *program* (plain JSON, drawn by ``draw_program`` from a seed)::
                | {"kind": "post_acc" | "leaf_hook", "leaf": l}, ...],
      "rewires": [{"by": i, "node": t, "how": "same" | "shorten" | "extend"}, ...],
      "hook_churn": [{"by": i, "node": t}],  # i's apply adds and removes hooks of t
-     "misuse": {"kind": "raise" | "shape" | "callback_raise" | "release", "node": i} | None,
+     "misuse": {"kind": "raise" | "shape" | "callback_raise" | "release" | "stop",
+                "node": i} | None,
      "profile": bool, "anomaly": bool,      # a profile / anomaly mode around the threads
      "width": w,                            # every gradient is w copies of a pair
      "shared_grads": bool,                  # one root gradient array for all threads
@@ -33,7 +34,8 @@ A call is ``{"api": "backward" | "grad" | "execute" | "execute_grad" |
 "backward_inputs" | "execute_other", "roots":
 [[j, k], ...], "grads": [[a, b] | "bad", ...], "inputs": [l, ...]}`` (all
 with ``retain_graph=True``, unless ``"retain": false``: the misuse
-"release"), or ``{"api": "fresh", "leaf": m, "grads":
+"release"), or ``{"api": "stop_other"}`` (misuse "stop": ``Engine.stop`` on the second
+Engine while the others may use it), or ``{"api": "fresh", "leaf": m, "grads":
 [[a, b]]}``: a fresh one-node graph (x3) into a lazy leaf, whose
 AccumulateGrad the threads make at once. A pre-hook doubles a node's
 gradients, a tensor pre-hook halves its slot 0, the others count. Weights
@@ -142,7 +144,8 @@ def draw_program(rng):
         hook_churn.append({"by": rng.randrange(n), "node": rng.randrange(n)})
     misuse = None
     if rng.random() < 0.25:
-        misuse = {"kind": rng.choice(["raise", "raise", "shape", "callback_raise", "release"]),
+        misuse = {"kind": rng.choice(["raise", "raise", "shape", "callback_raise", "release",
+                                      "stop"]),
                   "node": rng.randrange(n)}
     lazy = rng.randint(0, 1)
     threads = []
@@ -166,6 +169,14 @@ def draw_program(rng):
             calls.append(call)
         threads.append({"late": rng.random() < 0.3, "no_grad": rng.random() < 0.3,
                         "single": devices and rng.random() < 0.25, "calls": calls})
+    if misuse and misuse["kind"] == "stop":
+        # One thread stops the second Engine while the others may use it.
+        thread = rng.choice(threads)
+        thread["calls"].insert(rng.randint(0, len(thread["calls"])), {"api": "stop_other"})
+        for thread in threads:
+            for call in thread["calls"]:
+                if call["api"] in ("execute", "backward") and rng.random() < 0.5:
+                    call["api"] = "execute_other"
     if misuse and misuse["kind"] == "release":
         # One call lets the graph go (retain_graph=False) while the others use it.
         calls = [c for t in threads for c in t["calls"] if c["api"] != "fresh"]
@@ -191,7 +202,7 @@ def deterministic(program):
     """Whether every call's outcome is fixed by the program: no rewire that
     changes what a node's edges are, no call that releases the graph."""
     return (all(rewire["how"] == "same" for rewire in program["rewires"])
-            and (program.get("misuse") or {}).get("kind") != "release")
+            and (program.get("misuse") or {}).get("kind") not in ("release", "stop"))
 
 
 # -- the exact outcomes --

@@ -319,9 +319,13 @@ class Program:
                                      for e in node._next_edges)
             node._input_metadata = tuple(pyengine.InputMetadata(m.shape, m.dtype, m.device)
                                          for m in node._input_metadata)
-            handle = node.register_prehook(lambda grads: None)
+            leaf = self.leaves[k % len(self.leaves)]
+            handles = [node.register_prehook(lambda grads: None),
+                       pyengine.register_tensor_hook(leaf, lambda grad: None),
+                       pyengine.register_post_accumulate_grad_hook(leaf, lambda tensor: None)]
             time.sleep(0)
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
     def rewire(self, rewire):
         """Replace a node's ``next_edges`` while other threads may run it:
@@ -365,6 +369,10 @@ class Program:
     def call(self, call):
         api = call["api"]
         retain = call.get("retain", True)
+        if api == "stop_other":
+            # Misuse: the second Engine stopped while other threads use it.
+            self.engine2.stop()
+            return None
         if api == "fresh":
             # A fresh one-node graph into a lazy leaf: the threads make its
             # AccumulateGrad (gradient_edge) at once.
