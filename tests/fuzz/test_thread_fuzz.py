@@ -5,21 +5,32 @@ cores (marker ``fuzz``).
 (dyadic weights and gradients, so that every sum is exact in any order),
 some nodes on fake devices (worker threads that behave like a GPU's), an
 Engine with small bounds made the default (reentrant backward handed to
-pool threads), nodes that run a reentrant backward on the shared graph,
-queue final callbacks or ``time.sleep(0)``, hooks of every kind, a tiny
-switch interval, lazily made AccumulateGrads; then 2 to 8 threads, some
-started behind a barrier and some once another's graph task runs, each
-calling ``backward`` / ``grad`` / ``Engine.execute`` (``retain_graph=True``)
-on roots of that one graph. A quarter of the programs carry misuse: a node
-or final callback that raises, a node that returns a wrong-shaped gradient,
-a root gradient of the wrong shape, a node whose ``next_edges`` another
-node replaces while the threads run. A child process per core
+pool threads) and a second Engine beside it, backwards nested in nodes,
+pre-hooks and final callbacks on the shared graph, ``time.sleep(0)`` in
+nodes, hooks of every kind, a tiny switch interval, wide gradients (numpy
+lets go of the GIL in the engine's adds), constant outputs and root
+gradients shared by all threads (the engine must not write into them),
+lazily made AccumulateGrads, profiles and anomaly mode; then 2 to 8
+threads, some started behind a barrier and some once another's graph task
+runs, some with grad mode or multithreading off, each calling ``backward``
+(``inputs=`` too) / ``grad`` / ``Engine.execute`` (``retain_graph=True``)
+on roots of that one graph, and at times a thread that swaps the nodes'
+private fields for equal new objects and adds and removes hooks meanwhile.
+A quarter of the programs carry misuse: a node or final callback that
+raises, a node that returns a wrong-shaped gradient, a root gradient of
+the wrong shape, a call that releases the graph, ``Engine.stop`` while
+other threads use that engine, a node whose ``next_edges`` another node
+replaces while the threads run. A child process per core
 (``thread_interpreter.py``) runs them; the oracles (see ``thread_fuzz.py``)
 are the exact outcome of every call (error type, or what ``grad`` returns),
 each leaf's ``.grad`` as the exact sum of the successful calls' parts, the
-exact counts of applies, hooks and callbacks, no crash, no hang, no thread
-left in the program's code, reference backwards exact after it, and the
-two cores' error messages alike.
+exact counts of applies, hooks and callbacks (and a profile's), the arrays
+handed to the engine unchanged, grad mode as it should be, no crash, no
+hang, no thread left in the program's code, reference backwards exact after
+it, and the two cores' error messages alike.
+
+It found one bug, in both cores: a backward nested in a node that another
+Engine's device worker runs hung (``tests/test_two_engines.py``).
 
 Each oracle can fail: ``test_a_planted_fault_fails_the_fuzz`` plants a
 fault in the child (``PYENGINE_THREAD_FUZZ_PLANT``: leaves summed without

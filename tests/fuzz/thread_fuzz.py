@@ -15,7 +15,8 @@ A *program* (plain JSON, drawn by ``draw_program`` from a seed)::
                 "const": [a, b] | None}, ...],  # output 0: one array, the node's own
      "hooks": [{"kind": "pre" | "tensor_pre" | "post", "node": i}
                | {"kind": "post_acc" | "leaf_hook", "leaf": l}, ...],
-     "rewires": [{"by": i, "node": t, "how": "same" | "shorten" | "extend"}, ...],
+     "rewires": [{"by": i, "node": t, "how": "same" | "shorten" | "extend",
+                  "in": "apply" | "hook"}, ...],  # i's apply or pre-hook replaces t's next_edges
      "hook_churn": [{"by": i, "node": t}],  # i's apply adds and removes hooks of t
      "misuse": {"kind": "raise" | "shape" | "callback_raise" | "release" | "stop",
                 "node": i} | None,
@@ -138,7 +139,8 @@ def draw_program(rng):
     rewires = []
     if rng.random() < 0.25:
         how = "same" if rng.random() < 0.75 else rng.choice(["shorten", "extend"])
-        rewires.append({"by": rng.randrange(n), "node": rng.randrange(n), "how": how})
+        rewires.append({"by": rng.randrange(n), "node": rng.randrange(n), "how": how,
+                        "in": rng.choice(["apply", "hook"])})
     hook_churn = []
     if rng.random() < 0.2:
         hook_churn.append({"by": rng.randrange(n), "node": rng.randrange(n)})

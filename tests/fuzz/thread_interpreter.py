@@ -205,6 +205,10 @@ class Program:
             self.nodes.append(node)
         for hook in self.spec["hooks"]:
             self.add_hook(hook)
+        for rewire in self.spec.get("rewires", ()):
+            if rewire.get("in") == "hook":
+                self.nodes[rewire["by"]].register_prehook(
+                    lambda grads, rewire=rewire: self.rewire(rewire))
         for node, node_spec in zip(self.nodes, self.spec["nodes"]):
             if node_spec.get("reentrant") is not None and node_spec.get("reentrant_in") == "hook":
                 nested = node_spec["reentrant"]
@@ -270,7 +274,7 @@ class Program:
         if misuse.get("kind") == "raise" and misuse["node"] == i:
             raise FuzzError(f"apply of node {i}")
         for rewire in self.spec.get("rewires", ()):
-            if rewire["by"] == i:
+            if rewire["by"] == i and rewire.get("in", "apply") == "apply":
                 self.rewire(rewire)
         for churn in self.spec.get("hook_churn", ()):
             if churn["by"] == i:
