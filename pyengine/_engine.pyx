@@ -467,6 +467,7 @@ cdef class Engine:
         # pyengine/_pure/engine.py.
         cdef bint shutdown_held = False
         cdef bint not_owner
+        cdef Py_ssize_t left, dropped
         try:
             while graph_task is None or not graph_task.future_completed_.load():
                 if worker.has_next_task:
@@ -525,18 +526,23 @@ cdef class Engine:
                     # See Note [A held task takes over its maker's count] in
                     # pyengine/_pure/engine.py.
                     worker.next_task_counted = True
+                    left = 1  # the held task
                 else:
-                    local_graph_task.outstanding_tasks_.fetch_sub(1)
+                    left = local_graph_task.outstanding_tasks_.fetch_sub(1) - 1
                 # Whether this thread is the owner: See Note [The owner's
                 # queue is the graph task's] in pyengine/_pure/engine.py.
                 not_owner = queue is not local_graph_task.cpu_ready_queue
                 if not_owner and local_graph_task.has_error_.load():
                     # Tasks this node queued for an owner that may have gone:
                     # See Note [Cancelling a graph task].
-                    local_graph_task.outstanding_tasks_.fetch_sub(
-                        owner_queue(local_graph_task)
-                        .discard_graph_task_records(local_graph_task))
-                if (local_graph_task.outstanding_tasks_.load() == 0
+                    dropped = (owner_queue(local_graph_task)
+                               .discard_graph_task_records(local_graph_task))
+                    if dropped:
+                        left = local_graph_task.outstanding_tasks_.fetch_sub(dropped) - dropped
+                # By the count this thread's decrement left, not the count
+                # now: See Note [One thread completes a graph task] in
+                # pyengine/_pure/engine.py.
+                if (left == 0
                         or (local_graph_task.exit_on_error and local_graph_task.has_error_.load())):
                     local_graph_task.mark_as_completed_and_run_post_processing()
                     if not_owner:

@@ -185,6 +185,28 @@ a thread drives the graph task at all (``NO_DEVICE``: none) and, on a pool
 thread, which device's work the thread does. ``tests/test_two_engines.py``
 shows the hang.
 
+Note [One thread completes a graph task]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The thread whose task takes a graph task's count of outstanding tasks to
+zero completes it (``mark_as_completed_and_run_post_processing``: the final
+callbacks, then the future). ``thread_main`` goes by the count that its own
+decrement left (``decrement_outstanding_tasks`` returns it), not by the
+count read again afterwards, as PyTorch does (``--outstanding_tasks_``,
+then ``completed()``). Read again, two threads that ran the graph task's
+last two tasks at once (the caller its last CPU task, a device worker its
+last device task) can both see zero: in the twin a thread can be switched
+out between the decrement and the read. The one that comes second waits in
+``mark_as_completed_and_run_post_processing`` until the other has run the
+final callbacks; a callback that runs a backward needing that thread (a
+device worker) then waits for it forever. Going by its own decrement, a
+thread left with more than zero goes back to its queue and serves that
+backward. The compiled core does the same with ``fetch_sub``'s result (its
+decrement and read are C with the GIL held, where no other thread runs in
+between, but the algorithm is the twin's). ``tests/test_one_completer.py``
+holds the device worker between its decrement and the read. A graph task
+that exits on its first error completes on any thread that sees the error:
+no final callback runs after an error.
+
 Note [AccumulateGrad first]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 AccumulateGrad nodes carry the largest sequence number, so a leaf's
@@ -724,8 +746,9 @@ class Engine:
                         and worker.next_task.graph_task is local_graph_task):
                     # See Note [A held task takes over its maker's count].
                     worker.next_task_counted = True
+                    left = 1  # the held task
                 else:
-                    local_graph_task.decrement_outstanding_tasks()
+                    left = local_graph_task.decrement_outstanding_tasks()
                 # Whether this thread is the owner: See Note [The owner's
                 # queue is the graph task's].
                 not_owner = queue is not local_graph_task.cpu_ready_queue_
@@ -734,8 +757,10 @@ class Engine:
                     # See Note [Cancelling a graph task].
                     dropped = owner_queue(local_graph_task).discard_graph_task(local_graph_task)
                     for _ in range(dropped):
-                        local_graph_task.decrement_outstanding_tasks()
-                if local_graph_task.completed():
+                        left = local_graph_task.decrement_outstanding_tasks()
+                # By the count this thread's decrement left, not the count
+                # now: See Note [One thread completes a graph task].
+                if left == 0 or (local_graph_task.exit_on_error_ and local_graph_task.has_error_):
                     local_graph_task.mark_as_completed_and_run_post_processing()
                     if not_owner:
                         # The owner may sleep in pop(): wake it up. A wake-up
