@@ -29,8 +29,11 @@ handed to the engine unchanged, grad mode as it should be, no crash, no
 hang, no thread left in the program's code, reference backwards exact after
 it, and the two cores' error messages alike.
 
-It found one bug, in both cores: a backward nested in a node that another
-Engine's device worker runs hung (``tests/test_two_engines.py``).
+It found two hangs: in both cores, a backward nested in a node that another
+Engine's device worker runs (``tests/test_two_engines.py``); in the twin,
+a device worker and the caller that both saw a graph task's count reach
+zero, one waiting for the other's final callback, which needed it
+(``tests/test_one_completer.py``; it showed with 16 threads).
 
 Each oracle can fail: ``test_a_planted_fault_fails_the_fuzz`` plants a
 fault in the child (``PYENGINE_THREAD_FUZZ_PLANT``: leaves summed without
