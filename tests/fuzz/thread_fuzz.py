@@ -151,7 +151,8 @@ def draw_program(rng):
                   "node": rng.randrange(n)}
     lazy = rng.randint(0, 1)
     threads = []
-    for _ in range(rng.randint(2, 8)):
+    # Now and then a crowd: more threads, more waits for one another.
+    for _ in range(rng.randint(2, 8) if rng.random() < 0.92 else rng.randint(12, 16)):
         calls = []
         for _ in range(rng.choice([1, 1, 2, 3])):
             api = rng.choice(APIS if lazy else APIS[:-1])
