@@ -359,7 +359,8 @@ def expected_call(program, call):
     if call["api"] == "fresh":
         return {"exc": None, "leaves": [None] * program["leaves"], "captured": None,
                 "lazy": [[3.0 * v for v in call["grads"][0]]], "counts": None}
-    inputs = call.get("inputs")
+    inputs = call.get("inputs") if call["api"] in ("grad", "execute_grad", "backward_inputs") \
+        else None
     result = simulate(program, call["roots"], call["grads"], inputs,
                       accumulate=call["api"] == "backward_inputs")
     if call["api"] in ("execute", "execute_other") and result["exc"] is None:
