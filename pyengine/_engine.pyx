@@ -466,7 +466,8 @@ cdef class Engine:
         # See Note [A shutdown task is the device worker's] in
         # pyengine/_pure/engine.py.
         cdef bint shutdown_held = False
-        cdef int owner
+        cdef bint not_owner
+        cdef Py_ssize_t left, dropped
         try:
             while graph_task is None or not graph_task.future_completed_.load():
                 if worker.has_next_task:
@@ -525,29 +526,32 @@ cdef class Engine:
                     # See Note [A held task takes over its maker's count] in
                     # pyengine/_pure/engine.py.
                     worker.next_task_counted = True
+                    left = 1  # the held task
                 else:
-                    local_graph_task.outstanding_tasks_.fetch_sub(1)
-                # Read once, as the twin does: the final callbacks that
-                # mark_as_completed_and_run_post_processing runs may write
-                # the public field, and the thread to wake is the one that
-                # drove the task.
-                owner = local_graph_task.owner
-                if worker.worker_device != owner and local_graph_task.has_error_.load():
+                    left = local_graph_task.outstanding_tasks_.fetch_sub(1) - 1
+                # Whether this thread is the owner: See Note [The owner's
+                # queue is the graph task's] in pyengine/_pure/engine.py.
+                not_owner = queue is not local_graph_task.cpu_ready_queue
+                if not_owner and local_graph_task.has_error_.load():
                     # Tasks this node queued for an owner that may have gone:
                     # See Note [Cancelling a graph task].
-                    local_graph_task.outstanding_tasks_.fetch_sub(
-                        self.ready_queue_by_index(local_graph_task.cpu_ready_queue, owner)
-                        .discard_graph_task_records(local_graph_task))
-                if (local_graph_task.outstanding_tasks_.load() == 0
+                    dropped = (owner_queue(local_graph_task)
+                               .discard_graph_task_records(local_graph_task))
+                    if dropped:
+                        left = local_graph_task.outstanding_tasks_.fetch_sub(dropped) - dropped
+                # By the count this thread's decrement left, not the count
+                # now; below zero only after Python code decremented it: See
+                # Note [One thread completes a graph task] in
+                # pyengine/_pure/engine.py.
+                if (left <= 0
                         or (local_graph_task.exit_on_error and local_graph_task.has_error_.load())):
                     local_graph_task.mark_as_completed_and_run_post_processing()
-                    if worker.worker_device != owner:
+                    if not_owner:
                         # The owner may sleep in pop(): wake it up. A wake-up
                         # holds no graph task, so that one left in the queue of
                         # an owner that has gone keeps nothing alive.
                         flush_next_task(worker)
-                        self.ready_queue_by_index(local_graph_task.cpu_ready_queue,
-                                                  owner).push_record(
+                        owner_queue(local_graph_task).push_record(
                             make_record(None, None, None, 0, 0))
                 # Let go of the task now: a worker about to sleep in pop() must not
                 # keep its last graph alive until the next task comes.
@@ -752,15 +756,6 @@ cdef class Engine:
             raise ValueError(no_ready_queue_message())
         return self._devices.queue_for(device, graph_task, self._device_thread_main)
 
-    cdef ReadyQueue ready_queue_by_index(self, ReadyQueue cpu_ready_queue, int device_id):
-        """The queue of the thread whose ``worker_device`` is ``device_id``;
-        never None: its callers call its C methods."""
-        if device_id == CPU_DEVICE:
-            if cpu_ready_queue is None:  # a graph task's owner, a public int, set to the CPU
-                raise ValueError(no_ready_queue_message())
-            return cpu_ready_queue
-        return self._devices.queue_by_index(device_id)
-
     def _device_thread_main(self, int device_id, ReadyQueue queue not None):
         cdef WorkerState worker = get_worker_state()
         worker.worker_device = device_id
@@ -805,9 +800,7 @@ cdef class Engine:
             if not graph_task.future_completed_.load():
                 graph_task.set_exception(error)
                 if graph_task.owner != NO_DEVICE:  # else no thread drives it, none waits in pop
-                    self.ready_queue_by_index(graph_task.cpu_ready_queue,
-                                              graph_task.owner).push_record(
-                        make_record(None, None, None, 0, 0))
+                    owner_queue(graph_task).push_record(make_record(None, None, None, 0, 0))
         for queue in device_queues:
             (<ReadyQueue>queue).push_shutdown()
         # See Note [Stopping the pool] in pyengine/_pure/thread_pool.py.
@@ -861,6 +854,17 @@ cdef inline void queue_task(WorkerState worker, ReadyQueue queue, GraphTask grap
                                    node._sequence_nr)
     worker.has_next_task = True
     worker.next_task_counted = False
+
+
+cdef ReadyQueue owner_queue(GraphTask graph_task):
+    """The queue that the thread driving ``graph_task`` waits in: its CPU
+    queue, whatever device that thread serves; never None (its callers call
+    its C methods). See Note [The owner's queue is the graph task's] in
+    pyengine/_pure/engine.py."""
+    cdef ReadyQueue queue = graph_task.cpu_ready_queue
+    if queue is None:  # an owner graph's, or one made with cpu_ready_queue=None
+        raise ValueError(no_ready_queue_message())
+    return queue
 
 
 cdef inline void leave_ready_queue(WorkerState worker) noexcept:

@@ -165,7 +165,9 @@ cdef class GraphTask:
         self.outstanding_tasks_.fetch_add(1)
 
     def decrement_outstanding_tasks(self):
-        self.outstanding_tasks_.fetch_sub(1)
+        """One task fewer; returns how many are left: See Note [One thread
+        completes a graph task] in pyengine/_pure/engine.py."""
+        return self.outstanding_tasks_.fetch_sub(1) - 1
 
     def completed(self):
         """All tasks ran (or failed, when the task exits on the first error)."""

@@ -160,6 +160,57 @@ failed it), then pushes it back as it leaves; each loop out passes it on,
 and the worker's own loop consumes it. The shutdown task sorts first, so
 it is always the next task the outer loop pops.
 
+Note [The owner's queue is the graph task's]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A graph task's *owner* is the thread that drives it: the caller (its own
+CPU queue), or, for a reentrant backward, the thread it was started on: a
+device worker or a pool thread, which serves that device's queue. In every
+case the owner waits in the queue the graph task was made with,
+``cpu_ready_queue`` (``execute`` takes the thread's ``local_ready_queue``;
+a pool thread serves the ``cpu_ready_queue`` of the graph task handed to
+it). A thread that runs one of its tasks and is not the owner (a device
+worker) must, on completing it, wake the owner there, and on an error
+discard the tasks it queued for it there. PyTorch finds that queue by the
+owner's device index (``ready_queue_by_index``), in the one engine's table.
+Here each ``Engine`` has device workers of its own and numbers its devices
+in the order it first uses them, so with two engines at once (a node run by
+one engine's device worker calls ``backward``, which goes to the default
+engine) an index named another thread of the completing engine, often the
+completing thread itself, which then woke no one: the nested backward waited
+forever. So the engine goes by the queue itself: a thread is the owner if it
+serves the graph task's ``cpu_ready_queue``, and wakes the owner, and
+discards from it, through that queue (``owner_queue``); ``stop`` wakes the
+owners of the graph tasks it fails the same way. ``owner`` only says whether
+a thread drives the graph task at all (``NO_DEVICE``: none) and, on a pool
+thread, which device's work the thread does. ``tests/test_two_engines.py``
+shows the hang.
+
+Note [One thread completes a graph task]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The thread whose task takes a graph task's count of outstanding tasks to
+zero completes it (``mark_as_completed_and_run_post_processing``: the final
+callbacks, then the future). ``thread_main`` goes by the count that its own
+decrement left (``decrement_outstanding_tasks`` returns it), not by the
+count read again afterwards, as PyTorch does (``--outstanding_tasks_``,
+then ``completed()``). Read again, two threads that ran the graph task's
+last two tasks at once (the caller its last CPU task, a device worker its
+last device task) can both see zero: in the twin a thread can be switched
+out between the decrement and the read. The one that comes second waits in
+``mark_as_completed_and_run_post_processing`` until the other has run the
+final callbacks; a callback that runs a backward needing that thread (a
+device worker) then waits for it forever. Going by its own decrement, a
+thread left with more than zero goes back to its queue and serves that
+backward. The compiled core does the same with ``fetch_sub``'s result (its
+decrement and read are C with the GIL held, where no other thread runs in
+between, but the algorithm is the twin's). ``tests/test_one_completer.py``
+holds the device worker between its decrement and the read. A graph task
+that exits on its first error completes on any thread that sees the error:
+no final callback runs after an error. A count below zero completes the
+graph task too: only Python code that called
+``decrement_outstanding_tasks`` itself (it is public) takes it there, and
+the engine's next decrement must then end the backward, as a count read
+again did, rather than leave it waiting forever.
+
 Note [AccumulateGrad first]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 AccumulateGrad nodes carry the largest sequence number, so a leaf's
@@ -699,25 +750,29 @@ class Engine:
                         and worker.next_task.graph_task is local_graph_task):
                     # See Note [A held task takes over its maker's count].
                     worker.next_task_counted = True
+                    left = 1  # the held task
                 else:
-                    local_graph_task.decrement_outstanding_tasks()
-                owner = local_graph_task.owner_
-                if worker.worker_device != owner and local_graph_task.has_error_:
+                    left = local_graph_task.decrement_outstanding_tasks()
+                # Whether this thread is the owner: See Note [The owner's
+                # queue is the graph task's].
+                not_owner = queue is not local_graph_task.cpu_ready_queue_
+                if not_owner and local_graph_task.has_error_:
                     # Tasks this node queued for an owner that may have gone:
                     # See Note [Cancelling a graph task].
-                    dropped = self.ready_queue_by_index(local_graph_task.cpu_ready_queue_,
-                                                        owner).discard_graph_task(local_graph_task)
+                    dropped = owner_queue(local_graph_task).discard_graph_task(local_graph_task)
                     for _ in range(dropped):
-                        local_graph_task.decrement_outstanding_tasks()
-                if local_graph_task.completed():
+                        left = local_graph_task.decrement_outstanding_tasks()
+                # By the count this thread's decrement left, not the count
+                # now; below zero only after Python code decremented it: See
+                # Note [One thread completes a graph task].
+                if left <= 0 or (local_graph_task.exit_on_error_ and local_graph_task.has_error_):
                     local_graph_task.mark_as_completed_and_run_post_processing()
-                    if worker.worker_device != owner:
+                    if not_owner:
                         # The owner may sleep in pop(): wake it up. A wake-up
                         # holds no graph task, so that one left in the queue of
                         # an owner that has gone keeps nothing alive.
                         flush_next_task(worker)
-                        self.ready_queue_by_index(local_graph_task.cpu_ready_queue_, owner).push(
-                            make_record(None, None, None))
+                        owner_queue(local_graph_task).push(make_record(None, None, None))
                 # Let go of the task now: a worker about to sleep in pop() must not
                 # keep its last graph alive until the next task comes.
                 local_graph_task = None
@@ -880,15 +935,6 @@ class Engine:
             raise ValueError(no_ready_queue_message())
         return self._devices.queue_for(device, graph_task, self._device_thread_main)
 
-    def ready_queue_by_index(self, cpu_ready_queue, device_id):
-        """The queue of the thread whose ``worker_device`` is ``device_id``;
-        never None: its callers push to it."""
-        if device_id == CPU_DEVICE:
-            if cpu_ready_queue is None:  # a graph task's owner, a public int, set to the CPU
-                raise ValueError(no_ready_queue_message())
-            return cpu_ready_queue
-        return self._devices.queue_by_index(device_id)
-
     def _device_thread_main(self, device_id, queue):
         check_argument("queue", queue, ReadyQueue)
         worker = _worker_state
@@ -936,8 +982,7 @@ class Engine:
             if not graph_task.future_completed:
                 graph_task.set_exception(error)
                 if graph_task.owner != NO_DEVICE:  # else no thread drives it, none waits in pop
-                    self.ready_queue_by_index(graph_task.cpu_ready_queue, graph_task.owner).push(
-                        make_record(None, None, None))
+                    owner_queue(graph_task).push(make_record(None, None, None))
         for queue in device_queues:
             queue.push_shutdown()
         # See Note [Stopping the pool] in pyengine/_pure/thread_pool.py.
@@ -978,6 +1023,17 @@ def queue_task(worker, queue, graph_task, node, inputs):
     # Not counted yet: See Note [A held task takes over its maker's count].
     worker.next_task = make_record(graph_task, node, inputs)
     worker.next_task_counted = False
+
+
+
+def owner_queue(graph_task):
+    """The queue that the thread driving ``graph_task`` waits in: its CPU
+    queue, whatever device that thread serves. See Note [The owner's queue
+    is the graph task's]."""
+    queue = graph_task.cpu_ready_queue_
+    if queue is None:  # an owner graph's, or one made with cpu_ready_queue=None
+        raise ValueError(no_ready_queue_message())
+    return queue
 
 
 def leave_ready_queue(worker, outside):

@@ -228,8 +228,11 @@ class GraphTask:
             self.outstanding_tasks_ += 1
 
     def decrement_outstanding_tasks(self):
+        """One task fewer; returns how many are left: See Note [One thread
+        completes a graph task] in pyengine/_pure/engine.py."""
         with self._outstanding_lock:
             self.outstanding_tasks_ -= 1
+            return self.outstanding_tasks_
 
     def __reduce__(self):
         # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.

@@ -118,16 +118,6 @@ class _DeviceThreads:
             device_id = claim.pop()
         worker_main(device_id, queue)
 
-    def queue_by_index(self, device_id):
-        with self.lock:
-            if not 0 <= device_id < len(self.queues):
-                # A graph task's owner is a public int; a negative one would
-                # index from the end.
-                raise ValueError(f"no device thread has index {device_id}: this engine has "
-                                 f"{len(self.queues)} (a graph task's owner is -1 for the "
-                                 "CPU, else the index of a device thread)")
-            return self._checked_queue(self.queues[device_id])
-
     def _checked_queue(self, queue):
         # Python code can reach this object (through gc) and change its
         # lists; the compiled engine calls the queue's C methods.
