@@ -25,6 +25,7 @@ import faulthandler
 import gc
 import json
 import os
+import subprocess
 import sys
 import threading
 import warnings
@@ -679,6 +680,48 @@ def child_env(core, program_timeout):
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry)
                                             for entry in env["PYTHONPATH"].split(os.pathsep))
     return env
+
+
+def run_in_children(interpreter, items, env, program_timeout, payload=lambda batch: batch):
+    """Runs ``items`` through the child ``interpreter`` (a script in this
+    folder that reads ``payload(batch)`` as JSON on stdin and writes a JSON
+    line ``{"i": ...}`` per item, ``i`` counted within the batch) in the
+    environment ``env``; after a crash or a hang, a new child runs the
+    items after the one it died on. Returns ``(results by index, crashes)``,
+    a crash being ``{"i", "why", "stderr"}``."""
+    results, crashes, start = {}, [], 0
+    while start < len(items):
+        batch = items[start:]
+        timeout = 30.0 + program_timeout * 2 + 2.0 * len(batch)
+        # From this folder: there the package imported is the one on PYTHONPATH.
+        process = subprocess.Popen([sys.executable, interpreter], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   cwd=os.path.dirname(os.path.abspath(__file__)), env=env)
+        try:
+            out, err = process.communicate(json.dumps(payload(batch)), timeout=timeout)
+            code = process.returncode
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+            code = None
+        done = 0
+        for line in out.splitlines():
+            try:
+                result = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(result, dict) and "i" in result:
+                result["i"] += start
+                results[result["i"]] = result
+                done = max(done, result["i"] - start + 1)
+        if done == len(batch) and code == 0:
+            break
+        why = ("a hang (the batch timed out)" if code is None
+               else f"a crash (status {code})" if code < 0
+               else f"a hang or exit (status {code}, per-program timeout)")
+        crashes.append({"i": start + done, "why": why, "stderr": err[-6000:]})
+        start += done + 1
+    return results, crashes
 
 
 def imported_the_expected_core():

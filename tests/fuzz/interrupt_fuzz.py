@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -138,42 +137,12 @@ def run_children(core, runs, plant=None, program_timeout=PROGRAM_TIMEOUT, quiesc
     """Runs ``runs`` on ``core``: ``(results by index, failures)``; a failure
     is ``{"i", "why", "stderr"}`` for a crash or a hang, and for a result
     with problems, the result itself."""
-    results, failures, start = {}, [], 0
-    while start < len(runs):
-        batch = runs[start:]
-        timeout = 30.0 + program_timeout * 2 + 2.0 * len(batch)
-        # From this folder: there the package imported is the one on PYTHONPATH.
-        process = subprocess.Popen([sys.executable, INTERPRETER], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=HERE, env=env_for(core, plant, program_timeout, quiesce_s))
-        try:
-            out, err = process.communicate(json.dumps({"runs": batch}), timeout=timeout)
-            code = process.returncode
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate()
-            code = None
-        done = 0
-        for line in out.splitlines():
-            try:
-                result = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(result, dict) and "i" in result:
-                result["i"] += start
-                results[result["i"]] = result
-                done = max(done, result["i"] - start + 1)
-                if result["problems"]:
-                    failures.append(result)
-        if done == len(batch) and code == 0:
-            break
-        why = ("a hang (the batch timed out)" if code is None
-               else f"a crash (status {code})" if code < 0
-               else f"a hang or exit (status {code}, per-program timeout)")
-        failures.append({"i": start + done, "why": why, "stderr": err[-6000:],
-                         "problems": [why]})
-        start += done + 1
-    return results, failures
+    results, crashes = fuzz_interpreter.run_in_children(
+        INTERPRETER, runs, env_for(core, plant, program_timeout, quiesce_s), program_timeout,
+        payload=lambda batch: {"runs": batch})
+    failures = [result for result in results.values() if result["problems"]]
+    failures += [dict(crash, problems=[crash["why"]]) for crash in crashes]
+    return results, sorted(failures, key=lambda failure: failure["i"])
 
 
 def main(argv=None):

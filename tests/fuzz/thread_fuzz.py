@@ -78,7 +78,6 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import time
 
@@ -503,39 +502,9 @@ def run_children(core, programs, plant=None, program_timeout=PROGRAM_TIMEOUT, jo
                  quiesce_s=None):
     """Runs ``programs`` on ``core``: ``(results by index, crashes)``, a
     crash being ``{"i", "why", "stderr"}`` (a new child runs the rest)."""
-    results, crashes, start = {}, [], 0
-    while start < len(programs):
-        batch = programs[start:]
-        timeout = 30.0 + program_timeout * 2 + 2.0 * len(batch)
-        process = subprocess.Popen([sys.executable, INTERPRETER], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=HERE, env=env_for(core, plant, program_timeout, join_s,
-                                                         quiesce_s))
-        try:
-            out, err = process.communicate(json.dumps(batch), timeout=timeout)
-            code = process.returncode
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate()
-            code = None
-        done = 0
-        for line in out.splitlines():
-            try:
-                result = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(result, dict) and "i" in result:
-                result["i"] += start
-                results[result["i"]] = result
-                done = max(done, result["i"] - start + 1)
-        if done == len(batch) and code == 0:
-            break
-        why = ("a hang (the batch timed out)" if code is None
-               else f"a crash (status {code})" if code < 0
-               else f"a hang or exit (status {code}, per-program timeout)")
-        crashes.append({"i": start + done, "why": why, "stderr": err[-6000:]})
-        start += done + 1
-    return results, crashes
+    return fuzz_interpreter.run_in_children(
+        INTERPRETER, programs, env_for(core, plant, program_timeout, join_s, quiesce_s),
+        program_timeout)
 
 
 def failures_of(programs, outcomes):
