@@ -735,13 +735,20 @@ def imported_the_expected_core():
     return True
 
 
-def main():
+def serve(run_one, warm_up=None):
+    """A fuzz child's main loop: the programs (JSON on stdin) run one after
+    another, ``run_one(index, spec, baseline_threads)`` each, its result a
+    JSON line; a program that runs past the timeout ends the child with
+    every thread's stack. ``warm_up()`` runs first (threads it starts count
+    in the baseline)."""
     if not imported_the_expected_core():
         return 2
     faulthandler.enable()  # a crash prints the stack of the program that made it
     warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
     timeout = float(os.environ.get("PYENGINE_FUZZ_PROGRAM_TIMEOUT", "20"))
     programs = json.load(sys.stdin)
+    if warm_up is not None:
+        warm_up()
     baseline_threads = threading.active_count()
     for index, spec in enumerate(programs):
         faulthandler.dump_traceback_later(timeout, exit=True)
@@ -749,6 +756,10 @@ def main():
         faulthandler.cancel_dump_traceback_later()
         print(json.dumps(result), flush=True)
     return 0
+
+
+def main():
+    return serve(run_one)
 
 
 if __name__ == "__main__":

@@ -34,15 +34,12 @@ the parent's oracles can fail.
 
 from __future__ import annotations
 
-import faulthandler
 import gc
-import json
 import os
 import sys
 import threading
 import time
 import traceback
-import warnings
 
 import numpy as np
 
@@ -574,21 +571,8 @@ def run_one(index, spec, baseline_threads):
 
 
 def main():
-    if not fi.imported_the_expected_core():
-        return 2
-    faulthandler.enable()
-    warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
-    timeout = float(os.environ.get("PYENGINE_FUZZ_PROGRAM_TIMEOUT", "20"))
-    programs = json.load(sys.stdin)
-    # The default engine's device workers start once, before the count.
-    device_reference()
-    baseline_threads = threading.active_count()
-    for index, spec in enumerate(programs):
-        faulthandler.dump_traceback_later(timeout, exit=True)
-        result = run_one(index, spec, baseline_threads)
-        faulthandler.cancel_dump_traceback_later()
-        print(json.dumps(result), flush=True)
-    return 0
+    # The default engine's device workers start once, before the thread count.
+    return fi.serve(run_one, warm_up=device_reference)
 
 
 if __name__ == "__main__":
