@@ -1025,7 +1025,6 @@ def queue_task(worker, queue, graph_task, node, inputs):
     worker.next_task_counted = False
 
 
-
 def owner_queue(graph_task):
     """The queue that the thread driving ``graph_task`` waits in: its CPU
     queue, whatever device that thread serves. See Note [The owner's queue

@@ -33,6 +33,7 @@ import warnings
 import numpy as np
 
 import pyengine
+from pyengine import fake_device as fd
 from pyengine._core import state_module
 
 SHAPE = (2,)
@@ -680,6 +681,38 @@ def child_env(core, program_timeout):
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry)
                                             for entry in env["PYTHONPATH"].split(os.pathsep))
     return env
+
+
+class OnDevice(pyengine.Node):
+    """``grad * 3`` on its fake device, noting the thread that ran it."""
+
+    def __init__(self, edges, metadata):
+        super().__init__(edges, metadata)
+        self.ran_on = []
+
+    def apply(self, grads):
+        self.ran_on.append(threading.current_thread().name)
+        return [grads[0].numpy() * 3.0]
+
+
+def device_reference():
+    """A backward through a node on each fake device, exact, run by that
+    device's worker."""
+    problems = []
+    for index in (0, 1):
+        x = Leaf(np.zeros(SHAPE))
+        node = OnDevice([pyengine.gradient_edge(x)],
+                        [pyengine.InputMetadata(SHAPE, np.float64, fd.device(index))])
+        try:
+            pyengine.backward([pyengine.Edge(node, 0)],
+                              [fd.to_fake(np.ones(SHAPE), fd.device(index))])
+            if not (isinstance(x.grad, np.ndarray) and (x.grad == 3.0).all()):
+                problems.append(f"device {index} reference gave {x.grad!r}")
+            if node.ran_on != [f"pyengine-fake:{index}"]:
+                problems.append(f"device {index} reference ran on {node.ran_on}")
+        except Exception as error:
+            problems.append(f"device {index} reference raised {type(error).__name__}: {error}")
+    return problems
 
 
 def run_in_children(interpreter, items, env, program_timeout, payload=lambda batch: batch):

@@ -267,7 +267,7 @@ class Setup:
                 # Its device workers started before the interrupt window: a
                 # KeyboardInterrupt while a backward starts one is a known
                 # bug (see test_interrupt_fuzz.py), kept out of the fuzz.
-                device_reference()
+                fi.device_reference()
         if call.get("mode") == "anomaly":
             self.enter(pyengine.detect_anomaly())
         elif call.get("mode") == "profile":
@@ -475,38 +475,6 @@ def pool_reference(engine):
     return answers
 
 
-class OnDevice(pyengine.Node):
-    """``grad * 3`` on its fake device, noting the thread that ran it."""
-
-    def __init__(self, edges, metadata):
-        super().__init__(edges, metadata)
-        self.ran_on = []
-
-    def apply(self, grads):
-        self.ran_on.append(threading.current_thread().name)
-        return [grads[0].numpy() * 3.0]
-
-
-def device_reference():
-    """A backward through a node on each fake device, exact, run by that
-    device's worker."""
-    problems = []
-    for index in (0, 1):
-        x = fi.Leaf(np.zeros(SHAPE))
-        node = OnDevice([pyengine.gradient_edge(x)],
-                        [pyengine.InputMetadata(SHAPE, np.float64, fd.device(index))])
-        try:
-            pyengine.backward([pyengine.Edge(node, 0)],
-                              [fd.to_fake(np.ones(SHAPE), fd.device(index))])
-            if not (isinstance(x.grad, np.ndarray) and (x.grad == 3.0).all()):
-                problems.append(f"device {index} reference gave {x.grad!r}")
-            if node.ran_on != [f"pyengine-fake:{index}"]:
-                problems.append(f"device {index} reference ran on {node.ran_on}")
-        except Exception as error:
-            problems.append(f"device {index} reference raised {type(error).__name__}: {error}")
-    return problems
-
-
 def allowed_leaf_grads(baseline):
     """Per leaf, the values an interrupted call may leave: None, or what the
     baseline's calls wrote (with ``repeat`` 2, the first call's half too)."""
@@ -668,7 +636,7 @@ def run_one(index, run, baseline_threads):
             problems.append(f"run again uninterrupted gave {key} {again[key]!r}, "
                             f"first {baseline[key]!r}")
     gc.collect()
-    problems += device_reference()
+    problems += fi.device_reference()
     check = fi.reference_check(baseline_threads)
     if check != "ok":
         problems.append(check)
@@ -678,7 +646,7 @@ def run_one(index, run, baseline_threads):
 def warm_up():
     """Starts each fake device's worker, so that the baseline count of
     threads includes them."""
-    device_reference()
+    fi.device_reference()
 
 
 def main():

@@ -525,28 +525,6 @@ def quiesce():
         time.sleep(0.005)
 
 
-class OnDevice(pyengine.Node):
-    def apply(self, grads):
-        return [to_host(grads[0]) * 3.0]
-
-
-def device_reference():
-    """A backward through a node on each fake device, exact."""
-    problems = []
-    for index in (0, 1):
-        x = fi.Leaf(np.zeros(SHAPE))
-        node = OnDevice([pyengine.gradient_edge(x)],
-                        [pyengine.InputMetadata(SHAPE, np.float64, fd.device(index))])
-        try:
-            pyengine.backward([pyengine.Edge(node, 0)],
-                              [fd.to_fake(np.ones(SHAPE), fd.device(index))])
-            if not (isinstance(x.grad, np.ndarray) and (x.grad == 3.0).all()):
-                problems.append(f"device {index} reference gave {x.grad!r}")
-        except Exception as error:
-            problems.append(f"device {index} reference raised {type(error).__name__}: {error}")
-    return problems
-
-
 def run_one(index, spec, baseline_threads):
     program = Program(spec)
     outcomes, stuck = program.run()
@@ -562,7 +540,7 @@ def run_one(index, spec, baseline_threads):
               "intact": program.intact()}
     del program
     gc.collect()
-    problems = device_reference()
+    problems = fi.device_reference()
     check = fi.reference_check(baseline_threads)
     if check != "ok":
         problems.append(check)
@@ -572,7 +550,7 @@ def run_one(index, spec, baseline_threads):
 
 def main():
     # The default engine's device workers start once, before the thread count.
-    return fi.serve(run_one, warm_up=device_reference)
+    return fi.serve(run_one, warm_up=fi.device_reference)
 
 
 if __name__ == "__main__":
