@@ -27,7 +27,7 @@ from pyengine._shared import node_streams as _node_streams
 from pyengine._shared import task_queries as _task_queries
 from pyengine._shared.messages import (GRAPH_TASK_INITIALIZED_WHY, cannot_pickle_message,
                                        initialized_once_message, lock_taken_again_message,
-                                       node_name, not_ready_message)
+                                       node_name, not_ready_message, waits_for_itself_message)
 
 cdef extern from "Python.h":
     # exc NULL: an int beyond a Py_ssize_t is clipped to its range.
@@ -355,10 +355,14 @@ cdef class GraphTask:
         """Block, without the GIL, until the future completed. On the main
         thread a signal handler's exception (KeyboardInterrupt) ends the
         wait: See Note [Waits honour signals] in ``_locks.pxd``; the caller
-        cancels what it waited for."""
+        cancels what it waited for. Refused where the task waits for this
+        thread: See Note [A graph task waits for itself] in
+        pyengine/_pure/graph_task.py."""
         cdef unique_lock[mutex] lock
         if self.future_completed_.load():
             return
+        if thread_state().current_graph_task == <PyObject*>self:
+            raise RuntimeError(waits_for_itself_message())
         cdef bint on_main_thread = is_main_thread()
         with nogil:
             lock = unique_lock[mutex](self.completion_mutex)

@@ -15,6 +15,7 @@ from .._shared.messages import (
     lock_taken_again_message,
     node_name,
     not_ready_message,
+    waits_for_itself_message,
 )
 from . import state
 from .node import NodeBase, _checked_field, _free_field, _not_list, _read_only_field, _read_only_property
@@ -346,12 +347,11 @@ class GraphTask:
         """Run the final callbacks and complete the future, once, on one thread;
         another thread that gets here waits until that is done."""
         with self._completion:
-            if self._completing:
-                on_main_thread = is_main_thread()
-                while not self.future_completed:
-                    wait_honouring_signals(self._completion, on_main_thread)
-                return
+            completing = self._completing
             self._completing = True
+        if completing:
+            self.wait()
+            return
         try:
             self.exec_post_processing()
         except BaseException as error:
@@ -392,13 +392,34 @@ class GraphTask:
         """Block until the future completed. On the main thread a signal
         handler's exception (KeyboardInterrupt) ends the wait: See Note [Waits
         honour signals] in ``pyengine/_locks.pxd``; the caller cancels what it
-        waited for."""
+        waited for. Refused where the task waits for this thread: See Note
+        [A graph task waits for itself]."""
         if self.future_completed:
             return
+        if state.get_current_graph_task() is self:
+            raise RuntimeError(waits_for_itself_message())
         on_main_thread = is_main_thread()
         with self._completion:
             while not self.future_completed:
                 wait_honouring_signals(self._completion, on_main_thread)
+
+
+# Note [A graph task waits for itself]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# While a thread runs a node, a hook or a final callback of graph task T
+# (T is its current graph task), T cannot complete without that thread: the
+# node's task is one of T's outstanding tasks until it returns, and a final
+# callback runs inside T's completion. So ``T.wait()`` there would wait for
+# itself forever (or until another thread's error ended T). PyTorch's
+# GraphTask is out of Python's reach; here a node reaches it
+# (``get_current_graph_task()``) and may call ``wait()``, or
+# ``mark_as_completed_and_run_post_processing()``, which waits where
+# another call already completes the task: from a final callback, itself.
+# Both cores refuse the wait with a RuntimeError, which the node or
+# callback raises as its own error. Not caught: a wait for T from a
+# backward nested in one of T's nodes (its current graph task is the
+# nested one, and no thread keeps the stack of tasks it runs); on the main
+# thread Ctrl-C ends that wait.
 
 
 # Note [Gradients left in not ready]

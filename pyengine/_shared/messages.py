@@ -183,6 +183,14 @@ def pool_stopped_message(depth):
             "interpreter exit)")
 
 
+def waits_for_itself_message():
+    """See Note [A graph task waits for itself] in pyengine/_pure/graph_task.py."""
+    return ("a graph task cannot wait for itself: this thread runs one of its nodes, hooks or "
+            "final callbacks, which the task waits for, so the wait would never end (a node or "
+            "final callback called wait() or mark_as_completed_and_run_post_processing() on "
+            "the running graph task)")
+
+
 def not_ready_message(count):
     """See Note [Gradients left in not ready] in pyengine/_pure/graph_task.py."""
     return (f"could not compute gradients for some functions: {count} "
