@@ -752,6 +752,14 @@ def run_in_children(interpreter, items, env, program_timeout, payload=lambda bat
         why = ("a hang (the batch timed out)" if code is None
                else f"a crash (status {code})" if code < 0
                else f"a hang or exit (status {code}, per-program timeout)")
+        if done == len(batch):
+            # Every item ran, and then the child failed: a crash at its exit
+            # (the engine's threads at interpreter shutdown), or the status
+            # a sanitizer gives a process it reported on (ThreadSanitizer's
+            # 66). Charged to the last item, as run_batch in test_fuzz.py
+            # does, so that a crash's "i" always indexes ``items``.
+            done -= 1
+            why += ", at its exit, after its last item"
         crashes.append({"i": start + done, "why": why, "stderr": err[-6000:]})
         start += done + 1
     return results, crashes
