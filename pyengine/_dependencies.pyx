@@ -38,7 +38,7 @@ cdef extern from "_frame_stack.h":
         void push_back(const DependencyFrame& frame) except +
         void pop_back()
     cppclass DependencyFrameStackLease "pyengine_FrameStackLease<pyengine_DependencyFrame>":
-        DependencyFrameStackLease() except +
+        DependencyFrameStackLease()
         DependencyFrameStack& stack()
 
 cdef extern from "Python.h":
@@ -162,8 +162,9 @@ cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task) except -
     cdef PyObject* edge
     cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     keep_slot(graph_root, graph_task.dependencies_.enter(<PyObject*>graph_root))
-    Py_INCREF(graph_root)
+    # The stack's reference once it is in (push_back may raise MemoryError).
     stack.push_back(<PyObject*>graph_root)
+    Py_INCREF(graph_root)
     try:
         while not stack.empty():
             node = <NodeBase>stack.back()
@@ -222,8 +223,8 @@ cdef inline bint count_edge(GraphTask graph_task, NodeBase node, NodeBase next_n
     cdef SearchState state = graph_task.dependencies_.add_edge(<PyObject*>next_node, &slot)
     keep_slot(next_node, slot)
     if state == SEARCH_NOT_SEEN:
-        Py_INCREF(next_node)
         stack.push_back(<PyObject*>next_node)
+        Py_INCREF(next_node)
     return True
 
 

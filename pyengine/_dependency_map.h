@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <new>
 #include <vector>
 
 #include "_address_hash.h"
@@ -87,11 +88,22 @@ static_assert(sizeof(pyengine_DependencySlot) == 16, "a slot is a pointer and a 
 // engine, and has no counterpart there.
 class pyengine_DependencyMap {
   public:
-    pyengine_DependencyMap() : slots_(16), used_(0), moved_(0), generation_(1) {}
+    // Never throws: a GraphTask constructs its map as CPython allocates the
+    // object, where a C++ exception would end the process. Without the
+    // memory the map starts with no table, and the count's first call
+    // (use_kept_table) makes one, or raises MemoryError. See Note [C++
+    // allocations that fail] in pyengine/_engine.pyx.
+    pyengine_DependencyMap() noexcept : used_(0), moved_(0), generation_(1) {
+        try {
+            slots_.assign(16, Slot());
+        } catch (const std::bad_alloc &) {
+        }
+    }
 
     // Count on the thread's largest kept table instead of the map's first
     // 16 slots, when it is larger: See Note [Generations of a DependencyMap].
-    // Only on a map with no entries.
+    // Only on a map with no entries. Makes the map's first table where the
+    // constructor had no memory for it (throws std::bad_alloc).
     void use_kept_table() {
         if (used_ != 0 || !larger_.empty()) {
             return;
@@ -100,6 +112,7 @@ class pyengine_DependencyMap {
         uint32_t last_generation = 0;
         std::vector<Slot> table = kept.take_largest(slots_.size(), &last_generation);
         if (table.empty()) {
+            make_first_table();
             return;
         }
         if (last_generation == LAST_GENERATION || (table.size() & (table.size() - 1)) != 0) {
@@ -108,6 +121,7 @@ class pyengine_DependencyMap {
             // for a doubling to take, which zeroes a step at a time.
             table.clear();
             kept.give(table);
+            make_first_table();
             return;
         }
         slots_.swap(table);
@@ -223,6 +237,9 @@ class pyengine_DependencyMap {
 
     // Whether node is in the map and marked needed; hint: as remove's.
     bool needed(PyObject *node, size_t hint) const {
+        if (slots_.empty()) {  // never counted, and made without memory
+            return false;
+        }
         const uint64_t generation = generation_bits();
         const Slot &slot = slot_at(node, hint);
         return is_live(slot, generation) && (slot.word & NEEDED) != 0;
@@ -306,6 +323,13 @@ class pyengine_DependencyMap {
 
     const Slot &slot_at(PyObject *node, size_t index) const {
         return const_cast<pyengine_DependencyMap *>(this)->slot_at(node, index);
+    }
+
+    void make_first_table() {
+        if (slots_.empty()) {
+            slots_.assign(16, Slot());
+            generation_ = 1;
+        }
     }
 
     // Out of line, so that insert, on every edge's path, inlines.

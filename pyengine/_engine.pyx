@@ -40,9 +40,11 @@ from cpython.object cimport PyObject, Py_TYPE
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_REFCNT
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cython.operator cimport dereference as deref
+from libcpp.utility cimport pair
 
-from pyengine._graph_task cimport (Capture, ExecInfoEntry, GraphTask, cancel_graph_task,
-                                   lock_mutex, new_graph_task, task_should_execute)
+from pyengine._graph_task cimport (Capture, ExecInfoEntry, GraphTask, InputBufferPtr, NodePtr,
+                                   cancel_graph_task, lock_mutex, new_graph_task,
+                                   task_should_execute)
 from pyengine._dependencies cimport compute_dependencies, init_to_execute
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
@@ -63,7 +65,8 @@ from pyengine import streams as _streams
 from pyengine._shared import hooks as _hooks
 from pyengine._shared.device_threads import SHUTDOWN_ERROR, _DeviceThreads, node_device
 from pyengine._shared.engine_registry import register_engine
-from pyengine._shared.messages import (ENGINE_INITIALIZED_WHY, cannot_pickle_message,
+from pyengine._shared.messages import (ENGINE_INITIALIZED_WHY, QUEUE_FULL_MESSAGE,
+                                      cannot_pickle_message,
                                       gradients_changed_message, handoff_interrupted_message,
                                       initialized_once_message, input_buffer_list_gone_message,
                                       no_ready_queue_message, raise_error, total_depth_message)
@@ -399,9 +402,11 @@ cdef class Engine:
             worker.worker_device = CPU_DEVICE
             graph_task.owner = CPU_DEVICE
             flush_next_task(worker)
-            push_task(queue, graph_task, graph_root, inputs)
-            worker.driven_graph_tasks.append(graph_task)
             try:
+                # Inside: a push that fails (See Note [C++ allocations that
+                # fail]) leaves this thread outside the engine, as the twin.
+                push_task(queue, graph_task, graph_root, inputs)
+                worker.driven_graph_tasks.append(graph_task)
                 self.thread_main(worker, graph_task)
                 if graph_task.has_error_.load():
                     # It raises its error: See Note [A backward that raises
@@ -551,8 +556,7 @@ cdef class Engine:
                         # holds no graph task, so that one left in the queue of
                         # an owner that has gone keeps nothing alive.
                         flush_next_task(worker)
-                        owner_queue(local_graph_task).push_record(
-                            make_record(None, None, None, 0, 0))
+                        push_wake_up(owner_queue(local_graph_task))
                 # Let go of the task now: a worker about to sleep in pop() must not
                 # keep its last graph alive until the next task comes.
                 local_graph_task = None
@@ -691,8 +695,11 @@ cdef class Engine:
                     # Note [Gradients left in not ready] in pyengine/_pure/graph_task.py.
                     input_buffer = new_input_buffer(PyTuple_GET_SIZE(next_node._input_metadata))
                     if not is_ready:
+                        # insert, not operator[]: See Note [C++ allocations
+                        # that fail]. The map's reference once it is in.
+                        graph_task.not_ready_.insert(
+                            pair[NodePtr, InputBufferPtr](key, <PyObject*>input_buffer))
                         Py_INCREF(input_buffer)
-                        graph_task.not_ready_[key] = <PyObject*>input_buffer
                 else:
                     input_buffer = <InputBuffer>deref(buffered).second
                     if is_ready:
@@ -800,7 +807,7 @@ cdef class Engine:
             if not graph_task.future_completed_.load():
                 graph_task.set_exception(error)
                 if graph_task.owner != NO_DEVICE:  # else no thread drives it, none waits in pop
-                    owner_queue(graph_task).push_record(make_record(None, None, None, 0, 0))
+                    push_wake_up(owner_queue(graph_task))
         for queue in device_queues:
             (<ReadyQueue>queue).push_shutdown()
         # See Note [Stopping the pool] in pyengine/_pure/thread_pool.py.
@@ -831,29 +838,86 @@ cdef class Engine:
         raise TypeError(cannot_pickle_message(self))
 
 
-cdef inline void push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node,
-                           list inputs) noexcept:
+# Note [C++ allocations that fail]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The core's C++ containers (the dependency and exec_info tables,
+# not_ready, the ready queues' heaps, the search's stacks) allocate with
+# operator new, which throws std::bad_alloc where memory runs out: under an
+# address-space limit (ulimit -v, RLIMIT_AS, common on shared clusters),
+# long before the machine's memory is gone. A C++ exception that reaches a
+# Cython function not declared ``except +``, or a CPython frame, ends the
+# process (std::terminate); one that Cython turns into an error inside a
+# ``noexcept`` function is only printed, and what the function held (a
+# mutex, a task) is lost. So each allocation sits where its failure becomes
+# MemoryError with nothing left half done:
+# - a method that allocates is declared ``except +`` (the tables' growth,
+#   ``make_entry``, ``record_marked``, ``use_kept_table``; not_ready's
+#   ``insert``, never ``operator[]``) and changes nothing until its
+#   allocation succeeded;
+# - a constructor that runs while CPython makes an object (a GraphTask's
+#   DependencyMap) never throws: without memory it makes no table, and the
+#   count's first call makes one or raises;
+# - a push whose heap cannot grow leaves the heap, the mutex and the task's
+#   count as they were and raises (``push_record``, ``push_task``): the
+#   node that made the task ready fails with it, as with any error of its
+#   own. A held task that cannot be pushed stays held, and this thread's
+#   loop runs it next (``flush_next_task``, ``queue_task``); where
+#   ``push_pop_record`` cannot push, its task runs before the queued ones
+#   instead. Only the order among ready tasks differs (See Note [Ties in
+#   the ready queue] in pyengine/_pure/ready_queue.py): their dependencies
+#   are met;
+# - a wake-up task for an owner that cannot be pushed (a device thread
+#   completed the owner's graph task) must still wake it, or it sleeps in
+#   pop() for good: the queue's ``wake()`` sets a flag that pops as one
+#   wake-up task, in its place in the order (``push_wake_up``).
+# The twin's lists raise MemoryError where they cannot grow, and it takes
+# the same paths. tests/test_allocation_failures.py fails each C++
+# allocation of a backward in turn (tests/fail_new.cpp). Left: a shutdown
+# task that cannot be pushed (``Engine.stop``, at exit) raises MemoryError,
+# and its device thread serves on.
+
+
+cdef void push_wake_up(ReadyQueue queue) noexcept:
+    """Queue an empty wake-up task for the thread that may sleep in
+    ``queue``'s pop; where the heap cannot grow, ``queue.wake()`` stands in
+    for it (See Note [C++ allocations that fail])."""
+    if not queue.push_record(make_record(None, None, None, 0, 0)):  # holds no reference
+        queue.wake()
+
+
+cdef inline int push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node,
+                          list inputs) except -1:
+    """Queue a task of ``graph_task``, counted before another thread can pop
+    it; where the queue cannot grow, neither queued nor counted (See Note
+    [C++ allocations that fail])."""
     graph_task.outstanding_tasks_.fetch_add(1)
-    queue.push_record(make_record(graph_task, node, inputs, graph_task.reentrant_depth,
-                                  node._sequence_nr))
+    cdef NodeTaskRecord record = make_record(graph_task, node, inputs,
+                                             graph_task.reentrant_depth, node._sequence_nr)
+    if not queue.push_record(record):
+        release_record(&record)
+        graph_task.outstanding_tasks_.fetch_sub(1)
+        raise MemoryError(QUEUE_FULL_MESSAGE)
+    return 0
 
 
-cdef inline void queue_task(WorkerState worker, ReadyQueue queue, GraphTask graph_task,
-                            NodeBase node, list inputs) noexcept:
+cdef inline int queue_task(WorkerState worker, ReadyQueue queue, GraphTask graph_task,
+                           NodeBase node, list inputs) except -1:
     """push_task for a task a running node made ready: one for this thread's
     own queue is held back in ``worker.next_task`` until the thread pops; a
     task held before it is pushed first. See Note [The next task skips the
     queue] in ``pyengine/_pure/engine.py``."""
     flush_next_task(worker)
-    if queue is not worker.local_ready_queue:
-        push_task(queue, graph_task, node, inputs)
-        return
+    if queue is not worker.local_ready_queue or worker.has_next_task:
+        # The second: the task held before could not be pushed (See Note
+        # [C++ allocations that fail]), and stays held.
+        return push_task(queue, graph_task, node, inputs)
     # Not counted yet: See Note [A held task takes over its maker's count]
     # in pyengine/_pure/engine.py.
     worker.next_task = make_record(graph_task, node, inputs, graph_task.reentrant_depth,
                                    node._sequence_nr)
     worker.has_next_task = True
     worker.next_task_counted = False
+    return 0
 
 
 cdef ReadyQueue owner_queue(GraphTask graph_task):
@@ -908,13 +972,20 @@ cdef inline int leave_driven_graph_task(WorkerState worker, GraphTask graph_task
 
 cdef inline void flush_next_task(WorkerState worker) noexcept:
     """Push the task ``worker`` holds back, if any, onto its queue, where it
-    would have been all along."""
-    if worker.has_next_task:
-        worker.has_next_task = False
-        if not worker.next_task_counted:
-            # Before another thread can pop it.
-            (<GraphTask>worker.next_task.graph_task).outstanding_tasks_.fetch_add(1)
-        worker.local_ready_queue.push_record(worker.next_task)
+    would have been all along. Where the queue cannot grow, the task stays
+    held, for this thread's loop to run next (See Note [C++ allocations that
+    fail])."""
+    if not worker.has_next_task:
+        return
+    cdef bint counting = not worker.next_task_counted
+    if counting:
+        # Before another thread can pop it.
+        (<GraphTask>worker.next_task.graph_task).outstanding_tasks_.fetch_add(1)
+    if not worker.local_ready_queue.push_record(worker.next_task):
+        if counting:
+            (<GraphTask>worker.next_task.graph_task).outstanding_tasks_.fetch_sub(1)
+        return
+    worker.has_next_task = False
 
 
 cdef object gradient_stream(NodeBase node, Py_ssize_t i, object producer_stream):

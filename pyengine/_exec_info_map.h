@@ -109,9 +109,10 @@ class pyengine_ExecInfoMap {
         }
         pyengine_ExecInfo &entry = slots_[find_index(slots_, node)];
         if (entry.node == nullptr) {
+            // First: where it throws (std::bad_alloc), the map is unchanged.
+            order_.push_back(node);
             entry.node = node;
             ++used_;
-            order_.push_back(node);
         }
         return entry;
     }

@@ -76,19 +76,22 @@ class pyengine_FrameStack {
 template <typename Frame>
 class pyengine_FrameStackLease {
   public:
-    pyengine_FrameStackLease() {
+    // Allocates nothing (a search constructs its lease as it starts, where
+    // a C++ exception would end the process: See Note [C++ allocations
+    // that fail] in pyengine/_engine.pyx): a stack of its own is a member,
+    // whose frames come with its first push_back.
+    pyengine_FrameStackLease() noexcept {
         Kept &kept = kept_stack();
         if (!kept.lent) {
             kept.lent = true;
             stack_ = &kept.stack;
         } else {
-            own_.reset(new pyengine_FrameStack<Frame>());
-            stack_ = own_.get();
+            stack_ = &own_;
         }
     }
 
     ~pyengine_FrameStackLease() {
-        if (own_ == nullptr) {
+        if (stack_ != &own_) {
             stack_->clear();
             kept_stack().lent = false;
         }
@@ -111,5 +114,5 @@ class pyengine_FrameStackLease {
     }
 
     pyengine_FrameStack<Frame> *stack_;
-    std::unique_ptr<pyengine_FrameStack<Frame>> own_;
+    pyengine_FrameStack<Frame> own_;
 };

@@ -36,7 +36,7 @@ cdef extern from "_dependency_map.h" nogil:
 
     cppclass DependencyMap "pyengine_DependencyMap":
         DependencyMap()
-        void use_kept_table()
+        void use_kept_table() except +
         bint full()
         bint grow_step() except +
         void release()
@@ -59,15 +59,15 @@ cdef extern from "_exec_info_map.h" nogil:
     cppclass ExecInfoMap "pyengine_ExecInfoMap":
         ExecInfoMap()
         bint full()
-        bint grow_step()
+        bint grow_step() except +
         void release()
         bint empty()
         Py_ssize_t size()
         PyObject* entry_node(Py_ssize_t i)
         const ExecInfoEntry* find(PyObject* node)
         bint should_execute(PyObject* node)
-        ExecInfoEntry& make_entry(PyObject* node)
-        void record_marked(PyObject* node)
+        ExecInfoEntry& make_entry(PyObject* node) except +
+        void record_marked(PyObject* node) except +
 
 
 @cython.final

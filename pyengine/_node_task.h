@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <iterator>
+#include <new>
 #include <vector>
 
 struct pyengine_NodeTaskRecord {
@@ -144,10 +145,24 @@ inline void make_heap(RandomAccessIterator first, RandomAccessIterator last, Com
 // call and copies no record more than the heap algorithms do.
 typedef std::vector<pyengine_NodeTaskRecord> NodeTaskHeap;
 
-inline void heap_push(NodeTaskHeap &heap, const pyengine_NodeTaskRecord &record) {
-    heap.push_back(record);
+// False, the heap unchanged, where it could not grow (std::bad_alloc): See
+// Note [C++ allocations that fail] in pyengine/_engine.pyx.
+inline bool heap_push(NodeTaskHeap &heap, const pyengine_NodeTaskRecord &record) noexcept {
+    try {
+        heap.push_back(record);
+    } catch (const std::bad_alloc &) {
+        return false;
+    }
     pyengine::push_heap(heap.begin(), heap.end(), pyengine_CompareNodeTaskTime());
+    return true;
 }
+
+// The next task of a ready queue: its heap's front, but where `woken` is
+// set (a wake-up task its heap could not take: See Note [C++ allocations
+// that fail] in pyengine/_engine.pyx), that wake-up first, after any
+// shutdown task, as CompareNodeTaskTime would order it. The caller holds
+// the queue's mutex, and the heap or `woken` holds a task.
+inline pyengine_NodeTaskRecord pop_next(NodeTaskHeap &heap, int &woken) noexcept;
 
 // Remove and return the front of a non-empty heap.
 inline pyengine_NodeTaskRecord heap_pop(NodeTaskHeap &heap) noexcept {
@@ -155,6 +170,14 @@ inline pyengine_NodeTaskRecord heap_pop(NodeTaskHeap &heap) noexcept {
     pyengine_NodeTaskRecord record = heap.back();
     heap.pop_back();
     return record;
+}
+
+inline pyengine_NodeTaskRecord pop_next(NodeTaskHeap &heap, int &woken) noexcept {
+    if (woken && (heap.empty() || !heap.front().is_shutdown)) {
+        woken = 0;
+        return pyengine_NodeTaskRecord{};  // a wake-up: no graph task, node or inputs
+    }
+    return heap_pop(heap);
 }
 
 }  // namespace pyengine

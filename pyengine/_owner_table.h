@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <new>
 #include <vector>
 
 #include "_table_growth.h"
@@ -83,7 +84,16 @@ using pyengine_KeptOwnerTables =
 
 class pyengine_OwnerTable {
   public:
-    pyengine_OwnerTable() : slots_(16), used_(0), moved_(0) {}
+    // Never throws: a walk constructs its table as the function starts,
+    // where a C++ exception would end the process. Without the memory the
+    // table starts empty, and reserve or grow_step makes one, or throws.
+    // See Note [C++ allocations that fail] in pyengine/_engine.pyx.
+    pyengine_OwnerTable() noexcept : used_(0), moved_(0) {
+        try {
+            slots_.assign(16, pyengine_OwnerEntry());
+        } catch (const std::bad_alloc &) {
+        }
+    }
 
     pyengine_OwnerTable(const pyengine_OwnerTable &) = delete;
     pyengine_OwnerTable &operator=(const pyengine_OwnerTable &) = delete;
@@ -107,7 +117,7 @@ class pyengine_OwnerTable {
         if (used_ != 0) {
             return;
         }
-        size_t size = slots_.size();
+        size_t size = slots_.empty() ? 16 : slots_.size();
         while (2 * (count + 1) > size && size < pyengine_TABLE_GROWTH_STEP) {
             size *= 2;
         }
@@ -209,7 +219,14 @@ class pyengine_OwnerTable {
 // reference to each item (released by its destructor, with the GIL held).
 class pyengine_OwnerItems {
   public:
-    pyengine_OwnerItems() : start_(1, 0) {}
+    // Never throws, as OwnerTable's: without the memory, start_ stays empty
+    // until the first append_owner.
+    pyengine_OwnerItems() noexcept {
+        try {
+            start_.assign(1, 0);
+        } catch (const std::bad_alloc &) {
+        }
+    }
 
     pyengine_OwnerItems(const pyengine_OwnerItems &) = delete;
     pyengine_OwnerItems &operator=(const pyengine_OwnerItems &) = delete;
@@ -223,13 +240,16 @@ class pyengine_OwnerItems {
     // The next owner's items: count references move in from first. Throws
     // (std::bad_alloc) before any moved.
     void append_owner(PyObject *const *first, size_t count) {
+        if (start_.empty()) {
+            start_.assign(1, 0);
+        }
         make_room(items_, count);
         make_room(start_, 1);
         items_.insert(items_.end(), first, first + count);
         start_.push_back(items_.size());
     }
 
-    size_t owners() const { return start_.size() - 1; }
+    size_t owners() const { return start_.empty() ? 0 : start_.size() - 1; }
 
     // Borrowed: owner index's items, valid until the next append_owner.
     PyObject **of(size_t index) { return items_.data() + start_[index]; }

@@ -30,8 +30,9 @@ cdef extern from "_node_task.h" namespace "pyengine" nogil:
     void pop_heap[Iter, Compare](Iter first, Iter last, Compare comp)
     void make_heap[Iter, Compare](Iter first, Iter last, Compare comp)
     # A ReadyQueue's push and pop, without the GIL: see _node_task.h.
-    void heap_push(vector[NodeTaskRecord]& heap, const NodeTaskRecord& record) except +
+    bint heap_push(vector[NodeTaskRecord]& heap, const NodeTaskRecord& record) noexcept
     NodeTaskRecord heap_pop(vector[NodeTaskRecord]& heap) noexcept
+    NodeTaskRecord pop_next(vector[NodeTaskRecord]& heap, int& woken) noexcept
 
 
 cdef class NodeTask:
@@ -48,11 +49,15 @@ cdef class ReadyQueue:
     cdef vector[NodeTaskRecord] heap
     cdef mutex mutex_
     cdef condition_variable not_empty
-    # The heap's size: written under mutex_, read without it by
-    # push_pop_record.
+    # A wake-up task that the heap could not take, for want of memory:
+    # guarded by mutex_. See Note [C++ allocations that fail] in _engine.pyx.
+    cdef bint woken
+    # The tasks queued (the heap's, and the wake-up woken stands for):
+    # written under mutex_, read without it by push_pop_record.
     cdef atomic[size_t] queued
 
-    cdef void push_record(self, NodeTaskRecord record) noexcept
+    cdef bint push_record(self, NodeTaskRecord record) noexcept
+    cpdef void wake(self) noexcept
     cdef void push_pop_record(self, NodeTaskRecord* record) noexcept
     cdef int pop_record(self, NodeTaskRecord* record, bint on_main_thread) except -1 nogil
     cdef bint try_pop_record(self, NodeTaskRecord* record) noexcept nogil

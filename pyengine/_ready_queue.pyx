@@ -23,7 +23,8 @@ from libcpp.vector cimport vector
 from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
 from pyengine._node cimport NodeBase
 
-from pyengine._shared.messages import cannot_pickle_message, no_ready_queue_message, task_field_message
+from pyengine._shared.messages import (QUEUE_FULL_MESSAGE, cannot_pickle_message,
+                                       no_ready_queue_message, task_field_message)
 
 
 cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
@@ -47,6 +48,15 @@ cdef void release_record(NodeTaskRecord* record) noexcept:
     Py_XDECREF(record.node)
     Py_XDECREF(record.graph_task)
     record.inputs = record.node = record.graph_task = NULL
+
+
+cdef int push_or_release(ReadyQueue queue, NodeTaskRecord* record) except -1:
+    """``queue.push_record(*record)``, raising MemoryError where the heap
+    cannot grow, the record's references let go of."""
+    if not queue.push_record(record[0]):
+        release_record(record)
+        raise MemoryError(QUEUE_FULL_MESSAGE)
+    return 0
 
 
 @cython.final
@@ -134,14 +144,18 @@ cdef class ReadyQueue:
             release_record(&self.heap[i])
         self.heap.clear()
 
-    cdef void push_record(self, NodeTaskRecord record) noexcept:
+    cdef bint push_record(self, NodeTaskRecord record) noexcept:
         """Queue ``record``, taking over its references; needs the GIL (it
-        never blocks with it: See Note [Locks and the GIL])."""
+        never blocks with it: See Note [Locks and the GIL]). False where the
+        heap cannot grow: nothing queued, the record still the caller's (See
+        Note [C++ allocations that fail] in pyengine/_engine.pyx)."""
         lock_releasing_gil(self.mutex_)
-        heap_push(self.heap, record)
-        self.queued.store(self.heap.size())
+        cdef bint pushed = heap_push(self.heap, record)
+        self.queued.store(self.heap.size() + self.woken)
         self.mutex_.unlock()
-        self.not_empty.notify_one()
+        if pushed:
+            self.not_empty.notify_one()
+        return pushed
 
     cdef void push_pop_record(self, NodeTaskRecord* record) noexcept:
         """Queue ``*record`` and pop the next record into it, in one step:
@@ -149,14 +163,28 @@ cdef class ReadyQueue:
         between them. While nothing is queued that is ``*record`` itself,
         and it takes no lock: a push another thread makes at that moment
         comes after this pop. Needs the GIL. See Note [The next task skips
-        the queue] in ``pyengine/_pure/engine.py``."""
+        the queue] in ``pyengine/_pure/engine.py``. Where the heap cannot
+        grow, ``*record`` comes back as it went in, to run before the queued
+        tasks: See Note [C++ allocations that fail] in pyengine/_engine.pyx."""
         if self.queued.load() == 0:
             return
         lock_releasing_gil(self.mutex_)
-        if not self.heap.empty():
-            heap_push(self.heap, record[0])
-            record[0] = heap_pop(self.heap)
+        if (not self.heap.empty() or self.woken) and heap_push(self.heap, record[0]):
+            record[0] = pop_next(self.heap, self.woken)
+            self.queued.store(self.heap.size() + self.woken)
         self.mutex_.unlock()
+
+    cpdef void wake(self) noexcept:
+        """Wake the thread that waits in ``pop``, as an empty wake-up task
+        does, without a place in the heap: what the engine does where its
+        wake-up task finds no memory to be queued (See Note [C++ allocations
+        that fail] in pyengine/_engine.pyx). Pops as one wake-up task,
+        however many calls came before."""
+        lock_releasing_gil(self.mutex_)
+        self.woken = True
+        self.queued.store(self.heap.size() + 1)
+        self.mutex_.unlock()
+        self.not_empty.notify_one()
 
     cdef int pop_record(self, NodeTaskRecord* record, bint on_main_thread) except -1 nogil:
         """Pop the next record into ``record``, its references now the
@@ -165,10 +193,10 @@ cdef class ReadyQueue:
         what they raise ends the wait, with nothing popped (See Note [Waits
         honour signals])."""
         cdef unique_lock[mutex] lock = unique_lock[mutex](self.mutex_)
-        while self.heap.empty():
+        while self.heap.empty() and not self.woken:
             wait_honouring_signals(self.not_empty, lock, on_main_thread)
-        record[0] = heap_pop(self.heap)
-        self.queued.store(self.heap.size())
+        record[0] = pop_next(self.heap, self.woken)
+        self.queued.store(self.heap.size() + self.woken)
         return 0
 
     cdef bint try_pop_record(self, NodeTaskRecord* record) noexcept nogil:
@@ -176,11 +204,11 @@ cdef class ReadyQueue:
         waits, so the engine loop may call it holding the GIL."""
         if not self.mutex_.try_lock():
             return False
-        if self.heap.empty():
+        if self.heap.empty() and not self.woken:
             self.mutex_.unlock()
             return False
-        record[0] = heap_pop(self.heap)
-        self.queued.store(self.heap.size())
+        record[0] = pop_next(self.heap, self.woken)
+        self.queued.store(self.heap.size() + self.woken)
         self.mutex_.unlock()
         return True
 
@@ -189,15 +217,19 @@ cdef class ReadyQueue:
         cdef vector[NodeTaskRecord] dropped
         cdef vector[NodeTaskRecord] kept
         lock_releasing_gil(self.mutex_)
-        for i in range(self.heap.size()):
-            if self.heap[i].graph_task == <PyObject*>graph_task:
-                dropped.push_back(self.heap[i])
-            else:
-                kept.push_back(self.heap[i])
-        self.heap.swap(kept)
-        make_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
-        self.queued.store(self.heap.size())
-        self.mutex_.unlock()
+        try:
+            # Copies: where a push_back raises MemoryError, the heap, which
+            # still owns every record, is as it was.
+            for i in range(self.heap.size()):
+                if self.heap[i].graph_task == <PyObject*>graph_task:
+                    dropped.push_back(self.heap[i])
+                else:
+                    kept.push_back(self.heap[i])
+            self.heap.swap(kept)
+            make_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
+            self.queued.store(self.heap.size() + self.woken)
+        finally:
+            self.mutex_.unlock()
         # Release outside the lock: dropping a reference can run arbitrary code.
         for i in range(dropped.size()):
             release_record(&dropped[i])
@@ -207,12 +239,19 @@ cdef class ReadyQueue:
         """Queue ``task``; count it as outstanding in its graph task unless it is
         a wake-up or shutdown task or ``increment_outstanding_tasks`` is false."""
         check_task_to_run(task)
-        if increment_outstanding_tasks and task.node is not None:
+        cdef bint counted = increment_outstanding_tasks and task.node is not None
+        if counted:
             task.graph_task.increment_outstanding_tasks()
         cdef NodeTaskRecord record = make_record(task.graph_task, task.node, task.inputs,
                                                  task.reentrant_depth, task.sequence_nr)
         record.is_shutdown = task.is_shutdown
-        self.push_record(record)
+        try:
+            push_or_release(self, &record)
+        except MemoryError:
+            # Not queued: not outstanding either.
+            if counted:
+                task.graph_task.decrement_outstanding_tasks()
+            raise
 
     def push_pop(self, NodeTask task not None, increment_outstanding_tasks=True):
         """What ``push(task)`` and then ``pop()`` return, in one step, never
@@ -236,7 +275,7 @@ cdef class ReadyQueue:
     def push_shutdown(self):
         cdef NodeTaskRecord record = make_record(None, None, None, 0, 0)
         record.is_shutdown = True
-        self.push_record(record)
+        push_or_release(self, &record)
 
     def pop(self, on_main_thread=None):
         """The next task; waits (without the GIL) while the queue is empty. On
@@ -255,7 +294,7 @@ cdef class ReadyQueue:
 
     def __len__(self):
         lock_releasing_gil(self.mutex_)
-        size = self.heap.size()
+        size = self.heap.size() + self.woken
         self.mutex_.unlock()
         return size
 

@@ -133,7 +133,8 @@ class pyengine_KeptTables {
     uint32_t last_generations_[2] = {0, 0};
 };
 
-// One step of doubling `slots` (a power of two in size, at least 1) into
+// One step of doubling `slots` (a power of two in size; an empty table,
+// one whose constructor had no memory for it, grows to 16 slots) into
 // `larger`: first `larger` is zeroed a step at a time, then the entries
 // of `slots` move over a step at a time (place(larger, slot) puts one
 // where it belongs). `moved` counts the slots moved so far. Returns true
@@ -147,7 +148,7 @@ class pyengine_KeptTables {
 template <typename Slot, typename Place, typename Kept = pyengine_KeptTables<Slot>>
 bool pyengine_grow_step(std::vector<Slot> &slots, std::vector<Slot> &larger, size_t &moved,
                         Place place, Kept *kept = nullptr, uint32_t last_generation = 0) {
-    const size_t target = slots.size() * 2;
+    const size_t target = slots.empty() ? 16 : slots.size() * 2;
     if (larger.size() < target) {
         if (larger.capacity() < target && kept != nullptr) {
             larger = kept->take(target);

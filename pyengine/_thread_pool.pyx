@@ -72,11 +72,18 @@ cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
     # The slot taken in num_threads for a thread that has not taken it yet:
     # See Note [A slot taken for a pool thread] in the twin.
     cdef list slot = []
+    try:
+        # First: where it raises MemoryError, nothing changed (See Note [C++
+        # allocations that fail] in pyengine/_engine.pyx).
+        pool.graph_tasks.push_back(<PyObject*>graph_task)
+    except MemoryError as error:
+        pool.mutex_.unlock()
+        cancel_graph_task(graph_task, error)
+        raise
+    Py_INCREF(graph_task)
     if start_thread:
         pool.num_threads += 1
         slot.append(True)
-    Py_INCREF(graph_task)
-    pool.graph_tasks.push_back(<PyObject*>graph_task)
     pool.mutex_.unlock()
     try:
         if start_thread:

@@ -460,3 +460,40 @@ def test_shutdown_wakes_a_blocked_consumer(watchdog):
     queue.push_shutdown()
     thread.join(10)
     assert not thread.is_alive() and got[0].is_shutdown
+
+
+def test_wake_pops_as_one_wake_up_task_in_its_place(watchdog):
+    # wake() stands in for a wake-up task that no memory was left to queue
+    # (See Note [C++ allocations that fail] in pyengine/_engine.pyx): it
+    # pops after any shutdown and before any node task, as CompareNodeTaskTime
+    # orders an empty wake-up task, however many calls came before it.
+    queue = ReadyQueue()
+    graph_task = _graph_task(0, queue)
+    node = _node(3)
+    queue.push(NodeTask(graph_task, node, [1]))
+    queue.wake()
+    queue.wake()
+    queue.push_shutdown()
+    assert len(queue) == 3
+    popped = [queue.pop() for _ in range(3)]
+    assert [(task.is_shutdown, task.node is None, task.graph_task) for task in popped[:2]] == [
+        (True, True, None), (False, True, None)]
+    assert popped[2].node is node and popped[2].inputs == [1]
+    assert queue.empty()
+    # push_pop gives the pending wake-up and queues its task, as a push and
+    # then a pop would.
+    queue.wake()
+    task = NodeTask(graph_task, node, [2])
+    got = queue.push_pop(task, increment_outstanding_tasks=False)
+    assert got.node is None and not got.is_shutdown
+    assert len(queue) == 1 and queue.pop().inputs == [2]
+    # And it wakes a thread that waits in pop.
+    woken = []
+    thread = threading.Thread(target=lambda: woken.append(queue.pop()), daemon=True)
+    thread.start()
+    time.sleep(0.05)
+    assert woken == []
+    queue.wake()
+    thread.join(10)
+    assert not thread.is_alive() and woken[0].node is None and not woken[0].is_shutdown
+    assert queue.empty()

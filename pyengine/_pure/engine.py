@@ -772,7 +772,7 @@ class Engine:
                         # holds no graph task, so that one left in the queue of
                         # an owner that has gone keeps nothing alive.
                         flush_next_task(worker)
-                        owner_queue(local_graph_task).push(make_record(None, None, None))
+                        push_wake_up(owner_queue(local_graph_task))
                 # Let go of the task now: a worker about to sleep in pop() must not
                 # keep its last graph alive until the next task comes.
                 local_graph_task = None
@@ -982,7 +982,7 @@ class Engine:
             if not graph_task.future_completed:
                 graph_task.set_exception(error)
                 if graph_task.owner != NO_DEVICE:  # else no thread drives it, none waits in pop
-                    owner_queue(graph_task).push(make_record(None, None, None))
+                    push_wake_up(owner_queue(graph_task))
         for queue in device_queues:
             queue.push_shutdown()
         # See Note [Stopping the pool] in pyengine/_pure/thread_pool.py.
@@ -1007,6 +1007,16 @@ class Engine:
         graph_task.final_callbacks.append(callback)
 
 
+def push_wake_up(queue):
+    """Queue an empty wake-up task for the thread that may sleep in
+    ``queue``'s pop; where the heap cannot grow, ``queue.wake()`` stands in
+    for it (See Note [C++ allocations that fail] in pyengine/_engine.pyx)."""
+    try:
+        queue.push(make_record(None, None, None))
+    except MemoryError:
+        queue.wake()
+
+
 def push_task(queue, graph_task, node, inputs):
     queue.push(make_record(graph_task, node, inputs))
 
@@ -1017,7 +1027,9 @@ def queue_task(worker, queue, graph_task, node, inputs):
     task held before it is pushed first. See Note [The next task skips the
     queue]."""
     flush_next_task(worker)
-    if queue is not worker.local_ready_queue:
+    if queue is not worker.local_ready_queue or worker.next_task is not None:
+        # The second: the task held before could not be pushed (See Note
+        # [C++ allocations that fail] in pyengine/_engine.pyx), and stays held.
         push_task(queue, graph_task, node, inputs)
         return
     # Not counted yet: See Note [A held task takes over its maker's count].
@@ -1080,12 +1092,17 @@ def leave_driven_graph_task(worker, graph_task):
 
 def flush_next_task(worker):
     """Push the task ``worker`` holds back, if any, onto its queue, where it
-    would have been all along."""
+    would have been all along. Where the queue cannot grow (MemoryError:
+    it counted nothing), the task stays held, for this thread's loop to run
+    next: See Note [C++ allocations that fail] in pyengine/_engine.pyx."""
     if worker.next_task is not None:
-        task, worker.next_task = worker.next_task, None
-        # Counted, if not yet, before another thread can pop it.
-        worker.local_ready_queue.push(task,
-                                      increment_outstanding_tasks=not worker.next_task_counted)
+        try:
+            # Counted, if not yet, before another thread can pop it.
+            worker.local_ready_queue.push(
+                worker.next_task, increment_outstanding_tasks=not worker.next_task_counted)
+        except MemoryError:
+            return
+        worker.next_task = None
 
 
 def task_inputs(input_buffer):

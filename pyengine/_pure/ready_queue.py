@@ -62,7 +62,12 @@ hook order against PyTorch.
 
 import threading
 
-from .._shared.messages import cannot_pickle_message, no_ready_queue_message, task_field_message
+from .._shared.messages import (
+    QUEUE_FULL_MESSAGE,
+    cannot_pickle_message,
+    no_ready_queue_message,
+    task_field_message,
+)
 from .node import NodeBase, _not_writable
 from .static_types import check_argument, check_new, final
 
@@ -272,11 +277,13 @@ def make_heap(heap):
 class ReadyQueue:
     """A priority queue of NodeTasks under a lock and a condition variable.
 
-    ``_heap`` is guarded by ``_not_empty``'s lock.
+    ``_heap`` is guarded by ``_not_empty``'s lock, and so is ``_woken``, a
+    wake-up task that the heap could not take, for want of memory (See Note
+    [C++ allocations that fail] in pyengine/_engine.pyx).
     """
 
     # No __dict__, as the compiled class has none.
-    __slots__ = ("_not_empty", "_heap")
+    __slots__ = ("_not_empty", "_heap", "_woken")
 
     def __new__(cls, *args, **kwargs):
         # See Note [A class's __new__ called with another class] in
@@ -291,6 +298,7 @@ class ReadyQueue:
         # before, and the backward waited forever for the tasks it dropped.
         self._not_empty = threading.Condition(threading.Lock())
         self._heap = []
+        self._woken = False
         return self
 
     def __init__(self):
@@ -308,9 +316,17 @@ class ReadyQueue:
         check_argument("task", task, NodeTask)
         check_task_to_run(task)
         with self._not_empty:
-            if increment_outstanding_tasks and task.node is not None:
+            counted = increment_outstanding_tasks and task.node is not None
+            if counted:
                 task.graph_task.increment_outstanding_tasks()
-            heap_push(self._heap, task)
+            try:
+                heap_push(self._heap, task)
+            except MemoryError:
+                # Not queued: not outstanding either (See Note [C++
+                # allocations that fail] in pyengine/_engine.pyx).
+                if counted:
+                    task.graph_task.decrement_outstanding_tasks()
+                raise MemoryError(QUEUE_FULL_MESSAGE) from None
             self._not_empty.notify()
 
     def push_pop(self, task, increment_outstanding_tasks=True):
@@ -322,13 +338,38 @@ class ReadyQueue:
         check_task_to_run(task)
         if increment_outstanding_tasks and task.node is not None:
             task.graph_task.increment_outstanding_tasks()
-        if not self._heap:
+        if not self._heap and not self._woken:
             return task
         with self._not_empty:
-            if not self._heap:
+            if not self._heap and not self._woken:
                 return task
-            heap_push(self._heap, task)
-            return heap_pop(self._heap)
+            try:
+                heap_push(self._heap, task)
+            except MemoryError:
+                # It runs before the queued tasks: See Note [C++ allocations
+                # that fail] in pyengine/_engine.pyx.
+                return task
+            return self._pop_next()
+
+    def wake(self):
+        """Wake the thread that waits in ``pop``, as an empty wake-up task
+        does, without a place in the heap: what the engine does where its
+        wake-up task finds no memory to be queued (See Note [C++ allocations
+        that fail] in pyengine/_engine.pyx). Pops as one wake-up task,
+        however many calls came before."""
+        with self._not_empty:
+            self._woken = True
+            self._not_empty.notify()
+
+    def _pop_next(self):
+        """The next task, under the lock, the queue not empty: the heap's
+        front, but the wake-up ``_woken`` stands for first, after any
+        shutdown task, as CompareNodeTaskTime would order it (the compiled
+        core's ``pop_next``)."""
+        if self._woken and not (self._heap and self._heap[0].is_shutdown):
+            self._woken = False
+            return make_record(None, None, None)  # a wake-up
+        return heap_pop(self._heap)
 
     def push_shutdown(self):
         self.push(NodeTask.shutdown())
@@ -341,9 +382,9 @@ class ReadyQueue:
         if on_main_thread is None:
             on_main_thread = is_main_thread()
         with self._not_empty:
-            while not self._heap:
+            while not self._heap and not self._woken:
                 wait_honouring_signals(self._not_empty, on_main_thread)
-            return heap_pop(self._heap)
+            return self._pop_next()
 
     def discard_graph_task(self, graph_task):
         """Drop every queued task of ``graph_task`` (after it failed); return how many."""
@@ -356,7 +397,7 @@ class ReadyQueue:
 
     def __len__(self):
         with self._not_empty:
-            return len(self._heap)
+            return len(self._heap) + self._woken
 
     def empty(self):
         return len(self) == 0

@@ -158,10 +158,12 @@ def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
             elif start_thread and pool.num_threads >= max_pool_threads:
                 refused = pool_full_message(graph_task.reentrant_depth, max_pool_threads)
             else:
+                # First: where it raises MemoryError, nothing changed (See
+                # Note [C++ allocations that fail] in pyengine/_engine.pyx).
+                pool.graph_tasks.append(graph_task)
                 if start_thread:
                     pool.num_threads += 1
                     slot += (True,)
-                pool.graph_tasks.append(graph_task)
         if refused is not None:
             raise RuntimeError(refused)
         if start_thread:

@@ -183,6 +183,11 @@ def pool_stopped_message(depth):
             "interpreter exit)")
 
 
+# What a ready queue's push raises where its heap cannot grow: See Note [C++
+# allocations that fail] in pyengine/_engine.pyx.
+QUEUE_FULL_MESSAGE = "a ready queue could not grow to hold one more task"
+
+
 def waits_for_itself_message():
     """See Note [A graph task waits for itself] in pyengine/_pure/graph_task.py."""
     return ("a graph task cannot wait for itself: this thread runs one of its nodes, hooks or "

@@ -1,0 +1,260 @@
+"""The child program of tests/test_allocation_failures.py: a backward in
+which the n-th C++ allocation fails, for every n.
+
+Run as ``python allocation_failure_cases.py SCENARIO`` with
+``tests/fail_new.cpp`` built and preloaded (``LD_PRELOAD``, and its path in
+``FAIL_NEW``). For the scenario, it first counts the C++ allocations of one
+backward (``calls``), then, for each n from 1 to that count, runs the
+backward with the n-th allocation failing, and then a good backward, and
+prints one line per case::
+
+    cold 3 calls=21 MemoryError | after exact
+
+``cold`` cases run each on a new thread with a new Engine (so that no
+table, queue or frame block kept by an earlier backward hides an
+allocation), ``warm`` cases one after the other on this thread and the
+default engine. The outcome is ``exact`` (the gradients are the reference
+ones), ``MemoryError``, or anything else (a finding); ``after``: the good
+backward's gradients, on the same thread and engine, against the reference.
+A crash or a hang shows as the process's end: the parent knows the case
+from the ``BEGIN`` line printed before it.
+
+Every node passes twice the gradient it gets along each of its edges, so
+the reference gradients are computed here by a walk of the graph in Python
+(no engine), exact in float64.
+"""
+
+import ctypes
+import os
+import sys
+import threading
+
+import numpy as np
+
+import pyengine
+from pyengine import Edge, Node
+from pyengine import fake_device as fd
+
+SHAPE = (2,)
+
+
+class FailNew:
+    """tests/fail_new.cpp's controls: ``arm(n)`` makes the n-th C++
+    allocation from now fail (0: none), ``disarm()`` returns how many
+    there were."""
+
+    def __init__(self, path):
+        library = ctypes.CDLL(path)
+        library.fail_new_arm.argtypes = [ctypes.c_long]
+        library.fail_new_disarm.restype = ctypes.c_long
+        self.arm, self.disarm = library.fail_new_arm, library.fail_new_disarm
+
+
+# What case() fails: set by main(), or by a test that makes the twin's own
+# allocations fail instead (tests/test_allocation_failures.py).
+failures = None
+
+
+class Leaf:
+    def __init__(self):
+        self.data, self.grad, self.grad_fn = np.zeros(SHAPE), None, None
+        self.output_nr, self.requires_grad = 0, True
+
+
+def host(value):
+    return value.numpy() if isinstance(value, fd.FakeArray) else value
+
+
+class Twice(Node):
+    """Twice its gradient along each edge (onto edge i's device ``to[i]``,
+    where given), after running ``during``."""
+
+    def __init__(self, edges, device=pyengine.CPU, to=None, during=None):
+        super().__init__(next_edges=edges,
+                         input_metadata=[pyengine.InputMetadata(SHAPE, np.float64, device)])
+        self.to = to or [None] * len(edges)
+        self.during = during
+
+    def apply(self, grads):
+        if self.during is not None:
+            self.during()
+        out = host(grads[0]) * 2.0
+        return [out if device is None else fd.to_fake(out, device) for device in self.to]
+
+
+class Owner:
+    """A value of a framework's own graph: twice its gradient to each parent."""
+
+    def __init__(self, *parents):
+        self.parents = list(parents)
+        self.grad = None
+
+    def backward_writes(self):
+        for parent in self.parents:
+            parent.grad = (parent.grad if parent.grad is not None else 0) + self.grad * 2
+
+
+def owner_returns(owner, grads):
+    return [grads[0] * 2 for _ in owner.parents]
+
+
+def reference(root, leaves):
+    """Each leaf's gradient from a unit root gradient, by a walk of the
+    graph in Python: the sum over paths of 2 per node passed."""
+    order, seen = [], set()
+
+    def visit(node):
+        # Recursive: the graphs here are a few hundred nodes deep at most.
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        for child in children(node):
+            visit(child)
+        order.append(node)
+
+    def children(node):
+        if isinstance(node, Owner):
+            return node.parents
+        if isinstance(node, Twice):
+            return [edge.node for edge in node.next_edges if edge is not None]
+        return []
+
+    visit(root)
+    total = {id(root): 1.0}
+    for node in reversed(order):
+        for child in children(node):
+            total[id(child)] = total.get(id(child), 0.0) + 2.0 * total.get(id(node), 0.0)
+    result = []
+    for leaf in leaves:
+        key = leaf if isinstance(leaf, Owner) else pyengine.grad_accumulator(leaf)
+        result.append([total.get(id(key), 0.0)] * SHAPE[0])
+    return result
+
+
+def build(scenario):
+    """The graph: (root, leaves, run), run() giving the leaves' gradients."""
+    a, b = Leaf(), Leaf()
+    edge_a, edge_b = pyengine.gradient_edge(a), pyengine.gradient_edge(b)
+    api = "backward"
+    if scenario in ("lattice", "lattice_grad"):
+        # Three layers of three, each node with two consumers and two inputs.
+        layer = [Twice([edge_a, edge_b]) for _ in range(3)]
+        for _ in range(3):
+            layer = [Twice([Edge(layer[i], 0), Edge(layer[(i + 1) % 3], 0)]) for i in range(3)]
+        root = Twice([Edge(node, 0) for node in layer])
+        if scenario == "lattice_grad":
+            api = "grad"
+    elif scenario == "fan":
+        # A ready queue of 300 tasks at once.
+        root = Twice([Edge(Twice([edge_a]), 0) for _ in range(300)] + [edge_b])
+    elif scenario == "chain":
+        node = Twice([edge_a])
+        for _ in range(60):
+            node = Twice([Edge(node, 0)])
+        root = Twice([Edge(node, 0), edge_b])
+    elif scenario == "devices":
+        first, second = fd.device(0), fd.device(1)
+        # The device threads complete the task and wake its owner, this one.
+        low = Twice([edge_a], second)
+        mid = Twice([Edge(low, 0), edge_b], first, to=[second, None])
+        root = Twice([Edge(mid, 0)], pyengine.CPU, to=[first])
+    elif scenario in ("reentrant", "pool"):
+        inner = Twice([pyengine.gradient_edge(Leaf())])
+
+        def nested():
+            pyengine.backward([Edge(inner, 0)], [np.ones(SHAPE)], retain_graph=True)
+
+        root = Twice([Edge(Twice([edge_a, edge_b], during=nested), 0)])
+    elif scenario in ("owner_writes", "owner_returns"):
+        a, b = Owner(), Owner()
+        mid = Owner(a, b)
+        root = Owner(mid, b)
+        if scenario == "owner_writes":
+            graph = pyengine.OwnerGraph("parents", "backward_writes")
+
+            def run():
+                a.grad = b.grad = mid.grad = None
+                root.grad = np.ones(SHAPE)
+                graph.backward(root)
+                return [a.grad.tolist(), b.grad.tolist()]
+        else:
+            graph = pyengine.OwnerGraph("parents", owner_returns, mode="returns")
+
+            def run():
+                a.grad = b.grad = mid.grad = None
+                graph.backward(root, np.ones(SHAPE))
+                return [a.grad.tolist(), b.grad.tolist()]
+        return root, [a, b], run
+    else:
+        raise SystemExit(f"no scenario {scenario!r}")
+
+    def run():
+        a.grad = b.grad = None
+        if api == "grad":
+            grads = pyengine.grad([Edge(root, 0)], [a, b], [np.ones(SHAPE)], retain_graph=True)
+            return [host(grad).tolist() for grad in grads]
+        pyengine.backward([Edge(root, 0)], [np.ones(SHAPE)], retain_graph=True)
+        return [host(a.grad).tolist(), host(b.grad).tolist()]
+
+    return root, [a, b], run
+
+
+def case(scenario, failing_call):
+    """One backward with call ``failing_call`` failing (0: none); then a
+    good one. Returns (calls counted, outcome, the good one's outcome)."""
+    root, leaves, run = build(scenario)
+    expected = reference(root, leaves)
+    failures.arm(failing_call)
+    try:
+        got = run()
+        outcome = "exact" if got == expected else f"gave {got}, expected {expected}"
+    except MemoryError:
+        outcome = "MemoryError"
+    except BaseException as error:  # a finding: any other error
+        outcome = f"{type(error).__name__}: {error}"
+    calls = failures.disarm()
+    try:
+        after = run()
+        after_outcome = "exact" if after == expected else f"gave {after}"
+    except BaseException as error:
+        after_outcome = f"{type(error).__name__}: {error}"
+    return calls, outcome, after_outcome
+
+
+def on_new_thread(scenario, failing_call):
+    """``case`` on a new thread with a new Engine: nothing kept from before."""
+    result = []
+    engine = pyengine.Engine(max_recursion_depth=0) if scenario == "pool" else pyengine.Engine()
+    previous = pyengine.get_default_engine()
+    pyengine.set_default_engine(engine)
+    try:
+        thread = threading.Thread(target=lambda: result.append(case(scenario, failing_call)))
+        thread.start()
+        thread.join()
+    finally:
+        pyengine.set_default_engine(previous)
+        engine.stop()
+    return result[0]
+
+
+def main(scenario):
+    global failures
+    failures = FailNew(os.environ["FAIL_NEW"])
+    if scenario == "pool":
+        pyengine.set_default_engine(pyengine.Engine(max_recursion_depth=0))
+    cold_calls = on_new_thread(scenario, 0)[0]
+    for n in range(1, cold_calls + 1):
+        print(f"BEGIN cold {n}", flush=True)
+        calls, outcome, after = on_new_thread(scenario, n)
+        print(f"cold {n} calls={calls} {outcome} | after {after}", flush=True)
+    case(scenario, 0)  # warm
+    warm_calls = case(scenario, 0)[0]
+    for n in range(1, warm_calls + 1):
+        print(f"BEGIN warm {n}", flush=True)
+        calls, outcome, after = case(scenario, n)
+        print(f"warm {n} calls={calls} {outcome} | after {after}", flush=True)
+    print(f"END cold={cold_calls} warm={warm_calls}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
