@@ -96,7 +96,9 @@ cdef class InputMetadata:
         # Python code runs from here on.
         if self.shape is not None:
             raise TypeError("InputMetadata is immutable: its __init__ ran already")
-        self.dims = dims
+        # A swap, not a copy: it allocates nothing, so it cannot fail (See
+        # Note [C++ allocations that fail] in pyengine/_engine.pyx).
+        self.dims.swap(dims)
         self.numpy_dtype = dtype if fast_path else None
         self.shape = shape
         self.dtype = dtype

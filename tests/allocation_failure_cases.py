@@ -136,7 +136,7 @@ def build(scenario):
     a, b = Leaf(), Leaf()
     edge_a, edge_b = pyengine.gradient_edge(a), pyengine.gradient_edge(b)
     api = "backward"
-    if scenario in ("lattice", "lattice_grad"):
+    if scenario in ("lattice", "lattice_grad", "made"):
         # Three layers of three, each node with two consumers and two inputs.
         layer = [Twice([edge_a, edge_b]) for _ in range(3)]
         for _ in range(3):
@@ -201,10 +201,21 @@ def build(scenario):
 
 def case(scenario, failing_call):
     """One backward with call ``failing_call`` failing (0: none); then a
-    good one. Returns (calls counted, outcome, the good one's outcome)."""
-    root, leaves, run = build(scenario)
+    good one. Returns (calls counted, outcome, the good one's outcome).
+    Scenario ``made``: the lattice's nodes and metadata are made while
+    allocations fail, too."""
+    if scenario == "made":
+        failures.arm(failing_call)
+    try:
+        root, leaves, run = build(scenario)
+    except MemoryError:
+        # Making the graph failed: a good one is made and run after.
+        calls = failures.disarm()
+        root, leaves, run = build(scenario)
+        return calls, "MemoryError", "exact" if run() == reference(root, leaves) else "wrong"
+    if scenario != "made":
+        failures.arm(failing_call)
     expected = reference(root, leaves)
-    failures.arm(failing_call)
     try:
         got = run()
         outcome = "exact" if got == expected else f"gave {got}, expected {expected}"

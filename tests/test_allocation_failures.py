@@ -39,7 +39,7 @@ import pyengine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ["chain", "lattice", "lattice_grad", "fan", "devices", "reentrant", "pool",
-             "owner_writes", "owner_returns"]
+             "owner_writes", "owner_returns", "made"]
 
 compiled_only = [
     pytest.mark.skipif(pyengine.IMPLEMENTATION != "compiled",
