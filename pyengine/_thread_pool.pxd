@@ -12,6 +12,8 @@ from pyengine._graph_task cimport GraphTask
 @cython.final
 cdef class _ThreadPoolShared:
     cdef mutex mutex_
+    # Idle pool threads wait on work, callers for their pool thread on
+    # released: See Note [A hand-off wakes a pool thread] in the twin.
     cdef condition_variable work
     cdef condition_variable released
     cdef deque[PyObject*] graph_tasks

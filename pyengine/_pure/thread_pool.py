@@ -65,6 +65,22 @@ if a pool thread still runs the task, the caller's backward ends: See Note
 [A backward that raises leaves its ready queue] in
 ``pyengine/_pure/engine.py``.
 
+Note [A hand-off wakes a pool thread]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Two kinds of thread wait on the pool: an idle pool thread for a graph task
+(``work``), and a caller whose task completed for its pool thread to come
+back (``released``: See Note [A pool thread is back before its caller]).
+They wait on two conditions of the one lock, as the compiled core's
+two condition variables. On one condition, a hand-off that finds an idle
+thread left over for it wakes one waiter, the longest waiting, which may be
+a caller waiting for its thread: it waits again, the idle thread sleeps on,
+and the task waits in ``graph_tasks`` for a wake-up that comes only when
+some pool thread finishes a task. If each busy pool thread waits for a task
+in that queue (a reentrant backward of its own, handed off), none comes,
+and every caller waits forever. The thread fuzz found it (a caller on a
+device worker, its pool thread in a nested hand-off);
+``tests/test_reentrant_pool.py`` shows it with the pool's functions.
+
 Note [A slot taken for a pool thread]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A hand-off that starts a thread takes its slot in ``num_threads`` under
@@ -124,10 +140,16 @@ class _ThreadPoolShared:
     threads that run them. ``graph_tasks``, ``num_idle``, ``num_threads``
     (started or starting, not yet ended: at most the engine's
     ``max_pool_threads``), ``threads`` (the started ones, for ``stop`` to
-    join) and ``stopping`` are guarded by ``condition``'s lock."""
+    join) and ``stopping`` are guarded by ``condition``'s lock. Idle pool
+    threads wait on ``work``, callers for their pool thread on
+    ``released``, two conditions of that lock: See Note [A hand-off wakes
+    a pool thread]."""
 
     def __init__(self):
-        self.condition = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        self.condition = threading.Condition(lock)
+        self.work = threading.Condition(lock)
+        self.released = threading.Condition(lock)
         self.graph_tasks = []
         self.num_idle = 0
         self.num_threads = 0
@@ -169,7 +191,7 @@ def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
         if start_thread:
             start_pool_thread(pool, graph_task, run_graph_task, slot)
         with pool.condition:
-            pool.condition.notify()
+            pool.work.notify()  # See Note [A hand-off wakes a pool thread].
         graph_task.wait()
     except BaseException as error:
         # Refused, a thread that did not start, or Ctrl-C (while waiting,
@@ -182,7 +204,7 @@ def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
     # See Note [A pool thread is back before its caller].
     with pool.condition:
         while graph_task.on_pool_thread:
-            pool.condition.wait()
+            pool.released.wait()
 
 
 def start_pool_thread(pool, graph_task, run_graph_task, slot):
@@ -244,7 +266,7 @@ def _reentrant_thread_main(pool, run_graph_task, slot):
         while True:
             with pool.condition:
                 while not pool.graph_tasks and not pool.stopping:
-                    pool.condition.wait()
+                    pool.work.wait()
                 pool.num_idle -= 1
                 counted_idle = False
                 if pool.stopping:
@@ -258,7 +280,7 @@ def _reentrant_thread_main(pool, run_graph_task, slot):
                     graph_task.on_pool_thread = False
                     pool.num_idle += 1
                     counted_idle = True
-                    pool.condition.notify_all()
+                    pool.released.notify_all()
             del graph_task
     finally:
         # However it ends, it leaves no dead thread in the pool.
@@ -288,7 +310,7 @@ def stop_thread_pool(pool):
         pool.stopping = True
         orphans, pool.graph_tasks = pool.graph_tasks, []
         threads = list(pool.threads)
-        pool.condition.notify_all()
+        pool.work.notify_all()
     for graph_task in orphans:
         graph_task.cpu_ready_queue.discard_graph_task(graph_task)
         graph_task.set_exception(RuntimeError(pool_stopped_message(graph_task.reentrant_depth)))

@@ -361,8 +361,10 @@ class Interrupter:
             time.sleep(fraction * self.call_s)
             if how == "pthread_kill":
                 signal.pthread_kill(self.main_ident, signal.SIGINT)
-            else:
+            elif sys.version_info >= (3, 10):
                 _thread.interrupt_main(signal.SIGINT)
+            else:  # no signal argument before 3.10: it simulates SIGINT
+                _thread.interrupt_main()
         self.sent_all = True
 
 
