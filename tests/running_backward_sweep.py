@@ -293,6 +293,9 @@ WAITS = {"wait", "pop", "_device_thread_main", "thread_main", "execute_with_grap
 # it). Each is what a lock taken twice by one thread is: asked for. Not
 # run: the report of the sweep that found them lists them.
 KNOWN_WAITS = ("graph_task.increment_outstanding_tasks()", "ready_queue.push_pop(task)",
+               # The full sweep's: a task queued for the running graph task
+               # comes back to the caller in its place, and never runs.
+               "ready_queue.push_pop(fresh_task)",
                "ready_queue.discard_graph_task(graph_task)", "engine._run_pool_task(",
                "profiler/backward: engine._device_thread_main(", "profiler/grad: "
                "engine._device_thread_main(",
