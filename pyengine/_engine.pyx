@@ -866,23 +866,26 @@ cdef class Engine:
 #   instead. Only the order among ready tasks differs (See Note [Ties in
 #   the ready queue] in pyengine/_pure/ready_queue.py): their dependencies
 #   are met;
-# - a wake-up task for an owner that cannot be pushed (a device thread
-#   completed the owner's graph task) must still wake it, or it sleeps in
-#   pop() for good: the queue's ``wake()`` sets a flag that pops as one
-#   wake-up task, in its place in the order (``push_wake_up``).
+# - a wake-up task for an owner (a device thread completed the owner's
+#   graph task) must wake it even where the heap cannot grow, or the owner
+#   sleeps in pop() for good; and a shutdown task (``Engine.stop``, at
+#   exit; a device thread's loop that held one) must end its device thread.
+#   Neither holds anything to run, so a flag of the queue stands for each
+#   where its heap cannot take it, and pops as that task, in its place in
+#   the order (``pop_next`` in _node_task.h): ``push_record`` never refuses
+#   them. Many wake-ups that find no room pop as one, as do shutdowns:
+#   one wakes a sleeping thread as well as many, and one ends a device
+#   thread's loop. ``wake()`` sets the wake-up flag itself.
 # The twin's lists raise MemoryError where they cannot grow, and it takes
 # the same paths. tests/test_allocation_failures.py fails each C++
-# allocation of a backward in turn (tests/fail_new.cpp). Left: a shutdown
-# task that cannot be pushed (``Engine.stop``, at exit) raises MemoryError,
-# and its device thread serves on.
+# allocation of a backward in turn (tests/fail_new.cpp).
 
 
 cdef void push_wake_up(ReadyQueue queue) noexcept:
     """Queue an empty wake-up task for the thread that may sleep in
-    ``queue``'s pop; where the heap cannot grow, ``queue.wake()`` stands in
-    for it (See Note [C++ allocations that fail])."""
-    if not queue.push_record(make_record(None, None, None, 0, 0)):  # holds no reference
-        queue.wake()
+    ``queue``'s pop. Never fails: where the heap cannot grow, a flag stands
+    for the task (See Note [C++ allocations that fail])."""
+    queue.push_record(make_record(None, None, None, 0, 0))  # holds no reference
 
 
 cdef inline int push_task(ReadyQueue queue, GraphTask graph_task, NodeBase node,

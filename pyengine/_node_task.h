@@ -157,12 +157,13 @@ inline bool heap_push(NodeTaskHeap &heap, const pyengine_NodeTaskRecord &record)
     return true;
 }
 
-// The next task of a ready queue: its heap's front, but where `woken` is
-// set (a wake-up task its heap could not take: See Note [C++ allocations
-// that fail] in pyengine/_engine.pyx), that wake-up first, after any
-// shutdown task, as CompareNodeTaskTime would order it. The caller holds
-// the queue's mutex, and the heap or `woken` holds a task.
-inline pyengine_NodeTaskRecord pop_next(NodeTaskHeap &heap, int &woken) noexcept;
+// The next task of a ready queue: its heap's front, but where a flag stands
+// for a task its heap could not take (See Note [C++ allocations that fail]
+// in pyengine/_engine.pyx), that task in its place, as CompareNodeTaskTime
+// would order it: a shutdown (`shutdown_pending`) first, a wake-up
+// (`woken`) after any shutdown. The caller holds the queue's mutex, and
+// the heap or a flag holds a task.
+inline pyengine_NodeTaskRecord pop_next(NodeTaskHeap &heap, int &woken, int &shutdown_pending) noexcept;
 
 // Remove and return the front of a non-empty heap.
 inline pyengine_NodeTaskRecord heap_pop(NodeTaskHeap &heap) noexcept {
@@ -172,7 +173,13 @@ inline pyengine_NodeTaskRecord heap_pop(NodeTaskHeap &heap) noexcept {
     return record;
 }
 
-inline pyengine_NodeTaskRecord pop_next(NodeTaskHeap &heap, int &woken) noexcept {
+inline pyengine_NodeTaskRecord pop_next(NodeTaskHeap &heap, int &woken, int &shutdown_pending) noexcept {
+    if (shutdown_pending) {
+        shutdown_pending = 0;
+        pyengine_NodeTaskRecord shutdown{};
+        shutdown.is_shutdown = 1;
+        return shutdown;
+    }
     if (woken && (heap.empty() || !heap.front().is_shutdown)) {
         woken = 0;
         return pyengine_NodeTaskRecord{};  // a wake-up: no graph task, node or inputs

@@ -32,7 +32,7 @@ cdef extern from "_node_task.h" namespace "pyengine" nogil:
     # A ReadyQueue's push and pop, without the GIL: see _node_task.h.
     bint heap_push(vector[NodeTaskRecord]& heap, const NodeTaskRecord& record) noexcept
     NodeTaskRecord heap_pop(vector[NodeTaskRecord]& heap) noexcept
-    NodeTaskRecord pop_next(vector[NodeTaskRecord]& heap, int& woken) noexcept
+    NodeTaskRecord pop_next(vector[NodeTaskRecord]& heap, int& woken, int& shutdown_pending) noexcept
 
 
 cdef class NodeTask:
@@ -49,11 +49,13 @@ cdef class ReadyQueue:
     cdef vector[NodeTaskRecord] heap
     cdef mutex mutex_
     cdef condition_variable not_empty
-    # A wake-up task that the heap could not take, for want of memory:
-    # guarded by mutex_. See Note [C++ allocations that fail] in _engine.pyx.
+    # A wake-up task and a shutdown task that the heap could not take, for
+    # want of memory: guarded by mutex_. See Note [C++ allocations that
+    # fail] in _engine.pyx.
     cdef bint woken
-    # The tasks queued (the heap's, and the wake-up woken stands for):
-    # written under mutex_, read without it by push_pop_record.
+    cdef bint shutdown_pending
+    # The tasks queued (the heap's, and those the flags stand for): written
+    # under mutex_, read without it by push_pop_record.
     cdef atomic[size_t] queued
 
     cdef bint push_record(self, NodeTaskRecord record) noexcept

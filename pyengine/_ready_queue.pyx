@@ -50,6 +50,12 @@ cdef void release_record(NodeTaskRecord* record) noexcept:
     record.inputs = record.node = record.graph_task = NULL
 
 
+cdef inline size_t tasks_queued(ReadyQueue queue) noexcept nogil:
+    """The tasks ``queue`` holds: its heap's, and those its flags stand for.
+    The caller holds its mutex."""
+    return queue.heap.size() + queue.woken + queue.shutdown_pending
+
+
 cdef int push_or_release(ReadyQueue queue, NodeTaskRecord* record) except -1:
     """``queue.push_record(*record)``, raising MemoryError where the heap
     cannot grow, the record's references let go of."""
@@ -147,15 +153,26 @@ cdef class ReadyQueue:
     cdef bint push_record(self, NodeTaskRecord record) noexcept:
         """Queue ``record``, taking over its references; needs the GIL (it
         never blocks with it: See Note [Locks and the GIL]). False where the
-        heap cannot grow: nothing queued, the record still the caller's (See
-        Note [C++ allocations that fail] in pyengine/_engine.pyx)."""
+        heap cannot grow: nothing queued, the record still the caller's. A
+        wake-up or shutdown task is never refused: where the heap cannot
+        take it, a flag stands for it (See Note [C++ allocations that fail]
+        in pyengine/_engine.pyx)."""
         lock_releasing_gil(self.mutex_)
         cdef bint pushed = heap_push(self.heap, record)
-        self.queued.store(self.heap.size() + self.woken)
+        cdef bint flagged = not pushed and record.node == NULL
+        if flagged:
+            if record.is_shutdown:
+                self.shutdown_pending = True
+            else:
+                self.woken = True
+        self.queued.store(tasks_queued(self))
         self.mutex_.unlock()
-        if pushed:
+        if flagged:
+            # Outside the lock: dropping a reference can run arbitrary code.
+            release_record(&record)
+        if pushed or flagged:
             self.not_empty.notify_one()
-        return pushed
+        return pushed or flagged
 
     cdef void push_pop_record(self, NodeTaskRecord* record) noexcept:
         """Queue ``*record`` and pop the next record into it, in one step:
@@ -169,9 +186,9 @@ cdef class ReadyQueue:
         if self.queued.load() == 0:
             return
         lock_releasing_gil(self.mutex_)
-        if (not self.heap.empty() or self.woken) and heap_push(self.heap, record[0]):
-            record[0] = pop_next(self.heap, self.woken)
-            self.queued.store(self.heap.size() + self.woken)
+        if tasks_queued(self) != 0 and heap_push(self.heap, record[0]):
+            record[0] = pop_next(self.heap, self.woken, self.shutdown_pending)
+            self.queued.store(tasks_queued(self))
         self.mutex_.unlock()
 
     cpdef void wake(self) noexcept:
@@ -182,7 +199,7 @@ cdef class ReadyQueue:
         however many calls came before."""
         lock_releasing_gil(self.mutex_)
         self.woken = True
-        self.queued.store(self.heap.size() + 1)
+        self.queued.store(tasks_queued(self))
         self.mutex_.unlock()
         self.not_empty.notify_one()
 
@@ -193,10 +210,10 @@ cdef class ReadyQueue:
         what they raise ends the wait, with nothing popped (See Note [Waits
         honour signals])."""
         cdef unique_lock[mutex] lock = unique_lock[mutex](self.mutex_)
-        while self.heap.empty() and not self.woken:
+        while tasks_queued(self) == 0:
             wait_honouring_signals(self.not_empty, lock, on_main_thread)
-        record[0] = pop_next(self.heap, self.woken)
-        self.queued.store(self.heap.size() + self.woken)
+        record[0] = pop_next(self.heap, self.woken, self.shutdown_pending)
+        self.queued.store(tasks_queued(self))
         return 0
 
     cdef bint try_pop_record(self, NodeTaskRecord* record) noexcept nogil:
@@ -204,11 +221,11 @@ cdef class ReadyQueue:
         waits, so the engine loop may call it holding the GIL."""
         if not self.mutex_.try_lock():
             return False
-        if self.heap.empty() and not self.woken:
+        if tasks_queued(self) == 0:
             self.mutex_.unlock()
             return False
-        record[0] = pop_next(self.heap, self.woken)
-        self.queued.store(self.heap.size() + self.woken)
+        record[0] = pop_next(self.heap, self.woken, self.shutdown_pending)
+        self.queued.store(tasks_queued(self))
         self.mutex_.unlock()
         return True
 
@@ -227,7 +244,7 @@ cdef class ReadyQueue:
                     kept.push_back(self.heap[i])
             self.heap.swap(kept)
             make_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
-            self.queued.store(self.heap.size() + self.woken)
+            self.queued.store(tasks_queued(self))
         finally:
             self.mutex_.unlock()
         # Release outside the lock: dropping a reference can run arbitrary code.
@@ -273,6 +290,8 @@ cdef class ReadyQueue:
         return task_of_record(&record)
 
     def push_shutdown(self):
+        """Queue a shutdown task, which ends a device thread's loop. Never
+        fails for want of memory: See ``push_record``."""
         cdef NodeTaskRecord record = make_record(None, None, None, 0, 0)
         record.is_shutdown = True
         push_or_release(self, &record)
@@ -294,7 +313,7 @@ cdef class ReadyQueue:
 
     def __len__(self):
         lock_releasing_gil(self.mutex_)
-        size = self.heap.size() + self.woken
+        size = tasks_queued(self)
         self.mutex_.unlock()
         return size
 

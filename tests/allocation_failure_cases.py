@@ -248,6 +248,37 @@ def on_new_thread(scenario, failing_call):
     return result[0]
 
 
+def flags_case():
+    """A wake-up task, a shutdown task and a node task pushed, each where
+    the ready queue's heap cannot grow (its first allocation failing): a
+    flag stands for each of the first two, the third raises MemoryError;
+    then the queue pops them in CompareNodeTaskTime's order. Returns what
+    it saw, as a dict."""
+    from pyengine._core import GraphTask, NodeTask, ReadyQueue
+
+    queue = ReadyQueue()
+    graph_task = GraphTask(False, False, 0, ReadyQueue())
+    node = Twice([])
+    queue.push(NodeTask(graph_task, node, [1.0]))  # the heap now full, at capacity one
+    seen = {}
+    for name, push in [("wake-up", lambda: queue.push(NodeTask(graph_task, None, None))),
+                       ("shutdown", queue.push_shutdown),
+                       ("node task", lambda: queue.push(NodeTask(graph_task, node, [2.0])))]:
+        failures.arm(1)
+        try:
+            push()
+            outcome = "queued"
+        except MemoryError:
+            outcome = "MemoryError"
+        seen[name] = (outcome, failures.disarm() >= 1)
+    seen["len"] = len(queue)
+    seen["outstanding"] = graph_task.outstanding_tasks
+    popped = [queue.pop() for _ in range(len(queue))]
+    seen["popped"] = [("shutdown" if task.is_shutdown else "wake-up" if task.node is None
+                       else task.inputs) for task in popped]
+    return seen
+
+
 def main(scenario):
     global failures
     failures = FailNew(os.environ["FAIL_NEW"])
@@ -268,4 +299,8 @@ def main(scenario):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "flags":
+        failures = FailNew(os.environ["FAIL_NEW"])
+        print("FLAGS", flags_case(), flush=True)
+    else:
+        main(sys.argv[1])

@@ -26,6 +26,7 @@ engine.
 
 from __future__ import annotations
 
+import ast
 import faulthandler
 import os
 import shutil
@@ -105,6 +106,35 @@ def test_each_cpp_allocation_of_a_backward_may_fail(fail_new, scenario):
     assert any("MemoryError" in line for line in cases), cases
 
 
+# The flags case's oracle: the wake-up and the shutdown stand as flags, the
+# node task is refused, uncounted; they pop shutdown first, then the
+# wake-up, then the one node task (CompareNodeTaskTime's order). Each push
+# tried an allocation, which failed.
+FLAGS_EXPECTED = {"wake-up": ("queued", True), "shutdown": ("queued", True),
+                  "node task": ("MemoryError", True), "len": 3, "outstanding": 1,
+                  "popped": ["shutdown", "wake-up", [1.0]]}
+
+
+@compiled_only[0]
+@compiled_only[1]
+def test_a_wake_up_or_shutdown_task_is_never_refused(fail_new):
+    # Engine.stop's shutdown tasks and the wake-up of an owner must reach
+    # their threads even where the heap cannot grow: a device thread served
+    # on, and an owner slept for good, where they were refused.
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
+    env.pop("PYENGINE_PURE", None)
+    env["FAIL_NEW"] = fail_new
+    env["LD_PRELOAD"] = " ".join(filter(None, [fail_new, os.environ.get("LD_PRELOAD")]))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "allocation_failure_cases.py"), "flags"],
+                          env=env, capture_output=True, text=True, timeout=60, cwd=repo_root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = [line for line in proc.stdout.splitlines() if line.startswith("FLAGS ")]
+    assert len(line) == 1, proc.stdout
+    assert ast.literal_eval(line[0][len("FLAGS "):]) == FLAGS_EXPECTED
+
+
 class FailingHeapPush:
     """The twin's analogue of tests/fail_new.cpp: its ready queues' heap
     grows in ``heap_push`` (a list's append), which raises MemoryError at
@@ -134,12 +164,20 @@ class FailingHeapPush:
 
 
 @pytest.mark.skipif(pyengine.IMPLEMENTATION != "pure", reason="the twin's own paths")
+def test_the_twin_never_refuses_a_wake_up_or_shutdown_task(monkeypatch):
+    import allocation_failure_cases as cases
+
+    monkeypatch.setattr(cases, "failures", FailingHeapPush(monkeypatch))
+    assert cases.flags_case() == FLAGS_EXPECTED
+
+
+@pytest.mark.skipif(pyengine.IMPLEMENTATION != "pure", reason="the twin's own paths")
 # An owner graph's walk queues no task (See Note [Owner graphs]).
 @pytest.mark.parametrize("scenario", [name for name in SCENARIOS if not name.startswith("owner")])
 def test_the_twin_takes_the_same_paths_where_its_ready_queue_cannot_grow(monkeypatch, scenario):
     # Each push of a backward fails in turn, as a C++ heap that cannot grow
-    # does: the held task stays held, push_pop runs its task, a wake-up
-    # becomes wake(), and a push that fails fails its node's graph task.
+    # does: the held task stays held, push_pop runs its task, a flag
+    # stands for a wake-up, and a push that fails fails its node's graph task.
     import allocation_failure_cases as cases
 
     monkeypatch.setattr(cases, "failures", FailingHeapPush(monkeypatch))

@@ -333,7 +333,8 @@ WINDOWS = [
     ("engine_module.Engine.thread_main", "local_graph_task.decrement_outstanding_tasks()", 2),
     # 2. In ReadyQueue.push and push_pop, between counting a task and queueing it.
     ("ready_queue.ReadyQueue.push", "heap_push(self._heap, task)", 1),
-    ("ready_queue.ReadyQueue.push_pop", "if not self._heap and not self._woken:", 2),
+    ("ready_queue.ReadyQueue.push_pop",
+     "if not self._heap and not self._woken and not self._shutdown_pending:", 2),
     # The outermost execute, before its loop: worker_device set.
     ("engine_module.Engine.execute_with_graph_task", "graph_task.owner = CPU_DEVICE", 1),
     # 3. The pool's slot, between taking it and the try that gives it back.

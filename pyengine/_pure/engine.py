@@ -1009,12 +1009,10 @@ class Engine:
 
 def push_wake_up(queue):
     """Queue an empty wake-up task for the thread that may sleep in
-    ``queue``'s pop; where the heap cannot grow, ``queue.wake()`` stands in
-    for it (See Note [C++ allocations that fail] in pyengine/_engine.pyx)."""
-    try:
-        queue.push(make_record(None, None, None))
-    except MemoryError:
-        queue.wake()
+    ``queue``'s pop. Never fails: where the heap cannot grow, a flag stands
+    for the task (See Note [C++ allocations that fail] in
+    pyengine/_engine.pyx)."""
+    queue.push(make_record(None, None, None))
 
 
 def push_task(queue, graph_task, node, inputs):

@@ -277,13 +277,14 @@ def make_heap(heap):
 class ReadyQueue:
     """A priority queue of NodeTasks under a lock and a condition variable.
 
-    ``_heap`` is guarded by ``_not_empty``'s lock, and so is ``_woken``, a
-    wake-up task that the heap could not take, for want of memory (See Note
-    [C++ allocations that fail] in pyengine/_engine.pyx).
+    ``_heap`` is guarded by ``_not_empty``'s lock, and so are ``_woken``
+    and ``_shutdown_pending``, a wake-up task and a shutdown task that the
+    heap could not take, for want of memory (See Note [C++ allocations that
+    fail] in pyengine/_engine.pyx).
     """
 
     # No __dict__, as the compiled class has none.
-    __slots__ = ("_not_empty", "_heap", "_woken")
+    __slots__ = ("_not_empty", "_heap", "_woken", "_shutdown_pending")
 
     def __new__(cls, *args, **kwargs):
         # See Note [A class's __new__ called with another class] in
@@ -299,6 +300,7 @@ class ReadyQueue:
         self._not_empty = threading.Condition(threading.Lock())
         self._heap = []
         self._woken = False
+        self._shutdown_pending = False
         return self
 
     def __init__(self):
@@ -322,11 +324,17 @@ class ReadyQueue:
             try:
                 heap_push(self._heap, task)
             except MemoryError:
-                # Not queued: not outstanding either (See Note [C++
-                # allocations that fail] in pyengine/_engine.pyx).
-                if counted:
-                    task.graph_task.decrement_outstanding_tasks()
-                raise MemoryError(QUEUE_FULL_MESSAGE) from None
+                # See Note [C++ allocations that fail] in
+                # pyengine/_engine.pyx: a flag stands for a wake-up or a
+                # shutdown; a node task is not queued, nor outstanding.
+                if task.node is not None:
+                    if counted:
+                        task.graph_task.decrement_outstanding_tasks()
+                    raise MemoryError(QUEUE_FULL_MESSAGE) from None
+                if task.is_shutdown:
+                    self._shutdown_pending = True
+                else:
+                    self._woken = True
             self._not_empty.notify()
 
     def push_pop(self, task, increment_outstanding_tasks=True):
@@ -338,10 +346,10 @@ class ReadyQueue:
         check_task_to_run(task)
         if increment_outstanding_tasks and task.node is not None:
             task.graph_task.increment_outstanding_tasks()
-        if not self._heap and not self._woken:
+        if not self._heap and not self._woken and not self._shutdown_pending:
             return task
         with self._not_empty:
-            if not self._heap and not self._woken:
+            if not self._heap and not self._woken and not self._shutdown_pending:
                 return task
             try:
                 heap_push(self._heap, task)
@@ -363,15 +371,21 @@ class ReadyQueue:
 
     def _pop_next(self):
         """The next task, under the lock, the queue not empty: the heap's
-        front, but the wake-up ``_woken`` stands for first, after any
-        shutdown task, as CompareNodeTaskTime would order it (the compiled
-        core's ``pop_next``)."""
+        front, but where a flag stands for a task, that task in its place,
+        as CompareNodeTaskTime would order it: the shutdown
+        ``_shutdown_pending`` stands for first, the wake-up ``_woken`` stands
+        for after any shutdown (the compiled core's ``pop_next``)."""
+        if self._shutdown_pending:
+            self._shutdown_pending = False
+            return NodeTask.shutdown()
         if self._woken and not (self._heap and self._heap[0].is_shutdown):
             self._woken = False
             return make_record(None, None, None)  # a wake-up
         return heap_pop(self._heap)
 
     def push_shutdown(self):
+        """Queue a shutdown task, which ends a device thread's loop. Never
+        fails for want of memory: See ``push``."""
         self.push(NodeTask.shutdown())
 
     def pop(self, on_main_thread=None):
@@ -382,7 +396,7 @@ class ReadyQueue:
         if on_main_thread is None:
             on_main_thread = is_main_thread()
         with self._not_empty:
-            while not self._heap and not self._woken:
+            while not self._heap and not self._woken and not self._shutdown_pending:
                 wait_honouring_signals(self._not_empty, on_main_thread)
             return self._pop_next()
 
@@ -397,7 +411,7 @@ class ReadyQueue:
 
     def __len__(self):
         with self._not_empty:
-            return len(self._heap) + self._woken
+            return len(self._heap) + self._woken + self._shutdown_pending
 
     def empty(self):
         return len(self) == 0
