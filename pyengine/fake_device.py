@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -41,6 +42,10 @@ __all__ = ["FakeArray", "FakeStream", "FakeEvent", "FakeRuntime", "LOG_LENGTH", 
 
 # How many records and waits RUNTIME.log keeps at least: the latest.
 LOG_LENGTH = 10_000
+# How long a thread that waits for another's item of a stream sleeps between
+# looks (See Note [An interrupt in a fake stream's wait]): a few times a
+# Python node's run, so that the waiter costs the runner little.
+WAIT_POLL_S = 50e-6
 
 
 def device(index: int) -> Device:
@@ -80,27 +85,53 @@ class FakeStream:
     # order, one at a time, and a wait must return only once the items before
     # its position have *finished*. So an item counts as done only after it
     # ran, and while one thread runs an item of a stream, another thread that
-    # needs that stream's work waits on RUNTIME.changed instead of starting
-    # the next item: otherwise it could read a result still being written, or
+    # needs that stream's work waits for it to finish (See Note [An
+    # interrupt in a fake stream's wait]) instead of starting the next item:
+    # otherwise it could read a result still being written, or
     # run item n+1 beside item n.
 
+    # Note [An interrupt in a fake stream's wait]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Ctrl-C raises KeyboardInterrupt between two bytecodes of the main
+    # thread, in any Python frame, and threading.Condition is Python code
+    # around its lock: an interrupt in its __enter__ after the acquire, or
+    # in its __exit__ before the release, left RUNTIME.lock held and every
+    # device thread waiting for it (the interrupt fuzz's dense-Ctrl-C runs
+    # hung there); one in its wait() between the release and the re-acquire
+    # made the with statement release the lock that another thread held. So
+    # no Python frame runs while RUNTIME.lock is held here: each ``with
+    # lock`` body is attribute and list operations (the acquire and release
+    # are single C calls), and a thread that waits for another's item
+    # sleeps for WAIT_POLL_S between looks instead of waiting on a
+    # condition, as a GPU's stream synchronize may spin. The try begins
+    # before an item is claimed, so that whatever raises once ``_running``
+    # is set clears it, or every later wait on the stream would wait for an
+    # item nobody runs. An interrupt can still land between the claim and
+    # the item's run: that item is then lost, as a kernel whose launch was
+    # interrupted, but nothing waits for it.
+
     def _run_until(self, position: int) -> None:
-        changed = RUNTIME.changed
+        lock = RUNTIME.lock
         while True:
-            with changed:
-                while self._running and self._done < position:
-                    changed.wait()
-                if self._done >= position or not self._pending:
-                    return
-                work = self._pending.pop(0)
-                self._running = True
+            claimed = False
             try:
-                work()
+                with lock:
+                    if self._done >= position:
+                        return
+                    if not self._running:
+                        if not self._pending:
+                            return
+                        work = self._pending.pop(0)
+                        self._running = claimed = True
+                if claimed:
+                    work()
+                else:
+                    time.sleep(WAIT_POLL_S)  # another thread runs this stream's item
             finally:
-                with changed:
-                    self._done += 1
-                    self._running = False
-                    changed.notify_all()
+                if claimed:
+                    with lock:
+                        self._done += 1
+                        self._running = False
 
     def synchronize(self) -> None:
         with RUNTIME.lock:
@@ -134,8 +165,6 @@ class FakeRuntime(streams.DeviceRuntime):
 
     def __init__(self):
         self.lock = threading.Lock()
-        # Notified, under lock, when an item of a stream finished running.
-        self.changed = threading.Condition(self.lock)
         # Every stream made, so that a fork can clear a running flag: added to
         # without the lock (FakeStream may be made under it; one set add is
         # atomic under the GIL), read only in a forked child, by its only thread.
@@ -186,7 +215,6 @@ class FakeRuntime(streams.DeviceRuntime):
         # A device worker of the parent may have held the lock at the fork.
         # See Note [Locks after fork] in pyengine/node.py.
         self.lock = threading.Lock()
-        self.changed = threading.Condition(self.lock)
         # The thread that ran an item is gone in the child: that item counts as
         # done (as a kernel in flight at the fork has run, or never will).
         for stream in list(self.streams):

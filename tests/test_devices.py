@@ -732,3 +732,79 @@ def test_the_runtime_log_keeps_the_latest_records_only():
     # Trimmed to the latest LOG_LENGTH at the (2 * LOG_LENGTH + 1)-th, then
     # four more.
     assert [entry[2] for entry in fd.RUNTIME.log] == positions[-fd.LOG_LENGTH - 4:]
+
+
+def _interrupt_at_event(k):
+    """A trace function that raises KeyboardInterrupt at the k-th call or
+    return event of a Python frame on this thread (Ctrl-C lands between
+    bytecodes, and a call or a return is where CPython looks for it);
+    ``events`` counts them."""
+    events = [0]
+
+    def tracer(frame, event, arg):
+        if event in ("call", "return"):
+            events[0] += 1
+            if events[0] == k:
+                raise KeyboardInterrupt
+        return tracer
+
+    return tracer, events
+
+
+@pytest.mark.parametrize("while_another_runs", [False, True], ids=["alone", "while_another_runs"])
+def test_ctrl_c_in_a_fake_streams_wait_leaves_its_lock_free_and_runs_no_item_twice(while_another_runs):
+    # See Note [An interrupt in a fake stream's wait] in pyengine/fake_device.py:
+    # an interrupt in threading.Condition's __enter__ left the runtime's lock
+    # held, and every later wait hung. For each k, KeyboardInterrupt at the
+    # k-th call or return of a Python frame while synchronize() runs three
+    # delayed items (and, in the second case, while another thread runs an
+    # item of the stream first, so that synchronize waits for it). Then the
+    # lock is free, a second synchronize ends, and the items ran in launch
+    # order, each at most once: only the item the interrupt landed in may be
+    # missing.
+    k = 1
+    while True:
+        stream = fd.FakeStream(F0, f"interrupted-{k}")
+        ran = []
+        running, release = threading.Event(), threading.Event()
+        other = None
+        if while_another_runs:
+            with fd.set_delayed():
+                stream.launch(lambda running=running, release=release, ran=ran: (
+                    running.set(), release.wait(10), ran.append("other")))
+            other = threading.Thread(target=stream.synchronize, daemon=True)
+            other.start()
+            assert running.wait(10)
+            threading.Timer(0.05, release.set).start()
+        with fd.set_delayed():
+            for i in range(3):
+                stream.launch(lambda i=i, ran=ran: ran.append(i))
+        tracer, events = _interrupt_at_event(k)
+        sys.settrace(tracer)
+        try:
+            stream.synchronize()
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            sys.settrace(None)
+        release.set()
+        if other is not None:
+            other.join(10)
+            assert not other.is_alive()
+        if not fd.RUNTIME.lock.acquire(timeout=5):
+            fd.RUNTIME.lock.release()  # for the tests after this one (any thread may release a Lock)
+            pytest.fail(f"the interrupt at event {k} left the fake runtime's lock held")
+        fd.RUNTIME.lock.release()
+        finisher = threading.Thread(target=stream.synchronize, daemon=True)
+        finisher.start()
+        finisher.join(10)
+        assert not finisher.is_alive(), f"a wait hung after the interrupt at event {k}"
+        expected = (["other"] if while_another_runs else []) + [0, 1, 2]
+        if not interrupted:
+            assert ran == expected
+            break
+        assert ran in [expected] + [expected[:i] + expected[i + 1:] for i in range(len(expected))], (k, ran)
+        k += 1
+    # The sweep passed every event of the run.
+    assert k > 5 and events[0] == k - 1
