@@ -132,6 +132,10 @@ cdef class GraphTask:
 
     # Appended and iterated under the GIL.
     cdef public list final_callbacks
+    # The graph task whose node or final callback started this one (the
+    # thread's current graph task when execute made it), while execute
+    # runs; else None. See Note [A graph task waits for itself].
+    cdef GraphTask enclosing_graph_task
 
     # Device threads keep weak references to graph tasks that sent them work.
     cdef object __weakref__

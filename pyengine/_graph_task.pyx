@@ -361,8 +361,14 @@ cdef class GraphTask:
         cdef unique_lock[mutex] lock
         if self.future_completed_.load():
             return
-        if thread_state().current_graph_task == <PyObject*>self:
-            raise RuntimeError(waits_for_itself_message())
+        cdef PyObject* current = thread_state().current_graph_task
+        # The engine sets current_graph_task from GraphTasks only.
+        cdef GraphTask running = <GraphTask>current if current != NULL else None
+        while running is not None:
+            if running is self:
+                raise RuntimeError(waits_for_itself_message(
+                    nested=current != <PyObject*>self))
+            running = running.enclosing_graph_task
         cdef bint on_main_thread = is_main_thread()
         with nogil:
             lock = unique_lock[mutex](self.completion_mutex)

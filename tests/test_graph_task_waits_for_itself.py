@@ -157,3 +157,105 @@ def test_a_wait_for_a_running_owner_walk_is_refused():
         print("then:", leaf.grad.tolist())
     '''), timeout=60)
     assert lines == [REFUSED, "then: [2.0, 2.0]"]
+
+
+NESTED_SCENARIO = textwrap.dedent('''
+    import sys
+    import numpy as np
+    import pyengine
+    import pyengine._core as core
+    from pyengine import fake_device as fd
+
+    state = core.state_module
+    PLACE, WHERE, LEVELS = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    SHAPE = (2,)
+    if WHERE == "pool":
+        # Every nested backward is handed off to a pool thread.
+        pyengine.set_default_engine(pyengine.Engine(max_recursion_depth=0))
+    outer_device = fd.device(0) if WHERE == "device" else pyengine.CPU
+
+    class Leaf:
+        def __init__(self):
+            self.data, self.grad, self.grad_fn = np.zeros(SHAPE), None, None
+            self.output_nr, self.requires_grad = 0, True
+
+    def host(value):
+        return value.numpy() if isinstance(value, fd.FakeArray) else value
+
+    armed = [True]
+    outermost = []
+
+    def misuse():
+        if armed[0]:
+            outermost[0].wait()
+
+    class Inner(pyengine.Node):
+        """The innermost backward's node: it waits for the outermost task."""
+        def apply(self, grads):
+            if PLACE == "apply":
+                misuse()
+            if PLACE == "callback_wait":
+                pyengine.queue_callback(misuse)
+            return [grads[0] * 2.0]
+
+    class Nest(pyengine.Node):
+        """Runs a backward nested ``level`` deep before it passes twice its
+        gradient on."""
+        def __init__(self, level, leaf, device=pyengine.CPU):
+            super().__init__(next_edges=[pyengine.gradient_edge(leaf)],
+                             input_metadata=[pyengine.InputMetadata(SHAPE, np.float64, device)])
+            self.level = level
+
+        def apply(self, grads):
+            if self.level == LEVELS:
+                outermost[:] = [state.get_current_graph_task()]
+            leaf = Leaf()
+            if self.level > 1:
+                nested = Nest(self.level - 1, leaf)
+            else:
+                nested = Inner(next_edges=[pyengine.gradient_edge(leaf)],
+                               input_metadata=[pyengine.InputMetadata(SHAPE, np.float64)])
+                if PLACE == "pre_hook":
+                    nested.register_prehook(lambda grads: misuse())
+            pyengine.backward([pyengine.Edge(nested, 0)], [np.ones(SHAPE)])
+            return [host(grads[0]) * 2.0]
+
+    x = Leaf()
+    node = Nest(LEVELS, x, outer_device)
+    root_grad = np.ones(SHAPE) if WHERE != "device" else fd.to_fake(np.ones(SHAPE), outer_device)
+
+    def run():
+        x.grad = None
+        pyengine.backward([pyengine.Edge(node, 0)], [root_grad], retain_graph=True)
+        return host(x.grad).tolist()
+
+    try:
+        run()
+    except RuntimeError as error:
+        print("refused:", error)
+    else:
+        print("ran")
+    armed[0] = False
+    print("then:", run())
+    # The link lasts while the nested backward runs only.
+    print("kept:", outermost[0].wait() is None)
+''')
+
+REFUSED_NESTED = (
+    "refused: a graph task cannot wait for itself: this thread runs a backward nested in one of "
+    "its nodes or final callbacks, which waits for that backward, so the wait would never end (a "
+    "node, hook or final callback of the nested backward called wait() or "
+    "mark_as_completed_and_run_post_processing() on an enclosing one)")
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("where", ["inline", "pool", "device"])
+@pytest.mark.parametrize("place", ["apply", "pre_hook", "callback_wait"])
+def test_a_wait_for_an_enclosing_graph_task_from_a_nested_backward_is_refused(place, where, levels):
+    # The outer task waits for its node, which waits for the nested
+    # backward, which would wait for the outer task: refused on whichever
+    # thread runs the nested backward (this one, a pool thread, a device
+    # thread), one or two levels of nesting down.
+    code = f"import sys; sys.argv[1:] = {[place, where, str(levels)]!r}\n" + NESTED_SCENARIO
+    lines = run_on_this_core(code, timeout=60)
+    assert lines == [REFUSED_NESTED, "then: [2.0, 2.0]", "kept: True"]

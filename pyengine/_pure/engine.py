@@ -604,12 +604,20 @@ class Engine:
         else:
             compute_dependencies(graph_root, graph_task)
 
-        self.execute_with_graph_task(graph_task, graph_root, input_buffer)
+        # A backward nested in a node or final callback of the current graph
+        # task: See Note [A graph task waits for itself] in
+        # pyengine/_pure/graph_task.py.
+        graph_task.enclosing_graph_task_ = state.get_current_graph_task()
         try:
-            graph_task.wait()
-        except BaseException as error:
-            cancel_graph_task(graph_task, error)
-            raise
+            self.execute_with_graph_task(graph_task, graph_root, input_buffer)
+            try:
+                graph_task.wait()
+            except BaseException as error:
+                cancel_graph_task(graph_task, error)
+                raise
+        finally:
+            # The enclosing task must not outlive its nodes through this one.
+            graph_task.enclosing_graph_task_ = None
         if graph_task.exception is not None:
             # Take the error off the task: the traceback must not keep the task alive.
             error, graph_task.exception_ = graph_task.exception, None

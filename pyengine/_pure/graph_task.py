@@ -147,7 +147,8 @@ class GraphTask:
                  "graph_root_", "on_pool_thread", "mutex", "dependencies", "not_ready",
                  "exec_info_", "planning", "captured_vars_", "leaf_streams_", "final_callbacks_",
                  "outstanding_tasks_", "_outstanding_lock", "has_error_", "exception_",
-                 "future_completed_", "_completing", "_completion", "initialized_", "__weakref__")
+                 "future_completed_", "_completing", "_completion", "initialized_",
+                 "enclosing_graph_task_", "__weakref__")
 
     keep_graph = _read_only_field("keep_graph", "keep_graph_")
     grad_mode = _read_only_field("grad_mode", "grad_mode_")
@@ -181,6 +182,10 @@ class GraphTask:
         self.captured_vars_ = self.leaf_streams_ = self.final_callbacks_ = None
         self.on_pool_thread = self.has_error_ = self.future_completed_ = False
         self.exception_ = None
+        # The graph task whose node or final callback started this one (the
+        # thread's current graph task when execute made it), while execute
+        # runs; else None. See Note [A graph task waits for itself].
+        self.enclosing_graph_task_ = None
         # An RLock only to be asked its owner: See refuse_lock_taken_again.
         self.mutex = threading.RLock()
         self.dependencies = {}
@@ -396,8 +401,11 @@ class GraphTask:
         [A graph task waits for itself]."""
         if self.future_completed:
             return
-        if state.get_current_graph_task() is self:
-            raise RuntimeError(waits_for_itself_message())
+        current = running = state.get_current_graph_task()
+        while running is not None:
+            if running is self:
+                raise RuntimeError(waits_for_itself_message(nested=current is not self))
+            running = running.enclosing_graph_task_
         on_main_thread = is_main_thread()
         with self._completion:
             while not self.future_completed:
@@ -416,10 +424,21 @@ class GraphTask:
 # ``mark_as_completed_and_run_post_processing()``, which waits where
 # another call already completes the task: from a final callback, itself.
 # Both cores refuse the wait with a RuntimeError, which the node or
-# callback raises as its own error. Not caught: a wait for T from a
-# backward nested in one of T's nodes (its current graph task is the
-# nested one, and no thread keeps the stack of tasks it runs); on the main
-# thread Ctrl-C ends that wait.
+# callback raises as its own error.
+#
+# So is a wait for T from a backward nested in one of T's nodes or final
+# callbacks, on any thread that runs the nested backward's work (its own,
+# a pool thread it handed off to, a device thread): the node that started
+# the nested backward waits for it, so T cannot complete before it does.
+# The thread's current graph task is then the nested one, N; execute
+# records in N the thread's current graph task when it made N
+# (``enclosing_graph_task``), and wait() walks that chain from the
+# thread's current graph task. The chain is one link per level of nesting,
+# walked once per wait; execute clears the link when N's backward returns,
+# so that N, held by Python code, keeps no enclosing task alive. Not
+# caught: a wait across threads the engine does not know of (a node that
+# starts a Python thread, which runs a backward and waits for T, and joins
+# it); on the main thread Ctrl-C ends such a wait.
 
 
 # Note [Gradients left in not ready]

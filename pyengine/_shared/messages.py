@@ -188,8 +188,15 @@ def pool_stopped_message(depth):
 QUEUE_FULL_MESSAGE = "a ready queue could not grow to hold one more task"
 
 
-def waits_for_itself_message():
-    """See Note [A graph task waits for itself] in pyengine/_pure/graph_task.py."""
+def waits_for_itself_message(nested=False):
+    """See Note [A graph task waits for itself] in pyengine/_pure/graph_task.py.
+    ``nested``: the thread runs a backward that one of the task's nodes (or
+    final callbacks) started, not the task itself."""
+    if nested:
+        return ("a graph task cannot wait for itself: this thread runs a backward nested in one "
+                "of its nodes or final callbacks, which waits for that backward, so the wait "
+                "would never end (a node, hook or final callback of the nested backward called "
+                "wait() or mark_as_completed_and_run_post_processing() on an enclosing one)")
     return ("a graph task cannot wait for itself: this thread runs one of its nodes, hooks or "
             "final callbacks, which the task waits for, so the wait would never end (a node or "
             "final callback called wait() or mark_as_completed_and_run_post_processing() on "
