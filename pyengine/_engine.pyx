@@ -43,6 +43,7 @@ from cython.operator cimport dereference as deref
 from libcpp.utility cimport pair
 
 from pyengine._graph_task cimport (Capture, ExecInfoEntry, GraphTask, InputBufferPtr, NodePtr,
+                                   link_enclosing_graph_task,
                                    cancel_graph_task, lock_mutex, new_graph_task,
                                    task_should_execute)
 from pyengine._dependencies cimport compute_dependencies, init_to_execute
@@ -375,21 +376,13 @@ cdef class Engine:
         else:
             compute_dependencies(graph_root, graph_task)
 
-        cdef PyObject* enclosing = thread_state().current_graph_task
-        if enclosing != NULL:
-            # A backward nested in a node or final callback of ``enclosing``:
-            # See Note [A graph task waits for itself] in pyengine/_pure/graph_task.py.
-            graph_task.enclosing_graph_task = <GraphTask>enclosing
+        link_enclosing_graph_task(graph_task, thread_state())
+        self.execute_with_graph_task(worker, graph_task, graph_root, task_inputs(input_buffer))
         try:
-            self.execute_with_graph_task(worker, graph_task, graph_root, task_inputs(input_buffer))
-            try:
-                graph_task.wait()
-            except BaseException as error:
-                cancel_graph_task(graph_task, error)
-                raise
-        finally:
-            # The enclosing task must not outlive its nodes through this one.
-            graph_task.enclosing_graph_task = None
+            graph_task.wait()
+        except BaseException as error:
+            cancel_graph_task(graph_task, error)
+            raise
         if graph_task.exception_ is not None:
             # Take the error off the task: the traceback must not keep the task alive.
             error = graph_task.exception_

@@ -132,10 +132,10 @@ cdef class GraphTask:
 
     # Appended and iterated under the GIL.
     cdef public list final_callbacks
-    # The graph task whose node or final callback started this one (the
-    # thread's current graph task when execute made it), while execute
-    # runs; else None. See Note [A graph task waits for itself].
-    cdef GraphTask enclosing_graph_task
+    # A weak reference to the graph task whose node or final callback
+    # started this one (the thread's current graph task when it was made),
+    # or None: See Note [A graph task waits for itself].
+    cdef object enclosing_graph_task
 
     # Device threads keep weak references to graph tasks that sent them work.
     cdef object __weakref__
@@ -159,6 +159,8 @@ cdef GraphTask new_graph_task(bint keep_graph, bint grad_mode, int reentrant_dep
                               bint multithreading)
 
 cdef int cancel_graph_task(GraphTask graph_task, object error) except -1
+
+cdef int link_enclosing_graph_task(GraphTask graph_task, ThreadState* thread) except -1
 
 
 cdef inline ThreadState running_thread_state(GraphTask graph_task) noexcept:

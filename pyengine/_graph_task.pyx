@@ -11,6 +11,7 @@ from cpython.long cimport PyLong_FromVoidPtr
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from cpython.weakref cimport PyWeakref_NewRef
 from cython.operator cimport dereference as deref
 from libcpp.mutex cimport mutex, unique_lock
 from libcpp.unordered_map cimport unordered_map
@@ -89,6 +90,15 @@ cdef GraphTask new_graph_task(bint keep_graph, bint grad_mode, int reentrant_dep
     graph_task._init_fields(keep_graph, grad_mode, reentrant_depth, cpu_ready_queue,
                             exit_on_error, multithreading)
     return graph_task
+
+
+cdef int link_enclosing_graph_task(GraphTask graph_task, ThreadState* thread) except -1:
+    """Record in ``graph_task``, made by a backward that ``thread`` starts,
+    the graph task whose node or final callback that thread runs, if any:
+    See Note [A graph task waits for itself] in pyengine/_pure/graph_task.py."""
+    if thread.current_graph_task != NULL:
+        graph_task.enclosing_graph_task = PyWeakref_NewRef(<object>thread.current_graph_task, None)
+    return 0
 
 
 @cython.final
@@ -368,7 +378,9 @@ cdef class GraphTask:
             if running is self:
                 raise RuntimeError(waits_for_itself_message(
                     nested=current != <PyObject*>self))
-            running = running.enclosing_graph_task
+            # A reference that died ends the chain: what it named completed.
+            running = (running.enclosing_graph_task()
+                       if running.enclosing_graph_task is not None else None)
         cdef bint on_main_thread = is_main_thread()
         with nogil:
             lock = unique_lock[mutex](self.completion_mutex)

@@ -21,7 +21,8 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from libcpp.vector cimport vector
 
-from pyengine._graph_task cimport DependencyMap, GraphTask, new_graph_task, running_thread_state
+from pyengine._graph_task cimport (DependencyMap, GraphTask, link_enclosing_graph_task,
+                                   new_graph_task, running_thread_state)
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
 from pyengine._node cimport InputMetadata
@@ -785,6 +786,7 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
                       else (<GraphTask>thread.current_graph_task).reentrant_depth + 1)
     cdef GraphTask graph_task = new_graph_task(False, False, depth, None, False,
                                                thread.multithreading_enabled)
+    link_enclosing_graph_task(graph_task, thread)
     # grad(inputs=) prunes, so a reentrant checkpoint is not valid in it.
     cdef bint checkpoint_valid = inputs is None
     cdef dict metadata_of = {}

@@ -259,3 +259,54 @@ def test_a_wait_for_an_enclosing_graph_task_from_a_nested_backward_is_refused(pl
     code = f"import sys; sys.argv[1:] = {[place, where, str(levels)]!r}\n" + NESTED_SCENARIO
     lines = run_on_this_core(code, timeout=60)
     assert lines == [REFUSED_NESTED, "then: [2.0, 2.0]", "kept: True"]
+
+
+def test_a_wait_for_an_enclosing_graph_task_from_a_nested_owner_walk_is_refused():
+    # An owner graph's walk (the adapters' path) nested in a node: its
+    # owners' backward methods run inside the walk's graph task, which the
+    # node waits for.
+    lines = run_on_this_core(textwrap.dedent('''
+        import numpy as np
+        import pyengine
+        import pyengine._core as core
+
+        state = core.state_module
+        armed = [True]
+        outer = []
+
+        class Value:
+            def __init__(self, *parents):
+                self.parents, self.grad = list(parents), None
+
+            def backward_writes(self):
+                if armed[0]:
+                    outer[0].wait()
+                for parent in self.parents:
+                    parent.grad = (0 if parent.grad is None else parent.grad) + self.grad * 2
+
+        class Walks(pyengine.Node):
+            def apply(self, grads):
+                outer[:] = [state.get_current_graph_task()]
+                top = Value(Value())
+                top.grad = np.ones(2)
+                pyengine.execute_owner_graph(top, "parents", "backward_writes")
+                return [grads[0] * 2.0]
+
+        class Leaf:
+            def __init__(self):
+                self.data, self.grad, self.grad_fn = np.zeros(2), None, None
+                self.output_nr, self.requires_grad = 0, True
+
+        x = Leaf()
+        node = Walks(next_edges=[pyengine.gradient_edge(x)],
+                     input_metadata=[pyengine.InputMetadata((2,), np.float64)])
+        try:
+            pyengine.backward([pyengine.Edge(node, 0)], [np.ones(2)], retain_graph=True)
+        except RuntimeError as error:
+            print("refused:", error)
+        armed[0] = False
+        x.grad = None
+        pyengine.backward([pyengine.Edge(node, 0)], [np.ones(2)], retain_graph=True)
+        print("then:", x.grad.tolist())
+    '''), timeout=60)
+    assert lines == [REFUSED_NESTED, "then: [2.0, 2.0]"]

@@ -333,7 +333,13 @@ from .._shared.messages import (
 from ..device import CPU
 from . import state
 from .dependencies import compute_dependencies, init_to_execute
-from .graph_task import GraphTask, cancel_graph_task, refuse_lock_taken_again, task_should_execute
+from .graph_task import (
+    GraphTask,
+    cancel_graph_task,
+    link_enclosing_graph_task,
+    refuse_lock_taken_again,
+    task_should_execute,
+)
 from .input_buffer import InputBuffer
 from .node import Edge, NodeBase, _checked_field, _not_list, _read_only_field, new_node_base
 from .ready_queue import ReadyQueue, is_main_thread, make_record
@@ -604,20 +610,13 @@ class Engine:
         else:
             compute_dependencies(graph_root, graph_task)
 
-        # A backward nested in a node or final callback of the current graph
-        # task: See Note [A graph task waits for itself] in
-        # pyengine/_pure/graph_task.py.
-        graph_task.enclosing_graph_task_ = state.get_current_graph_task()
+        link_enclosing_graph_task(graph_task)
+        self.execute_with_graph_task(graph_task, graph_root, input_buffer)
         try:
-            self.execute_with_graph_task(graph_task, graph_root, input_buffer)
-            try:
-                graph_task.wait()
-            except BaseException as error:
-                cancel_graph_task(graph_task, error)
-                raise
-        finally:
-            # The enclosing task must not outlive its nodes through this one.
-            graph_task.enclosing_graph_task_ = None
+            graph_task.wait()
+        except BaseException as error:
+            cancel_graph_task(graph_task, error)
+            raise
         if graph_task.exception is not None:
             # Take the error off the task: the traceback must not keep the task alive.
             error, graph_task.exception_ = graph_task.exception, None

@@ -5,6 +5,7 @@ its caller has read its result; NodeTasks point back to it.
 """
 
 import threading
+import weakref
 
 from .. import streams
 from .._shared import node_streams, task_queries
@@ -182,9 +183,9 @@ class GraphTask:
         self.captured_vars_ = self.leaf_streams_ = self.final_callbacks_ = None
         self.on_pool_thread = self.has_error_ = self.future_completed_ = False
         self.exception_ = None
-        # The graph task whose node or final callback started this one (the
-        # thread's current graph task when execute made it), while execute
-        # runs; else None. See Note [A graph task waits for itself].
+        # A weak reference to the graph task whose node or final callback
+        # started this one (the thread's current graph task when it was
+        # made), or None: See Note [A graph task waits for itself].
         self.enclosing_graph_task_ = None
         # An RLock only to be asked its owner: See refuse_lock_taken_again.
         self.mutex = threading.RLock()
@@ -405,7 +406,9 @@ class GraphTask:
         while running is not None:
             if running is self:
                 raise RuntimeError(waits_for_itself_message(nested=current is not self))
-            running = running.enclosing_graph_task_
+            # A reference that died ends the chain: what it named completed.
+            link = running.enclosing_graph_task_
+            running = link() if link is not None else None
         on_main_thread = is_main_thread()
         with self._completion:
             while not self.future_completed:
@@ -430,12 +433,13 @@ class GraphTask:
 # callbacks, on any thread that runs the nested backward's work (its own,
 # a pool thread it handed off to, a device thread): the node that started
 # the nested backward waits for it, so T cannot complete before it does.
-# The thread's current graph task is then the nested one, N; execute
-# records in N the thread's current graph task when it made N
-# (``enclosing_graph_task``), and wait() walks that chain from the
-# thread's current graph task. The chain is one link per level of nesting,
-# walked once per wait; execute clears the link when N's backward returns,
-# so that N, held by Python code, keeps no enclosing task alive. Not
+# The thread's current graph task is then the nested one, N; execute (and
+# an owner graph's walk) records in N the thread's current graph task when
+# it made N (``link_enclosing_graph_task``), and wait() walks that chain
+# from the thread's current graph task. The chain is one link per level
+# of nesting, walked once per wait. A link is a weak reference: N, kept by
+# Python code after its backward, keeps no enclosing task alive, and a
+# link whose task is gone ends the chain (that task completed). Not
 # caught: a wait across threads the engine does not know of (a node that
 # starts a Python thread, which runs a backward and waits for T, and joins
 # it); on the main thread Ctrl-C ends such a wait.
@@ -465,6 +469,15 @@ def check_not_ready_empty(graph_task):
         count = len(graph_task.not_ready)
     if count:
         raise RuntimeError(not_ready_message(count))
+
+
+def link_enclosing_graph_task(graph_task):
+    """Record in ``graph_task``, made by a backward that this thread starts,
+    the graph task whose node or final callback this thread runs, if any:
+    See Note [A graph task waits for itself]."""
+    current = state.get_current_graph_task()
+    if current is not None:
+        graph_task.enclosing_graph_task_ = weakref.ref(current)
 
 
 def cancel_graph_task(graph_task, error):

@@ -200,7 +200,7 @@ from .._shared.owner_graph_checks import (
     split_item,
 )
 from . import state
-from .graph_task import GraphTask
+from .graph_task import GraphTask, link_enclosing_graph_task
 from .input_buffer import InputBuffer
 from .node import InputMetadata, _not_writable, as_input_metadata
 from .static_types import c_type_name, check_argument, check_new
@@ -712,6 +712,7 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
     current = state.get_current_graph_task()
     graph_task = GraphTask(False, False, 0 if current is None else current.reentrant_depth + 1,
                            None, multithreading=state.is_multithreading_enabled())
+    link_enclosing_graph_task(graph_task)
     # grad(inputs=) prunes, so a reentrant checkpoint is not valid in it.
     checkpoint_valid = inputs is None
     buffers, metadata_of = {}, {}
