@@ -145,13 +145,14 @@ _thread_local = threading.local()
 
 
 cdef WorkerState get_worker_state():
-    try:
-        # Checked: a module global, which Python code can write.
-        return <WorkerState?>_thread_local.state
-    except AttributeError:
+    # No try/except: See Note [Allocations that fail] (a return in an
+    # except clause).
+    state = getattr(_thread_local, "state", None)
+    if state is None:
         state = WorkerState()
         _thread_local.state = state
-        return state
+    # Checked: a module global, which Python code can write.
+    return <WorkerState?>state
 
 
 # -- GraphRoot ----------------------------------------------------------------------

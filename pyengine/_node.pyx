@@ -55,10 +55,14 @@ def _normalize_dtype(dtype):
     # compare descriptors by identity; other dtypes (a framework's) stay as given.
     if isinstance(dtype, np.dtype):
         return dtype
+    normalized = dtype
     try:
-        return np.dtype(dtype)
+        normalized = np.dtype(dtype)
     except TypeError:
-        return dtype
+        # No return in here: See Note [Allocations that fail] in
+        # pyengine/_engine.pyx (a return in an except clause).
+        pass
+    return normalized
 
 
 @cython.final
