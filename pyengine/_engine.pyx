@@ -145,7 +145,7 @@ _thread_local = threading.local()
 
 
 cdef WorkerState get_worker_state():
-    # No try/except: See Note [Allocations that fail] (a return in an
+    # No try/except: See Note [Python allocations that fail] (a return in an
     # except clause).
     state = getattr(_thread_local, "state", None)
     if state is None:
@@ -880,6 +880,42 @@ cdef class Engine:
 # The twin's lists raise MemoryError where they cannot grow, and it takes
 # the same paths. tests/test_allocation_failures.py fails each C++
 # allocation of a backward in turn (tests/fail_new.cpp).
+
+
+# Note [Python allocations that fail]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Where memory runs out, CPython's allocators return NULL too, and nearly
+# every line of the core that touches an object may raise MemoryError: a
+# list's append, an int past the small ones, a bound method, a traceback.
+# Most of them are plain errors of a function declared to raise, which
+# fail the node or the backward as any error does. What went wrong was
+# elsewhere:
+# - Cython's ``except`` clause: Cython adds the function's frame to the
+#   traceback before the clause runs, and where that allocation fails the
+#   caught error has no traceback; a ``return`` inside the clause then
+#   releases the missing traceback (a NULL pointer) and the process
+#   crashes (Cython 3.3's code; a clause that ends by falling through or
+#   raising releases it with a NULL check). The error caught may also be
+#   that MemoryError in place of the one the clause matched. So no clause
+#   in the core returns: it sets what the function returns after it
+#   (``get_worker_state`` asks getattr with a default, and has none).
+#   The two ``with stream_guard(...)`` statements pass a missing
+#   traceback to ``__exit__`` as a NULL item of its arguments, which
+#   crashes too. That takes an error raised for another reason (a node's,
+#   an add's) whose traceback then cannot be made: left as it is, for a
+#   node or an add that raises where memory is gone at that very moment.
+# - an error of the engine's own on a pool thread (the thread's first
+#   WorkerState, its driven_graph_tasks' append) ended the thread and left
+#   the graph task incomplete, and its caller waited for good: the pool
+#   thread fails the task with it (``_reentrant_thread_main``).
+# The ``noexcept`` functions that run with the GIL make no Python object:
+# their errors would be printed ("Exception ignored in") and lost.
+# CPython's own code raises other errors where its allocations fail:
+# threading.local a SystemError, for a new thread's dictionary; a
+# RuntimeError from MemoryError is the engine's word for a pool thread
+# that could not start. tests/test_pymem_failures.py fails each Python
+# allocation of a backward in turn (tests/fail_pymem.c); the twin, Python
+# code throughout, raises MemoryError wherever an allocation fails.
 
 
 cdef void push_wake_up(ReadyQueue queue) noexcept:

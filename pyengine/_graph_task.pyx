@@ -320,7 +320,7 @@ cdef class GraphTask:
         try:
             self.exec_post_processing()
         except BaseException as error:
-            # No return in here: See Note [Allocations that fail] in
+            # No return in here: See Note [Python allocations that fail] in
             # pyengine/_engine.pyx (a return in an except clause).
             self.set_exception(error)
         else:

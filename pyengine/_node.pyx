@@ -59,7 +59,7 @@ def _normalize_dtype(dtype):
     try:
         normalized = np.dtype(dtype)
     except TypeError:
-        # No return in here: See Note [Allocations that fail] in
+        # No return in here: See Note [Python allocations that fail] in
         # pyengine/_engine.pyx (a return in an except clause).
         pass
     return normalized

@@ -17,7 +17,7 @@
  * no other thread of the interpreter does; every_thread 1, those of every
  * thread, for the engine's device and pool threads. Both domains' calls
  * are made with the GIL held, which orders them; the counters are atomic
- * all the same. free is never counted. See Note [Allocations that fail]
+ * all the same. free is never counted. See Note [Python allocations that fail]
  * in pyengine/_engine.pyx.
  */
 
