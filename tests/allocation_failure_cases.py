@@ -360,11 +360,10 @@ def flags_case():
     return seen
 
 
-def steps(calls):
-    """The n to fail, of ``calls``: each up to FAIL_PYMEM_EACH, then every
-    FAIL_PYMEM_STRIDE-th (both unset: each)."""
-    each = int(os.environ.get("FAIL_PYMEM_EACH", calls))
-    stride = int(os.environ.get("FAIL_PYMEM_STRIDE", 1))
+def steps(calls, each=None, stride=1):
+    """The n to fail, of ``calls``: each up to ``each`` (None: all), then
+    every ``stride``-th."""
+    each = calls if each is None else each
     return list(range(1, min(each, calls) + 1)) + list(range(each + 1, calls + 1, stride))
 
 
@@ -385,8 +384,10 @@ def main(scenario):
     sys.unraisablehook = report_unraisable
     if scenario == "pool":
         pyengine.set_default_engine(pyengine.Engine(max_recursion_depth=0))
+    each = int(os.environ["FAIL_PYMEM_EACH"]) if "FAIL_PYMEM_EACH" in os.environ else None
+    stride = int(os.environ.get("FAIL_PYMEM_STRIDE", 1))
     cold_calls = on_new_thread(scenario, 0)[0]
-    for n in steps(cold_calls):
+    for n in steps(cold_calls, each, stride):
         print(f"BEGIN cold {n}", flush=True)
         calls, outcome, after = on_new_thread(scenario, n)
         print(f"cold {n} calls={calls} {outcome} | after {after}", flush=True)
@@ -394,7 +395,7 @@ def main(scenario):
         failures.every_thread = scenario in EVERY_THREAD
     case(scenario, 0)  # warm
     warm_calls = case(scenario, 0)[0]
-    for n in steps(warm_calls):
+    for n in steps(warm_calls, each, stride):
         print(f"BEGIN warm {n}", flush=True)
         calls, outcome, after = case(scenario, n)
         print(f"warm {n} calls={calls} {outcome} | after {after}", flush=True)
