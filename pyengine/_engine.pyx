@@ -175,7 +175,12 @@ cdef class GraphRoot(NodeBase):
         # The root gradients were written on the caller's current streams, one
         # per root and device: each is the producer stream of its own root
         # gradient (not the first root's for all). See Note [Streaming backwards].
-        self._root_streams = tuple([_streams.value_stream(grad) for grad in grads])
+        # A loop, not a list comprehension: See Note [Python allocations
+        # that fail].
+        root_streams = []
+        for grad in grads:
+            root_streams.append(_streams.value_stream(grad))
+        self._root_streams = tuple(root_streams)
         self._stream = next((stream for stream in self._root_streams if stream is not None), None)
 
     def apply(self, grads):
@@ -904,6 +909,13 @@ cdef class Engine:
 #   crashes too. That takes an error raised for another reason (a node's,
 #   an add's) whose traceback then cannot be made: left as it is, for a
 #   node or an add that raises where memory is gone at that very moment.
+# - Cython's list comprehension whose item is a new object (a call's
+#   result): where the list cannot grow, its append releases the item and
+#   the error path releases it again (Cython 3.3's ListComp_AppendAndDecref),
+#   and an object still in use is freed (a node made while memory ran out
+#   freed the InputMetadata its caller held, and the heap was corrupt
+#   after). The core makes such lists with a loop and ``append``, which
+#   releases the item once.
 # - an error of the engine's own on a pool thread (the thread's first
 #   WorkerState, its driven_graph_tasks' append) ended the thread and left
 #   the graph task incomplete, and its caller waited for good: the pool
