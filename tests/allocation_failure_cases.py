@@ -103,8 +103,10 @@ failures = None
 # and pool threads): in their warm cases, which find those threads running,
 # Python allocations fail on every thread. Not in cold cases, where the
 # backward starts the threads: an allocation that fails in CPython's own
-# start of a thread (threading's bootstrap, on the new thread) leaves
-# Thread.start() waiting for good, whatever the engine does.
+# start of a thread (threading's _bootstrap_inner, on the new thread, once
+# start() has returned) ends the thread before it runs its target, and a
+# pool thread that never comes leaves its graph task waiting for good,
+# whatever the engine does; this program's own thread.start() fails too.
 EVERY_THREAD = ("devices", "pool")
 
 

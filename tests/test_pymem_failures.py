@@ -12,7 +12,8 @@ allocations of the caller's thread failing) and ``warm`` (one after the
 other; in the scenarios whose nodes run on device or pool threads, the
 allocations of every thread failing). Python allocations are many: in
 ``fan`` (a ready queue of 300 tasks, some 2,500 allocations a backward)
-each of the first FAN_EACH fails, then every FAN_STRIDE-th.
+each of the first FAN_EACH fails, then every FAN_STRIDE-th. In ``made``
+the graph's nodes and metadata are made while allocations fail, too.
 
 Oracles: each failing backward either gives the reference gradients or
 raises MemoryError; the good backward after it gives the reference
@@ -43,7 +44,7 @@ import pyengine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ["chain", "lattice", "lattice_grad", "fan", "devices", "reentrant", "pool",
-             "owner_writes", "owner_returns"]
+             "owner_writes", "owner_returns", "made"]
 FAN_EACH, FAN_STRIDE = 400, 7
 TIMEOUT_S = 120
 
