@@ -926,8 +926,9 @@ cdef class Engine:
 # threading.local a SystemError, for a new thread's dictionary; a
 # RuntimeError from MemoryError is the engine's word for a pool thread
 # that could not start. tests/test_pymem_failures.py fails each Python
-# allocation of a backward in turn (tests/fail_pymem.c); the twin, Python
-# code throughout, raises MemoryError wherever an allocation fails.
+# allocation of a backward in turn (tests/fail_pymem.c), in the compiled
+# core: the twin, Python code throughout, has none of Cython's paths, and
+# its allocations fail in CPython's threading as often as in the engine.
 
 
 cdef void push_wake_up(ReadyQueue queue) noexcept:

@@ -57,9 +57,9 @@ ACCEPTED = {
 
 pytestmark = [
     pytest.mark.skipif(pyengine.IMPLEMENTATION != "compiled",
-                       reason="the twin is Python code, every line of which allocates: a "
-                              "failure anywhere in it is a MemoryError where it happens, "
-                              "and it has no except clause that Cython compiles"),
+                       reason="the compiled core's C paths: the twin is Python code "
+                              "throughout, whose allocations fail in CPython's own threading "
+                              "and with statements as often as in the engine"),
     pytest.mark.skipif(any(runtime in os.environ.get("LD_PRELOAD", "")
                            for runtime in ("libasan", "libtsan")),
                        reason="under a sanitizer's runtime the allocations it intercepts "
