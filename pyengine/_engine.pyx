@@ -146,13 +146,14 @@ _thread_local = threading.local()
 
 
 cdef WorkerState get_worker_state():
-    try:
-        # Checked: a module global, which Python code can write.
-        return <WorkerState?>_thread_local.state
-    except AttributeError:
+    # No try/except: See Note [Python allocations that fail] (a return in an
+    # except clause).
+    state = getattr(_thread_local, "state", None)
+    if state is None:
         state = WorkerState()
         _thread_local.state = state
-        return state
+    # Checked: a module global, which Python code can write.
+    return <WorkerState?>state
 
 
 # -- GraphRoot ----------------------------------------------------------------------
@@ -175,7 +176,12 @@ cdef class GraphRoot(NodeBase):
         # The root gradients were written on the caller's current streams, one
         # per root and device: each is the producer stream of its own root
         # gradient (not the first root's for all). See Note [Streaming backwards].
-        self._root_streams = tuple([_streams.value_stream(grad) for grad in grads])
+        # A loop, not a list comprehension: See Note [Python allocations
+        # that fail].
+        root_streams = []
+        for grad in grads:
+            root_streams.append(_streams.value_stream(grad))
+        self._root_streams = tuple(root_streams)
         self._stream = next((stream for stream in self._root_streams if stream is not None), None)
 
     def apply(self, grads):
@@ -881,6 +887,50 @@ cdef class Engine:
 # The twin's lists raise MemoryError where they cannot grow, and it takes
 # the same paths. tests/test_allocation_failures.py fails each C++
 # allocation of a backward in turn (tests/fail_new.cpp).
+
+
+# Note [Python allocations that fail]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Where memory runs out, CPython's allocators return NULL too, and nearly
+# every line of the core that touches an object may raise MemoryError: a
+# list's append, an int past the small ones, a bound method, a traceback.
+# Most of them are plain errors of a function declared to raise, which
+# fail the node or the backward as any error does. What went wrong was
+# elsewhere:
+# - Cython's ``except`` clause: Cython adds the function's frame to the
+#   traceback before the clause runs, and where that allocation fails the
+#   caught error has no traceback; a ``return`` inside the clause then
+#   releases the missing traceback (a NULL pointer) and the process
+#   crashes (Cython 3.3's code; a clause that ends by falling through or
+#   raising releases it with a NULL check). The error caught may also be
+#   that MemoryError in place of the one the clause matched. So no clause
+#   in the core returns: it sets what the function returns after it
+#   (``get_worker_state`` asks getattr with a default, and has none).
+#   The two ``with stream_guard(...)`` statements pass a missing
+#   traceback to ``__exit__`` as a NULL item of its arguments, which
+#   crashes too. That takes an error raised for another reason (a node's,
+#   an add's) whose traceback then cannot be made: left as it is, for a
+#   node or an add that raises where memory is gone at that very moment.
+# - Cython's list comprehension whose item is a new object (a call's
+#   result): where the list cannot grow, its append releases the item and
+#   the error path releases it again (Cython 3.3's ListComp_AppendAndDecref),
+#   and an object still in use is freed (a node made while memory ran out
+#   freed the InputMetadata its caller held, and the heap was corrupt
+#   after). The core makes such lists with a loop and ``append``, which
+#   releases the item once.
+# - an error of the engine's own on a pool thread (the thread's first
+#   WorkerState, its driven_graph_tasks' append) ended the thread and left
+#   the graph task incomplete, and its caller waited for good: the pool
+#   thread fails the task with it (``_reentrant_thread_main``).
+# The ``noexcept`` functions that run with the GIL make no Python object:
+# their errors would be printed ("Exception ignored in") and lost.
+# CPython's own code raises other errors where its allocations fail:
+# threading.local a SystemError, for a new thread's dictionary; a
+# RuntimeError from MemoryError is the engine's word for a pool thread
+# that could not start. tests/test_pymem_failures.py fails each Python
+# allocation of a backward in turn (tests/fail_pymem.c), in the compiled
+# core: the twin, Python code throughout, has none of Cython's paths, and
+# its allocations fail in CPython's threading as often as in the engine.
 
 
 cdef void push_wake_up(ReadyQueue queue) noexcept:

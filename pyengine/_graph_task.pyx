@@ -330,13 +330,15 @@ cdef class GraphTask:
         try:
             self.exec_post_processing()
         except BaseException as error:
+            # No return in here: See Note [Python allocations that fail] in
+            # pyengine/_engine.pyx (a return in an except clause).
             self.set_exception(error)
-            return
-        lock_releasing_gil(self.completion_mutex)
-        if not self.future_completed_.load():
-            self.future_completed_.store(1)
-            self.completed_cv.notify_all()
-        self.completion_mutex.unlock()
+        else:
+            lock_releasing_gil(self.completion_mutex)
+            if not self.future_completed_.load():
+                self.future_completed_.store(1)
+                self.completed_cv.notify_all()
+            self.completion_mutex.unlock()
 
     cpdef exec_post_processing(self):
         """Make the caller's streams wait on the leaf streams, then run final

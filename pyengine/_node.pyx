@@ -55,10 +55,14 @@ def _normalize_dtype(dtype):
     # compare descriptors by identity; other dtypes (a framework's) stay as given.
     if isinstance(dtype, np.dtype):
         return dtype
+    normalized = dtype
     try:
-        return np.dtype(dtype)
+        normalized = np.dtype(dtype)
     except TypeError:
-        return dtype
+        # No return in here: See Note [Python allocations that fail] in
+        # pyengine/_engine.pyx (a return in an except clause).
+        pass
+    return normalized
 
 
 @cython.final
@@ -74,7 +78,12 @@ cdef class InputMetadata:
         if self.shape is not None:
             # Its fields and the fast path's copy of them must agree.
             raise TypeError("InputMetadata is immutable: its __init__ ran already")
-        shape = tuple([int(size) for size in shape])
+        # A loop, not a list comprehension: See Note [Python allocations
+        # that fail] in pyengine/_engine.pyx.
+        sizes = []
+        for size in shape:
+            sizes.append(int(size))
+        shape = tuple(sizes)
         dtype = _normalize_dtype(dtype)
         if type(device) is not Device:
             device = as_device(device)
@@ -401,7 +410,12 @@ cdef int _initialize_node(NodeBase self, next_edges, input_metadata) except -1:
     if type(input_metadata) is tuple and PyTuple_GET_SIZE(input_metadata) == 0:
         _keep_input_metadata(self, ())
     else:
-        _keep_input_metadata(self, tuple([as_input_metadata(spec) for spec in input_metadata]))
+        # A loop, not a list comprehension: See Note [Python allocations
+        # that fail] in pyengine/_engine.pyx.
+        specs = []
+        for spec in input_metadata:
+            specs.append(as_input_metadata(spec))
+        _keep_input_metadata(self, tuple(specs))
     self._sequence_nr = pyengine_next_sequence_nr
     pyengine_next_sequence_nr += 1
     # See Note [Overriding release variables] in the twin.

@@ -247,7 +247,12 @@ cdef tuple read_metadata(OwnerGraph graph, object owner):
     """``metadata(owner)`` as the Node API reads ``input_metadata``: each
     entry an InputMetadata, None, a ``(shape, dtype[, device])`` tuple or a
     value to read them from."""
-    return tuple([as_input_metadata(spec) for spec in graph.metadata(owner)])
+    # A loop, not a list comprehension: See Note [Python allocations that
+    # fail] in pyengine/_engine.pyx.
+    specs = []
+    for spec in graph.metadata(owner):
+        specs.append(as_input_metadata(spec))
+    return tuple(specs)
 
 
 cdef struct Frame:
@@ -756,7 +761,12 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
     if inputs is not None:
         if not inputs:
             raise RuntimeError("grad needs at least one input")
-        inputs = [split_root(graph, item, f"inputs[{i}]") for i, item in enumerate(inputs)]
+        # A loop, not a list comprehension: See Note [Python allocations
+        # that fail] in pyengine/_engine.pyx.
+        pairs = []
+        for index, item in enumerate(inputs):
+            pairs.append(split_root(graph, item, f"inputs[{index}]"))
+        inputs = pairs
         wanted = {id(owner) for owner, _ in inputs}
 
     cdef vector[PyObject*] order
@@ -798,9 +808,12 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
         for i in range(<Py_ssize_t>order.size()):
             order_list.append(<object>order[i])
             is_leaf_list.append(<bint>is_leaf[i])
-        needed = mark_needed(order_list, is_leaf_list,
-                             [tuple([<object>items_of.of(i)[k] for k in range(items_of.count(i))])
-                              for i in range(<Py_ssize_t>order.size())], wanted)
+        # A loop, not a list comprehension: See Note [Python allocations
+        # that fail] in pyengine/_engine.pyx.
+        items_list = []
+        for i in range(<Py_ssize_t>order.size()):
+            items_list.append(tuple([<object>items_of.of(i)[k] for k in range(items_of.count(i))]))
+        needed = mark_needed(order_list, is_leaf_list, items_list, wanted)
     # The owners that run or capture under grad(inputs=), for should_compute_output.
     exec_info = needed | wanted if needed is not None and graph.should_compute_output else None
     cdef InputBuffer buffer

@@ -181,6 +181,13 @@ def _reentrant_thread_main(_ThreadPoolShared pool not None, run_graph_task, list
             graph_task.on_pool_thread = True
             try:
                 run_graph_task(graph_task)
+            except BaseException as error:
+                # An error of the engine's own (a MemoryError where it
+                # keeps its state: See Note [Python allocations that fail] in
+                # pyengine/_engine.pyx), not a node's, which fail the task
+                # where they are caught: it fails the task here, or the
+                # caller waited for it for good. The thread serves on.
+                graph_task.set_exception(error)
             finally:
                 lock_releasing_gil(pool.mutex_)
                 graph_task.on_pool_thread = False

@@ -70,9 +70,12 @@ class FakeStream:
 
     def launch(self, work) -> None:
         with RUNTIME.lock:
+            # The new count first: a MemoryError in making it, or in the
+            # append, leaves the stream as it was, not an item that its
+            # count misses, which no wait ran and a reader found unwritten.
+            position = self._launched + 1
             self._pending.append(work)
-            self._launched += 1
-            position = self._launched
+            self._launched = position
             delayed = RUNTIME.delayed
         if not delayed:
             self._run_until(position)
@@ -129,9 +132,18 @@ class FakeStream:
                     time.sleep(WAIT_POLL_S)  # another thread runs this stream's item
             finally:
                 if claimed:
-                    with lock:
-                        self._done += 1
+                    # Not a with statement: its start allocates (the lock's
+                    # bound __enter__ and __exit__), and a MemoryError there
+                    # left the item running for good, and every later wait
+                    # on the stream polling. _running first: the count's
+                    # new int may fail too, and a count one short only
+                    # makes a later wait run an item early, in order.
+                    lock.acquire()
+                    try:
                         self._running = False
+                        self._done += 1
+                    finally:
+                        lock.release()
 
     def synchronize(self) -> None:
         with RUNTIME.lock:

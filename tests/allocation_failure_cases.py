@@ -1,14 +1,24 @@
-"""The child program of tests/test_allocation_failures.py: a backward in
-which the n-th C++ allocation fails, for every n.
+"""The child program of tests/test_allocation_failures.py and
+tests/test_pymem_failures.py: a backward in which the n-th allocation
+fails, for every n.
 
-Run as ``python allocation_failure_cases.py SCENARIO`` with
+Run as ``python allocation_failure_cases.py SCENARIO`` with either
 ``tests/fail_new.cpp`` built and preloaded (``LD_PRELOAD``, and its path in
-``FAIL_NEW``). For the scenario, it first counts the C++ allocations of one
+``FAIL_NEW``): the n-th C++ allocation (operator new) throws; or
+``tests/fail_pymem.c`` built (its path in ``FAIL_PYMEM``): the n-th Python
+allocation (PyMem_Malloc, PyObject_Malloc and their calloc and realloc)
+returns NULL. For the scenario, it first counts the allocations of one
 backward (``calls``), then, for each n from 1 to that count, runs the
 backward with the n-th allocation failing, and then a good backward, and
 prints one line per case::
 
     cold 3 calls=21 MemoryError | after exact
+
+Python allocations are many (thousands a backward): beyond the first
+``FAIL_PYMEM_EACH`` of them, only every ``FAIL_PYMEM_STRIDE``-th fails
+(``steps``). They are counted on the thread that runs the backward, and in
+the scenarios whose nodes run on other threads too (``EVERY_THREAD``), on
+every thread.
 
 ``cold`` cases run each on a new thread with a new Engine (so that no
 table, queue or frame block kept by an earlier backward hides an
@@ -17,7 +27,9 @@ default engine. The outcome is ``exact`` (the gradients are the reference
 ones), ``MemoryError``, or anything else (a finding); ``after``: the good
 backward's gradients, on the same thread and engine, against the reference.
 A crash or a hang shows as the process's end: the parent knows the case
-from the ``BEGIN`` line printed before it.
+from the ``BEGIN`` line printed before it. An error that a function of the
+engine could not raise, and Python only printed ("Exception ignored in"),
+is a line ``UNRAISABLE`` after the case's ``BEGIN``.
 
 Every node passes twice the gradient it gets along each of its edges, so
 the reference gradients are computed here by a walk of the graph in Python
@@ -50,9 +62,52 @@ class FailNew:
         self.arm, self.disarm = library.fail_new_arm, library.fail_new_disarm
 
 
+class FailPyMem:
+    """tests/fail_pymem.c's controls, as FailNew's: ``arm(n)`` makes the
+    n-th Python allocation from now fail, on this thread or, while
+    ``every_thread`` is set, on any."""
+
+    def __init__(self, path, every_thread=False):
+        # PyDLL: the calls keep the GIL, which PyMem_SetAllocator needs.
+        library = ctypes.PyDLL(path)
+        library.fail_pymem_arm.argtypes = [ctypes.c_long, ctypes.c_int]
+        library.fail_pymem_arm.restype = None
+        library.fail_pymem_disarm.restype = ctypes.c_long
+        library.fail_pymem_install.restype = None
+        library.fail_pymem_install()
+        self.library, self.every_thread = library, every_thread
+
+    def arm(self, failing_call):
+        try:
+            self.library.fail_pymem_arm(failing_call, self.every_thread)
+        except MemoryError:
+            # The failing call was ctypes' own, after the C function armed:
+            # the case runs with no failure.
+            pass
+
+    def disarm(self):
+        while True:
+            try:
+                return self.library.fail_pymem_disarm()
+            except MemoryError:
+                # The failing call was ctypes' own, before the C function
+                # ran: only one call fails, so the next try disarms.
+                pass
+
+
 # What case() fails: set by main(), or by a test that makes the twin's own
 # allocations fail instead (tests/test_allocation_failures.py).
 failures = None
+
+# The scenarios whose nodes run on threads other than the caller's (device
+# and pool threads): in their warm cases, which find those threads running,
+# Python allocations fail on every thread. Not in cold cases, where the
+# backward starts the threads: an allocation that fails in CPython's own
+# start of a thread (threading's _bootstrap_inner, on the new thread, once
+# start() has returned) ends the thread before it runs its target, and a
+# pool thread that never comes leaves its graph task waiting for good,
+# whatever the engine does; this program's own thread.start() fails too.
+EVERY_THREAD = ("devices", "pool")
 
 
 class Leaf:
@@ -176,14 +231,14 @@ def build(scenario):
                 a.grad = b.grad = mid.grad = None
                 root.grad = np.ones(SHAPE)
                 graph.backward(root)
-                return [a.grad.tolist(), b.grad.tolist()]
+                return [a.grad, b.grad]
         else:
             graph = pyengine.OwnerGraph("parents", owner_returns, mode="returns")
 
             def run():
                 a.grad = b.grad = mid.grad = None
                 graph.backward(root, np.ones(SHAPE))
-                return [a.grad.tolist(), b.grad.tolist()]
+                return [a.grad, b.grad]
         return root, [a, b], run
     else:
         raise SystemExit(f"no scenario {scenario!r}")
@@ -191,45 +246,73 @@ def build(scenario):
     def run():
         a.grad = b.grad = None
         if api == "grad":
-            grads = pyengine.grad([Edge(root, 0)], [a, b], [np.ones(SHAPE)], retain_graph=True)
-            return [host(grad).tolist() for grad in grads]
+            return list(pyengine.grad([Edge(root, 0)], [a, b], [np.ones(SHAPE)],
+                                      retain_graph=True))
         pyengine.backward([Edge(root, 0)], [np.ones(SHAPE)], retain_graph=True)
-        return [host(a.grad).tolist(), host(b.grad).tolist()]
+        return [a.grad, b.grad]
 
     return root, [a, b], run
+
+
+def as_lists(values):
+    """run()'s gradients as lists, to compare with reference()'s; made
+    after the failures are disarmed (it allocates)."""
+    return [None if value is None else host(value).tolist() for value in values]
+
+
+_expected = {}
+
+
+def expected_of(scenario):
+    """The reference gradients of ``scenario``'s graph, from one built
+    before any failure is armed: reference() allocates, as does build()."""
+    if scenario not in _expected:
+        _expected[scenario] = reference(*build(scenario)[:2])
+    return _expected[scenario]
+
+
+def outcome_of(values, error, expected):
+    if error is None:
+        got = as_lists(values)
+        return "exact" if got == expected else f"gave {got}"
+    if isinstance(error, MemoryError):
+        return "MemoryError"
+    if isinstance(error.__cause__, MemoryError):
+        # A thread that could not start: the engine raises RuntimeError
+        # from the MemoryError (See start_pool_thread).
+        return f"MemoryError via {type(error).__name__}"
+    return f"{type(error).__name__}: {error}"  # a finding: any other error
 
 
 def case(scenario, failing_call):
     """One backward with call ``failing_call`` failing (0: none); then a
     good one. Returns (calls counted, outcome, the good one's outcome).
     Scenario ``made``: the lattice's nodes and metadata are made while
-    allocations fail, too."""
-    if scenario == "made":
-        failures.arm(failing_call)
-    try:
-        root, leaves, run = build(scenario)
-    except MemoryError:
-        # Making the graph failed: a good one is made and run after.
-        calls = failures.disarm()
-        root, leaves, run = build(scenario)
-        return calls, "MemoryError", "exact" if run() == reference(root, leaves) else "wrong"
+    allocations fail, too. Between arm and disarm nothing allocates but
+    the graph's making (``made``) and the backward: what they raise is
+    kept, and described after."""
+    expected = expected_of(scenario)
+    values = error = run = None
     if scenario != "made":
-        failures.arm(failing_call)
-    expected = reference(root, leaves)
+        run = build(scenario)[2]
+    failures.arm(failing_call)
     try:
-        got = run()
-        outcome = "exact" if got == expected else f"gave {got}, expected {expected}"
-    except MemoryError:
-        outcome = "MemoryError"
-    except BaseException as error:  # a finding: any other error
-        outcome = f"{type(error).__name__}: {error}"
+        if run is None:
+            run = build(scenario)[2]
+        values = run()
+    except BaseException as caught:
+        error = caught
     calls = failures.disarm()
+    if run is None:
+        # Making the graph failed: a good one is made and run after.
+        run = build(scenario)[2]
+    outcome = outcome_of(values, error, expected)
+    error = None
     try:
-        after = run()
-        after_outcome = "exact" if after == expected else f"gave {after}"
-    except BaseException as error:
-        after_outcome = f"{type(error).__name__}: {error}"
-    return calls, outcome, after_outcome
+        after = outcome_of(run(), None, expected)
+    except BaseException as caught:
+        after = outcome_of(None, caught, expected)
+    return calls, outcome, after
 
 
 def on_new_thread(scenario, failing_call):
@@ -279,19 +362,42 @@ def flags_case():
     return seen
 
 
+def steps(calls, each=None, stride=1):
+    """The n to fail, of ``calls``: each up to ``each`` (None: all), then
+    every ``stride``-th."""
+    each = calls if each is None else each
+    return list(range(1, min(each, calls) + 1)) + list(range(each + 1, calls + 1, stride))
+
+
+def report_unraisable(unraisable, default_hook=sys.unraisablehook):
+    """An error Python could only print ("Exception ignored in"), on
+    stdout after the case's BEGIN line, as well as on stderr."""
+    print(f"UNRAISABLE {type(unraisable.exc_value).__name__} in {unraisable.object!r}",
+          flush=True)
+    default_hook(unraisable)
+
+
 def main(scenario):
     global failures
-    failures = FailNew(os.environ["FAIL_NEW"])
+    if "FAIL_PYMEM" in os.environ:
+        failures = FailPyMem(os.environ["FAIL_PYMEM"])
+    else:
+        failures = FailNew(os.environ["FAIL_NEW"])
+    sys.unraisablehook = report_unraisable
     if scenario == "pool":
         pyengine.set_default_engine(pyengine.Engine(max_recursion_depth=0))
+    each = int(os.environ["FAIL_PYMEM_EACH"]) if "FAIL_PYMEM_EACH" in os.environ else None
+    stride = int(os.environ.get("FAIL_PYMEM_STRIDE", 1))
     cold_calls = on_new_thread(scenario, 0)[0]
-    for n in range(1, cold_calls + 1):
+    for n in steps(cold_calls, each, stride):
         print(f"BEGIN cold {n}", flush=True)
         calls, outcome, after = on_new_thread(scenario, n)
         print(f"cold {n} calls={calls} {outcome} | after {after}", flush=True)
+    if isinstance(failures, FailPyMem):
+        failures.every_thread = scenario in EVERY_THREAD
     case(scenario, 0)  # warm
     warm_calls = case(scenario, 0)[0]
-    for n in range(1, warm_calls + 1):
+    for n in steps(warm_calls, each, stride):
         print(f"BEGIN warm {n}", flush=True)
         calls, outcome, after = case(scenario, n)
         print(f"warm {n} calls={calls} {outcome} | after {after}", flush=True)

@@ -362,11 +362,11 @@ class GraphTask:
             self.exec_post_processing()
         except BaseException as error:
             self.set_exception(error)
-            return
-        with self._completion:
-            if not self.future_completed:
-                self.future_completed_ = True
-                self._completion.notify_all()
+        else:
+            with self._completion:
+                if not self.future_completed:
+                    self.future_completed_ = True
+                    self._completion.notify_all()
 
     def exec_post_processing(self):
         """Make the caller's streams wait on the leaf streams, then run final

@@ -275,6 +275,10 @@ def _reentrant_thread_main(pool, run_graph_task, slot):
             graph_task.on_pool_thread = True
             try:
                 run_graph_task(graph_task)
+            except BaseException as error:
+                # An error of the engine's own, not a node's: See the
+                # compiled core's _reentrant_thread_main.
+                graph_task.set_exception(error)
             finally:
                 with pool.condition:
                     graph_task.on_pool_thread = False

@@ -1,0 +1,137 @@
+"""Each Python allocation of a backward fails in turn: MemoryError, never a
+crash, a hang, a swallowed error or a wrong gradient. See Note [Python allocations
+that fail] in ``pyengine/_engine.pyx``.
+
+``tests/fail_pymem.c``, built here and loaded with ctypes into a child
+interpreter, wraps the PYMEM_DOMAIN_MEM and PYMEM_DOMAIN_OBJ allocators and
+makes the n-th malloc, calloc or realloc return NULL, as where the address
+space runs out (``ulimit -v``). ``allocation_failure_cases.py`` runs each
+scenario's backward once per n, as tests/test_allocation_failures.py does
+with C++ allocations: ``cold`` (a new thread and Engine each, the
+allocations of the caller's thread failing) and ``warm`` (one after the
+other; in the scenarios whose nodes run on device or pool threads, the
+allocations of every thread failing). Python allocations are many: in
+``fan`` (a ready queue of 300 tasks, some 2,500 allocations a backward)
+each of the first FAN_EACH fails, then every FAN_STRIDE-th. In ``made``
+the graph's nodes and metadata are made while allocations fail, too.
+
+Oracles: each failing backward either gives the reference gradients or
+raises MemoryError; the good backward after it gives the reference
+gradients; the child exits 0 within the timeout; and no function of the
+compiled core had an error that it could only print ("Exception ignored
+in: 'pyengine...'"). Two other errors stand for a MemoryError, raised
+where it is known: RuntimeError from MemoryError where a pool thread
+could not start (start_pool_thread words every failed start so), and
+CPython's SystemError "Couldn't get thread-state dictionary", which
+threading.local raises where the dictionary of a new thread cannot be
+allocated (get_worker_state's first look on a thread). Errors that
+CPython's own threading prints where a new thread's bootstrap fails
+(``_bootstrap``'s KeyError) are CPython's and pass.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+import pyengine
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCENARIOS = ["chain", "lattice", "lattice_grad", "fan", "devices", "reentrant", "pool",
+             "owner_writes", "owner_returns", "made"]
+FAN_EACH, FAN_STRIDE = 400, 7
+TIMEOUT_S = 120
+
+ACCEPTED = {
+    "exact | after exact",
+    "MemoryError | after exact",
+    "MemoryError via RuntimeError | after exact",
+    "SystemError: Couldn't get thread-state dictionary | after exact",
+}
+
+pytestmark = [
+    pytest.mark.skipif(pyengine.IMPLEMENTATION != "compiled",
+                       reason="the compiled core's C paths: the twin is Python code "
+                              "throughout, whose allocations fail in CPython's own threading "
+                              "and with statements as often as in the engine"),
+    pytest.mark.skipif(any(runtime in os.environ.get("LD_PRELOAD", "")
+                           for runtime in ("libasan", "libtsan")),
+                       reason="under a sanitizer's runtime the allocations it intercepts "
+                              "are not the ones counted here, and a failing one is "
+                              "reported, not returned"),
+]
+
+
+def c_compiler():
+    for candidate in ((sysconfig.get_config_var("CC") or "").split()[:1]
+                      + ["cc", "gcc", "clang"]):
+        if candidate and shutil.which(candidate):
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="module")
+def fail_pymem(tmp_path_factory):
+    cc = c_compiler()
+    include = sysconfig.get_paths()["include"]
+    if cc is None or not os.path.exists(os.path.join(include, "Python.h")):
+        pytest.skip("no C compiler or no Python.h to build tests/fail_pymem.c")
+    library = str(tmp_path_factory.mktemp("fail_pymem") / "libfail_pymem.so")
+    # Python's symbols resolve in the interpreter that loads it.
+    flags = ["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else []
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-std=c11", "-I", include, *flags,
+                    "-o", library, os.path.join(HERE, "fail_pymem.c")], check=True)
+    return library
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_each_python_allocation_of_a_backward_may_fail(fail_pymem, scenario):
+    from allocation_failure_cases import steps
+
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
+    env.pop("PYENGINE_PURE", None)
+    env.pop("FAIL_NEW", None)
+    env["FAIL_PYMEM"] = fail_pymem
+    if scenario == "fan":
+        env["FAIL_PYMEM_EACH"], env["FAIL_PYMEM_STRIDE"] = str(FAN_EACH), str(FAN_STRIDE)
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "allocation_failure_cases.py"),
+                               scenario], env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT_S, cwd=repo_root)
+    except subprocess.TimeoutExpired as error:
+        begun = [line for line in (error.stdout or b"").decode().splitlines()
+                 if line.startswith("BEGIN")]
+        pytest.fail(f"no exit within {TIMEOUT_S} s (a hang) at {begun[-1:] or 'the start'}")
+    lines = proc.stdout.splitlines()
+    begun = [line for line in lines if line.startswith("BEGIN")]
+    assert proc.returncode == 0, (f"the child ended with status {proc.returncode} at "
+                                  f"{begun[-1:] or 'the start'}: {proc.stderr[-2000:]}")
+    end = [line for line in lines if line.startswith("END")]
+    assert len(end) == 1, proc.stdout[-2000:]
+    counts = {key: int(value) for key, value in (item.split("=") for item in end[0].split()[1:])}
+    assert counts["cold"] > 0 and counts["warm"] > 0, end
+    stepping = (FAN_EACH, FAN_STRIDE) if scenario == "fan" else ()
+    expected_cases = len(steps(counts["cold"], *stepping)) + len(steps(counts["warm"], *stepping))
+    cases = [line for line in lines if line.startswith(("cold ", "warm "))]
+    assert len(cases) == expected_cases
+    wrong = [line for line in cases if line.split(" ", 3)[3] not in ACCEPTED]
+    assert wrong == [], f"{len(wrong)} cases went wrong, the first: {wrong[:5]}"
+    assert any("MemoryError" in line for line in cases), cases
+    # An error the compiled core swallowed: the case is the BEGIN line before.
+    swallowed = []
+    case = "the start"
+    for line in lines:
+        if line.startswith("BEGIN"):
+            case = line
+        elif line.startswith("UNRAISABLE") and "'pyengine." in line:
+            swallowed.append(f"{case}: {line}")
+    assert swallowed == [], swallowed[:5]
+    assert not re.search(r"Exception ignored in: '?<?pyengine\.", proc.stderr), proc.stderr[-2000:]
