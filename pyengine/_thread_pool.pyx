@@ -55,6 +55,11 @@ cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
     it completes. ``run_graph_task(graph_task)`` runs it on the pool thread.
     See Note [Reentrant backward] and Note [Bounds on reentrant backward]."""
     cdef unique_lock[mutex] lock
+    # The slot taken in num_threads for a thread that has not taken it yet:
+    # See Note [A slot taken for a pool thread] in the twin. Made before the
+    # lock: nothing under it allocates (See Note [Python allocations that
+    # fail] in pyengine/_engine.pyx).
+    cdef list slot = [False]
     lock_releasing_gil(pool.mutex_)
     # PyTorch's rule: a new thread unless an idle one is left over for it.
     cdef bint start_thread = pool.num_idle <= pool.graph_tasks.size()
@@ -69,9 +74,6 @@ cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
         error = RuntimeError(pool_full_message(graph_task.reentrant_depth, max_pool_threads))
         cancel_graph_task(graph_task, error)
         raise error
-    # The slot taken in num_threads for a thread that has not taken it yet:
-    # See Note [A slot taken for a pool thread] in the twin.
-    cdef list slot = []
     try:
         # First: where it raises MemoryError, nothing changed (See Note [C++
         # allocations that fail] in pyengine/_engine.pyx).
@@ -83,7 +85,7 @@ cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
     Py_INCREF(graph_task)
     if start_thread:
         pool.num_threads += 1
-        slot.append(True)
+        slot[0] = True
     pool.mutex_.unlock()
     try:
         if start_thread:
@@ -124,12 +126,15 @@ cdef int start_pool_thread(_ThreadPoolShared pool, GraphTask graph_task,
         # Started or not, the slot goes back unless the thread took it; a
         # thread that finds it gone ends at once.
         lock_releasing_gil(pool.mutex_)
-        if slot:
+        gave_back = slot[0]
+        if gave_back:
             pool.num_threads -= 1
-            del slot[0]
-            if thread is not None and thread in pool.threads:
-                pool.threads.remove(thread)
+            slot[0] = False
         pool.mutex_.unlock()
+        # The thread never runs as a pool thread. Outside the lock, as the
+        # thread's own removal: a list's removal may allocate.
+        if gave_back and thread is not None and thread in pool.threads:
+            pool.threads.remove(thread)
         if not isinstance(error, Exception):
             raise
         raise RuntimeError(
@@ -146,14 +151,14 @@ def _reentrant_thread_main(_ThreadPoolShared pool not None, run_graph_task, list
     cdef GraphTask graph_task
     cdef unique_lock[mutex] lock
     lock_releasing_gil(pool.mutex_)
-    if not slot:
+    if not slot[0]:
         # Its starter gave the slot back: See Note [A slot taken for a pool
         # thread] in the twin.
         pool.mutex_.unlock()
         if threading.current_thread() in pool.threads:
             pool.threads.remove(threading.current_thread())
         return
-    del slot[0]
+    slot[0] = False
     pool.num_idle += 1
     pool.mutex_.unlock()
     # Whether this thread is counted in num_idle: from its start, and

@@ -109,7 +109,8 @@ class FakeStream:
     # condition, as a GPU's stream synchronize may spin. The try begins
     # before an item is claimed, so that whatever raises once ``_running``
     # is set clears it, or every later wait on the stream would wait for an
-    # item nobody runs. An interrupt can still land between the claim and
+    # item nobody runs (the one write of the stream's state that the lock
+    # does not guard: See the finally below). An interrupt can still land between the claim and
     # the item's run: that item is then lost, as a kernel whose launch was
     # interrupted, but nothing waits for it.
 
@@ -132,18 +133,21 @@ class FakeStream:
                     time.sleep(WAIT_POLL_S)  # another thread runs this stream's item
             finally:
                 if claimed:
-                    # Not a with statement: its start allocates (the lock's
-                    # bound __enter__ and __exit__), and a MemoryError there
-                    # left the item running for good, and every later wait
-                    # on the stream polling. _running first: the count's
-                    # new int may fail too, and a count one short only
-                    # makes a later wait run an item early, in order.
-                    lock.acquire()
-                    try:
-                        self._running = False
+                    # _running is cleared first, and without the lock (one
+                    # store, atomic under the GIL; a waiter that then claims
+                    # the next item does so after this one ran): a with
+                    # statement's start allocates (the lock's bound
+                    # __enter__ and __exit__), and a MemoryError there left
+                    # the item running for good, every later wait on the
+                    # stream polling. A with statement still, not acquire()
+                    # and try: Ctrl-C can land between those two, the lock
+                    # then held for good, but not inside the with statement's
+                    # start. Where the count's new int cannot be made, or
+                    # the with statement cannot start, the count stays one
+                    # short: a later wait then runs an item early, in order.
+                    self._running = False
+                    with lock:
                         self._done += 1
-                    finally:
-                        lock.release()
 
     def synchronize(self) -> None:
         with RUNTIME.lock:

@@ -92,9 +92,12 @@ and, in the twin, on the main thread between any two steps (See Note
 [Where the twin's main thread sees an interrupt] in
 ``pyengine/_pure/engine.py``). So the thread is made inside the ``try``
 that gives the slot back, and the slot is held in a one-item list,
-``slot``, from the step that takes it until the new thread, first thing,
-takes it under the pool's lock: whoever empties it (the thread, or an
-``except`` of its starter) has the slot, exactly once. Whether the thread
+``slot``, whose item is True from the step that takes it until the new
+thread, first thing, takes it under the pool's lock: whoever sets it back
+to False (the thread, or an ``except`` of its starter) has the slot,
+exactly once. Setting an item allocates nothing, so a MemoryError cannot
+come between taking the slot and holding it (the compiled core makes the
+list before it takes the lock, under which nothing allocates). Whether the thread
 started cannot tell: Ctrl-C may come while ``start()`` waits for a thread
 that runs but has not yet set its ``ident`` (a starter that judged by it
 gave the slot back for a thread that then ran, counted idle but not among
@@ -167,9 +170,9 @@ def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
     [Reentrant backward] and Note [Bounds on reentrant backward]."""
     refused = None
     # The slot taken in num_threads for a thread that has not taken it yet:
-    # one item while it is ours to give back. See Note [A slot taken for a
-    # pool thread].
-    slot = []
+    # True while it is ours to give back. See Note [A slot taken for a pool
+    # thread].
+    slot = [False]
     try:
         with pool.condition:
             # PyTorch's rule: a new thread unless an idle one is left over for it.
@@ -185,7 +188,7 @@ def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
                 pool.graph_tasks.append(graph_task)
                 if start_thread:
                     pool.num_threads += 1
-                    slot += (True,)
+                    slot[0] = True
         if refused is not None:
             raise RuntimeError(refused)
         if start_thread:
@@ -237,9 +240,9 @@ def give_back_slot(pool, slot, thread=None):
     thread it was taken for has not taken it (and take ``thread`` off the
     pool's list: it never runs as a pool thread)."""
     with pool.condition:
-        if slot:
+        if slot[0]:
             pool.num_threads -= 1
-            del slot[0]
+            slot[0] = False
             if thread is not None and thread in pool.threads:
                 pool.threads.remove(thread)
 
@@ -250,13 +253,13 @@ def _reentrant_thread_main(pool, run_graph_task, slot):
     until the pool stops."""
     check_argument("pool", pool, _ThreadPoolShared)
     with pool.condition:
-        if not slot:
+        if not slot[0]:
             # Its starter gave the slot back: See Note [A slot taken for a
             # pool thread].
             if threading.current_thread() in pool.threads:
                 pool.threads.remove(threading.current_thread())
             return
-        del slot[0]
+        slot[0] = False
         pool.num_idle += 1
     # Whether this thread is counted in num_idle: from its start, and
     # again from the moment it finishes a task (See Note [A pool thread
