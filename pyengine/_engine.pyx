@@ -922,6 +922,10 @@ cdef class Engine:
 #   WorkerState, its driven_graph_tasks' append) ended the thread and left
 #   the graph task incomplete, and its caller waited for good: the pool
 #   thread fails the task with it (``_reentrant_thread_main``).
+# - a C++ mutex taken by hand stays held where what follows raises: no
+#   Python object is made under the reentrant pool's mutex (a hand-off's
+#   slot is a list made before it, whose item is set), and where one must
+#   be (``stop_thread_pool``'s orphans), a ``finally`` unlocks.
 # The ``noexcept`` functions that run with the GIL make no Python object:
 # their errors would be printed ("Exception ignored in") and lost.
 # CPython's own code raises other errors where its allocations fail:

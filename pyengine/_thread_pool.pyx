@@ -238,13 +238,18 @@ def stop_thread_pool(_ThreadPoolShared pool not None):
     cdef GraphTask graph_task
     lock_releasing_gil(pool.mutex_)
     pool.stopping = True
-    while not pool.graph_tasks.empty():
-        # The pool's reference goes to the list (append takes its own).
-        orphans.append(<object>pool.graph_tasks.front())
-        Py_DECREF(<object>pool.graph_tasks.front())
-        pool.graph_tasks.pop_front()
-    pool.mutex_.unlock()
-    pool.work.notify_all()
+    try:
+        while not pool.graph_tasks.empty():
+            # The pool's reference goes to the list (append takes its own;
+            # where it raises MemoryError, the graph task stays queued).
+            orphans.append(<object>pool.graph_tasks.front())
+            Py_DECREF(<object>pool.graph_tasks.front())
+            pool.graph_tasks.pop_front()
+    finally:
+        # Whatever raised, the idle threads see ``stopping``: See Note
+        # [Python allocations that fail] in pyengine/_engine.pyx.
+        pool.mutex_.unlock()
+        pool.work.notify_all()
     threads = list(pool.threads)
     for orphan in orphans:
         graph_task = <GraphTask>orphan

@@ -315,9 +315,12 @@ def stop_thread_pool(pool):
     check_argument("pool", pool, _ThreadPoolShared)
     with pool.condition:
         pool.stopping = True
+        # Before what allocates: whatever raises then, the idle threads see
+        # ``stopping`` (See Note [Python allocations that fail] in
+        # pyengine/_engine.pyx).
+        pool.work.notify_all()
         orphans, pool.graph_tasks = pool.graph_tasks, []
         threads = list(pool.threads)
-        pool.work.notify_all()
     for graph_task in orphans:
         graph_task.cpu_ready_queue.discard_graph_task(graph_task)
         graph_task.set_exception(RuntimeError(pool_stopped_message(graph_task.reentrant_depth)))
