@@ -65,6 +65,16 @@ pytestmark = [
                        reason="under a sanitizer's runtime the allocations it intercepts "
                               "are not the ones counted here, and a failing one is "
                               "reported, not returned"),
+    # Found in CI's 3.13.0 wheel stage (devices, cold 43; made, cold 225):
+    # gdb shows the segfault inside PyFunction_NewWithQualName, called by
+    # the eval loop's MAKE_FUNCTION for a node's Python code, and valgrind
+    # the other case's first bad read on a code object of the test's own
+    # script, freed by the eval loop's error path; no pyengine frame at
+    # either fault. Exactly 3.13.0: a later 3.13 runs the test.
+    pytest.mark.skipif(sys.version_info[:3] == (3, 13, 0),
+                       reason="CPython 3.13.0 itself crashes where a function object "
+                              "cannot be allocated (MAKE_FUNCTION frees its code object "
+                              "on that error path)"),
 ]
 
 
