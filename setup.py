@@ -78,7 +78,8 @@ else:
 # mix): every read and write of the compiled core is checked for a data
 # race between threads (two accesses, one a write, that no lock, atomic,
 # thread start or join orders), and lock-order inversions are reported;
-# with -g, so that a report names the .pyx or .h line. The interpreter is
+# with -g, so that a report names the Cython function and its line in the
+# generated .cpp, or the .h line (pyengine/*.h). The interpreter is
 # not built with it, so TSan sees no access that Python's own code makes;
 # it does see CPython's GIL (a pthread mutex and condition variable, whose
 # calls its interceptors catch), so accesses that the GIL orders are not
@@ -89,7 +90,13 @@ else:
 # 3.11): the thread fuzz (8,000 programs), the interrupt fuzz (4,000 runs),
 # the stress tests and the threaded tests gave no report in pyengine's
 # code, where a planted race (ReadyQueue.push_record without its mutex)
-# gave hundreds in the thread fuzz's first batch. No CI stage runs it.
+# gave hundreds in the thread fuzz's first batch. CI runs the optimized
+# build so (.ci/run's tsan_tests: 3,000 thread-fuzz programs, 800
+# interrupt-fuzz runs, the threaded test files and the stress tests, each
+# process stopped at its first report, halt_on_error, and any report fails
+# the stage), not the debug build: its line tracing races on Cython's own
+# per-function cache, written from every thread that runs a nogil
+# function (.ci/install_debug.py --sanitize=thread).
 sanitizer_flags = {
     "": [],
     "address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",

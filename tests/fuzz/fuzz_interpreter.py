@@ -751,6 +751,10 @@ def run_in_children(interpreter, items, env, program_timeout, payload=lambda bat
             break
         why = ("a hang (the batch timed out)" if code is None
                else f"a crash (status {code})" if code < 0
+               # The status ThreadSanitizer gives a process that reported
+               # (TSAN_OPTIONS: .ci/sanitized's thread mode sets it); the
+               # report is on stderr, or where its log_path option says.
+               else "a ThreadSanitizer report (status 66)" if code == 66 and "TSAN_OPTIONS" in env
                else f"a hang or exit (status {code}, per-program timeout)")
         if done == len(batch):
             # Every item ran, and then the child failed: a crash at its exit

@@ -34,10 +34,13 @@ sys.exit(int(os.environ.get("EXIT_STATUS", "0")))
 """
 
 
-def run(tmp_path, items, exit_status):
+def run(tmp_path, items, exit_status, **env_vars):
     child = tmp_path / "child.py"
     child.write_text(CHILD)
-    env = dict(os.environ, EXIT_STATUS=str(exit_status))
+    # TSAN_OPTIONS only where a test sets it (a run under .ci/sanitized's
+    # thread mode has it already).
+    env = {name: value for name, value in os.environ.items() if name != "TSAN_OPTIONS"}
+    env.update(EXIT_STATUS=str(exit_status), **env_vars)
     return fuzz_interpreter.run_in_children(str(child), items, env, program_timeout=5.0)
 
 
@@ -61,3 +64,12 @@ def test_a_failure_after_the_last_item_is_charged_to_it(tmp_path):
     assert crashes[0]["why"] == ("a hang or exit (status 66, per-program timeout), "
                                  "at its exit, after its last item")
     assert items[crashes[0]["i"]] == "c"
+
+
+def test_status_66_under_thread_sanitizer_is_its_report(tmp_path):
+    # .ci/sanitized's thread mode sets TSAN_OPTIONS; a child that reported
+    # a race exits 66, and the crash says so rather than "a hang".
+    results, crashes = run(tmp_path, ["a", "b"], 66, TSAN_OPTIONS="log_path=stderr")
+    assert sorted(results) == [0, 1]
+    assert [(crash["i"], crash["why"]) for crash in crashes] == [
+        (1, "a ThreadSanitizer report (status 66), at its exit, after its last item")]
