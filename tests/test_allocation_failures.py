@@ -72,16 +72,24 @@ def fail_new(tmp_path_factory):
     return library
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
-@compiled_only[0]
-@compiled_only[1]
-def test_each_cpp_allocation_of_a_backward_may_fail(fail_new, scenario):
+def child_env(fail_new):
+    """The checkout's root, and the environment of a child interpreter that
+    runs allocation_failure_cases.py on this compiled core with
+    tests/fail_new.cpp preloaded."""
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
     env.pop("PYENGINE_PURE", None)
     env["FAIL_NEW"] = fail_new
     env["LD_PRELOAD"] = " ".join(filter(None, [fail_new, os.environ.get("LD_PRELOAD")]))
+    return repo_root, env
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@compiled_only[0]
+@compiled_only[1]
+def test_each_cpp_allocation_of_a_backward_may_fail(fail_new, scenario):
+    repo_root, env = child_env(fail_new)
     try:
         proc = subprocess.run([sys.executable, os.path.join(HERE, "allocation_failure_cases.py"),
                                scenario], env=env, capture_output=True, text=True, timeout=240,
@@ -121,12 +129,7 @@ def test_a_wake_up_or_shutdown_task_is_never_refused(fail_new):
     # Engine.stop's shutdown tasks and the wake-up of an owner must reach
     # their threads even where the heap cannot grow: a device thread served
     # on, and an owner slept for good, where they were refused.
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
-    env.pop("PYENGINE_PURE", None)
-    env["FAIL_NEW"] = fail_new
-    env["LD_PRELOAD"] = " ".join(filter(None, [fail_new, os.environ.get("LD_PRELOAD")]))
+    repo_root, env = child_env(fail_new)
     proc = subprocess.run([sys.executable, os.path.join(HERE, "allocation_failure_cases.py"), "flags"],
                           env=env, capture_output=True, text=True, timeout=60, cwd=repo_root)
     assert proc.returncode == 0, proc.stderr[-2000:]
