@@ -59,6 +59,7 @@ from pyengine._state cimport (ThreadState, anomaly_check_nan, anomaly_enabled, p
 
 import os
 import threading
+import weakref
 from time import perf_counter_ns as _perf_counter_ns
 
 from pyengine import backends as _backends
@@ -288,10 +289,12 @@ cdef class Engine:
     see :func:`pyengine.get_default_engine`.
 
     An engine made here starts its device worker threads and its reentrant
-    pool threads when a backward first needs them, and they run its
-    methods, so an engine whose threads started stays alive, with them,
-    until :meth:`stop` (every engine is stopped at interpreter exit): stop
-    an engine once it is no longer needed. (PyTorch has one engine only,
+    pool threads when a backward first needs them. They serve until
+    :meth:`stop` (every engine is stopped at interpreter exit), or until
+    the engine is collected: they hold it only while they run its tasks,
+    and end within about a second once nothing else refers to it (See Note
+    [An engine's threads hold it weakly] in
+    pyengine/_shared/engine_registry.py). (PyTorch has one engine only,
     which lives as long as the process.)"""
     cdef public int max_recursion_depth
     cdef public int max_total_depth
@@ -442,7 +445,7 @@ cdef class Engine:
             if worker.current_depth >= self.max_recursion_depth:
                 try:
                     add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
-                                         self._run_pool_task)
+                                         weakref.ref(self))
                 except BaseException as error:
                     if graph_task.on_pool_thread:
                         # Cancelled, and still run by a pool thread that
@@ -466,8 +469,9 @@ cdef class Engine:
     # -- the loop --
 
     cdef int thread_main(self, WorkerState worker, GraphTask graph_task) except -1:
-        """Pop and run tasks until ``graph_task`` completes (forever for None).
-        ``worker``: this thread's state."""
+        """Pop and run tasks until ``graph_task`` completes; for None (a device
+        worker), until its queue has no task (returns 1) or a shutdown task
+        comes (returns 0). ``worker``: this thread's state."""
         cdef ReadyQueue queue = worker.local_ready_queue
         cdef NodeTaskRecord record
         cdef GraphTask local_graph_task
@@ -479,6 +483,7 @@ cdef class Engine:
         # See Note [A shutdown task is the device worker's] in
         # pyengine/_pure/engine.py.
         cdef bint shutdown_held = False
+        cdef bint queue_ran_dry = False
         cdef bint not_owner
         cdef Py_ssize_t left, dropped
         try:
@@ -491,6 +496,12 @@ cdef class Engine:
                         (<GraphTask>record.graph_task).outstanding_tasks_.fetch_add(1)
                     queue.push_pop_record(&record)
                 elif not queue.try_pop_record(&record):
+                    if graph_task is None:
+                        # A device worker waits for its next task without
+                        # its engine: See Note [An engine's threads hold it
+                        # weakly] in pyengine/_shared/engine_registry.py.
+                        queue_ran_dry = True
+                        break
                     with nogil:
                         queue.pop_record(&record, on_main_thread)
                 if record.is_shutdown:
@@ -583,7 +594,7 @@ cdef class Engine:
             queue.push_shutdown()
         if graph_task is not None and graph_task.has_error_.load():
             queue.discard_graph_task_records(graph_task)
-        return 0
+        return queue_ran_dry
 
     cdef int evaluate_function(self, WorkerState worker, GraphTask graph_task, NodeBase node,
                                list inputs) except -1:
@@ -769,13 +780,16 @@ cdef class Engine:
         if graph_task.cpu_ready_queue is None:
             # A device's worker wakes the owner through it (stop() too).
             raise ValueError(no_ready_queue_message())
-        return self._devices.queue_for(device, graph_task, self._device_thread_main)
+        return self._devices.queue_for(device, graph_task, weakref.ref(self))
 
     def _device_thread_main(self, int device_id, ReadyQueue queue not None):
+        """Run the tasks of ``queue``, device ``device_id``'s, on this thread,
+        its worker, until it has none (True: the worker serves on) or until
+        a shutdown task (False)."""
         cdef WorkerState worker = get_worker_state()
         worker.worker_device = device_id
         worker.local_ready_queue = queue
-        self.thread_main(worker, None)
+        return self.thread_main(worker, None) == 1
 
     # -- reentrant pool --
 

@@ -47,7 +47,7 @@ cdef inline void lock_releasing_gil(mutex& m) noexcept:
 # graph task] in pyengine/_pure/engine.py) and lets the exception go on:
 # backward raises KeyboardInterrupt within about a slice.
 
-from libcpp.condition_variable cimport condition_variable
+from libcpp.condition_variable cimport condition_variable, cv_status
 from libcpp.mutex cimport unique_lock
 from cpython.exc cimport PyErr_CheckSignals
 
@@ -82,3 +82,27 @@ cdef inline int wait_honouring_signals(condition_variable& cv, unique_lock[mutex
         PyErr_CheckSignals()
     lock.lock()
     return 0
+
+
+# The longest single wait_for: steady_clock's now plus a longer one could
+# pass its 64-bit count of nanoseconds.
+cdef enum:
+    LONGEST_WAIT_MS = 86400000
+
+
+cdef inline long long wait_for_honouring_signals(condition_variable& cv, unique_lock[mutex]& lock,
+                                                 bint on_main_thread,
+                                                 long long left_ms) except -1 nogil:
+    """``wait_honouring_signals``, bounded: wait at most ``left_ms``
+    milliseconds (more than 0); return the milliseconds left, 0 once they
+    ran out. A wait that a notification (or a spurious wake-up) ends early
+    counts as none: the caller looks at what it waits for, and waits again
+    for at most what is left."""
+    cdef long long slice_ms = min(left_ms, WAIT_SLICE_MS if on_main_thread else LONGEST_WAIT_MS)
+    cdef bint timed_out = cv.wait_for(lock, milliseconds(slice_ms)) == cv_status.timeout
+    if on_main_thread:
+        lock.unlock()
+        with gil:
+            PyErr_CheckSignals()
+        lock.lock()
+    return left_ms - slice_ms if timed_out else left_ms

@@ -17,14 +17,20 @@ cimport cython
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_XDECREF, Py_XINCREF
 from libc.stdint cimport uint64_t
-from libcpp.mutex cimport unique_lock
+from libcpp.mutex cimport mutex, unique_lock
 from libcpp.vector cimport vector
 
-from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
+from pyengine._locks cimport (is_main_thread, lock_releasing_gil, wait_for_honouring_signals,
+                             wait_honouring_signals)
 from pyengine._node cimport NodeBase
 
+from libc.math cimport ceil
+
+from threading import TIMEOUT_MAX
+
 from pyengine._shared.messages import (QUEUE_FULL_MESSAGE, cannot_pickle_message,
-                                       no_ready_queue_message, task_field_message)
+                                       no_ready_queue_message, task_field_message,
+                                       wait_timeout_message)
 
 
 cdef NodeTaskRecord make_record(object graph_task, object node, object inputs,
@@ -306,6 +312,29 @@ cdef class ReadyQueue:
         with nogil:
             self.pop_record(&record, main)
         return task_of_record(&record)
+
+    def wait_for_task(self, double timeout, on_main_thread=None):
+        """Wait (without the GIL) at most ``timeout`` seconds for a task to be
+        queued, and pop nothing; return whether one is. How a device worker
+        idles without its engine (See Note [An engine's threads hold it
+        weakly] in pyengine/_shared/engine_registry.py). Signals as ``pop``.
+        A push wakes one waiter: this one passes that wake-up on, since the
+        task it saw is still there for another."""
+        if not 0 <= timeout <= TIMEOUT_MAX:
+            raise ValueError(wait_timeout_message(timeout))
+        cdef bint main = is_main_thread() if on_main_thread is None else on_main_thread
+        cdef long long left_ms = <long long>ceil(timeout * 1000)
+        cdef bint queued
+        cdef unique_lock[mutex] lock
+        with nogil:
+            lock = unique_lock[mutex](self.mutex_)
+            while tasks_queued(self) == 0 and left_ms > 0:
+                left_ms = wait_for_honouring_signals(self.not_empty, lock, main, left_ms)
+            queued = tasks_queued(self) != 0
+            lock.unlock()
+            if queued:
+                self.not_empty.notify_one()
+        return queued
 
     def discard_graph_task(self, graph_task):
         """Drop every queued task of ``graph_task`` (after it failed); return how many."""

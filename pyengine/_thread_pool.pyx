@@ -5,25 +5,31 @@ The compiled twin of ``pyengine/_pure/thread_pool.py``, whose Notes explain
 it: Note [Reentrant backward], Note [Bounds on reentrant backward], Note [A
 pool thread is back before its caller], Note [Stopping the pool]. The
 engine hands a graph task off with ``add_thread_pool_task`` once per
-hand-off, never per node; a pool
-thread runs the task through ``run_graph_task`` (the engine's
-``_run_pool_task``), a Python call back into the engine, so this module
-needs nothing from it.
+hand-off, never per node; a pool thread runs the task through the
+engine's ``_run_pool_task``, a Python call back into the engine, which it
+holds weakly (See Note [An engine's threads hold it weakly] in
+pyengine/_shared/engine_registry.py), so this module needs nothing else
+from it.
 """
 
 cimport cython
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from cython.operator cimport dereference as deref
+from libcpp.condition_variable cimport cv_status
 from libcpp.deque cimport deque
 from libcpp.mutex cimport mutex, unique_lock
 
 from pyengine._graph_task cimport GraphTask, cancel_graph_task
-from pyengine._locks cimport lock_releasing_gil
+from pyengine._locks cimport lock_releasing_gil, milliseconds
 
 import threading
 
+from pyengine._shared.engine_registry import IDLE_CHECK_S, run_pool_task
 from pyengine._shared.messages import cannot_pickle_message, pool_full_message, pool_stopped_message
+
+# See Note [An engine's threads hold it weakly] in pyengine/_shared/engine_registry.py.
+cdef long long IDLE_CHECK_MS = <long long>(IDLE_CHECK_S * 1000)
 
 
 @cython.final
@@ -50,10 +56,11 @@ cdef class _ThreadPoolShared:
 
 
 cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
-                              Py_ssize_t max_pool_threads, object run_graph_task) except -1:
+                              Py_ssize_t max_pool_threads, object engine_ref) except -1:
     """Hand ``graph_task`` to a pool thread and block, without the GIL, until
-    it completes. ``run_graph_task(graph_task)`` runs it on the pool thread.
-    See Note [Reentrant backward] and Note [Bounds on reentrant backward]."""
+    it completes. The pool thread runs it with the engine ``engine_ref`` (a
+    weak reference) refers to. See Note [Reentrant backward] and Note
+    [Bounds on reentrant backward]."""
     cdef unique_lock[mutex] lock
     # The slot taken in num_threads for a thread that has not taken it yet:
     # See Note [A slot taken for a pool thread] in the twin. Made before the
@@ -89,7 +96,7 @@ cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
     pool.mutex_.unlock()
     try:
         if start_thread:
-            start_pool_thread(pool, graph_task, run_graph_task, slot)
+            start_pool_thread(pool, graph_task, engine_ref, slot)
         pool.work.notify_one()
         graph_task.wait()
     except BaseException as error:
@@ -109,7 +116,7 @@ cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
 
 
 cdef int start_pool_thread(_ThreadPoolShared pool, GraphTask graph_task,
-                           object run_graph_task, list slot) except -1:
+                           object engine_ref, list slot) except -1:
     """Start a pool thread, its slot in ``num_threads`` already taken (and
     held in ``slot`` until the thread takes it); if it cannot start, give
     the slot back and raise RuntimeError. Ctrl-C may come while Python code
@@ -118,7 +125,7 @@ cdef int start_pool_thread(_ThreadPoolShared pool, GraphTask graph_task,
     thread = None
     try:
         thread = threading.Thread(target=_reentrant_thread_main,
-                                  args=(pool, run_graph_task, slot),
+                                  args=(pool, engine_ref, slot),
                                   name="pyengine-reentrant", daemon=True)
         pool.threads.append(thread)
         thread.start()
@@ -143,11 +150,14 @@ cdef int start_pool_thread(_ThreadPoolShared pool, GraphTask graph_task,
     return 0
 
 
-def _reentrant_thread_main(_ThreadPoolShared pool not None, run_graph_task, list slot not None):
+def _reentrant_thread_main(_ThreadPoolShared pool not None, engine_ref, list slot not None):
     """A pool thread: take the slot its starter took for it (``slot``), then
-    run the graph tasks handed off, with ``run_graph_task(graph_task)``,
-    until the pool stops."""
+    run the graph tasks handed off, with the engine ``engine_ref`` (a weak
+    reference) refers to, until the pool stops or that engine is collected
+    (See Note [An engine's threads hold it weakly] in
+    pyengine/_shared/engine_registry.py)."""
     cdef PyObject* next_graph_task = NULL
+    cdef bint engine_alive = True
     cdef GraphTask graph_task
     cdef unique_lock[mutex] lock
     lock_releasing_gil(pool.mutex_)
@@ -169,11 +179,17 @@ def _reentrant_thread_main(_ThreadPoolShared pool not None, run_graph_task, list
         while True:
             with nogil:
                 lock = unique_lock[mutex](pool.mutex_)
-                while pool.graph_tasks.empty() and not pool.stopping:
-                    pool.work.wait(lock)
+                while pool.graph_tasks.empty() and not pool.stopping and engine_alive:
+                    if pool.work.wait_for(lock, milliseconds(IDLE_CHECK_MS)) == cv_status.timeout:
+                        # Without the mutex: calling a weak reference runs
+                        # no Python code, but taking the GIL may wait.
+                        lock.unlock()
+                        with gil:
+                            engine_alive = engine_ref() is not None
+                        lock.lock()
                 pool.num_idle -= 1
                 counted_idle = False
-                if pool.stopping:
+                if pool.stopping or not engine_alive:
                     next_graph_task = NULL
                 else:
                     next_graph_task = pool.graph_tasks.front()
@@ -185,7 +201,7 @@ def _reentrant_thread_main(_ThreadPoolShared pool not None, run_graph_task, list
             Py_DECREF(graph_task)  # the pool's reference; graph_task holds one
             graph_task.on_pool_thread = True
             try:
-                run_graph_task(graph_task)
+                run_pool_task(engine_ref, graph_task)
             except BaseException as error:
                 # An error of the engine's own (a MemoryError where it
                 # keeps its state: See Note [Python allocations that fail] in

@@ -18,9 +18,11 @@ The order of leaf hooks is checked against PyTorch itself in
 ``tests/frontend``.
 """
 
+import _thread
 import faulthandler
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -28,6 +30,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import signals_not_swallowed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -497,3 +500,97 @@ def test_wake_pops_as_one_wake_up_task_in_its_place(watchdog):
     thread.join(10)
     assert not thread.is_alive() and woken[0].node is None and not woken[0].is_shutdown
     assert queue.empty()
+
+
+# wait_for_task: how a device worker idles without its engine (See Note [An
+# engine's threads hold it weakly] in pyengine/_shared/engine_registry.py).
+
+
+def test_wait_for_task_pops_nothing_and_says_whether_a_task_is_queued(watchdog):
+    queue = ReadyQueue()
+    started = time.monotonic()
+    assert queue.wait_for_task(0.05) is False
+    assert time.monotonic() - started >= 0.04, "returned before its timeout with nothing queued"
+    assert queue.wait_for_task(0) is False
+    queue.push_shutdown()
+    assert queue.wait_for_task(0) is True and queue.wait_for_task(30) is True
+    assert len(queue) == 1 and queue.pop().is_shutdown
+    queue.wake()
+    assert queue.wait_for_task(0) is True and len(queue) == 1
+
+
+def test_wait_for_task_wakes_when_another_thread_pushes(watchdog):
+    queue = ReadyQueue()
+    graph_task = _graph_task(0, queue)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(queue.wait_for_task(30, False)),
+                              daemon=True)
+    thread.start()
+    time.sleep(0.05)
+    assert got == []
+    queue.push(NodeTask(graph_task, _node(1), []))
+    thread.join(10)
+    assert not thread.is_alive() and got == [True]
+    assert len(queue) == 1
+
+
+def test_wait_for_task_passes_a_push_on_to_a_thread_waiting_in_pop(watchdog):
+    # A push wakes one waiter. Where a thread waits in pop beside one in
+    # wait_for_task, which pops nothing, a wake-up that only reached the
+    # latter would leave the task to a pop that sleeps for good. Each round
+    # gives either the wake-up: the pop must get the task either way.
+    queue = ReadyQueue()
+    graph_task = _graph_task(0, queue)
+    for round_ in range(20):
+        popped, seen = [], []
+        popper = threading.Thread(target=lambda out=popped: out.append(queue.pop(False)),
+                                  daemon=True)
+        waiter = threading.Thread(
+            target=lambda out=seen: out.append(queue.wait_for_task(30, False)), daemon=True)
+        # The waiter first: the twin's Condition wakes its waiters in turn.
+        waiter.start()
+        time.sleep(0.01)
+        popper.start()
+        time.sleep(0.02)
+        assert popped == [] and seen == []
+        node = _node(round_)
+        queue.push(NodeTask(graph_task, node, []), increment_outstanding_tasks=False)
+        popper.join(10)
+        assert not popper.is_alive(), f"round {round_}: the pop never got the task pushed"
+        assert popped[0].node is node
+        # The waiter saw the task before the pop took it, or waits on.
+        queue.push_shutdown()
+        waiter.join(10)
+        assert not waiter.is_alive() and seen == [True]
+        assert queue.pop(False).is_shutdown and queue.empty()
+
+
+@pytest.mark.parametrize("timeout, error, words", [
+    (-1.0, ValueError, "a wait's timeout must be a number of seconds from 0 to "
+                       "threading.TIMEOUT_MAX, got -1.0"),
+    (float("nan"), ValueError, "got nan"),
+    (float("inf"), ValueError, "got inf"),
+    (threading.TIMEOUT_MAX * 2, ValueError, "threading.TIMEOUT_MAX, got"),
+    ("1", TypeError, "must be real number, not str"),
+    (None, TypeError, "must be real number, not NoneType"),
+])
+def test_wait_for_task_refuses_a_timeout_out_of_range(timeout, error, words):
+    queue = ReadyQueue()
+    with pytest.raises(error, match=re.escape(words)):
+        queue.wait_for_task(timeout)
+    queue.push_shutdown()  # the lock is free: a push and a pop go through
+    assert queue.pop().is_shutdown
+
+
+def test_ctrl_c_ends_wait_for_task_on_the_main_thread(watchdog):
+    queue = ReadyQueue()
+    timer = threading.Timer(0.1, _thread.interrupt_main)
+    started = time.monotonic()
+    with signals_not_swallowed():
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            queue.wait_for_task(30)
+    timer.join()
+    assert time.monotonic() - started < 5, "the wait ran on after Ctrl-C"
+    queue.push_shutdown()  # the lock is free after the interrupted wait
+    assert queue.wait_for_task(0) and queue.pop().is_shutdown

@@ -4,8 +4,8 @@ wakes a pool thread] in ``pyengine/_pure/thread_pool.py``.
 
 The thread fuzz found it on the twin (a program whose callers on device
 workers handed reentrant backwards to the pool hung). Here the pool's own
-functions run graph tasks whose ``run_graph_task`` the test controls, so
-that each thread is where the hang needs it, in turn: two idle pool
+functions run graph tasks with an engine whose ``_run_pool_task`` the test
+controls, so that each thread is where the hang needs it, in turn: two idle pool
 threads; a caller whose graph task completed while its pool thread is still
 busy, waiting for that thread; the other pool thread woken for nothing (as
 a condition may wake) and waiting again, after that caller; then a second
@@ -20,6 +20,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -70,11 +71,17 @@ def test_a_hand_off_wakes_an_idle_pool_thread_while_a_caller_waits_for_its_threa
         elif name == "busy":  # completed, and its pool thread busy until the test ends
             release_busy.wait(60.0)
 
+    class Engine:
+        """What the pool calls back, held weakly as it holds an engine."""
+        _run_pool_task = staticmethod(run_graph_task)
+
+    engine = Engine()
+
     def hand_off(name):
         graph_task = GraphTask(False, False, 1, ReadyQueue())
         names[id(graph_task)] = name
         thread = threading.Thread(target=tp.add_thread_pool_task,
-                                  args=(pool, graph_task, 8, run_graph_task), daemon=True)
+                                  args=(pool, graph_task, 8, weakref.ref(engine)), daemon=True)
         thread.start()
         return thread
 

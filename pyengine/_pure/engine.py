@@ -311,6 +311,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -511,10 +512,12 @@ class Engine:
     see :func:`pyengine.get_default_engine`.
 
     An engine made here starts its device worker threads and its reentrant
-    pool threads when a backward first needs them, and they run its
-    methods, so an engine whose threads started stays alive, with them,
-    until :meth:`stop` (every engine is stopped at interpreter exit): stop
-    an engine once it is no longer needed. (PyTorch has one engine only,
+    pool threads when a backward first needs them. They serve until
+    :meth:`stop` (every engine is stopped at interpreter exit), or until
+    the engine is collected: they hold it only while they run its tasks,
+    and end within about a second once nothing else refers to it (See Note
+    [An engine's threads hold it weakly] in
+    pyengine/_shared/engine_registry.py). (PyTorch has one engine only,
     which lives as long as the process.)"""
 
     # The compiled Engine's fields, and no others: its methods cannot be
@@ -673,7 +676,7 @@ class Engine:
             if worker.current_depth >= self.max_recursion_depth:
                 try:
                     add_thread_pool_task(self._pool, graph_task, self.max_pool_threads,
-                                         self._run_pool_task)
+                                         weakref.ref(self))
                 except BaseException as error:
                     if graph_task.on_pool_thread:
                         # Cancelled, and still run by a pool thread that
@@ -695,7 +698,9 @@ class Engine:
     # -- the loop --
 
     def thread_main(self, graph_task):
-        """Pop and run tasks until ``graph_task`` completes (forever for None)."""
+        """Pop and run tasks until ``graph_task`` completes; for None (a device
+        worker), until its queue has no task (returns True) or a shutdown
+        task comes (returns False)."""
         # Here and in evaluate_function and route, the engine reads its
         # graph tasks' slots, not the properties that check Python code's
         # writes (See Note [A graph task's fields from Python]).
@@ -706,6 +711,7 @@ class Engine:
         # A shutdown task this loop popped and holds for the device worker:
         # See Note [A shutdown task is the device worker's].
         shutdown_held = False
+        queue_ran_dry = False
         try:
             while graph_task is None or not graph_task.future_completed_:
                 if worker.next_task is not None:
@@ -714,6 +720,12 @@ class Engine:
                     task = queue.push_pop(
                         task, increment_outstanding_tasks=not worker.next_task_counted)
                 else:
+                    if graph_task is None and queue.empty():
+                        # A device worker waits for its next task without
+                        # its engine: See Note [An engine's threads hold it
+                        # weakly] in pyengine/_shared/engine_registry.py.
+                        queue_ran_dry = True
+                        break
                     task = queue.pop(on_main_thread)
                 if task.is_shutdown:
                     if graph_task is None:
@@ -798,6 +810,7 @@ class Engine:
             queue.push_shutdown()
         if graph_task is not None and graph_task.has_error_:
             queue.discard_graph_task(graph_task)
+        return queue_ran_dry
 
     def evaluate_profiled(self, worker, graph_task, node, inputs):
         """evaluate_function, timed and reported to the profiler even if it fails."""
@@ -940,14 +953,17 @@ class Engine:
         if graph_task.cpu_ready_queue is None:
             # A device's worker wakes the owner through it (stop() too).
             raise ValueError(no_ready_queue_message())
-        return self._devices.queue_for(device, graph_task, self._device_thread_main)
+        return self._devices.queue_for(device, graph_task, weakref.ref(self))
 
     def _device_thread_main(self, device_id, queue):
+        """Run the tasks of ``queue``, device ``device_id``'s, on this thread,
+        its worker, until it has none (True: the worker serves on) or until
+        a shutdown task (False)."""
         check_argument("queue", queue, ReadyQueue)
         worker = _worker_state
         worker.worker_device = device_id
         worker.local_ready_queue = queue
-        self.thread_main(None)
+        return self.thread_main(None)
 
     # -- reentrant pool --
 

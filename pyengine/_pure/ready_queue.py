@@ -61,15 +61,17 @@ hook order against PyTorch.
 """
 
 import threading
+import time
 
 from .._shared.messages import (
     QUEUE_FULL_MESSAGE,
     cannot_pickle_message,
     no_ready_queue_message,
     task_field_message,
+    wait_timeout_message,
 )
 from .node import NodeBase, _not_writable
-from .static_types import check_argument, check_new, final
+from .static_types import as_c_double, check_argument, check_new, final
 
 # See Note [Waits honour signals] in pyengine/_locks.pxd: the compiled
 # core's WAIT_SLICE_MS, in seconds.
@@ -399,6 +401,30 @@ class ReadyQueue:
             while not self._heap and not self._woken and not self._shutdown_pending:
                 wait_honouring_signals(self._not_empty, on_main_thread)
             return self._pop_next()
+
+    def wait_for_task(self, timeout, on_main_thread=None):
+        """Wait (without the GIL) at most ``timeout`` seconds for a task to be
+        queued, and pop nothing; return whether one is. How a device worker
+        idles without its engine (See Note [An engine's threads hold it
+        weakly] in pyengine/_shared/engine_registry.py). Signals as ``pop``.
+        A push wakes one waiter: this one passes that wake-up on, since the
+        task it saw is still there for another."""
+        timeout = as_c_double(timeout)
+        if not 0 <= timeout <= threading.TIMEOUT_MAX:
+            raise ValueError(wait_timeout_message(timeout))
+        if on_main_thread is None:
+            on_main_thread = is_main_thread()
+        deadline = time.monotonic() + timeout
+        with self._not_empty:
+            while not self._heap and not self._woken and not self._shutdown_pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                # In slices on the main thread: See Note [Waits honour
+                # signals] in pyengine/_locks.pxd.
+                self._not_empty.wait(min(left, WAIT_SLICE) if on_main_thread else left)
+            self._not_empty.notify()
+            return True
 
     def discard_graph_task(self, graph_task):
         """Drop every queued task of ``graph_task`` (after it failed); return how many."""

@@ -193,6 +193,17 @@ def as_c_int(value):
     return int(value)
 
 
+def as_c_double(value):
+    """``value`` as Cython converts it to a C double argument (CPython's
+    ``PyFloat_AsDouble``): a float, or an object with ``__float__`` or
+    ``__index__``; else TypeError in CPython's words."""
+    if type(value) is float:
+        return value
+    if not hasattr(type(value), "__float__") and not hasattr(type(value), "__index__"):
+        raise TypeError(f"must be real number, not {type(value).__name__}")
+    return float(value)
+
+
 def c_int_attribute(field):
     """A property over the slot ``field`` that behaves as a Cython ``cdef
     public int`` attribute: a value set is converted by as_c_int (See Note

@@ -3,9 +3,10 @@ nested too deep to run inline, and the threads that run them.
 
 Twin of ``pyengine/_thread_pool.pyx``. The engine hands a graph task off
 with ``add_thread_pool_task`` once per hand-off, never per node; a pool
-thread runs the task through ``run_graph_task`` (the engine's
-``_run_pool_task``), a call back into the engine, so this module needs
-nothing from it.
+thread runs the task through the engine's ``_run_pool_task``, a call back
+into the engine, which it holds weakly (See Note [An engine's threads hold
+it weakly] in pyengine/_shared/engine_registry.py), so this module needs
+nothing else from it.
 
 Note [Reentrant backward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -133,6 +134,7 @@ stopped device: See Note [A shutdown task is the device worker's] in
 
 import threading
 
+from .._shared.engine_registry import IDLE_CHECK_S, run_pool_task
 from .._shared.messages import cannot_pickle_message, pool_full_message, pool_stopped_message
 from .graph_task import cancel_graph_task
 from .static_types import check_argument
@@ -164,10 +166,11 @@ class _ThreadPoolShared:
         raise TypeError(cannot_pickle_message(self))
 
 
-def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
+def add_thread_pool_task(pool, graph_task, max_pool_threads, engine_ref):
     """Hand ``graph_task`` to a pool thread and block until it completes.
-    ``run_graph_task(graph_task)`` runs it on the pool thread. See Note
-    [Reentrant backward] and Note [Bounds on reentrant backward]."""
+    The pool thread runs it with the engine ``engine_ref`` (a weak
+    reference) refers to. See Note [Reentrant backward] and Note [Bounds on
+    reentrant backward]."""
     refused = None
     # The slot taken in num_threads for a thread that has not taken it yet:
     # True while it is ours to give back. See Note [A slot taken for a pool
@@ -192,7 +195,7 @@ def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
         if refused is not None:
             raise RuntimeError(refused)
         if start_thread:
-            start_pool_thread(pool, graph_task, run_graph_task, slot)
+            start_pool_thread(pool, graph_task, engine_ref, slot)
         with pool.condition:
             pool.work.notify()  # See Note [A hand-off wakes a pool thread].
         graph_task.wait()
@@ -210,7 +213,7 @@ def add_thread_pool_task(pool, graph_task, max_pool_threads, run_graph_task):
             pool.released.wait()
 
 
-def start_pool_thread(pool, graph_task, run_graph_task, slot):
+def start_pool_thread(pool, graph_task, engine_ref, slot):
     """Start a pool thread, its slot in ``num_threads`` already taken (and
     held in ``slot`` until the thread takes it); if it cannot start, give
     the slot back and raise RuntimeError. See Note [A slot taken for a pool
@@ -218,7 +221,7 @@ def start_pool_thread(pool, graph_task, run_graph_task, slot):
     thread = None
     try:
         thread = threading.Thread(target=_reentrant_thread_main,
-                                  args=(pool, run_graph_task, slot),
+                                  args=(pool, engine_ref, slot),
                                   name="pyengine-reentrant", daemon=True)
         with pool.condition:
             pool.threads.append(thread)
@@ -247,10 +250,12 @@ def give_back_slot(pool, slot, thread=None):
                 pool.threads.remove(thread)
 
 
-def _reentrant_thread_main(pool, run_graph_task, slot):
+def _reentrant_thread_main(pool, engine_ref, slot):
     """A pool thread: take the slot its starter took for it (``slot``), then
-    run the graph tasks handed off, with ``run_graph_task(graph_task)``,
-    until the pool stops."""
+    run the graph tasks handed off, with the engine ``engine_ref`` (a weak
+    reference) refers to, until the pool stops or that engine is collected
+    (See Note [An engine's threads hold it weakly] in
+    pyengine/_shared/engine_registry.py)."""
     check_argument("pool", pool, _ThreadPoolShared)
     with pool.condition:
         if not slot[0]:
@@ -265,19 +270,21 @@ def _reentrant_thread_main(pool, run_graph_task, slot):
     # again from the moment it finishes a task (See Note [A pool thread
     # is back before its caller]).
     counted_idle = True
+    engine_alive = True
     try:
         while True:
             with pool.condition:
-                while not pool.graph_tasks and not pool.stopping:
-                    pool.work.wait()
+                while not pool.graph_tasks and not pool.stopping and engine_alive:
+                    if not pool.work.wait(IDLE_CHECK_S):
+                        engine_alive = engine_ref() is not None
                 pool.num_idle -= 1
                 counted_idle = False
-                if pool.stopping:
+                if pool.stopping or not engine_alive:
                     return
                 graph_task = pool.graph_tasks.pop(0)
             graph_task.on_pool_thread = True
             try:
-                run_graph_task(graph_task)
+                run_pool_task(engine_ref, graph_task)
             except BaseException as error:
                 # An error of the engine's own, not a node's: See the
                 # compiled core's _reentrant_thread_main.

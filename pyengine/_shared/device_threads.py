@@ -13,6 +13,7 @@ import numpy as np
 
 from ..backends import backend_of
 from ..device import CPU
+from .engine_registry import IDLE_CHECK_S
 
 
 def node_device(node, gradients):
@@ -78,11 +79,11 @@ class _DeviceThreads:
         self.graph_tasks = weakref.WeakSet()
         self._ready_queue_type = ready_queue_type
 
-    def queue_for(self, device, graph_task, worker_main):
+    def queue_for(self, device, graph_task, engine_ref):
         """The queue of ``device``, for a task of ``graph_task``; on first use,
-        starts the device's worker thread, which runs
-        ``worker_main(device_id, queue)``. See Note [A device worker's
-        claim]."""
+        starts the device's worker thread, which serves the queue with the
+        engine ``engine_ref`` (a weak reference) refers to. See Note [A
+        device worker's claim]."""
         with self.lock:
             if self.stopping:
                 raise RuntimeError(f"cannot run a task on {device}: the engine's device "
@@ -93,7 +94,7 @@ class _DeviceThreads:
                 device_id = len(self.devices)
                 queue = self._ready_queue_type()
                 claim = [device_id]
-                thread = threading.Thread(target=self._run_worker, args=(claim, queue, worker_main),
+                thread = threading.Thread(target=self._run_worker, args=(claim, queue, engine_ref),
                                           name=f"pyengine-{device}", daemon=True)
                 try:
                     thread.start()
@@ -109,14 +110,32 @@ class _DeviceThreads:
                     raise
             return self._checked_queue(self.queues[device_id])
 
-    def _run_worker(self, claim, queue, worker_main):
+    def _run_worker(self, claim, queue, engine_ref):
         """A device worker thread's body: serve ``queue`` if its starter
-        registered it. See Note [A device worker's claim]."""
+        registered it (See Note [A device worker's claim]), until a shutdown
+        task or until its engine is collected. It holds the engine only
+        while tasks are queued: See Note [An engine's threads hold it
+        weakly] in pyengine/_shared/engine_registry.py."""
         with self.lock:
             if not claim:
                 return
             device_id = claim.pop()
-        worker_main(device_id, queue)
+        while True:
+            queued = queue.wait_for_task(IDLE_CHECK_S, False)
+            engine = engine_ref()
+            if engine is None:
+                return
+            if not queued:
+                engine = None
+                continue
+            # Runs the queue's tasks until it is empty (True) or until a
+            # shutdown task (False).
+            serve_on = engine._device_thread_main(device_id, queue)
+            # Let go of the engine before the wait: a collected engine stops
+            # this thread from its finalizer.
+            engine = None
+            if not serve_on:
+                return
 
     def _checked_queue(self, queue):
         # Python code can reach this object (through gc) and change its

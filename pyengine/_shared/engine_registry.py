@@ -1,5 +1,6 @@
 """Every Engine made, held weakly: each is stopped at interpreter exit and
-gets fresh threads in a forked child.
+gets fresh threads in a forked child; its threads hold it weakly too, and
+end once it is collected.
 
 Shared by the compiled core and the twin (See Note [Slow paths are
 shared]): an Engine registers itself once, when it is made, and the two
@@ -18,19 +19,48 @@ So every Engine registers itself here from ``__init__``, and the hooks
 below run for each live one, in the order they were made.
 
 The registry holds weak references, so it keeps no engine alive: one
-that nothing else refers to is collected as before (one whose device or
-pool threads started lives on with them: each runs a method of its
-engine). It is a list, not a WeakSet, so that an Engine subclass need not
-be hashable; dead references are pruned as engines are registered.
-``_lock`` guards the list against two threads that register at once; a
-forked child makes a new one, since the parent's may have been held by a
-thread the child does not have.
+that nothing else refers to is collected (See Note [An engine's threads
+hold it weakly]). It is a list, not a WeakSet, so that an Engine subclass
+need not be hashable; dead references are pruned as engines are
+registered. ``_lock`` guards the list against two threads that register
+at once; a forked child makes a new one, since the parent's may have been
+held by a thread the child does not have.
+
+Note [An engine's threads hold it weakly]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+An engine starts a device worker per device and reentrant pool threads
+when a backward first needs them, and they serve until ``Engine.stop``.
+Each ran a method of its engine for as long as it lived, so an engine
+whose threads had started was never collected: a program that made an
+Engine per model, or a test suite one per test, kept every idle thread and
+everything its engines held (20 engines made and dropped, 20 pool threads).
+
+Now a thread holds its engine only while it has work, and a weak
+reference between: a device worker waits for its queue's next task
+(``ReadyQueue.wait_for_task``), then takes its engine and runs the queue
+until it is empty (``Engine._device_thread_main``); a pool thread takes it
+for each graph task handed off (``run_pool_task``). No task comes for an
+engine that is gone: a backward's caller holds its engine while it runs.
+An idle thread looks at its engine every ``IDLE_CHECK_S`` seconds and ends
+once it has been collected.
+
+Not a finalizer that stops the threads at once: it may run from the cyclic
+garbage collector, on any thread, in the middle of a critical section of
+that engine's own locks (in the twin, the queue's and the pool's are
+Python locks around Python code), where taking the lock again would hang
+the thread. A look at a weak reference takes no lock. The cost: an idle
+thread wakes once every ``IDLE_CHECK_S``; a device worker whose queue ran
+dry calls a weak reference and a method before its next task.
 """
 
 import atexit
 import os
 import threading
 import weakref
+
+# How often an idle device or pool thread looks whether its engine was
+# collected: See Note [An engine's threads hold it weakly].
+IDLE_CHECK_S = 1.0
 
 _lock = threading.Lock()
 # weakref.ref to each Engine made, in the order made; guarded by _lock.
@@ -50,6 +80,18 @@ def live_engines():
     with _lock:
         refs = list(_engines)
     return [engine for engine in (ref() for ref in refs) if engine is not None]
+
+
+def run_pool_task(engine_ref, graph_task):
+    """Run ``graph_task``, handed off to the reentrant pool, with the engine
+    ``engine_ref`` (a weak reference) refers to: a pool thread's call back
+    into the engine. See Note [An engine's threads hold it weakly]."""
+    engine = engine_ref()
+    if engine is None:
+        # The hand-off's caller runs in its engine, which it holds.
+        raise RuntimeError("the engine of a backward handed off to its reentrant pool "
+                           "was collected")
+    engine._run_pool_task(graph_task)
 
 
 def _stop_engines():

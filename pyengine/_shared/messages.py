@@ -188,6 +188,11 @@ def pool_stopped_message(depth):
 QUEUE_FULL_MESSAGE = "a ready queue could not grow to hold one more task"
 
 
+def wait_timeout_message(timeout):
+    return (f"a wait's timeout must be a number of seconds from 0 to threading.TIMEOUT_MAX, "
+            f"got {timeout!r}")
+
+
 def waits_for_itself_message(nested=False):
     """See Note [A graph task waits for itself] in pyengine/_pure/graph_task.py.
     ``nested``: the thread runs a backward that one of the task's nodes (or
