@@ -641,9 +641,14 @@ cdef class Engine:
                                     only_input_nr)
         else:
             # See Note [Streaming backwards]: apply runs on the node's stream.
-            with _streams.stream_guard(producer_stream):
+            # Not a ``with``: See Note [Python allocations that fail].
+            guard = _streams.stream_guard(producer_stream)
+            guard.__enter__()
+            try:
                 outputs = call_function(graph_task, node, inputs, next_edges, only_next_node,
                                         only_input_nr)
+            finally:
+                guard.__exit__(None, None, None)
         if not graph_task.keep_graph:
             release_variables(node)
         cdef Py_ssize_t num_outputs = PyList_GET_SIZE(outputs)
@@ -920,11 +925,13 @@ cdef class Engine:
 #   that MemoryError in place of the one the clause matched. So no clause
 #   in the core returns: it sets what the function returns after it
 #   (``get_worker_state`` asks getattr with a default, and has none).
-#   The two ``with stream_guard(...)`` statements pass a missing
-#   traceback to ``__exit__`` as a NULL item of its arguments, which
-#   crashes too. That takes an error raised for another reason (a node's,
-#   an add's) whose traceback then cannot be made: left as it is, for a
-#   node or an add that raises where memory is gone at that very moment.
+#   A ``with`` statement passes a missing traceback to ``__exit__`` as a
+#   NULL item of its arguments, which crashed too, where a node or an add
+#   raised on a stream and that error's traceback could not be made. So
+#   the core enters and exits its stream guards itself, in a ``try`` and
+#   ``finally`` (``stream_guard.__exit__`` reads no error and swallows
+#   none); the twin's ``with`` statements are Python's, which have no such
+#   path.
 # - Cython's list comprehension whose item is a new object (a call's
 #   result): where the list cannot grow, its append releases the item and
 #   the error path releases it again (Cython 3.3's ListComp_AppendAndDecref),
@@ -1085,9 +1092,14 @@ cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, ob
     was written on is chosen here, off a CPU node's path."""
     if producer is not None:
         producer_stream = gradient_stream(producer, output_nr, producer_stream)
-    with _streams.stream_guard(_streams.accumulation_stream(gradient, producer_stream,
-                                                           consumer_stream)):
+    # Not a ``with``: See Note [Python allocations that fail].
+    guard = _streams.stream_guard(_streams.accumulation_stream(gradient, producer_stream,
+                                                               consumer_stream))
+    guard.__enter__()
+    try:
         input_buffer.add(input_nr, gradient, grad_mode)
+    finally:
+        guard.__exit__(None, None, None)
     return 0
 
 

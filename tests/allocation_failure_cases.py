@@ -33,7 +33,8 @@ is a line ``UNRAISABLE`` after the case's ``BEGIN``.
 
 Every node passes twice the gradient it gets along each of its edges, so
 the reference gradients are computed here by a walk of the graph in Python
-(no engine), exact in float64.
+(no engine), exact in float64. In ``devices_raise`` a node on a device
+raises PlantedError instead, every time: that error is its ``exact``.
 """
 
 import ctypes
@@ -107,7 +108,7 @@ failures = None
 # start() has returned) ends the thread before it runs its target, and a
 # pool thread that never comes leaves its graph task waiting for good,
 # whatever the engine does; this program's own thread.start() fails too.
-EVERY_THREAD = ("devices", "pool")
+EVERY_THREAD = ("devices", "devices_raise", "pool")
 
 
 class Leaf:
@@ -186,6 +187,18 @@ def reference(root, leaves):
     return result
 
 
+class PlantedError(Exception):
+    """What a node of the ``devices_raise`` scenario raises, every time."""
+
+
+def planted_failure():
+    raise PlantedError("a node fails")
+
+
+# expected_of() for a scenario whose backward always raises PlantedError.
+RAISES = "PlantedError"
+
+
 def build(scenario):
     """The graph: (root, leaves, run), run() giving the leaves' gradients."""
     a, b = Leaf(), Leaf()
@@ -207,11 +220,14 @@ def build(scenario):
         for _ in range(60):
             node = Twice([Edge(node, 0)])
         root = Twice([Edge(node, 0), edge_b])
-    elif scenario == "devices":
+    elif scenario in ("devices", "devices_raise"):
         first, second = fd.device(0), fd.device(1)
         # The device threads complete the task and wake its owner, this one.
         low = Twice([edge_a], second)
-        mid = Twice([Edge(low, 0), edge_b], first, to=[second, None])
+        # devices_raise: a node fails while its stream is current (See Note
+        # [Python allocations that fail] in pyengine/_engine.pyx).
+        mid = Twice([Edge(low, 0), edge_b], first, to=[second, None],
+                    during=planted_failure if scenario == "devices_raise" else None)
         root = Twice([Edge(mid, 0)], pyengine.CPU, to=[first])
     elif scenario in ("reentrant", "pool"):
         inner = Twice([pyengine.gradient_edge(Leaf())])
@@ -266,12 +282,16 @@ _expected = {}
 def expected_of(scenario):
     """The reference gradients of ``scenario``'s graph, from one built
     before any failure is armed: reference() allocates, as does build()."""
+    if scenario == "devices_raise":
+        return RAISES
     if scenario not in _expected:
         _expected[scenario] = reference(*build(scenario)[:2])
     return _expected[scenario]
 
 
 def outcome_of(values, error, expected):
+    if expected is RAISES and type(error) is PlantedError:
+        return "exact"
     if error is None:
         got = as_lists(values)
         return "exact" if got == expected else f"gave {got}"

@@ -13,7 +13,9 @@ other; in the scenarios whose nodes run on device or pool threads, the
 allocations of every thread failing). Python allocations are many: in
 ``fan`` (a ready queue of 300 tasks, some 2,500 allocations a backward)
 each of the first FAN_EACH fails, then every FAN_STRIDE-th. In ``made``
-the graph's nodes and metadata are made while allocations fail, too.
+the graph's nodes and metadata are made while allocations fail, too; in
+``devices_raise`` a node on a device raises, which the engine's stream
+guard must pass on even where its traceback cannot be made.
 
 Oracles: each failing backward either gives the reference gradients or
 raises MemoryError; the good backward after it gives the reference
@@ -43,8 +45,8 @@ import pytest
 import pyengine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCENARIOS = ["chain", "lattice", "lattice_grad", "fan", "devices", "reentrant", "pool",
-             "owner_writes", "owner_returns", "made"]
+SCENARIOS = ["chain", "lattice", "lattice_grad", "fan", "devices", "devices_raise", "reentrant",
+             "pool", "owner_writes", "owner_returns", "made"]
 FAN_EACH, FAN_STRIDE = 400, 7
 TIMEOUT_S = 120
 
@@ -54,6 +56,13 @@ ACCEPTED = {
     "MemoryError via RuntimeError | after exact",
     "SystemError: Couldn't get thread-state dictionary | after exact",
 }
+# Where a node raises (devices_raise), CPython's own raise may lose the error
+# it raises where one of its allocations fails, and the caller gets
+# "error return without exception set": a Python method that calls a
+# function that raises does so without pyengine (3.11.7, the 5th allocation
+# of the raise failing).
+ACCEPTED_WHERE_A_NODE_RAISES = ACCEPTED | {
+    "SystemError: error return without exception set | after exact"}
 
 pytestmark = [
     pytest.mark.skipif(pyengine.IMPLEMENTATION != "compiled",
@@ -134,7 +143,8 @@ def test_each_python_allocation_of_a_backward_may_fail(fail_pymem, scenario):
     expected_cases = len(steps(counts["cold"], *stepping)) + len(steps(counts["warm"], *stepping))
     cases = [line for line in lines if line.startswith(("cold ", "warm "))]
     assert len(cases) == expected_cases
-    wrong = [line for line in cases if line.split(" ", 3)[3] not in ACCEPTED]
+    accepted = ACCEPTED_WHERE_A_NODE_RAISES if scenario == "devices_raise" else ACCEPTED
+    wrong = [line for line in cases if line.split(" ", 3)[3] not in accepted]
     assert wrong == [], f"{len(wrong)} cases went wrong, the first: {wrong[:5]}"
     assert any("MemoryError" in line for line in cases), cases
     # An error the compiled core swallowed: the case is the BEGIN line before.
