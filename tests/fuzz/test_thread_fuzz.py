@@ -38,7 +38,8 @@ zero, one waiting for the other's final callback, which needed it
 Each oracle can fail: ``test_a_planted_fault_fails_the_fuzz`` plants a
 fault in the child (``PYENGINE_THREAD_FUZZ_PLANT``: leaves summed without
 a lock, gradients dropped, errors swallowed, a callback run twice, a crash,
-a hang, a caller thread left running) and checks that the fuzz reports it;
+a hang, a caller thread left running, a dropped Engine kept alive) and
+checks that the fuzz reports it;
 the same programs without a plant pass.
 
 Budget: ``PYENGINE_THREAD_FUZZ_PROGRAMS`` programs per core (default 150,
@@ -123,6 +124,7 @@ PLANT_REPORTS = {
     # per-program timeout.
     "hang": ("still running after the joins", "per-program timeout"),
     "thread_left": "still running after the joins",
+    "engine_kept": "was not collected",
 }
 
 
@@ -132,6 +134,12 @@ def test_a_planted_fault_fails_the_fuzz(plant):
         programs = [p for p in thread_fuzz.draw_programs(7, 200) if p["misuse"]][:20]
     elif plant in ("crash", "hang", "thread_left"):
         programs = accumulating_programs(1)
+    elif plant == "engine_kept":
+        programs = accumulating_programs(3)
+        for program in programs:
+            for thread in program["threads"]:
+                for call in thread["calls"]:
+                    call["api"] = "execute_dropped"
     else:
         programs = accumulating_programs(20)
     if plant == "extra_callback":

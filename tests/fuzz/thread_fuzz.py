@@ -25,14 +25,16 @@ A *program* (plain JSON, drawn by ``draw_program`` from a seed)::
      "shared_grads": bool,                  # one root gradient array for all threads
      "mutator": bool,                       # a thread swapping the nodes' private fields
                                             # for equal new ones, and adding hooks
-     "engine2": bounds | None,              # the Engine of execute_other
+     "engine2": bounds | None,              # the Engine of execute_other, and the
+                                            # bounds of execute_dropped's: an Engine
+                                            # made for the call and dropped after it
      "engine": [max_recursion_depth, max_total_depth, max_pool_threads] | None,
      "switch": 1e-6 | None,                 # sys.setswitchinterval while the threads run
      "threads": [{"late": bool, "no_grad": bool, "calls": [call, ...],
                   "single": bool}, ...]}    # set_multithreading_enabled(False) in that thread
 
 A call is ``{"api": "backward" | "grad" | "execute" | "execute_grad" |
-"backward_inputs" | "execute_other", "roots":
+"backward_inputs" | "execute_other" | "execute_dropped", "roots":
 [[j, k], ...], "grads": [[a, b] | "bad", ...], "inputs": [l, ...]}`` (all
 with ``retain_graph=True``, unless ``"retain": false``: the misuse
 "release"), or ``{"api": "stop_other"}`` (misuse "stop": ``Engine.stop`` on the second
@@ -62,6 +64,9 @@ core's result against it:
   with it off) as it was after each call;
 - no caller thread still running after the joins, no engine thread in the
   program's code, the reference backwards after it exact;
+- each Engine made for an ``execute_dropped`` call collected once the
+  program ends, and the threads of a collected Engine ended within
+  ``thread_interpreter.ENDING_S`` (a later program reports one that ran on);
 - where a "shorten" or "extend" rewire makes the outcome depend on the
   schedule (misuse), only: each error is RuntimeError or FuzzError.
 
@@ -94,7 +99,7 @@ GRADS = [-1.0, 0.5, 1.0, 2.0]
 # Small bounds (reentrant backward handed to pool threads), and a roomy one.
 ENGINE_BOUNDS = [[0, 64, 1], [0, 64, 2], [1, 64, 2], [1, 64, 8], [0, 64, 64], [60, 4096, 256]]
 APIS = ["backward", "backward", "grad", "execute", "execute_grad", "backward_inputs",
-        "execute_other", "fresh"]
+        "execute_other", "execute_dropped", "fresh"]
 
 
 # -- programs --
@@ -362,7 +367,7 @@ def expected_call(program, call):
         else None
     result = simulate(program, call["roots"], call["grads"], inputs,
                       accumulate=call["api"] == "backward_inputs")
-    if call["api"] in ("execute", "execute_other") and result["exc"] is None:
+    if call["api"] in ("execute", "execute_other", "execute_dropped") and result["exc"] is None:
         result["captured"] = []
     return result
 

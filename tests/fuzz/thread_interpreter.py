@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 
 import numpy as np
 
@@ -50,6 +51,7 @@ import fuzz_interpreter as fi  # noqa: E402
 
 import pyengine  # noqa: E402
 from pyengine import fake_device as fd  # noqa: E402
+from pyengine._shared.engine_registry import IDLE_CHECK_S  # noqa: E402
 
 SHAPE = fi.SHAPE
 
@@ -78,6 +80,7 @@ PLANTS = {
     "swallow": "backward/grad/execute return normally where they raised: the call outcomes",
     "hang": "a node blocks forever: the per-program timeout",
     "crash": "the process aborts in a node: a negative status",
+    "engine_kept": "execute_dropped's Engine kept alive: the collected engines' check",
     "thread_left": "a caller thread that never ends: the stuck check",
     "extra_callback": "a final callback run twice: the counts",
 }
@@ -157,6 +160,8 @@ class Program:
                           if node.get("const") is not None}
         self.shared_grads = {}
         self.engine2 = None
+        # Weak references to the Engines of execute_dropped calls.
+        self.dropped = []
 
     def tile(self, pair):
         return np.tile(np.asarray(pair, dtype=np.float64), self.width)
@@ -394,6 +399,16 @@ class Program:
             # A second Engine at once with the default one (reentrant
             # backwards in its nodes go to the default engine).
             return self.engine2.execute(roots, grads, retain, False, True, None)
+        if api == "execute_dropped":
+            # An Engine of the call's own, dropped after it: collected while
+            # the other threads run, and its threads end (See Note [An
+            # engine's threads hold it weakly] in
+            # pyengine/_shared/engine_registry.py).
+            engine = pyengine.Engine(*self.spec.get("engine2") or ())
+            self.dropped.append(weakref.ref(engine))
+            if PLANT == "engine_kept":
+                _kept.append(engine)
+            return engine.execute(roots, grads, retain, False, True, None)
         if api == "grad":
             return pyengine.grad(roots, inputs, grads, retain_graph=retain, allow_unused=True)
         engine = pyengine.get_default_engine()
@@ -525,9 +540,48 @@ def quiesce():
         time.sleep(0.005)
 
 
+# The threads of collected engines (execute_dropped's), with when their
+# engine was first seen collected: each must end within about IDLE_CHECK_S
+# (See Note [An engine's threads hold it weakly] in
+# pyengine/_shared/engine_registry.py). A later program reports one that
+# ran on past ENDING_S; until then the thread count does not count them.
+_ending = {}
+ENDING_S = IDLE_CHECK_S + 5.0
+# The plant "engine_kept"'s engines.
+_kept = []
+
+
+def threads_of_collected_engines():
+    """The engine threads whose engine was collected: a device worker's and
+    a pool thread's arguments hold their engine's weak reference."""
+    return [thread for thread in engine_threads()
+            if any(isinstance(arg, weakref.ref) and arg() is None
+                   for arg in getattr(thread, "_args", ()))]
+
+
+def collected_engines_problems(dropped):
+    """That each Engine dropped after its call was collected; that the
+    threads of collected engines end."""
+    problems = []
+    if any(ref() is not None for ref in dropped):
+        problems.append("an Engine dropped after its call (execute_dropped) was not collected")
+    now = time.monotonic()
+    for thread in threads_of_collected_engines():
+        _ending.setdefault(thread, now)
+    for thread, since in list(_ending.items()):
+        if not thread.is_alive():
+            del _ending[thread]
+        elif now - since > ENDING_S:
+            problems.append(f"{thread.name}, a thread of a collected Engine, still ran "
+                            f"{now - since:.1f} s after")
+            del _ending[thread]
+    return problems
+
+
 def run_one(index, spec, baseline_threads):
     program = Program(spec)
     outcomes, stuck = program.run()
+    dropped = program.dropped
     result = {"i": index, "calls": outcomes, "stuck": stuck,
               "grads": [encode(leaf.grad) for leaf in program.leaves],
               "lazy": [encode(leaf.grad) for leaf in program.lazy],
@@ -541,7 +595,8 @@ def run_one(index, spec, baseline_threads):
     del program
     gc.collect()
     problems = fi.device_reference()
-    check = fi.reference_check(baseline_threads)
+    problems += collected_engines_problems(dropped)
+    check = fi.reference_check(baseline_threads + sum(t.is_alive() for t in _ending))
     if check != "ok":
         problems.append(check)
     result["check"] = "ok" if not problems else "; ".join(problems)
