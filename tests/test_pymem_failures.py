@@ -80,8 +80,10 @@ pytestmark = [
     # PyFunction_NewWithQualName under the eval loop's MAKE_FUNCTION, and
     # valgrind the first bad read on a code object of the test's own script
     # that the eval loop's error path freed; no pyengine frame at either
-    # fault. 3.12.1's crashes (the same scenarios, a case or two later)
-    # were not traced. 3.9, 3.10 and 3.11 pass every case.
+    # fault. On 3.12.1 (devices, cold 44), gdb shows the same: the segfault
+    # in PyFunction_NewWithQualName under MAKE_FUNCTION, in a node's apply,
+    # with a garbage qualname read from the code object. 3.9, 3.10 and 3.11
+    # pass every case.
     pytest.mark.skipif(sys.version_info[:2] in ((3, 12), (3, 13)),
                        reason="CPython 3.12 and 3.13 crash themselves where a function "
                               "object cannot be allocated (MAKE_FUNCTION's error path frees "
