@@ -157,7 +157,7 @@ def _reentrant_thread_main(_ThreadPoolShared pool not None, engine_ref, list slo
     (See Note [An engine's threads hold it weakly] in
     pyengine/_shared/engine_registry.py)."""
     cdef PyObject* next_graph_task = NULL
-    cdef bint engine_alive = True
+    cdef bint idle_check_due
     cdef GraphTask graph_task
     cdef unique_lock[mutex] lock
     lock_releasing_gil(pool.mutex_)
@@ -179,22 +179,30 @@ def _reentrant_thread_main(_ThreadPoolShared pool not None, engine_ref, list slo
         while True:
             with nogil:
                 lock = unique_lock[mutex](pool.mutex_)
-                while pool.graph_tasks.empty() and not pool.stopping and engine_alive:
-                    if pool.work.wait_for(lock, milliseconds(IDLE_CHECK_MS)) == cv_status.timeout:
-                        # Without the mutex: calling a weak reference runs
-                        # no Python code, but taking the GIL may wait.
-                        lock.unlock()
-                        with gil:
-                            engine_alive = engine_ref() is not None
-                        lock.lock()
-                pool.num_idle -= 1
-                counted_idle = False
-                if pool.stopping or not engine_alive:
-                    next_graph_task = NULL
-                else:
-                    next_graph_task = pool.graph_tasks.front()
-                    pool.graph_tasks.pop_front()
+                idle_check_due = False
+                while pool.graph_tasks.empty() and not pool.stopping and not idle_check_due:
+                    idle_check_due = (pool.work.wait_for(lock, milliseconds(IDLE_CHECK_MS))
+                                      == cv_status.timeout)
+                idle_check_due = pool.graph_tasks.empty() and not pool.stopping
+                if not idle_check_due:
+                    pool.num_idle -= 1
+                    counted_idle = False
+                    if pool.stopping:
+                        next_graph_task = NULL
+                    else:
+                        next_graph_task = pool.graph_tasks.front()
+                        pool.graph_tasks.pop_front()
                 lock.unlock()
+            if idle_check_due:
+                # Out of the nogil block, not in a ``with gil``: that takes
+                # the GIL through PyGILState_Ensure, which crashes a daemon
+                # thread that wakes while the interpreter finalizes (its
+                # thread state gone); the block's end takes it back as
+                # CPython ends such a thread. See Note [An engine's
+                # threads hold it weakly] in pyengine/_shared/engine_registry.py.
+                if engine_ref() is None:
+                    return
+                continue
             if next_graph_task == NULL:
                 return
             graph_task = <GraphTask>next_graph_task

@@ -15,6 +15,8 @@ appeared while it ran), ended within a bound after it was collected.
 from __future__ import annotations
 
 import gc
+import glob
+import os
 import threading
 import time
 import weakref
@@ -149,3 +151,28 @@ def test_an_engine_dropped_while_its_device_worker_runs_a_node_lives_until_the_n
     started = engine_threads(before)
     wait_until(lambda: not any(thread.is_alive() for thread in started), ENDED_WITHIN_S,
                "the collected engine's device thread did not end")
+
+
+def test_no_engine_thread_takes_the_gil_with_gilstate_ensure():
+    # A source check, for what no test process can time: an idle engine
+    # thread that wakes late in the interpreter's finalization crashed in
+    # CPython's new_threadstate where it took the GIL with Cython's
+    # ``with gil`` (PyGILState_Ensure). Only the main thread's waits may
+    # (_locks.pxd's, behind their test of on_main_thread). See Note [An
+    # engine's threads hold it weakly].
+    package = os.path.dirname(os.path.abspath(pyengine.__file__))
+    sources = sorted(glob.glob(os.path.join(package, "*.pyx"))
+                     + glob.glob(os.path.join(package, "*.pxd")))
+    if not sources:
+        pytest.skip("no Cython sources next to the package: an installed wheel")
+    found = []
+    for path in sources:
+        with open(path) as source:
+            lines = source.read().splitlines()
+        for number, line in enumerate(lines):
+            if line.strip().startswith("with gil"):
+                function = max(i for i in range(number)
+                               if lines[i].startswith(("cdef ", "cpdef ", "def ")))
+                body = "\n".join(lines[function:number])
+                found.append((os.path.basename(path), number + 1, "on_main_thread:" in body))
+    assert [(name, main_only) for name, _, main_only in found] == [("_locks.pxd", True)] * 2, found

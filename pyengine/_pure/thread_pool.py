@@ -270,18 +270,26 @@ def _reentrant_thread_main(pool, engine_ref, slot):
     # again from the moment it finishes a task (See Note [A pool thread
     # is back before its caller]).
     counted_idle = True
-    engine_alive = True
     try:
         while True:
             with pool.condition:
-                while not pool.graph_tasks and not pool.stopping and engine_alive:
-                    if not pool.work.wait(IDLE_CHECK_S):
-                        engine_alive = engine_ref() is not None
-                pool.num_idle -= 1
-                counted_idle = False
-                if pool.stopping or not engine_alive:
+                idle_check_due = False
+                while not pool.graph_tasks and not pool.stopping and not idle_check_due:
+                    idle_check_due = not pool.work.wait(IDLE_CHECK_S)
+                idle_check_due = not pool.graph_tasks and not pool.stopping
+                if not idle_check_due:
+                    pool.num_idle -= 1
+                    counted_idle = False
+                    if pool.stopping:
+                        return
+                    graph_task = pool.graph_tasks.pop(0)
+            if idle_check_due:
+                # Out of the lock, as the compiled core looks out of its
+                # nogil block: See Note [An engine's threads hold it weakly]
+                # in pyengine/_shared/engine_registry.py.
+                if engine_ref() is None:
                     return
-                graph_task = pool.graph_tasks.pop(0)
+                continue
             graph_task.on_pool_thread = True
             try:
                 run_pool_task(engine_ref, graph_task)

@@ -44,6 +44,14 @@ engine that is gone: a backward's caller holds its engine while it runs.
 An idle thread looks at its engine every ``IDLE_CHECK_S`` seconds and ends
 once it has been collected.
 
+An idle thread may wake while the interpreter finalizes (one whose engine
+was collected is not stopped at exit). It takes the GIL back only as the
+end of a ``with nogil`` block does (``PyEval_RestoreThread``), which
+CPython turns into the end of a daemon thread once finalizing; never with
+Cython's ``with gil`` (``PyGILState_Ensure``), which late in finalization
+makes a thread state for an interpreter that is gone (CI's ThreadSanitizer
+stage: a segfault in ``new_threadstate`` at the end of a test process).
+
 Not a finalizer that stops the threads at once: it may run from the cyclic
 garbage collector, on any thread, in the middle of a critical section of
 that engine's own locks (in the twin, the queue's and the pool's are
