@@ -25,8 +25,9 @@ from pyengine._locks cimport lock_releasing_gil, milliseconds
 
 import threading
 
-from pyengine._shared.engine_registry import IDLE_CHECK_S, run_pool_task
-from pyengine._shared.messages import cannot_pickle_message, pool_full_message, pool_stopped_message
+from pyengine._shared.engine_registry import IDLE_CHECK_S
+from pyengine._shared.messages import (POOL_ENGINE_GONE_MESSAGE, cannot_pickle_message,
+                                       pool_full_message, pool_stopped_message)
 
 # See Note [An engine's threads hold it weakly] in pyengine/_shared/engine_registry.py.
 cdef long long IDLE_CHECK_MS = <long long>(IDLE_CHECK_S * 1000)
@@ -147,6 +148,18 @@ cdef int start_pool_thread(_ThreadPoolShared pool, GraphTask graph_task,
         raise RuntimeError(
             f"could not start a reentrant pool thread for a backward nested "
             f"{graph_task.reentrant_depth} levels deep: {error}") from error
+    return 0
+
+
+cdef int run_pool_task(object engine_ref, GraphTask graph_task) except -1:
+    """Run ``graph_task``, handed off to the pool, with the engine
+    ``engine_ref`` (a weak reference) refers to: a pool thread's call back
+    into the engine. See Note [An engine's threads hold it weakly] in
+    pyengine/_shared/engine_registry.py."""
+    engine = engine_ref()
+    if engine is None:
+        raise RuntimeError(POOL_ENGINE_GONE_MESSAGE)
+    engine._run_pool_task(graph_task)
     return 0
 
 

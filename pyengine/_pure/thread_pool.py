@@ -134,8 +134,13 @@ stopped device: See Note [A shutdown task is the device worker's] in
 
 import threading
 
-from .._shared.engine_registry import IDLE_CHECK_S, run_pool_task
-from .._shared.messages import cannot_pickle_message, pool_full_message, pool_stopped_message
+from .._shared.engine_registry import IDLE_CHECK_S
+from .._shared.messages import (
+    POOL_ENGINE_GONE_MESSAGE,
+    cannot_pickle_message,
+    pool_full_message,
+    pool_stopped_message,
+)
 from .graph_task import cancel_graph_task
 from .static_types import check_argument
 
@@ -248,6 +253,17 @@ def give_back_slot(pool, slot, thread=None):
             slot[0] = False
             if thread is not None and thread in pool.threads:
                 pool.threads.remove(thread)
+
+
+def run_pool_task(engine_ref, graph_task):
+    """Run ``graph_task``, handed off to the pool, with the engine
+    ``engine_ref`` (a weak reference) refers to: a pool thread's call back
+    into the engine. See Note [An engine's threads hold it weakly] in
+    pyengine/_shared/engine_registry.py."""
+    engine = engine_ref()
+    if engine is None:
+        raise RuntimeError(POOL_ENGINE_GONE_MESSAGE)
+    engine._run_pool_task(graph_task)
 
 
 def _reentrant_thread_main(pool, engine_ref, slot):

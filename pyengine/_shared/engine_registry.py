@@ -39,7 +39,10 @@ Now a thread holds its engine only while it has work, and a weak
 reference between: a device worker waits for its queue's next task
 (``ReadyQueue.wait_for_task``), then takes its engine and runs the queue
 until it is empty (``Engine._device_thread_main``); a pool thread takes it
-for each graph task handed off (``run_pool_task``). No task comes for an
+for each graph task handed off (``run_pool_task``, in each core's pool
+module: a Python function in the compiled core would put a Python frame,
+and the interpreter's own failures where memory runs out, on every
+hand-off's path). No task comes for an
 engine that is gone: a backward's caller holds its engine while it runs.
 An idle thread looks at its engine every ``IDLE_CHECK_S`` seconds and ends
 once it has been collected.
@@ -88,18 +91,6 @@ def live_engines():
     with _lock:
         refs = list(_engines)
     return [engine for engine in (ref() for ref in refs) if engine is not None]
-
-
-def run_pool_task(engine_ref, graph_task):
-    """Run ``graph_task``, handed off to the reentrant pool, with the engine
-    ``engine_ref`` (a weak reference) refers to: a pool thread's call back
-    into the engine. See Note [An engine's threads hold it weakly]."""
-    engine = engine_ref()
-    if engine is None:
-        # The hand-off's caller runs in its engine, which it holds.
-        raise RuntimeError("the engine of a backward handed off to its reentrant pool "
-                           "was collected")
-    engine._run_pool_task(graph_task)
 
 
 def _stop_engines():

@@ -188,6 +188,12 @@ def pool_stopped_message(depth):
 QUEUE_FULL_MESSAGE = "a ready queue could not grow to hold one more task"
 
 
+# A pool thread's engine, collected while a graph task was handed off to
+# it: none is, since the hand-off's caller runs in its engine and holds it.
+POOL_ENGINE_GONE_MESSAGE = ("the engine of a backward handed off to its reentrant pool was "
+                            "collected")
+
+
 def wait_timeout_message(timeout):
     return (f"a wait's timeout must be a number of seconds from 0 to threading.TIMEOUT_MAX, "
             f"got {timeout!r}")
