@@ -131,8 +131,8 @@ class _DeviceThreads:
             # Runs the queue's tasks until it is empty (True) or until a
             # shutdown task (False).
             serve_on = engine._device_thread_main(device_id, queue)
-            # Let go of the engine before the wait: a collected engine stops
-            # this thread from its finalizer.
+            # Let go of the engine before the wait, or this thread would keep
+            # it alive while it idles.
             engine = None
             if not serve_on:
                 return
