@@ -26,5 +26,5 @@ cdef class _ThreadPoolShared:
 cdef int add_thread_pool_task(_ThreadPoolShared pool, GraphTask graph_task,
                               Py_ssize_t max_pool_threads, object engine_ref) except -1
 cdef int start_pool_thread(_ThreadPoolShared pool, GraphTask graph_task,
-                           object run_graph_task, list slot) except -1
+                           object engine_ref, list slot) except -1
 cdef int withdraw_pool_task(_ThreadPoolShared pool, GraphTask graph_task) except -1
