@@ -470,8 +470,12 @@ cdef class Engine:
 
     cdef int thread_main(self, WorkerState worker, GraphTask graph_task) except -1:
         """Pop and run tasks until ``graph_task`` completes; for None (a device
-        worker), until its queue has no task (returns 1) or a shutdown task
-        comes (returns 0). ``worker``: this thread's state."""
+        worker), until its queue has no task or a shutdown task comes, and
+        return whether the worker serves on: 1 where its queue ran dry, or
+        where an error outside any node failed the graph task of the task it
+        ran (See Note [A device worker outlives its loop's errors] in
+        pyengine/_pure/engine.py); 0 after a shutdown task. ``worker``: this
+        thread's state."""
         cdef ReadyQueue queue = worker.local_ready_queue
         cdef NodeTaskRecord record
         cdef GraphTask local_graph_task
@@ -483,7 +487,7 @@ cdef class Engine:
         # See Note [A shutdown task is the device worker's] in
         # pyengine/_pure/engine.py.
         cdef bint shutdown_held = False
-        cdef bint queue_ran_dry = False
+        cdef bint serve_on = False
         cdef bint not_owner
         cdef Py_ssize_t left, dropped
         try:
@@ -500,7 +504,7 @@ cdef class Engine:
                         # A device worker waits for its next task without
                         # its engine: See Note [An engine's threads hold it
                         # weakly] in pyengine/_shared/engine_registry.py.
-                        queue_ran_dry = True
+                        serve_on = True
                         break
                     with nogil:
                         queue.pop_record(&record, on_main_thread)
@@ -587,14 +591,22 @@ cdef class Engine:
                 queue.push_shutdown()
             if graph_task is not None:
                 cancel_graph_task(graph_task, error)
-            raise
+                raise
+            if local_graph_task is None or local_graph_task.future_completed_.load():
+                raise
+            # A device worker's, while it ran a task: See Note [A device
+            # worker outlives its loop's errors] in pyengine/_pure/engine.py.
+            # (It falls through: See Note [Python allocations that fail], a
+            # return in an except clause.)
+            fail_in_flight_graph_task(worker, queue, local_graph_task, error)
+            serve_on = True
         # A task held back for the loop goes to the queue, as if never held.
         flush_next_task(worker)
         if shutdown_held:
             queue.push_shutdown()
         if graph_task is not None and graph_task.has_error_.load():
             queue.discard_graph_task_records(graph_task)
-        return queue_ran_dry
+        return serve_on
 
     cdef int evaluate_function(self, WorkerState worker, GraphTask graph_task, NodeBase node,
                                list inputs) except -1:
@@ -789,8 +801,8 @@ cdef class Engine:
 
     def _device_thread_main(self, int device_id, ReadyQueue queue not None):
         """Run the tasks of ``queue``, device ``device_id``'s, on this thread,
-        its worker, until it has none (True: the worker serves on) or until
-        a shutdown task (False)."""
+        its worker, until it has none or a shutdown task comes; return
+        whether the worker serves on (``thread_main``'s answer)."""
         cdef WorkerState worker = get_worker_state()
         worker.worker_device = device_id
         worker.local_ready_queue = queue
@@ -998,6 +1010,20 @@ cdef inline int queue_task(WorkerState worker, ReadyQueue queue, GraphTask graph
     worker.has_next_task = True
     worker.next_task_counted = False
     return 0
+
+
+cdef void fail_in_flight_graph_task(WorkerState worker, ReadyQueue queue, GraphTask graph_task,
+                                    object error) noexcept:
+    """A device worker's loop (serving ``queue``) raised ``error`` outside
+    any node while it ran a task of ``graph_task``: that graph task fails
+    with it, and its owner, if another thread, is woken to raise it. See
+    Note [A device worker outlives its loop's errors] in
+    pyengine/_pure/engine.py."""
+    graph_task.set_exception(error)
+    cdef ReadyQueue owner = graph_task.cpu_ready_queue
+    if owner is not None and owner is not queue:
+        flush_next_task(worker)
+        push_wake_up(owner)
 
 
 cdef ReadyQueue owner_queue(GraphTask graph_task):

@@ -160,6 +160,30 @@ failed it), then pushes it back as it leaves; each loop out passes it on,
 and the worker's own loop consumes it. The shutdown task sorts first, so
 it is always the next task the outer loop pops.
 
+Note [A device worker outlives its loop's errors]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A node's error fails its graph task (``thread_main``'s ``try`` around
+``evaluate_function``). A device worker's own loop can raise too, outside
+any node: where memory runs out in its bookkeeping, or where an
+asynchronous exception (``PyThreadState_SetAsyncExc``) lands in its Python
+code. Had the thread ended with it, as PyTorch's worker ends the process,
+its device's queue would stay registered with no thread to serve it, and
+every later backward on that device would wait forever. So the worker
+outlives such an error. Raised while it ran a task, the error fails that
+task's graph task (``fail_in_flight_graph_task``), whose caller raises it,
+woken if it waits in another queue; the worker serves on. Raised between
+tasks (in ``_DeviceThreads._run_worker``, in
+``pyengine/_shared/device_threads.py``), or after that graph task had
+completed, it belongs to no backward, and the worker reports it through
+``threading.excepthook``, as Python reports a thread's uncaught error, and
+serves on; the tasks still queued are run on its next turn. A loop that
+drives a graph task (a caller's, a pool thread's, a reentrant backward's)
+fails that graph task instead and raises, as before. In the compiled
+core, the loop's bookkeeping is C, which raises only where a C++
+allocation fails (dropping a failed graph task's tasks from its owner's
+queue); the Python around the loop (the wait, the engine's weak
+reference) raises where the twin's would.
+
 Note [The owner's queue is the graph task's]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A graph task's *owner* is the thread that drives it: the caller (its own
@@ -699,8 +723,11 @@ class Engine:
 
     def thread_main(self, graph_task):
         """Pop and run tasks until ``graph_task`` completes; for None (a device
-        worker), until its queue has no task (returns True) or a shutdown
-        task comes (returns False)."""
+        worker), until its queue has no task or a shutdown task comes, and
+        return whether the worker serves on: True where its queue ran dry,
+        or where an error outside any node failed the graph task of the task
+        it ran (See Note [A device worker outlives its loop's errors]);
+        False after a shutdown task."""
         # Here and in evaluate_function and route, the engine reads its
         # graph tasks' slots, not the properties that check Python code's
         # writes (See Note [A graph task's fields from Python]).
@@ -711,7 +738,8 @@ class Engine:
         # A shutdown task this loop popped and holds for the device worker:
         # See Note [A shutdown task is the device worker's].
         shutdown_held = False
-        queue_ran_dry = False
+        serve_on = False
+        local_graph_task = None
         try:
             while graph_task is None or not graph_task.future_completed_:
                 if worker.next_task is not None:
@@ -724,7 +752,7 @@ class Engine:
                         # A device worker waits for its next task without
                         # its engine: See Note [An engine's threads hold it
                         # weakly] in pyengine/_shared/engine_registry.py.
-                        queue_ran_dry = True
+                        serve_on = True
                         break
                     task = queue.pop(on_main_thread)
                 if task.is_shutdown:
@@ -803,14 +831,20 @@ class Engine:
                 queue.push_shutdown()
             if graph_task is not None:
                 cancel_graph_task(graph_task, error)
-            raise
+                raise
+            if local_graph_task is None or local_graph_task.future_completed_:
+                raise
+            # A device worker's, while it ran a task: See Note [A device
+            # worker outlives its loop's errors].
+            fail_in_flight_graph_task(worker, queue, local_graph_task, error)
+            serve_on = True
         # A task held back for the loop goes to the queue, as if never held.
         flush_next_task(worker)
         if shutdown_held:
             queue.push_shutdown()
         if graph_task is not None and graph_task.has_error_:
             queue.discard_graph_task(graph_task)
-        return queue_ran_dry
+        return serve_on
 
     def evaluate_profiled(self, worker, graph_task, node, inputs):
         """evaluate_function, timed and reported to the profiler even if it fails."""
@@ -957,8 +991,8 @@ class Engine:
 
     def _device_thread_main(self, device_id, queue):
         """Run the tasks of ``queue``, device ``device_id``'s, on this thread,
-        its worker, until it has none (True: the worker serves on) or until
-        a shutdown task (False)."""
+        its worker, until it has none or a shutdown task comes; return
+        whether the worker serves on (``thread_main``'s answer)."""
         check_argument("queue", queue, ReadyQueue)
         worker = _worker_state
         worker.worker_device = device_id
@@ -1056,6 +1090,18 @@ def queue_task(worker, queue, graph_task, node, inputs):
     # Not counted yet: See Note [A held task takes over its maker's count].
     worker.next_task = make_record(graph_task, node, inputs)
     worker.next_task_counted = False
+
+
+def fail_in_flight_graph_task(worker, queue, graph_task, error):
+    """A device worker's loop (serving ``queue``) raised ``error`` outside
+    any node while it ran a task of ``graph_task``: that graph task fails
+    with it, and its owner, if another thread, is woken to raise it. See
+    Note [A device worker outlives its loop's errors]."""
+    graph_task.set_exception(error)
+    owner = graph_task.cpu_ready_queue_
+    if owner is not None and owner is not queue:
+        flush_next_task(worker)
+        push_wake_up(owner)
 
 
 def owner_queue(graph_task):

@@ -6,6 +6,7 @@ shared]): starting a thread per device is rare and costs the same in
 either; each core passes its own ReadyQueue type.
 """
 
+import sys
 import threading
 import weakref
 
@@ -56,6 +57,19 @@ STOPPED_BY = "Engine.stop(), which runs at interpreter exit"
 # starter lets go of the lock, so a starter that is interrupted, still
 # holding it, finds the claim there, empties it and takes back what it
 # registered; a thread that then runs finds nothing to claim and ends.
+
+
+def report_worker_error():
+    """Report the error being handled, which a device worker outlives, as
+    Python reports an error that ends a thread (``threading.excepthook``)."""
+    error_type, error, traceback = sys.exc_info()
+    try:
+        threading.excepthook(threading.ExceptHookArgs(
+            (error_type, error, traceback, threading.current_thread())))
+    except BaseException:
+        # The worker serves on even where the report cannot be made: its
+        # device's work matters more than the lost report.
+        pass
 
 
 class _DeviceThreads:
@@ -120,22 +134,25 @@ class _DeviceThreads:
             if not claim:
                 return
             device_id = claim.pop()
-        while True:
-            queued = queue.wait_for_task(IDLE_CHECK_S, False)
-            engine = engine_ref()
-            if engine is None:
-                return
-            if not queued:
-                engine = None
-                continue
-            # Runs the queue's tasks until it is empty (True) or until a
-            # shutdown task (False).
-            serve_on = engine._device_thread_main(device_id, queue)
+        serve_on = True
+        while serve_on:
+            engine = None
+            try:
+                queued = queue.wait_for_task(IDLE_CHECK_S, False)
+                engine = engine_ref()
+                if engine is None:
+                    return
+                if queued:
+                    # Runs the queue's tasks until it is empty (True) or
+                    # until a shutdown task (False).
+                    serve_on = engine._device_thread_main(device_id, queue)
+            except BaseException:
+                # An error of no backward's: See Note [A device worker
+                # outlives its loop's errors] in pyengine/_pure/engine.py.
+                report_worker_error()
             # Let go of the engine before the wait, or this thread would keep
             # it alive while it idles.
             engine = None
-            if not serve_on:
-                return
 
     def _checked_queue(self, queue):
         # Python code can reach this object (through gc) and change its

@@ -1,0 +1,153 @@
+"""A device worker outlives an error of its own loop, outside any node: the
+graph task of the task it ran fails with it, an error of no backward's is
+reported through ``threading.excepthook``, and the device serves on. See
+Note [A device worker outlives its loop's errors] in
+``pyengine/_pure/engine.py``.
+
+Before, such an error ended the worker's thread, and every later backward
+on its device waited for good: its queue stayed registered with no thread
+to serve it.
+
+Oracles: the gradients of each backward, worked by hand (a chain of
+factors 2, 3 and 5 gives 30); the error each backward raises, by type; the
+error the hook reports, the one planted; the worker thread, the same one
+before and after.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import numpy as np
+import pytest
+from test_devices import F0, cross_device_chain, host, on
+
+import pyengine
+from pyengine._shared.engine_registry import IDLE_CHECK_S
+
+WORK_S = 20.0
+
+
+class PlantedError(Exception):
+    """What the tests raise in a device worker's own loop."""
+
+
+def worker_thread(before, device):
+    """The worker thread for ``device`` that was not alive at ``before``
+    (a set of threads)."""
+    threads = [thread for thread in threading.enumerate()
+               if thread.name == f"pyengine-{device}" and thread not in before]
+    assert len(threads) == 1, threads
+    return threads[0]
+
+
+def raise_in_thread(thread, error_type):
+    """Have ``error_type`` raised in ``thread`` at its next Python
+    instruction (CPython's PyThreadState_SetAsyncExc, a public C API)."""
+    set_async = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    set_async.argtypes = [ctypes.c_ulong, ctypes.py_object]
+    assert set_async(thread.ident, error_type) == 1
+
+
+def backward_within(engine, root, seconds=WORK_S):
+    """Run a backward from ``root`` (gradient ones on fake:1) on another
+    thread; fail the test, rather than hang it, if it takes over
+    ``seconds``. Returns what it raised, or None."""
+    outcome = []
+
+    def run():
+        try:
+            engine.execute([pyengine.Edge(root, 0)], [on(np.ones(3), root.device)], False,
+                           False, True)
+        except BaseException as error:
+            outcome.append(error)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"the backward did not end within {seconds} s (a hang)"
+    return outcome[0]
+
+
+@pytest.fixture
+def reported(monkeypatch):
+    """The errors reported through threading.excepthook while a test runs."""
+    errors = []
+    monkeypatch.setattr(threading, "excepthook",
+                        lambda args: errors.append((args.exc_value, args.thread)))
+    return errors
+
+
+def planted_in_chain(error):
+    """Whether ``error`` is a PlantedError or was raised while handling one
+    (the twin's queue may be in a lock's release when it lands there)."""
+    while error is not None:
+        if isinstance(error, PlantedError):
+            return True
+        error = error.__context__
+    return False
+
+
+def test_an_error_between_tasks_is_reported_and_the_device_serves_on(reported):
+    before = set(threading.enumerate())
+    engine = pyengine.Engine()
+    x, root = cross_device_chain()
+    assert backward_within(engine, root) is None
+    np.testing.assert_array_equal(host(x.grad), np.full(3, 30.0))
+    worker = worker_thread(before, F0)
+    # Idle, the worker waits without the GIL and wakes every IDLE_CHECK_S;
+    # the error lands in its loop's Python code when the wait returns.
+    raise_in_thread(worker, PlantedError)
+    deadline = time.monotonic() + IDLE_CHECK_S + WORK_S
+    while not reported and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(reported) == 1, "the worker's error was not reported"
+    error, thread = reported[0]
+    assert planted_in_chain(error), repr(error)
+    assert thread is worker
+    assert worker.is_alive()
+    x, root = cross_device_chain()
+    assert backward_within(engine, root) is None
+    np.testing.assert_array_equal(host(x.grad), np.full(3, 30.0))
+    assert worker_thread(before, F0) is worker and worker.is_alive()
+    engine.stop()
+
+
+@pytest.mark.skipif(pyengine.IMPLEMENTATION != "pure",
+                    reason="the twin's bookkeeping is Python, which may raise after a node; the "
+                           "compiled core's is C, which raises only where a C++ allocation fails")
+@pytest.mark.parametrize("device", ["fake:0", "fake:1"])
+def test_an_error_after_a_node_fails_its_backward_and_the_device_serves_on(
+        monkeypatch, reported, device):
+    from pyengine._pure import engine as twin_engine
+
+    before = set(threading.enumerate())
+    engine = pyengine.Engine()
+    x, root = cross_device_chain()
+    assert backward_within(engine, root) is None
+    worker = worker_thread(before, device)
+    keep_spare_list = twin_engine.keep_spare_list
+    planted = []
+
+    def fails_once_on_the_worker(worker_state, task):
+        keep_spare_list(worker_state, task)
+        if threading.current_thread() is worker and not planted:
+            planted.append(PlantedError("the worker's bookkeeping after a node"))
+            raise planted[0]
+
+    monkeypatch.setattr(twin_engine, "keep_spare_list", fails_once_on_the_worker)
+    x, root = cross_device_chain()
+    error = backward_within(engine, root)
+    assert planted and error is planted[0], repr(error)
+    # It failed its backward, whose caller raised it: not reported again.
+    assert reported == []
+    assert worker.is_alive()
+    x, root = cross_device_chain()
+    assert backward_within(engine, root) is None
+    np.testing.assert_array_equal(host(x.grad), np.full(3, 30.0))
+    assert worker_thread(before, device) is worker
+    engine.stop()
