@@ -389,11 +389,24 @@ def steps(calls, each=None, stride=1):
     return list(range(1, min(each, calls) + 1)) + list(range(each + 1, calls + 1, stride))
 
 
+_output_lock = threading.Lock()
+
+
+def emit(line):
+    """Print ``line`` whole, in one write. The unraisable hook prints from a
+    new thread whose start failed while the main thread prints its case:
+    print()'s text and its newline are two writes, and a case's line that
+    landed between another thread's two began mid-line, and was not
+    counted (the parent saw one case fewer, about one run in 25)."""
+    with _output_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
 def report_unraisable(unraisable, default_hook=sys.unraisablehook):
     """An error Python could only print ("Exception ignored in"), on
     stdout after the case's BEGIN line, as well as on stderr."""
-    print(f"UNRAISABLE {type(unraisable.exc_value).__name__} in {unraisable.object!r}",
-          flush=True)
+    emit(f"UNRAISABLE {type(unraisable.exc_value).__name__} in {unraisable.object!r}")
     default_hook(unraisable)
 
 
@@ -410,23 +423,23 @@ def main(scenario):
     stride = int(os.environ.get("FAIL_PYMEM_STRIDE", 1))
     cold_calls = on_new_thread(scenario, 0)[0]
     for n in steps(cold_calls, each, stride):
-        print(f"BEGIN cold {n}", flush=True)
+        emit(f"BEGIN cold {n}")
         calls, outcome, after = on_new_thread(scenario, n)
-        print(f"cold {n} calls={calls} {outcome} | after {after}", flush=True)
+        emit(f"cold {n} calls={calls} {outcome} | after {after}")
     if isinstance(failures, FailPyMem):
         failures.every_thread = scenario in EVERY_THREAD
     case(scenario, 0)  # warm
     warm_calls = case(scenario, 0)[0]
     for n in steps(warm_calls, each, stride):
-        print(f"BEGIN warm {n}", flush=True)
+        emit(f"BEGIN warm {n}")
         calls, outcome, after = case(scenario, n)
-        print(f"warm {n} calls={calls} {outcome} | after {after}", flush=True)
-    print(f"END cold={cold_calls} warm={warm_calls}", flush=True)
+        emit(f"warm {n} calls={calls} {outcome} | after {after}")
+    emit(f"END cold={cold_calls} warm={warm_calls}")
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "flags":
         failures = FailNew(os.environ["FAIL_NEW"])
-        print("FLAGS", flags_case(), flush=True)
+        emit(f"FLAGS {flags_case()}")
     else:
         main(sys.argv[1])

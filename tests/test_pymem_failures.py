@@ -63,11 +63,16 @@ ACCEPTED = {
 # of the raise failing).
 ACCEPTED_WHERE_A_NODE_RAISES = ACCEPTED | {
     "SystemError: error return without exception set | after exact"}
-# CPython 3.10's eval loop, where a Python frame ends with an error it lost:
-# CI's 3.10 wheel stage saw it in `pool` (warm 60 of 79, allocations failing
-# on every thread; not reproduced here, nor traced to its frame). A
-# pyengine function that swallowed an error would print "Exception ignored
-# in 'pyengine...'", which the test refuses below.
+# CPython 3.10's own: at a code object's 1024th run its eval loop builds
+# the object's opcache (_PyCode_InitOpcache, Objects/codeobject.c), whose
+# PyMem_Calloc failing returns -1 with no error set, and the frame is left
+# with NULL and no exception before its first instruction. Seen in `pool`
+# (CI's 3.10 wheel stage at warm 60 of 79; here at warm 56 and 57, half the
+# runs), and traced with gdb: the SystemError made for the frame of the
+# test's own Twice.apply on a pool thread, its f_lasti -1 and its code's
+# co_opcache_flag 1024. Any scenario may meet it. A pyengine function that
+# swallowed an error would print "Exception ignored in 'pyengine...'",
+# which the test refuses below.
 if sys.version_info[:2] == (3, 10):
     ACCEPTED = ACCEPTED | {
         "SystemError: _PyEval_EvalFrameDefault returned NULL without setting an exception "
@@ -154,7 +159,12 @@ def test_each_python_allocation_of_a_backward_may_fail(fail_pymem, scenario):
     stepping = (FAN_EACH, FAN_STRIDE) if scenario == "fan" else ()
     expected_cases = len(steps(counts["cold"], *stepping)) + len(steps(counts["warm"], *stepping))
     cases = [line for line in lines if line.startswith(("cold ", "warm "))]
-    assert len(cases) == expected_cases
+    # A case's line that does not start a line (another thread's output
+    # before it), or a line of no kind.
+    odd = [line for line in lines
+           if re.search(r".(cold|warm) \d+ calls=", line)
+           or not line.startswith(("cold ", "warm ", "BEGIN ", "END ", "UNRAISABLE "))]
+    assert len(cases) == expected_cases, f"{len(cases)} case lines; odd lines: {odd[:5]}"
     accepted = ACCEPTED_WHERE_A_NODE_RAISES if scenario == "devices_raise" else ACCEPTED
     wrong = [line for line in cases if line.split(" ", 3)[3] not in accepted]
     assert wrong == [], f"{len(wrong)} cases went wrong, the first: {wrong[:5]}"
