@@ -91,7 +91,7 @@ else:
 # the stress tests and the threaded tests gave no report in pyengine's
 # code, where a planted race (ReadyQueue.push_record without its mutex)
 # gave hundreds in the thread fuzz's first batch. CI runs the optimized
-# build so (.ci/run's tsan_tests: 3,000 thread-fuzz programs, 800
+# build so (.ci/tsan: 3,000 thread-fuzz programs, 800
 # interrupt-fuzz runs, the threaded test files and the stress tests, each
 # process stopped at its first report, halt_on_error, and any report fails
 # the stage), not the debug build: its line tracing races on Cython's own
