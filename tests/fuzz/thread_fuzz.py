@@ -472,18 +472,38 @@ def fuzz_interpreter_close(a, b):
     return json.dumps(a) == json.dumps(b)
 
 
+ANOMALY_NOTE = "\nError detected in "
+
+
+def notes_decided(program):
+    """Whether the program fixes the anomaly notes on a call's error. Each
+    node an error passes out of adds one; with a node that runs a reentrant
+    backward, an error may reach the call both from its node and through
+    that backward, with one more note, and which of the two the call
+    raises first is the schedule's."""
+    return not program.get("anomaly") or all(node["reentrant"] is None
+                                             for node in program["nodes"])
+
+
+def without_anomaly_notes(message):
+    return None if message is None else message.split(ANOMALY_NOTE)[0]
+
+
 def disagreements(program, compiled, pure):
     """Where both cores raised the same type for a call, other words (in a
-    program whose outcomes the schedule does not decide)."""
+    program whose outcomes the schedule does not decide; where it decides
+    how many anomaly notes an error has, the words before them)."""
     problems = []
     if not deterministic(program):
         return problems
+    words = normalized if notes_decided(program) else (
+        lambda message: normalized(without_anomaly_notes(message)))
     for t, (ours, theirs) in enumerate(zip(compiled["calls"], pure["calls"])):
         for c, (a, b) in enumerate(zip(ours, theirs)):
             if _pool_busy(program, a) or _pool_busy(program, b):
                 continue
             if a["exc"] and a["exc"] == b["exc"] and \
-                    normalized(a.get("message")) != normalized(b.get("message")):
+                    words(a.get("message")) != words(b.get("message")):
                 problems.append(f"thread {t} call {c}: both raised {a['exc']}, in other words: "
                                 f"compiled {a.get('message')!r}; pure {b.get('message')!r}")
     return problems
