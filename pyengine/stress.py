@@ -399,8 +399,9 @@ def _check_batch(report, graph_refs, other_threads_before, engine_threads_limit)
 def run(duration_s=None, batches=None, seed=0, watchdog_s=60.0, log=None) -> StressReport:
     """Run batches until ``duration_s`` seconds or ``batches`` batches are done
     (whichever is given; both: the first reached). Raises StressFailure on
-    the first failed check; returns the report otherwise. ``log(report)``,
-    where given, is called after every batch."""
+    the first failed check; returns the report otherwise, its ``seconds``
+    the time to the end of the last batch. ``log(report)``, where given, is
+    called after every batch."""
     if duration_s is None and batches is None:
         raise ValueError("give duration_s or batches")
     rng = np.random.default_rng(seed)
@@ -412,6 +413,7 @@ def run(duration_s=None, batches=None, seed=0, watchdog_s=60.0, log=None) -> Str
     engine_threads_limit = 1000 // max(engine.max_recursion_depth, 1) + 4 + 4
     start = time.monotonic()
     gc_was_enabled = gc.isenabled()
+    completed = False
     try:
         while True:
             if batches is not None and report.batches >= batches:
@@ -444,10 +446,14 @@ def run(duration_s=None, batches=None, seed=0, watchdog_s=60.0, log=None) -> Str
             report.seconds = time.monotonic() - start
             if log is not None:
                 log(report)
+        completed = True
     finally:
         if gc_was_enabled:
             gc.enable()
-        report.seconds = time.monotonic() - start
+        if not completed:
+            # To the failure. A completed run keeps the time at its last
+            # batch's end, which its last progress line showed.
+            report.seconds = time.monotonic() - start
     return report
 
 
