@@ -127,7 +127,9 @@ class _DeviceThreads:
     def _run_worker(self, claim, queue, engine_ref):
         """A device worker thread's body: serve ``queue`` if its starter
         registered it (See Note [A device worker's claim]), until a shutdown
-        task or until its engine is collected. It holds the engine only
+        task or until its engine is collected; an error of its own loop
+        does not end it (See Note [A device worker outlives its loop's
+        errors] in pyengine/_pure/engine.py). It holds the engine only
         while tasks are queued: See Note [An engine's threads hold it
         weakly] in pyengine/_shared/engine_registry.py."""
         with self.lock:
@@ -143,8 +145,9 @@ class _DeviceThreads:
                 if engine is None:
                     return
                 if queued:
-                    # Runs the queue's tasks until it is empty (True) or
-                    # until a shutdown task (False).
+                    # Runs the queue's tasks until it is empty, or until
+                    # an error outside any node failed the backward it ran
+                    # (True), or until a shutdown task (False).
                     serve_on = engine._device_thread_main(device_id, queue)
             except BaseException:
                 # An error of no backward's: See Note [A device worker
