@@ -598,7 +598,7 @@ cdef class Engine:
             # worker outlives its loop's errors] in pyengine/_pure/engine.py.
             # (It falls through: See Note [Python allocations that fail], a
             # return in an except clause.)
-            fail_in_flight_graph_task(worker, queue, local_graph_task, error)
+            fail_in_flight_graph_task(queue, local_graph_task, error)
             serve_on = True
         # A task held back for the loop goes to the queue, as if never held.
         flush_next_task(worker)
@@ -1012,8 +1012,7 @@ cdef inline int queue_task(WorkerState worker, ReadyQueue queue, GraphTask graph
     return 0
 
 
-cdef void fail_in_flight_graph_task(WorkerState worker, ReadyQueue queue, GraphTask graph_task,
-                                    object error) noexcept:
+cdef void fail_in_flight_graph_task(ReadyQueue queue, GraphTask graph_task, object error) noexcept:
     """A device worker's loop (serving ``queue``) raised ``error`` outside
     any node while it ran a task of ``graph_task``: that graph task fails
     with it, and its owner, if another thread, is woken to raise it. See
@@ -1021,8 +1020,9 @@ cdef void fail_in_flight_graph_task(WorkerState worker, ReadyQueue queue, GraphT
     pyengine/_pure/engine.py."""
     graph_task.set_exception(error)
     cdef ReadyQueue owner = graph_task.cpu_ready_queue
+    # thread_main's except clause has pushed the held task already, as the
+    # loop does before any wake-up.
     if owner is not None and owner is not queue:
-        flush_next_task(worker)
         push_wake_up(owner)
 
 

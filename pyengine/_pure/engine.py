@@ -836,7 +836,7 @@ class Engine:
                 raise
             # A device worker's, while it ran a task: See Note [A device
             # worker outlives its loop's errors].
-            fail_in_flight_graph_task(worker, queue, local_graph_task, error)
+            fail_in_flight_graph_task(queue, local_graph_task, error)
             serve_on = True
         # A task held back for the loop goes to the queue, as if never held.
         flush_next_task(worker)
@@ -1092,15 +1092,16 @@ def queue_task(worker, queue, graph_task, node, inputs):
     worker.next_task_counted = False
 
 
-def fail_in_flight_graph_task(worker, queue, graph_task, error):
+def fail_in_flight_graph_task(queue, graph_task, error):
     """A device worker's loop (serving ``queue``) raised ``error`` outside
     any node while it ran a task of ``graph_task``: that graph task fails
     with it, and its owner, if another thread, is woken to raise it. See
     Note [A device worker outlives its loop's errors]."""
     graph_task.set_exception(error)
     owner = graph_task.cpu_ready_queue_
+    # thread_main's except clause has pushed the held task already, as the
+    # loop does before any wake-up.
     if owner is not None and owner is not queue:
-        flush_next_task(worker)
         push_wake_up(owner)
 
 

@@ -138,7 +138,6 @@ class _DeviceThreads:
             device_id = claim.pop()
         serve_on = True
         while serve_on:
-            engine = None
             try:
                 queued = queue.wait_for_task(IDLE_CHECK_S, False)
                 engine = engine_ref()
