@@ -180,6 +180,11 @@ class pyengine_DependencyMap {
         moved_ = 0;
     }
 
+    // The bytes of the tables release() gives back.
+    size_t table_bytes() const {
+        return (slots_.capacity() + larger_.capacity()) * sizeof(Slot);
+    }
+
     // The number of nodes with a slot: those the last count reached.
     size_t size() const { return used_; }
 

@@ -54,6 +54,12 @@ class pyengine_ExecInfoMap {
         moved_ = 0;
     }
 
+    // The bytes of the tables release() frees.
+    size_t table_bytes() const {
+        return (slots_.capacity() + larger_.capacity()) * sizeof(pyengine_ExecInfo) +
+               (order_.capacity() + marked_.capacity()) * sizeof(PyObject *);
+    }
+
     bool grow_step() {
         if (slots_.empty()) {
             slots_.resize(16);

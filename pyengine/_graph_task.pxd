@@ -40,6 +40,7 @@ cdef extern from "_dependency_map.h" nogil:
         bint full()
         bint grow_step() except +
         void release()
+        size_t table_bytes()
         void reset() except +
         int remove(PyObject* node, size_t hint)
         size_t enter(PyObject* root)
@@ -61,6 +62,7 @@ cdef extern from "_exec_info_map.h" nogil:
         bint full()
         bint grow_step() except +
         void release()
+        size_t table_bytes()
         bint empty()
         Py_ssize_t size()
         PyObject* entry_node(Py_ssize_t i)

@@ -34,6 +34,11 @@ cdef extern from "Python.h":
     # exc NULL: an int beyond a Py_ssize_t is clipped to its range.
     Py_ssize_t PyNumber_AsSsize_t(object o, PyObject* exc) except? -1
 
+# Tables up to this size are given back with the GIL held: See
+# GraphTask.__dealloc__. Freeing a block below 1 MiB takes microseconds.
+cdef enum:
+    TABLE_BYTES_RELEASED_WITH_THE_GIL = 1 << 20
+
 # The stream runtimes by device type. The same dict as streams._runtimes,
 # which registering a runtime fills in place: while it is empty,
 # current_streams() is {} and need not be called.
@@ -140,10 +145,17 @@ cdef class GraphTask:
     def __dealloc__(self):
         self.clear_not_ready()
         # Tables of millions of slots take milliseconds to unmap: without the
-        # GIL (See Note [Long passes let other threads run]).
-        with nogil:
+        # GIL (See Note [Long passes let other threads run]). A small
+        # backward's tables go back in less time than letting go of the GIL
+        # and taking it again costs, which is a tenth of its engine's work.
+        if (self.dependencies_.table_bytes() + self.exec_info_.table_bytes()
+                <= TABLE_BYTES_RELEASED_WITH_THE_GIL):
             self.dependencies_.release()
             self.exec_info_.release()
+        else:
+            with nogil:
+                self.dependencies_.release()
+                self.exec_info_.release()
 
     cdef void clear_not_ready(self) noexcept:
         for entry in self.not_ready_:
