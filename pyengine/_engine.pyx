@@ -196,6 +196,10 @@ cdef class GraphRoot(NodeBase):
 
 
 
+cdef inline bint has_tensor_pre_hooks(NodeBase node) noexcept:
+    return bool(node._tensor_pre_hooks or node._retains_grad_hooks)
+
+
 cdef inline bint has_hooks(NodeBase node) noexcept:
     return bool(node._tensor_pre_hooks or node._retains_grad_hooks or node._pre_hooks
                 or node._post_hooks)
@@ -629,7 +633,7 @@ cdef class Engine:
             # Copied out: the entry is only valid until the next make_entry.
             needed = needed or info.needed
             captures = info.captures if info != NULL else -1
-            if not needed:
+            if not needed and has_tensor_pre_hooks(node):
                 # Tensor pre-hooks run exactly once: here, or in call_function.
                 _hooks.call_tensor_pre_hooks(node, inputs)
             if captures >= 0:

@@ -305,6 +305,22 @@ def test_retain_grad_under_grad(torch):
     assert_close(h.grad, th.grad.numpy())
 
 
+def test_retain_grad_of_the_input_grad_asks_for(torch):
+    # h's node only captures its gradient (nothing below it is needed): its
+    # retains-grad hook runs all the same, as torch's does.
+    x = leaf([1.0, 2.0])
+    h = x * 3.0
+    h.retain_grad()
+    (gh,) = pyengine.grad((h * h).sum(), h)
+    tx = torch.tensor(x.data, requires_grad=True)
+    th = tx * 3.0
+    th.retain_grad()
+    (tgh,) = torch.autograd.grad((th * th).sum(), th)
+    assert_close(gh, tgh.numpy())
+    assert_close(h.grad, th.grad.numpy())
+    assert x.grad is None
+
+
 def test_retain_grad_accumulates_over_backward_calls(torch):
     x = leaf([1.0, 2.0])
     h = exp(x)

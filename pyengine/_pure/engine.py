@@ -507,6 +507,10 @@ def release_variables(node):
         node._saved_values_ = None  # NodeBase.release_variables
 
 
+def has_tensor_pre_hooks(node):
+    return bool(node._tensor_pre_hooks or node._retains_grad_hooks)
+
+
 def has_hooks(node):
     return bool(node._tensor_pre_hooks or node._retains_grad_hooks or node._pre_hooks
                 or node._post_hooks)
@@ -867,7 +871,7 @@ class Engine:
             info = exec_info.get(id(node))
             if info is None:
                 return
-            if not info.needed:
+            if not info.needed and has_tensor_pre_hooks(node):
                 # Tensor pre-hooks run exactly once: here, or in call_function.
                 call_tensor_pre_hooks(node, inputs)
             if info.captures:
