@@ -12,6 +12,10 @@ MAX_POOL_THREADS: int
 class WorkerState:
     """The engine's per-thread state; no attribute is visible from Python."""
 
+class WorkerStateKeeper:
+    """Ends its thread's WorkerState with the thread's locals; no attribute
+    is visible from Python."""
+
 class GraphRoot(NodeBase):
     outputs: list[Any]
     @property

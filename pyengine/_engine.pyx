@@ -143,18 +143,52 @@ cdef class WorkerState:
         raise TypeError(cannot_pickle_message(self))
 
 
-_thread_local = threading.local()
+# Note [The worker state's thread-local pointer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each backward starts by finding its thread's WorkerState. Reading it from
+# a threading.local costs a tenth of a one-node backward's engine work (the
+# thread's dict of locals, then the local's own), so the thread's C state
+# holds it (ThreadState.worker_state), with a reference of its own: no
+# Python code can free it under the pointer. What the threading.local
+# keeps is a WorkerStateKeeper, whose only use is to be freed with the
+# thread's locals, on that thread, when it ends (or when a fork's child
+# replaces the local): it then takes the pointer back and lets go of the
+# WorkerState. A keeper freed on another thread (a finalizing interpreter
+# clears its remaining threads' locals from its own) leaves that pointer
+# alone: its thread runs no more Python code, and what it held is left to
+# the process's end rather than freed under a thread that may still read it.
+cdef object _thread_local = threading.local()
+
+
+@cython.final
+cdef class WorkerStateKeeper:
+    """Ends its thread's WorkerState when the thread's locals are freed:
+    See Note [The worker state's thread-local pointer]."""
+    cdef PyObject* worker
+
+    def __dealloc__(self):
+        cdef ThreadState* state = thread_state()
+        if self.worker != NULL and state.worker_state == self.worker:
+            state.worker_state = NULL
+            Py_DECREF(<object>self.worker)
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
 
 
 cdef WorkerState get_worker_state():
-    # No try/except: See Note [Python allocations that fail] (a return in an
-    # except clause).
-    state = getattr(_thread_local, "state", None)
-    if state is None:
-        state = WorkerState()
-        _thread_local.state = state
-    # Checked: a module global, which Python code can write.
-    return <WorkerState?>state
+    cdef ThreadState* state = thread_state()
+    if state.worker_state != NULL:
+        return <WorkerState>state.worker_state
+    worker = WorkerState()
+    keeper = WorkerStateKeeper()
+    _thread_local.state = keeper
+    # The pointer's reference, which the keeper gives back.
+    Py_INCREF(worker)
+    state.worker_state = <PyObject*>worker
+    (<WorkerStateKeeper>keeper).worker = <PyObject*>worker
+    return worker
 
 
 # -- GraphRoot ----------------------------------------------------------------------

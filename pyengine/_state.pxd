@@ -11,6 +11,7 @@ cdef extern from "_thread_state.h":
         bint multithreading_enabled
         PyObject* current_node
         PyObject* current_node_graph_task
+        PyObject* worker_state
 
 cdef ThreadState* thread_state() noexcept nogil
 cdef PyObject* profiler() noexcept nogil

@@ -5,7 +5,7 @@
 #include "_thread_state.h"
 
 // One per thread, as PyTorch's thread-local grad mode and graph task.
-static thread_local pyengine_ThreadState pyengine_thread_state = {1, 1, NULL, 1, NULL, NULL};
+static thread_local pyengine_ThreadState pyengine_thread_state = {1, 1, NULL, 1, NULL, NULL, NULL};
 // Global; written under the GIL, read per node.
 static int pyengine_anomaly_enabled = 0;
 static int pyengine_anomaly_check_nan = 1;

@@ -21,4 +21,8 @@ struct pyengine_ThreadState {
     // makes] in pyengine/_shared/task_queries.py.
     PyObject *current_node;
     PyObject *current_node_graph_task;
+    // Owned: this thread's WorkerState (pyengine/_engine.pyx), or NULL
+    // until the thread's first backward. See Note [The worker state's
+    // thread-local pointer] there.
+    PyObject *worker_state;
 };

@@ -57,6 +57,10 @@ REFUSED = {
     "the engine's reentrant pool": thread_pool_module._ThreadPoolShared,
     "a thread's WorkerState": _core.engine_module.WorkerState,
 }
+if _core.IMPLEMENTATION == "compiled":
+    # The compiled core's alone: See Note [The worker state's thread-local
+    # pointer] in pyengine/_engine.pyx.
+    REFUSED["the keeper of a thread's WorkerState"] = _core.engine_module.WorkerStateKeeper
 
 COPIES = {"copy": copy.copy, "deepcopy": copy.deepcopy,
           "pickle": lambda value: pickle.loads(pickle.dumps(value))}
