@@ -320,10 +320,11 @@ class _Unreachable(Node):
         return ()
 
 
-_MISSING = object()
-
-
 def _input_edges(inputs, accumulate_grad):
+    """The edge each input's gradient is captured at (``grad``) or
+    accumulated through (``backward(inputs=)``). The tensor protocol's
+    attributes are read directly, not by getattr with a default: See Note
+    [The frontend's fixed cost]."""
     edges = []
     for i, tensor in enumerate(inputs):
         if tensor is None:
@@ -331,13 +332,17 @@ def _input_edges(inputs, accumulate_grad):
         if isinstance(tensor, Edge):
             edges.append(tensor)
             continue
-        requires_grad = getattr(tensor, "requires_grad", _MISSING)
-        if requires_grad is _MISSING:
+        try:
+            requires_grad = tensor.requires_grad
+        except AttributeError:
             raise RuntimeError("all inputs have to be Tensors or GradientEdges, but got "
-                               f"{type(tensor).__name__}")
+                               f"{type(tensor).__name__}") from None
         if not requires_grad:
             raise RuntimeError("One of the differentiated Tensors does not require grad")
-        grad_fn = getattr(tensor, "grad_fn", None)
+        try:
+            grad_fn = tensor.grad_fn
+        except AttributeError:
+            grad_fn = None
         if grad_fn is not None:
             if accumulate_grad:
                 retain_grad(tensor)
