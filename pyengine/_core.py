@@ -97,6 +97,7 @@ NodeBase = node_module.NodeBase
 GradientFreeNodeBase = node_module.GradientFreeNodeBase
 AccumulateGradBase = node_module.AccumulateGradBase
 LeafState = node_module.LeafState
+GradLock = node_module.GradLock
 Edge = node_module.Edge
 InputMetadata = node_module.InputMetadata
 ACCUMULATE_GRAD_SEQUENCE_NR = node_module.ACCUMULATE_GRAD_SEQUENCE_NR

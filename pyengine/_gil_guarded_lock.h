@@ -102,6 +102,16 @@ class pyengine_GILGuardedLock {
 #endif
     }
 
+    // With the GIL held: whether the thread of `tstate` holds the lock (a
+    // caller that lets Python code unlock checks this first).
+    bool held_by(PyThreadState *tstate) const {
+#ifdef Py_GIL_DISABLED
+        return holder_.load(std::memory_order_relaxed) == tstate;
+#else
+        return held_ && holder_ == tstate;
+#endif
+    }
+
     // With the GIL held, by the thread that locked.
     void unlock() {
 #ifdef Py_GIL_DISABLED

@@ -10,6 +10,7 @@ from libcpp.unordered_map cimport unordered_map
 from libcpp.utility cimport pair
 from libcpp.vector cimport vector
 
+from pyengine._locks cimport GILGuardedLock
 from pyengine._ready_queue cimport ReadyQueue
 from pyengine._state cimport ThreadState, thread_state
 
@@ -18,14 +19,6 @@ ctypedef PyObject* InputBufferPtr
 # What grad(inputs=) takes from a node's gradients: (input_nr, output_idx),
 # the gradient of the node's input slot input_nr is output output_idx.
 ctypedef pair[Py_ssize_t, Py_ssize_t] Capture
-
-cdef extern from "_gil_guarded_lock.h":
-    # Lock and unlock with the GIL held: See Note [A lock the GIL guards]
-    # in _gil_guarded_lock.h.
-    cppclass GILGuardedLock "pyengine_GILGuardedLock":
-        # 0 locked; 1 this thread holds it; -1 a signal handler raised.
-        int lock()
-        void unlock()
 
 cdef extern from "_dependency_map.h" nogil:
     # A node's state in compute_dependencies' depth-first search.

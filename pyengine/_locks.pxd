@@ -14,7 +14,17 @@
 # graph task lock] in _engine.pyx). GraphTask locks are taken before
 # ReadyQueue locks, never the reverse.
 
+from cpython.pystate cimport PyThreadState
 from libcpp.mutex cimport mutex
+
+cdef extern from "_gil_guarded_lock.h":
+    # Lock and unlock with the GIL held: See Note [A lock the GIL guards]
+    # in _gil_guarded_lock.h.
+    cppclass GILGuardedLock "pyengine_GILGuardedLock":
+        # 0 locked; 1 this thread holds it; -1 a signal handler raised.
+        int lock()
+        void unlock()
+        bint held_by(PyThreadState* tstate)
 
 
 cdef inline void lock_releasing_gil(mutex& m) noexcept:

@@ -1,9 +1,12 @@
 # The engine's view of a node; see _node.pyx.
 
+cimport cython
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 from libcpp.vector cimport vector
 
 cimport numpy as cnp
+
+from pyengine._locks cimport GILGuardedLock
 
 
 cdef class InputMetadata:
@@ -67,9 +70,16 @@ cdef class GradientFreeNodeBase(NodeBase):
     cdef readonly str method
 
 
+@cython.final
+cdef class GradLock:
+    cdef GILGuardedLock lock_
+    cdef int lock(self) except -1
+    cdef void unlock(self) noexcept
+
+
 cdef class LeafState:
     # Immutable after construction.
-    cdef readonly object lock
+    cdef readonly GradLock lock
     # Guarded by lock: None or a weak reference to the .grad pyengine stored.
     cdef object _owned_grad
     # Replaced (never edited) under the GIL.

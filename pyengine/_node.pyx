@@ -14,14 +14,13 @@ cimport numpy as cnp
 from cpython.list cimport PyList_GET_SIZE
 from cpython.number cimport PyNumber_Add, PyNumber_Index, PyNumber_InPlaceAdd
 from cpython.object cimport PyObject
+from cpython.pystate cimport PyThreadState_Get
 from cpython.ref cimport Py_REFCNT
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.weakref cimport PyWeakref_GET_OBJECT, PyWeakref_NewRef
 from libc.stdint cimport INT32_MAX, int32_t, uint64_t, UINT64_MAX
 
 from pyengine._state cimport ThreadState, anomaly_enabled, thread_state
-
-from _thread import allocate_lock as _allocate_lock
 
 import operator
 import numpy as np
@@ -36,6 +35,7 @@ from pyengine._shared.gradient_checks import REDUCE, gradient_policy_of
 from pyengine._shared.hooks import call_post_accumulate_grad_hooks
 from pyengine._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
                                        accumulate_grad_grads_message, cannot_pickle_message,
+                                       grad_lock_not_held_message, grad_lock_taken_again_message,
                                        node_name, not_initialized_message,
                                        uninitialized_metadata_message)
 from pyengine._shared.node_streams import _creation_stream
@@ -557,12 +557,62 @@ cdef object add_values(object grad, object new_grad):
 
 
 @cython.final
+cdef class GradLock:
+    """The lock of a leaf's ``.grad``: See Note [The lock of a leaf's .grad]
+    in the twin, ``pyengine/_pure/node.py``. A GILGuardedLock (See Note [A
+    lock the GIL guards] in _gil_guarded_lock.h), which AccumulateGrad takes
+    in C; Python code takes it with ``with`` or ``acquire``/``release``."""
+
+    cdef int lock(self) except -1:
+        cdef int result = self.lock_.lock()
+        if result == 0:
+            return 0
+        if result > 0:
+            raise RuntimeError(grad_lock_taken_again_message())
+        return -1  # a signal handler raised while it waited: its exception is set
+
+    cdef void unlock(self) noexcept:
+        self.lock_.unlock()
+
+    def __init__(self):
+        # Takes no arguments, as the twin's.
+        pass
+
+    def acquire(self):
+        """Wait for the lock (letting other threads run, and honouring
+        Ctrl-C) and take it; RuntimeError where this thread holds it."""
+        self.lock()
+        return True
+
+    def release(self):
+        """Let go of the lock; RuntimeError where this thread does not hold it."""
+        if not self.lock_.held_by(PyThreadState_Get()):
+            raise RuntimeError(grad_lock_not_held_message())
+        self.lock_.unlock()
+
+    def locked(self):
+        """Whether this thread holds the lock."""
+        return self.lock_.held_by(PyThreadState_Get())
+
+    def __enter__(self):
+        self.lock()
+        return True
+
+    def __exit__(self, *exc_info):
+        self.release()
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects] in pyengine/_pure/node.py.
+        raise TypeError(cannot_pickle_message(self))
+
+
+@cython.final
 cdef class LeafState:
     """What pyengine keeps on a leaf tensor. See the twin's docstring for each
     field; the .pxd says how each is guarded."""
 
     def __cinit__(self):
-        self.lock = _allocate_lock()
+        self.lock = GradLock()
 
     def __init__(self):
         # A __cinit__ of self alone ignores arguments; the twin's takes none.
@@ -627,12 +677,13 @@ cdef class AccumulateGradBase(NodeBase):
         new_grad = grads[0]
         cdef object variable = self.variable
         cdef LeafState leaf_state = self.leaf_state
+        # Taken in C: See Note [The lock of a leaf's .grad] in the twin.
+        cdef GradLock lock = leaf_state.lock
         cdef bint create_graph
         if new_grad is not None:
             grads[0] = None
             create_graph = thread_state().grad_enabled
-            lock = leaf_state.lock
-            lock.acquire()
+            lock.lock()
             try:
                 old_grad = variable.grad
                 if (old_grad is None and type(new_grad) is IndexedGradient
@@ -650,7 +701,7 @@ cdef class AccumulateGradBase(NodeBase):
                     variable.grad = add_values(old_grad, new_grad)
                 leaf_state.set_owned_grad(variable.grad)
             finally:
-                lock.release()
+                lock.unlock()
         hooks = leaf_state.post_accumulate_grad_hooks
         if hooks:
             # See Note [Post accumulate grad hooks] in pyengine/_shared/hooks.py.

@@ -56,6 +56,7 @@ REFUSED = {
     "Engine": _core.Engine,
     "the engine's reentrant pool": thread_pool_module._ThreadPoolShared,
     "a thread's WorkerState": _core.engine_module.WorkerState,
+    "a leaf's GradLock": _core.GradLock,
 }
 if _core.IMPLEMENTATION == "compiled":
     # The compiled core's alone: See Note [The worker state's thread-local

@@ -762,7 +762,7 @@ def test_fields_keep_their_value_after_a_refused_write():
     assert sink.got == [] and other.got == [[[4.0] * 3]]
 
 
-@pytest.mark.parametrize("name", ["Edge", "InputMetadata", "LeafState", "InputBuffer",
+@pytest.mark.parametrize("name", ["Edge", "InputMetadata", "LeafState", "GradLock", "InputBuffer",
                                   "GraphTask", "NodeTask", "ReadyQueue"])
 def test_the_cores_value_classes_are_final_in_both(name):
     # The compiled core declares them final, so that its C code reads the

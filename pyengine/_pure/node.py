@@ -26,6 +26,8 @@ from .._shared.messages import (
     _leaf_state_error,
     accumulate_grad_grads_message,
     cannot_pickle_message,
+    grad_lock_not_held_message,
+    grad_lock_taken_again_message,
     node_name,
     not_initialized_message,
     uninitialized_metadata_message,
@@ -886,16 +888,95 @@ def add_values(grad, new_grad):
     return backend_to_add(grad, "the variable's .grad").add(grad, new_grad)
 
 
+# Note [The lock of a leaf's .grad]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A leaf's gradient is accumulated under its LeafState's lock: every
+# AccumulateGrad of the tensor (one per graph; several graphs may run at
+# once, on several threads) and retain_grad's hook read, add and write
+# ``.grad`` as one step. Python code runs under it (the tensor's ``.grad``
+# property, a backend's add or copy; numpy lets go of the GIL in a large
+# add), so the lock does two things a plain threading.Lock does not, as
+# the graph task's lock does (See Note [A lock the GIL guards] in
+# pyengine/_gil_guarded_lock.h):
+# - a thread that asks for it while it holds it (that Python code started
+#   another accumulation into the same leaf: a backward from the ``.grad``
+#   setter) gets RuntimeError, where a threading.Lock waits for itself
+#   forever;
+# - a release by a thread that does not hold it is refused (RuntimeError),
+#   so Python code cannot open it under another thread's accumulation.
+# Both cores' locks wait letting other threads run and honouring Ctrl-C.
+# The compiled core's is a GILGuardedLock, which AccumulateGrad takes in C:
+# a threading.Lock's acquire and release, called as Python methods, cost
+# about 650 instructions per accumulation (benchmarks/RESULTS.md, "Issue
+# 19: the fixed cost of one call"). The twin's is a threading.Lock that
+# knows its holder.
+
+@final
+class GradLock:
+    """The lock of a leaf's ``.grad``: See Note [The lock of a leaf's .grad].
+    Python code takes it with ``with`` or ``acquire``/``release``."""
+
+    __slots__ = ("_lock", "_holder")
+
+    def __new__(cls, *args, **kwargs):
+        # Fields in __new__, as the compiled class has its lock from its
+        # allocation on: one made by __new__ alone works in both cores.
+        if cls.__new__ is not GradLock.__new__:
+            check_new(GradLock, cls)
+        self = object.__new__(cls)
+        self._lock = threading.Lock()
+        # The ident of the thread that holds it, or None. Only the holder
+        # writes its own ident here, so a thread that reads its own holds it.
+        self._holder = None
+        return self
+
+    def __init__(self):
+        # Takes no arguments, as the compiled class's.
+        pass
+
+    def acquire(self):
+        """Wait for the lock (letting other threads run, and honouring
+        Ctrl-C) and take it; RuntimeError where this thread holds it."""
+        me = threading.get_ident()
+        if self._holder == me:
+            raise RuntimeError(grad_lock_taken_again_message())
+        self._lock.acquire()
+        self._holder = me
+        return True
+
+    def release(self):
+        """Let go of the lock; RuntimeError where this thread does not hold it."""
+        if self._holder != threading.get_ident():
+            raise RuntimeError(grad_lock_not_held_message())
+        self._holder = None
+        self._lock.release()
+
+    def locked(self):
+        """Whether this thread holds the lock."""
+        return self._holder == threading.get_ident()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc_info):
+        self.release()
+
+    def __reduce__(self):
+        # See Note [Copying and pickling the engine's objects].
+        raise TypeError(cannot_pickle_message(self))
+
+
 @final
 class LeafState:
     """What pyengine keeps on a leaf tensor (a framework keeps it where it
     likes; :func:`pyengine.node.leaf_state` puts it in ``_pyengine_leaf``).
 
     Fields:
-      lock: a ``threading.Lock``; guards the tensor's ``.grad`` and the owned
+      lock: a ``GradLock``; guards the tensor's ``.grad`` and the owned
         ``.grad`` while a gradient is accumulated, across every
         AccumulateGrad of this tensor, and while ``retain_grad``'s hook adds
-        into a non-leaf's ``.grad``. Immutable after construction.
+        into a non-leaf's ``.grad`` (See Note [The lock of a leaf's
+        .grad]). Immutable after construction.
       accumulator: weak reference to the current AccumulateGrad (the graph,
         not the tensor, keeps it alive, as in PyTorch), or None.
       _owned_grad: None or a weak reference to the ``.grad`` array pyengine
@@ -927,7 +1008,7 @@ class LeafState:
         if cls.__new__ is not LeafState.__new__:
             check_new(LeafState, cls)
         self = object.__new__(cls)
-        object.__setattr__(self, "lock_", threading.Lock())
+        object.__setattr__(self, "lock_", GradLock())
         self.accumulator_ = None
         self._owned_grad = None
         self.tensor_pre_hooks_ = None

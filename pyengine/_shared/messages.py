@@ -49,6 +49,20 @@ def lock_taken_again_message():
             "nested backward that ran one of its nodes)")
 
 
+def grad_lock_taken_again_message():
+    """A thread asked for a leaf's ``.grad`` lock while it held it: See
+    Note [The lock of a leaf's .grad] in pyengine/_pure/node.py."""
+    return ("a thread asked for a leaf's .grad lock while it held it: Python code that ran "
+            "while the leaf's gradient was accumulated (the tensor's .grad property, a "
+            "backend's add or copy) started another accumulation into the same leaf, which "
+            "would wait for itself")
+
+
+def grad_lock_not_held_message():
+    """GradLock.release by a thread that does not hold the lock."""
+    return "release of a leaf's .grad lock that this thread does not hold"
+
+
 def uninitialized_metadata_message(where):
     """An InputMetadata made with ``InputMetadata.__new__`` alone, or whose
     ``__init__`` raised: its fields were never set, so no slot can use it."""
