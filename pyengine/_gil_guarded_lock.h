@@ -1,6 +1,7 @@
 // GILGuardedLock: mutual exclusion for code that holds the GIL both when it
-// locks and when it unlocks: the GraphTask's mutex_. See Note [A lock the
-// GIL guards].
+// locks and when it unlocks: the GraphTask's mutex_, and a leaf's GradLock
+// (See Note [The lock of a leaf's .grad] in pyengine/_pure/node.py). See
+// Note [A lock the GIL guards].
 //
 // Note [A lock the GIL guards]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -2,8 +2,9 @@
 #
 # Note [Locks and the GIL]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# Engine mutexes are C++ std::mutex, but for the GraphTask's, a
-# GILGuardedLock (See Note [A lock the GIL guards] in _gil_guarded_lock.h).
+# Engine mutexes are C++ std::mutex, but for the GraphTask's and a leaf's
+# GradLock, a GILGuardedLock (See Note [A lock the GIL guards] in
+# _gil_guarded_lock.h).
 # A thread never blocks on one while it holds the GIL: it tries the lock,
 # and only if that fails releases the GIL to wait for it
 # (lock_releasing_gil; GILGuardedLock.lock waits so by itself). A thread
