@@ -266,6 +266,15 @@ def _checked_grad(i, output, grad):
     output without metadata has no shape to match). The Edge's metadata is
     read here, not through ``_edge_metadata``: See Note [The frontend's
     fixed cost]."""
+    # The gradient's type is checked before the output is read, as torch's
+    # _make_grads does.
+    if type(grad) is _ndarray:
+        grad_shape = grad.shape
+    else:
+        grad_backend = backend_of(grad)
+        if grad_backend is None:
+            raise TypeError(f"gradients can be either arrays or None, but got {type(grad).__name__}")
+        grad_shape = tuple(grad_backend.shape(grad))
     if isinstance(output, Edge):
         metadata = output.node._input_metadata
         input_nr = output.input_nr
@@ -277,13 +286,6 @@ def _checked_grad(i, output, grad):
         out_shape = _output_shape_dtype(i, output)[0]
         if out_shape is not None:
             out_shape = tuple(out_shape)
-    if type(grad) is _ndarray:
-        grad_shape = grad.shape
-    else:
-        grad_backend = backend_of(grad)
-        if grad_backend is None:
-            raise TypeError(f"gradients can be either arrays or None, but got {type(grad).__name__}")
-        grad_shape = tuple(grad_backend.shape(grad))
     if out_shape is not None and grad_shape != out_shape:
         raise RuntimeError(f"Mismatch in shape: grad_output[{i}] has a shape of {grad_shape} "
                            f"and output[{i}] has a shape of {out_shape}.")

@@ -41,6 +41,25 @@ def test_implicit_grad_needs_a_real_scalar():
         y.backward()
 
 
+def test_a_gradient_of_no_array_type_is_named_before_the_output_is_read(torch):
+    x = leaf([1.0, 2.0])
+    y = (x * 2.0).sum()
+    tx = torch.tensor([1.0, 2.0], requires_grad=True)
+    with pytest.raises(TypeError) as expected:
+        torch.autograd.backward((tx * 2.0).sum(), grad_tensors="x")
+    with pytest.raises(TypeError) as got:
+        pyengine.backward(y, "x")
+    # torch's words, with numpy's arrays for its Tensors.
+    assert str(got.value) == str(expected.value).replace("Tensors", "arrays")
+    # An output whose value no backend reads: the gradient is named first,
+    # as torch checks it before it reads the output.
+    y.data = object()
+    with pytest.raises(TypeError, match="^gradients can be either arrays or None, but got str$"):
+        pyengine.backward(y, "x")
+    with pytest.raises(TypeError, match="output 0 has a value of type object"):
+        pyengine.backward(y, np.ones(()))
+
+
 def test_element_does_not_require_grad():
     x = leaf([1.0])
     c = const(2.0)
