@@ -15,6 +15,7 @@ from cpython.list cimport PyList_GET_SIZE
 from cpython.number cimport PyNumber_Add, PyNumber_Index, PyNumber_InPlaceAdd
 from cpython.object cimport PyObject
 from cpython.pystate cimport PyThreadState_Get
+from libc.string cimport memcmp
 from cpython.ref cimport Py_REFCNT
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.weakref cimport PyWeakref_GET_OBJECT, PyWeakref_NewRef
@@ -122,6 +123,30 @@ cdef class InputMetadata:
             raise TypeError(f"no value backend for {type(value).__name__}; register one with "
                             "pyengine.register_backend")
         return cls(backend.shape(value), backend.dtype(value), backend.device(value))
+
+    def is_same_shape(self, value):
+        """Whether ``value`` has this slot's shape (PyTorch's
+        ``InputMetadata::is_same_shape``), read through its backend
+        (TypeError where none handles it); False for a metadata whose
+        ``__init__`` never ran, which has no shape."""
+        cdef cnp.ndarray array
+        cdef size_t ndim
+        if self.numpy_dtype is not None and is_numpy_array(value):
+            # The dimensions the fast path keeps, compared in C: this is
+            # part of every backward's fixed cost (See Note [The frontend's
+            # fixed cost] in pyengine/autograd.py).
+            array = <cnp.ndarray>value
+            ndim = <size_t>cnp.PyArray_NDIM(array)
+            return ndim == self.dims.size() and (
+                ndim == 0 or memcmp(cnp.PyArray_DIMS(array), self.dims.data(),
+                                    ndim * sizeof(cnp.npy_intp)) == 0)
+        if self.shape is None:
+            return False
+        backend = backend_of(value)
+        if backend is None:
+            raise TypeError(f"no value backend for {type(value).__name__}; register one with "
+                            "pyengine.register_backend")
+        return tuple(backend.shape(value)) == self.shape
 
     def __eq__(self, other):
         if not isinstance(other, InputMetadata):

@@ -263,29 +263,26 @@ def _output_shape_dtype(i, output):
 
 def _checked_grad(i, output, grad):
     """``grad``, once its shape is known to match output ``i``'s (an Edge
-    output without metadata has no shape to match). The Edge's metadata is
-    read here, not through ``_edge_metadata``: See Note [The frontend's
-    fixed cost]."""
+    output into a slot without metadata has no shape to match). An Edge's
+    slot compares the shape itself (``InputMetadata.is_same_shape``, in C
+    for a numpy array in the compiled core), and the shapes are only read
+    to word a mismatch: See Note [The frontend's fixed cost]."""
     # The gradient's type is checked before the output is read, as torch's
     # _make_grads does.
-    if type(grad) is _ndarray:
-        grad_shape = grad.shape
-    else:
-        grad_backend = backend_of(grad)
-        if grad_backend is None:
-            raise TypeError(f"gradients can be either arrays or None, but got {type(grad).__name__}")
-        grad_shape = tuple(grad_backend.shape(grad))
+    if type(grad) is not _ndarray and backend_of(grad) is None:
+        raise TypeError(f"gradients can be either arrays or None, but got {type(grad).__name__}")
     if isinstance(output, Edge):
         metadata = output.node._input_metadata
         input_nr = output.input_nr
-        if input_nr >= len(metadata):
-            out_shape = None
-        else:
-            out_shape = metadata[input_nr].shape  # a tuple
+        slot = metadata[input_nr] if input_nr < len(metadata) else None
+        if slot is None or slot.is_same_shape(grad):
+            return grad
+        out_shape = slot.shape  # a tuple, or None before the metadata's __init__
     else:
         out_shape = _output_shape_dtype(i, output)[0]
         if out_shape is not None:
             out_shape = tuple(out_shape)
+    grad_shape = grad.shape if type(grad) is _ndarray else tuple(backend_of(grad).shape(grad))
     if out_shape is not None and grad_shape != out_shape:
         raise RuntimeError(f"Mismatch in shape: grad_output[{i}] has a shape of {grad_shape} "
                            f"and output[{i}] has a shape of {out_shape}.")

@@ -890,6 +890,33 @@ def test_node_without_metadata_gets_a_slot_per_gradient():
     assert_close(x.grad, [2.0, 6.0])
 
 
+@pytest.mark.parametrize("slots", [(), (None,)], ids=["past the metadata", "None metadata"])
+def test_a_root_edge_into_a_slot_without_metadata_takes_any_shape(slots):
+    # No shape to check the gradient against: it flows as given (the
+    # chain's gradient, 1 per element of the leaf).
+    x = leaf([1.0, 2.0])
+    sink = Counter(next_edges=[gradient_edge(x)], input_metadata=list(slots))
+    pyengine.backward(Edge(sink, 0), np.array([1.0, 1.0]))
+    assert_close(x.grad, [1.0, 1.0])
+    with pytest.raises(RuntimeError, match="must be given for a GradientEdge output whose node has "
+                                           "no input metadata"):
+        pyengine.backward(Edge(sink, 0))
+
+
+def test_is_same_shape_reads_the_value_through_its_backend():
+    metadata = pyengine.InputMetadata((2, 3), np.float64)
+    assert metadata.is_same_shape(np.zeros((2, 3)))
+    assert metadata.is_same_shape(np.zeros((2, 3), np.float32))  # the shape only
+    assert not metadata.is_same_shape(np.zeros((3, 2)))
+    assert not metadata.is_same_shape(np.zeros(6))
+    assert not metadata.is_same_shape(np.zeros((2, 3))[None])
+    assert pyengine.InputMetadata((), np.float64).is_same_shape(np.float64(1.0) * np.ones(()))
+    assert pyengine.InputMetadata((2,), np.int64).is_same_shape(np.arange(2))  # no fast path
+    assert not pyengine.InputMetadata.__new__(pyengine.InputMetadata).is_same_shape(np.zeros(2))
+    with pytest.raises(TypeError, match="no value backend for str"):
+        metadata.is_same_shape("x")
+
+
 def test_edge_equality_and_hash():
     a, b = Counter(), Counter()
     assert Edge(a, 0) == Edge(a, 0)

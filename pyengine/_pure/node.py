@@ -142,6 +142,20 @@ class InputMetadata:
                             "pyengine.register_backend")
         return cls(backend.shape(value), backend.dtype(value), backend.device(value))
 
+    def is_same_shape(self, value):
+        """Whether ``value`` has this slot's shape (PyTorch's
+        ``InputMetadata::is_same_shape``), read through its backend
+        (TypeError where none handles it); False for a metadata whose
+        ``__init__`` never ran, which has no shape."""
+        shape = self.shape
+        if shape is None:
+            return False
+        backend = backend_of(value)
+        if backend is None:
+            raise TypeError(f"no value backend for {type(value).__name__}; register one with "
+                            "pyengine.register_backend")
+        return tuple(backend.shape(value)) == shape
+
     def __eq__(self, other):
         if not isinstance(other, InputMetadata):
             return NotImplemented
