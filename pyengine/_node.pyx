@@ -615,7 +615,7 @@ cdef class GradLock:
             raise RuntimeError(grad_lock_not_held_message())
         self.lock_.unlock()
 
-    def locked(self):
+    def held(self):
         """Whether this thread holds the lock."""
         return self.lock_.held_by(PyThreadState_Get())
 

@@ -60,7 +60,7 @@ def test_an_accumulation_into_the_leaf_it_accumulates_into_raises_and_leaves_the
     with pytest.raises(RuntimeError, match="asked for a leaf's .grad lock while it held it"):
         pyengine.get_default_engine().execute([root], [grad], True, False, True)
     assert leaf.grad is None  # the setter raised before it stored anything
-    assert not leaf_state(leaf).lock.locked()
+    assert not leaf_state(leaf).lock.held()
     # The lock is free: the same graph accumulates again, exactly.
     pyengine.get_default_engine().execute([root], [grad], False, False, True)
     np.testing.assert_array_equal(leaf.grad, np.ones(graphs.SHAPE))
@@ -82,14 +82,14 @@ def test_only_its_holder_releases_it():
     assert held.wait(30)
     with pytest.raises(RuntimeError, match="this thread does not hold"):
         lock.release()
-    assert not lock.locked()  # held, but not by this thread
+    assert not lock.held()  # another thread holds it
     done.set()
     holder.join(30)
-    assert lock.acquire() is True and lock.locked()
+    assert lock.acquire() is True and lock.held()
     with pytest.raises(RuntimeError, match="asked for a leaf's .grad lock while it held it"):
         lock.acquire()
     lock.release()
-    assert not lock.locked()
+    assert not lock.held()
 
 
 def test_threads_that_accumulate_into_one_leaf_add_every_gradient():
@@ -140,9 +140,9 @@ def test_ctrl_c_reaches_a_thread_that_waits_for_it():
             with lock:
                 pytest.fail("took a lock another thread holds")
         assert time.monotonic() - start < 10
-        assert not lock.locked()
+        assert not lock.held()
     finally:
         done.set()
         holder.join(30)
     with lock:
-        assert lock.locked()
+        assert lock.held()

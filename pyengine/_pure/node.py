@@ -965,7 +965,7 @@ class GradLock:
         self._holder = None
         self._lock.release()
 
-    def locked(self):
+    def held(self):
         """Whether this thread holds the lock."""
         return self._holder == threading.get_ident()
 
