@@ -921,7 +921,7 @@ def add_values(grad, new_grad):
 # Both cores' locks wait letting other threads run and honouring Ctrl-C.
 # The compiled core's is a GILGuardedLock, which AccumulateGrad takes in C:
 # a threading.Lock's acquire and release, called as Python methods, cost
-# about 650 instructions per accumulation (benchmarks/RESULTS.md, "Issue
+# about 850 instructions per accumulation (benchmarks/RESULTS.md, "Issue
 # 19: the fixed cost of one call"). The twin's is a threading.Lock that
 # knows its holder.
 
