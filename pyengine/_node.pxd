@@ -5,6 +5,7 @@ from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 from libcpp.vector cimport vector
 
 cimport numpy as cnp
+from libc.string cimport memcmp
 
 from pyengine._locks cimport GILGuardedLock
 
@@ -107,3 +108,12 @@ cdef class Edge:
 
 
 cdef bint is_numpy_array(object value) noexcept
+
+
+cdef inline bint same_dims(int ndim, const cnp.npy_intp* dims,
+                           const vector[cnp.npy_intp]& expected_dims) noexcept nogil:
+    """Whether an array's ndim and dims are a slot's (``InputMetadata.dims``,
+    kept for the numpy fast path)."""
+    if <size_t>ndim != expected_dims.size():
+        return False
+    return ndim == 0 or memcmp(dims, expected_dims.data(), ndim * sizeof(cnp.npy_intp)) == 0

@@ -15,7 +15,6 @@ from cpython.list cimport PyList_GET_SIZE
 from cpython.number cimport PyNumber_Add, PyNumber_Index, PyNumber_InPlaceAdd
 from cpython.object cimport PyObject
 from cpython.pystate cimport PyThreadState_Get
-from libc.string cimport memcmp
 from cpython.ref cimport Py_REFCNT
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.weakref cimport PyWeakref_GET_OBJECT, PyWeakref_NewRef
@@ -37,7 +36,7 @@ from pyengine._shared.hooks import call_post_accumulate_grad_hooks
 from pyengine._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
                                        accumulate_grad_grads_message, cannot_pickle_message,
                                        grad_lock_not_held_message, grad_lock_taken_again_message,
-                                       node_name, not_initialized_message,
+                                       no_value_backend_message, node_name, not_initialized_message,
                                        uninitialized_metadata_message)
 from pyengine._shared.node_streams import _creation_stream
 from pyengine._state import get_current_node
@@ -120,8 +119,7 @@ cdef class InputMetadata:
         """Metadata of an array or framework value, read through its backend."""
         backend = backend_of(value)
         if backend is None:
-            raise TypeError(f"no value backend for {type(value).__name__}; register one with "
-                            "pyengine.register_backend")
+            raise TypeError(no_value_backend_message(value))
         return cls(backend.shape(value), backend.dtype(value), backend.device(value))
 
     def is_same_shape(self, value):
@@ -130,22 +128,17 @@ cdef class InputMetadata:
         (TypeError where none handles it); False for a metadata whose
         ``__init__`` never ran, which has no shape."""
         cdef cnp.ndarray array
-        cdef size_t ndim
         if self.numpy_dtype is not None and is_numpy_array(value):
             # The dimensions the fast path keeps, compared in C: this is
             # part of every backward's fixed cost (See Note [The frontend's
             # fixed cost] in pyengine/autograd.py).
             array = <cnp.ndarray>value
-            ndim = <size_t>cnp.PyArray_NDIM(array)
-            return ndim == self.dims.size() and (
-                ndim == 0 or memcmp(cnp.PyArray_DIMS(array), self.dims.data(),
-                                    ndim * sizeof(cnp.npy_intp)) == 0)
+            return same_dims(cnp.PyArray_NDIM(array), cnp.PyArray_DIMS(array), self.dims)
         if self.shape is None:
             return False
         backend = backend_of(value)
         if backend is None:
-            raise TypeError(f"no value backend for {type(value).__name__}; register one with "
-                            "pyengine.register_backend")
+            raise TypeError(no_value_backend_message(value))
         return tuple(backend.shape(value)) == self.shape
 
     def __eq__(self, other):

@@ -1,14 +1,13 @@
 # validate_outputs; see _validate_outputs.pyx.
 
 from cpython.object cimport PyObject
-from libc.string cimport memcmp
 from libcpp.vector cimport vector
 
 cimport numpy as cnp
 
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
-from pyengine._node cimport InputMetadata, NodeBase, is_numpy_array
+from pyengine._node cimport InputMetadata, NodeBase, is_numpy_array, same_dims
 
 
 cdef inline bint numpy_gradient_matches(InputMetadata metadata, object grad) noexcept:
@@ -32,9 +31,7 @@ cdef inline bint numpy_fields_match(PyObject* expected_dtype, const vector[cnp.n
     complex numpy dtype on the CPU, and ``InputMetadata.dims``)."""
     if expected_dtype == <PyObject*>None or dtype != expected_dtype:
         return False
-    if <size_t>ndim != expected_dims.size():
-        return False
-    return ndim == 0 or memcmp(dims, expected_dims.data(), ndim * sizeof(cnp.npy_intp)) == 0
+    return same_dims(ndim, dims, expected_dims)
 
 
 cdef bint known_value_type(object value_type) noexcept

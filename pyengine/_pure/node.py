@@ -28,6 +28,7 @@ from .._shared.messages import (
     cannot_pickle_message,
     grad_lock_not_held_message,
     grad_lock_taken_again_message,
+    no_value_backend_message,
     node_name,
     not_initialized_message,
     uninitialized_metadata_message,
@@ -138,8 +139,7 @@ class InputMetadata:
         """Metadata of an array or framework value, read through its backend."""
         backend = backend_of(value)
         if backend is None:
-            raise TypeError(f"no value backend for {type(value).__name__}; register one with "
-                            "pyengine.register_backend")
+            raise TypeError(no_value_backend_message(value))
         return cls(backend.shape(value), backend.dtype(value), backend.device(value))
 
     def is_same_shape(self, value):
@@ -152,8 +152,7 @@ class InputMetadata:
             return False
         backend = backend_of(value)
         if backend is None:
-            raise TypeError(f"no value backend for {type(value).__name__}; register one with "
-                            "pyengine.register_backend")
+            raise TypeError(no_value_backend_message(value))
         return tuple(backend.shape(value)) == shape
 
     def __eq__(self, other):

@@ -49,6 +49,12 @@ def lock_taken_again_message():
             "nested backward that ran one of its nodes)")
 
 
+def no_value_backend_message(value):
+    """InputMetadata's TypeError for a value no registered backend handles."""
+    return (f"no value backend for {type(value).__name__}; register one with "
+            "pyengine.register_backend")
+
+
 def grad_lock_taken_again_message():
     """A thread asked for a leaf's ``.grad`` lock while it held it: See
     Note [The lock of a leaf's .grad] in pyengine/_pure/node.py."""
