@@ -208,11 +208,18 @@ def _roots_and_grads(outputs, grads):
     a list or tuple, or None) checked against the outputs' shapes where
     given, made (ones, for scalar outputs only) where not. One pass and few
     calls: See Note [The frontend's fixed cost]."""
+    if len(outputs) == 1 and (grads is None or type(grads) is _ndarray):
+        # One output with one numpy gradient or none (``loss.backward()``),
+        # the commonest call: the loop below for i = 0, without making a
+        # tuple of the gradient and iterating over both.
+        output = outputs[0]
+        root = output if isinstance(output, Edge) else _tensor_root_edge(0, output)
+        return [root], [_implicit_grad(0, output) if grads is None
+                        else _checked_grad(0, output, grads)]
     if grads is None:
         grads = (None,) * len(outputs)
     elif type(grads) is _ndarray:
-        # One numpy gradient, the commonest case, without the abstract
-        # class's isinstance below.
+        # One numpy gradient without the abstract class's isinstance below.
         grads = (grads,)
     elif not isinstance(grads, (list, tuple)):
         # A generator of gradients, as torch takes; an array or a tensor is
@@ -222,19 +229,21 @@ def _roots_and_grads(outputs, grads):
         raise RuntimeError(f"got {len(outputs)} tensors and {len(grads)} gradients")
     roots, checked = [], []
     for i, output in enumerate(outputs):
-        if isinstance(output, Edge):
-            roots.append(output)
-        else:
-            if output is None:
-                raise TypeError(f"element {i} of tensors is None")
-            edge = gradient_edge(output)
-            if edge is None:
-                raise RuntimeError(f"element {i} of tensors does not require grad and does not "
-                                   "have a grad_fn")
-            roots.append(edge)
+        roots.append(output if isinstance(output, Edge) else _tensor_root_edge(i, output))
         grad = grads[i]
         checked.append(_implicit_grad(i, output) if grad is None else _checked_grad(i, output, grad))
     return roots, checked
+
+
+def _tensor_root_edge(i, output):
+    """The gradient edge of output ``i``, a tensor (or None, refused)."""
+    if output is None:
+        raise TypeError(f"element {i} of tensors is None")
+    edge = gradient_edge(output)
+    if edge is None:
+        raise RuntimeError(f"element {i} of tensors does not require grad and does not "
+                           "have a grad_fn")
+    return edge
 
 
 def _edge_metadata(edge):

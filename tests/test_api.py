@@ -5,6 +5,8 @@ Oracles: analytic gradients, central finite differences, and PyTorch on the
 same graph.
 """
 
+import re
+
 import numpy as np
 import pytest
 from conftest import Counter, tap
@@ -901,6 +903,49 @@ def test_a_root_edge_into_a_slot_without_metadata_takes_any_shape(slots):
     with pytest.raises(RuntimeError, match="must be given for a GradientEdge output whose node has "
                                            "no input metadata"):
         pyengine.backward(Edge(sink, 0))
+
+
+ONE_OUTPUT_FORMS = {
+    "alone": lambda output, grad: pyengine.backward(output, grad),
+    "in a list": lambda output, grad: pyengine.backward([output],
+                                                        None if grad is None else [grad]),
+    "in a tuple": lambda output, grad: pyengine.backward((output,),
+                                                         None if grad is None else (grad,)),
+}
+
+
+@pytest.mark.parametrize("form", ONE_OUTPUT_FORMS)
+def test_one_output_alone_or_in_a_sequence_is_checked_alike(form):
+    # One output with a numpy gradient or none skips the frontend's loop
+    # over outputs (See Note [The frontend's fixed cost]): alone or in a
+    # sequence, the same gradients (analytic) and the same errors (torch's
+    # words, as the tests above pin them).
+    backward = ONE_OUTPUT_FORMS[form]
+    x = leaf([1.0, 2.0, 3.0])
+    backward(x * 2.0, np.array([1.0, -1.0, 0.5]))
+    assert_close(x.grad, [2.0, -2.0, 1.0])
+    x.grad = None
+    backward((x * x).sum(), None)
+    assert_close(x.grad, [2.0, 4.0, 6.0])
+    x.grad = None
+    backward(gradient_edge(x * 3.0), np.ones(3))
+    assert_close(x.grad, [3.0, 3.0, 3.0])
+    x.grad = None
+    with pytest.raises(RuntimeError, match=re.escape(
+            "Mismatch in shape: grad_output[0] has a shape of (2,) and output[0] has a shape of (3,).")):
+        backward(gradient_edge(x * 3.0), np.ones(2))
+    with pytest.raises(RuntimeError, match=re.escape(
+            "Mismatch in shape: grad_output[0] has a shape of (2,) and output[0] has a shape of (3,).")):
+        backward(x * 3.0, np.ones(2))
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        backward(x * 3.0, None)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "element 0 of tensors does not require grad and does not have a grad_fn")):
+        backward(const([1.0]), np.ones(1))
+    assert x.grad is None
+    if form != "alone":  # None alone is no tensors at all
+        with pytest.raises(TypeError, match="^element 0 of tensors is None$"):
+            backward(None, np.ones(1))
 
 
 def test_is_same_shape_reads_the_value_through_its_backend():
