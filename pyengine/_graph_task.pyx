@@ -106,6 +106,10 @@ cdef int link_enclosing_graph_task(GraphTask graph_task, ThreadState* thread) ex
     return 0
 
 
+# Each backward makes one GraphTask and frees it. Larger than what
+# CPython's small-object allocator serves, it came from malloc and went back
+# to free at every call; a few freed ones are kept for the next calls.
+@cython.freelist(8)
 @cython.final
 cdef class GraphTask:
     """See the twin's docstring for each field; the .pxd says how each is guarded."""
@@ -366,8 +370,8 @@ cdef class GraphTask:
         cdef bint previous_grad_mode = thread.grad_enabled
         thread.current_graph_task = <PyObject*>self
         thread.grad_enabled = self.grad_mode
+        cdef Py_ssize_t i = 0
         try:
-            i = 0
             while i < len(self.final_callbacks):
                 self.final_callbacks[i]()
                 i += 1
