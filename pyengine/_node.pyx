@@ -724,7 +724,9 @@ cdef class AccumulateGradBase(NodeBase):
         if hooks:
             # See Note [Post accumulate grad hooks] in pyengine/_shared/hooks.py.
             call_post_accumulate_grad_hooks(variable, hooks)
-        return ()
+        # A list, which the engine takes as it is (it makes one of any other
+        # sequence): an AccumulateGrad runs once per leaf per backward.
+        return []
 
 
 def _record_forward_traceback(node):

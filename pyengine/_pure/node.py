@@ -1120,7 +1120,9 @@ class AccumulateGradBase(NodeBase):
         hooks = leaf_state.post_accumulate_grad_hooks_
         if hooks:
             call_post_accumulate_grad_hooks(variable, hooks)
-        return ()
+        # A list, which the engine takes as it is (it makes one of any other
+        # sequence): an AccumulateGrad runs once per leaf per backward.
+        return []
 
 
 # The references to an array that only AccumulateGradBase.apply holds, seen
