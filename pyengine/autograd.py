@@ -313,7 +313,10 @@ def _implicit_grad(i, output):
     if size != 1:
         raise RuntimeError("grad can be implicitly created only for scalar outputs")
     if out_backend is None:
-        return np.ones(out_shape, dtype=out_dtype)
+        # An Edge's slot: numpy's ones, as the backend's ones_like makes them.
+        ones = np.empty(out_shape, dtype=out_dtype)
+        ones.fill(1)
+        return ones
     if out_backend.dtype_kind(out_dtype) != "f":
         raise RuntimeError("grad can be implicitly created only for real scalar outputs "
                            f"but got {out_dtype}")

@@ -948,6 +948,53 @@ def test_one_output_alone_or_in_a_sequence_is_checked_alike(form):
             backward(None, np.ones(1))
 
 
+class _Subarray(np.ndarray):
+    pass
+
+
+@pytest.mark.parametrize("value", [
+    np.full((), 2.0), np.full((2, 3), 2.0, np.float32), np.asfortranarray(np.ones((3, 4))),
+    np.arange(12.0).reshape(3, 4)[:, ::2], np.zeros(3, bool), np.arange(4), np.ones(2, complex),
+    np.float64(3.0), np.arange(3.0).view(_Subarray),
+], ids=["0-d", "float32", "fortran", "strided", "bool", "int", "complex", "numpy scalar",
+        "subclass"])
+def test_numpy_ones_like_is_numpys(value):
+    # The numpy backend fills an empty array for a plain ndarray (the
+    # implicit gradient of loss.backward()): what np.ones_like gives, to the
+    # type, dtype, layout and value.
+    ones, expected = pyengine.backends.NUMPY.ones_like(value), np.ones_like(value)
+    assert type(ones) is type(expected) and ones.dtype == expected.dtype
+    assert np.shape(ones) == np.shape(expected) and np.array_equal(ones, expected)
+    if isinstance(expected, np.ndarray):
+        assert ones.strides == expected.strides
+
+
+@pytest.mark.parametrize("dtype", [np.dtype("f4"), np.float32, "float64", np.dtype("c8"), int, "?"])
+def test_numpy_dtype_kind_is_numpys(dtype):
+    assert pyengine.backends.NUMPY.dtype_kind(dtype) == np.dtype(dtype).kind
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_implicit_gradient_takes_the_output_dtype(dtype):
+    # ones of the output's dtype, for a tensor output and for an Edge
+    # output, whose slot's metadata gives it (torch: ones_like the output).
+    x = leaf([1.0, 2.0], dtype)
+    (x * 3.0).sum().backward()
+    assert x.grad.dtype == dtype
+    assert_close(x.grad, [3.0, 3.0])
+    x.grad = None
+    y = (x * 3.0).sum()
+    received = []
+    sink = Counter(next_edges=[gradient_edge(y)],
+                   input_metadata=[pyengine.InputMetadata((), dtype)])
+    tap_hook = sink.register_prehook(lambda grads: received.append(grads[0]))
+    pyengine.backward(Edge(sink, 0))
+    tap_hook.remove()
+    assert type(received[0]) is np.ndarray and received[0].dtype == dtype
+    assert received[0].shape == () and received[0] == 1
+    assert_close(x.grad, [3.0, 3.0])
+
+
 def test_is_same_shape_reads_the_value_through_its_backend():
     metadata = pyengine.InputMetadata((2, 3), np.float64)
     assert metadata.is_same_shape(np.zeros((2, 3)))
