@@ -103,6 +103,11 @@ sanitizer_flags = {
                 "-fno-omit-frame-pointer"],
     "thread": ["-fsanitize=thread", "-fno-omit-frame-pointer", "-g"],
 }[SANITIZE]
+if SANITIZE:
+    # No freelists (GraphTask keeps some): each freed object goes back to
+    # the allocator, where ASan sees a use after its free and TSan the
+    # memory's next owner.
+    macros += [("CYTHON_USE_FREELISTS", "0")]
 
 extensions = [
     Extension(
