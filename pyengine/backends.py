@@ -176,7 +176,9 @@ class NumpyBackend(ArrayBackend):
         return CPU
 
     def dtype_kind(self, dtype):
-        # A dtype answers itself: np.dtype() of one costs three times more.
+        # A dtype answers itself, without np.dtype()'s conversion (See
+        # benchmarks/RESULTS.md, "Issue 19: the fixed cost of one call, the
+        # second pass").
         return dtype.kind if isinstance(dtype, np.dtype) else np.dtype(dtype).kind
 
     def add(self, a, b):
@@ -227,8 +229,10 @@ class NumpyBackend(ArrayBackend):
 
     def ones_like(self, value):
         if type(value) is np.ndarray:
-            # np.ones_like's Python (its dispatch, then copyto) costs twice
-            # an empty array filled, and loss.backward() makes one per call.
+            # An empty array filled, without np.ones_like's Python (its
+            # dispatch, then copyto): loss.backward() makes one per call
+            # (See benchmarks/RESULTS.md, "Issue 19: the fixed cost of one
+            # call, the second pass").
             ones = np.empty_like(value)
             ones.fill(1)
             return ones

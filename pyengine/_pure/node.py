@@ -918,10 +918,10 @@ def add_values(grad, new_grad):
 # - a release by a thread that does not hold it is refused (RuntimeError),
 #   so Python code cannot open it under another thread's accumulation.
 # Both cores' locks wait letting other threads run and honouring Ctrl-C.
-# The compiled core's is a GILGuardedLock, which AccumulateGrad takes in C:
-# a threading.Lock's acquire and release, called as Python methods, cost
-# about 850 instructions per accumulation (benchmarks/RESULTS.md, "Issue
-# 19: the fixed cost of one call"). The twin's is a threading.Lock that
+# The compiled core's is a GILGuardedLock, which AccumulateGrad takes in C,
+# where a threading.Lock's acquire and release were Python method calls at
+# every accumulation (benchmarks/RESULTS.md, "Issue 19: the fixed cost of
+# one call", has what they cost). The twin's is a threading.Lock that
 # knows its holder.
 
 @final
