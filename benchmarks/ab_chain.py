@@ -16,6 +16,10 @@ runs. Quote both figures, and the instruction counts (``callgrind``, see
 within the spread of either.
 
     python benchmarks/ab_chain.py --trees /tmp/base . --sizes 10000 100000 --rounds 10
+
+``--kind`` times another of the bench's graphs (``pyengine.bench.graphs.
+BUILDERS``: ``scalar-chain``, the chain on numpy scalars), per node as
+``Graph.nodes`` counts them; both trees must have it.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ import sys
 _ONE_PROCESS = """
 import gc, sys, time
 from pyengine.bench.graphs import build
-calls = int(sys.argv[1])
-for n in map(int, sys.argv[2:]):
-    graph = build("chain", n)
+kind, calls = sys.argv[1], int(sys.argv[2])
+for n in map(int, sys.argv[3:]):
+    graph = build(kind, n)
     best = float("inf")
     for _ in range(calls):
         graph.reset()
@@ -42,13 +46,14 @@ for n in map(int, sys.argv[2:]):
         best = min(best, time.perf_counter() - start)
         gc.enable()
         graph.check()
-    print(n, best / n * 1e6)
+    print(n, best / graph.nodes * 1e6)
 """
 
 
-def one_process(tree, calls, sizes):
+def one_process(tree, kind, calls, sizes):
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    result = subprocess.run([sys.executable, "-c", _ONE_PROCESS, str(calls), *map(str, sizes)],
+    result = subprocess.run([sys.executable, "-c", _ONE_PROCESS, kind, str(calls),
+                             *map(str, sizes)],
                             cwd=tree, env=env, capture_output=True, text=True, check=True)
     return {int(n): float(t) for n, t in (line.split() for line in result.stdout.splitlines())}
 
@@ -59,17 +64,18 @@ def main(argv=None):
     parser.add_argument("--sizes", nargs="+", type=int, default=[10_000, 100_000])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=7, help="backward calls per process")
+    parser.add_argument("--kind", default="chain", help="a graph kind of pyengine.bench.graphs")
     args = parser.parse_args(argv)
     minima = {(tree, n): [] for tree in args.trees for n in args.sizes}
     for _ in range(args.rounds):
         for tree in args.trees:
-            for n, t in one_process(tree, args.calls, args.sizes).items():
+            for n, t in one_process(tree, args.kind, args.calls, args.sizes).items():
                 minima[tree, n].append(t)
     print(f"us per node over {args.rounds} rounds: least / median of each process's least")
     for n in args.sizes:
         cells = [f"{min(minima[tree, n]):.4f} / {statistics.median(minima[tree, n]):.4f}"
                  for tree in args.trees]
-        print(f"chain {n:>9,}  " + "  ".join(f"{tree}: {cell}" for tree, cell in zip(args.trees, cells)))
+        print(f"{args.kind} {n:>9,}  " + "  ".join(f"{tree}: {cell}" for tree, cell in zip(args.trees, cells)))
 
 
 if __name__ == "__main__":

@@ -56,6 +56,22 @@ def test_fan_in_sums_every_branch_at_the_sink():
     assert all(edge.node.next_edges[0].node is sink for edge in graph.root_edge.node.next_edges)
 
 
+@pytest.mark.parametrize("n", [1, 5])
+def test_scalar_chain_passes_numpy_scalars_to_every_node(n):
+    graph = graphs.build("scalar-chain", n)
+    seen = []
+    for node in graphs.chain_nodes(graph):
+        node.register_prehook(lambda grads: seen.append(grads[0]))
+    graph.run_checked()
+    assert graph.nodes == n and len(seen) == n
+    assert all(type(grad) is np.float64 and grad == 1.0 for grad in seen)
+    graph.run()
+    assert graph.leaf.grad == 1.0 and graph.leaf.grad.shape == ()
+    with pytest.raises(AssertionError, match="scalar chain"):
+        graph.leaf.grad = np.float64(2.0)
+        graph.check()
+
+
 def test_lattice_refuses_a_depth_whose_gradient_overflows():
     with pytest.raises(ValueError, match="1000 layers"):
         graphs.lattice(1, 1001)

@@ -31,6 +31,10 @@ Graphs:
   gradients and its dependency count is ``n``. ``n + 2`` nodes. Gradient:
   ``n * ones``.
 - :func:`single`: one Pass node -> leaf, for the fixed cost of a backward.
+- :func:`scalar_chain`: :func:`chain` on 0-d slots (``InputMetadata((),
+  float64)``) with an ``np.float64`` root gradient, so that every gradient
+  is a numpy scalar: what numpy gives for arithmetic on 0-d arrays, and so
+  what a framework of scalar values passes. Gradient: ``np.float64(1.0)``.
 
 Nodes are created in forward order (nearest the leaf first), so sequence
 numbers grow towards the root, as a framework's forward would number them.
@@ -145,6 +149,18 @@ def chain(n: int) -> Graph:
                  np.ones(SHAPE, DTYPE))
 
 
+def scalar_chain(n: int) -> Graph:
+    """``n`` Pass nodes in a line on 0-d slots, ending in one 0-d leaf; the
+    root gradient a numpy scalar."""
+    if n < 1:
+        raise ValueError("a chain needs at least one node")
+    metadata = pyengine.InputMetadata((), DTYPE)
+    leaf = Leaf(np.zeros((), DTYPE))
+    root_edge = _chain_onto(pyengine.gradient_edge(leaf), n, metadata)
+    return Graph(f"scalar chain {size_label(n)}", n, root_edge, DTYPE.type(1.0), leaf,
+                 DTYPE.type(1.0))
+
+
 def wide(branches: int = 1000, depth: int = 10) -> Graph:
     """A root fanning out to ``branches`` chains of ``depth`` that share one leaf."""
     if branches < 1 or depth < 1:
@@ -220,12 +236,13 @@ def chain_nodes(graph: Graph) -> list:
 
 
 BUILDERS = {"chain": chain, "wide": wide_scaled, "lattice": lattice_scaled, "fan-in": fan_in,
-            "single": lambda n: single()}
+            "single": lambda n: single(), "scalar-chain": scalar_chain}
 
 
 def build(kind: str, n: int) -> Graph:
     """``kind`` in :data:`BUILDERS`: ``chain``, ``wide`` (``n // 10`` branches of
-    depth 10), ``lattice`` (square, about ``n`` nodes), ``fan-in``, ``single``."""
+    depth 10), ``lattice`` (square, about ``n`` nodes), ``fan-in``, ``single``,
+    ``scalar-chain``."""
     try:
         builder = BUILDERS[kind]
     except KeyError:
