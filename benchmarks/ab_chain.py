@@ -75,7 +75,8 @@ def main(argv=None):
     for n in args.sizes:
         cells = [f"{min(minima[tree, n]):.4f} / {statistics.median(minima[tree, n]):.4f}"
                  for tree in args.trees]
-        print(f"{args.kind} {n:>9,}  " + "  ".join(f"{tree}: {cell}" for tree, cell in zip(args.trees, cells)))
+        print(f"{args.kind} {n:>9,}  "
+              + "  ".join(f"{tree}: {cell}" for tree, cell in zip(args.trees, cells)))
 
 
 if __name__ == "__main__":

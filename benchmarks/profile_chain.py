@@ -72,7 +72,8 @@ class _GradInputs:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kind", default="chain", choices=["chain", "wide", "single", "grad-inputs"],
+    parser.add_argument("--kind", default="chain",
+                        choices=["chain", "scalar-chain", "wide", "single", "grad-inputs"],
                         help="grad-inputs: grad(root, inputs=leaf) on a chain, the bench's row of "
                              "that name")
     parser.add_argument("--n", type=int, default=100_000)

@@ -49,7 +49,7 @@ from pyengine._graph_task cimport (Capture, ExecInfoEntry, GraphTask, InputBuffe
 from pyengine._dependencies cimport compute_dependencies, init_to_execute
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
-from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase
+from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, has_numpy_backend
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
 from pyengine._validate_outputs cimport gradient_passes_as_is, validate_outputs_impl
 from pyengine._thread_pool cimport _ThreadPoolShared, add_thread_pool_task
@@ -827,14 +827,20 @@ cdef class Engine:
         if not graph_task.multithreading:
             return graph_task.cpu_ready_queue
         cdef PyObject* gradient
+        cdef Py_ssize_t i = 0
         if node._on_cpu_:
-            # Borrowed items: the list holds them while this loop runs no
-            # Python code.
-            for i in range(PyList_GET_SIZE(gradients)):
+            # Borrowed items, and the size read on each turn: the list holds
+            # them while this loop runs no Python code, and
+            # has_numpy_backend's lookup runs some only for a key of
+            # backend_of's cache whose metaclass defines __eq__ and whose
+            # hash collides with the gradient type's.
+            while i < PyList_GET_SIZE(gradients):
                 gradient = PyList_GET_ITEM(gradients, i)
                 if (gradient != <PyObject*>None
-                        and <PyObject*>Py_TYPE(<object>gradient) != <PyObject*>cnp.ndarray):
+                        and <PyObject*>Py_TYPE(<object>gradient) != <PyObject*>cnp.ndarray
+                        and not has_numpy_backend(<object>gradient)):
                     break
+                i += 1
             else:
                 return graph_task.cpu_ready_queue
         return self.ready_queue(graph_task, node_device(node, gradients))

@@ -15,7 +15,7 @@ from pyengine.backends import backend_of, check_same_device, no_backend_to_add
 
 cimport numpy as cnp
 
-from pyengine._node cimport is_numpy_array
+from pyengine._node cimport is_numpy_array, numpy_scalars
 
 cnp.import_array()
 
@@ -103,6 +103,10 @@ cdef class InputBuffer:
                     # A 0-d sum is a numpy scalar: keep the operands' type,
                     # as the numpy backend's add does.
                     total = cnp.PyArray_FROM_O(total)
+        elif numpy_scalars(old, value):
+            # numpy's scalar arithmetic, as the built-in numpy backend's add
+            # calls it for two numpy scalars.
+            total = old + value
         else:
             backend = backend_of(old)
             if backend is None:  # the slot's name is made only for an error

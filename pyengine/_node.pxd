@@ -108,6 +108,8 @@ cdef class Edge:
 
 
 cdef bint is_numpy_array(object value) noexcept
+cdef bint has_numpy_backend(object value) noexcept
+cdef bint numpy_scalars(object value, object other) noexcept
 
 
 cdef inline bint same_dims(int ndim, const cnp.npy_intp* dims,

@@ -11,11 +11,13 @@ fields' guards (all guarded by the GIL).
 
 cimport cython
 cimport numpy as cnp
+from cpython.dict cimport PyDict_GetItemWithError
+from cpython.exc cimport PyErr_Clear
 from cpython.list cimport PyList_GET_SIZE
 from cpython.number cimport PyNumber_Add, PyNumber_Index, PyNumber_InPlaceAdd
-from cpython.object cimport PyObject
+from cpython.object cimport PyObject, PyObject_TypeCheck, PyTypeObject, Py_TYPE
 from cpython.pystate cimport PyThreadState_Get
-from cpython.ref cimport Py_REFCNT
+from cpython.ref cimport Py_INCREF, Py_REFCNT, Py_XDECREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.weakref cimport PyWeakref_GET_OBJECT, PyWeakref_NewRef
 from libc.stdint cimport INT32_MAX, int32_t, uint64_t, UINT64_MAX
@@ -516,6 +518,7 @@ cdef bint _numpy_backend_is_builtin = True
 def _refresh_numpy_backend_is_builtin():
     global _numpy_backend_is_builtin
     _numpy_backend_is_builtin = _backends.numpy_backend_is_builtin
+    forget_numpy_backend_types()
 
 
 _backends._registration_listeners.append(_refresh_numpy_backend_is_builtin)
@@ -528,6 +531,77 @@ cdef bint is_numpy_array(object value) noexcept:
     the flag's C copy. See Note [Replacing the numpy backend] in
     pyengine/backends.py."""
     return type(value) is cnp.ndarray and _numpy_backend_is_builtin
+
+
+# backend_of's cache, type -> backend or None; register_backend clears it in
+# place, so this reference stays the live cache.
+cdef dict _backend_cache = _backends._backend_cache
+cdef object _NUMPY = _backends.NUMPY
+cdef type _numpy_generic = np.generic
+
+
+# The first few types has_numpy_backend found mapped to NUMPY (np.float64,
+# np.float32, ...), so that a graph of numpy scalars pays a comparison or
+# two per gradient, not a dict lookup. Held references: a type freed and
+# another made at its address must not pass. A slot is only ever filled
+# here, never replaced, so that no type is let go of (and no Python code
+# runs) in the middle of the engine's loop; register_backend's listener
+# empties them all, since any change of the registrations may change a
+# type's backend.
+DEF NUMPY_BACKEND_TYPES = 4
+cdef PyObject* _numpy_backend_types[NUMPY_BACKEND_TYPES]
+
+
+cdef bint has_numpy_backend(object value) noexcept:
+    """Whether ``backend_of(value)`` is known to be the built-in ``NUMPY``:
+    see the twin's. This core asks backend_of's cache only of a type whose
+    metaclass is ``type``, whose hash and comparison run no Python code (a
+    metaclass's ``__hash__`` or ``__eq__`` could, in the lookup); another
+    takes the slow path, which finds the same backend. (A key already in
+    the cache whose metaclass defines both could still run Python code in
+    the lookup, should its hash collide with this type's: the type is held
+    here, and ``value`` not read after.)"""
+    cdef PyObject* value_type_pointer = <PyObject*>Py_TYPE(value)
+    cdef int i
+    for i in range(NUMPY_BACKEND_TYPES):
+        if _numpy_backend_types[i] == value_type_pointer:
+            return True
+    value_type = type(value)
+    if <PyObject*>Py_TYPE(value_type) != <PyObject*>type:
+        return False
+    cdef PyObject* backend = PyDict_GetItemWithError(_backend_cache, value_type)
+    if backend == NULL:
+        # Not in the cache, or a colliding key's __eq__ raised.
+        PyErr_Clear()
+        return False
+    if backend != <PyObject*>_NUMPY:
+        return False
+    for i in range(NUMPY_BACKEND_TYPES):
+        if _numpy_backend_types[i] == NULL:
+            Py_INCREF(value_type)
+            _numpy_backend_types[i] = <PyObject*>value_type
+            break
+    return True
+
+
+cdef bint numpy_scalars(object value, object other) noexcept:
+    """Whether ``value`` and ``other`` are both numpy scalars that
+    ``has_numpy_backend``: see the twin's."""
+    return (PyObject_TypeCheck(value, <PyTypeObject*>_numpy_generic)
+            and PyObject_TypeCheck(other, <PyTypeObject*>_numpy_generic)
+            and has_numpy_backend(value) and has_numpy_backend(other))
+
+
+cdef void forget_numpy_backend_types():
+    """Empties has_numpy_backend's slots (the types' references let go of
+    last, once no slot holds them)."""
+    cdef PyObject* held[NUMPY_BACKEND_TYPES]
+    cdef int i
+    for i in range(NUMPY_BACKEND_TYPES):
+        held[i] = _numpy_backend_types[i]
+        _numpy_backend_types[i] = NULL
+    for i in range(NUMPY_BACKEND_TYPES):
+        Py_XDECREF(held[i])
 
 
 cdef inline bint can_steal(object value, Py_ssize_t expected_references) noexcept:

@@ -1,13 +1,13 @@
 # validate_outputs; see _validate_outputs.pyx.
 
-from cpython.object cimport PyObject
+from cpython.object cimport PyObject, Py_TYPE
 from libcpp.vector cimport vector
 
 cimport numpy as cnp
 
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
-from pyengine._node cimport InputMetadata, NodeBase, is_numpy_array, same_dims
+from pyengine._node cimport InputMetadata, NodeBase, has_numpy_backend, is_numpy_array, same_dims
 
 
 cdef inline bint numpy_gradient_matches(InputMetadata metadata, object grad) noexcept:
@@ -16,11 +16,27 @@ cdef inline bint numpy_gradient_matches(InputMetadata metadata, object grad) noe
     pyengine/backends.py), whose dtype, shape and device are the slot's.
     Reads the array's fields, then compares them in ``numpy_fields_match``."""
     if not is_numpy_array(grad):
-        return False
+        return numpy_scalar_matches(metadata, grad)
     cdef cnp.ndarray array = <cnp.ndarray>grad
     return numpy_fields_match(<PyObject*>metadata.numpy_dtype, metadata.dims,
                               <PyObject*>cnp.PyArray_DESCR(array), cnp.PyArray_NDIM(array),
                               cnp.PyArray_DIMS(array))
+
+
+cdef inline bint numpy_scalar_matches(InputMetadata metadata, object grad) noexcept:
+    """The fast path of validate_outputs for a numpy scalar (numpy's result
+    of arithmetic on 0-d arrays: ``np.ones(()) * 2.0`` is an np.float64)
+    that ``has_numpy_backend``, flowing into a 0-d slot with the fast path's
+    dtype: the shared slow path passes it as it is where its dtype equals
+    the slot's, which holds for the dtype's own scalar type in native byte
+    order (a swapped slot dtype takes the slow path, which casts)."""
+    cdef cnp.dtype expected_dtype = metadata.numpy_dtype
+    if expected_dtype is None or metadata.dims.size() != 0:
+        return False
+    if (<PyObject*>Py_TYPE(grad) != <PyObject*>expected_dtype.typeobj
+            or not cnp.PyDataType_ISNOTSWAPPED(expected_dtype)):
+        return False
+    return has_numpy_backend(grad)
 
 
 cdef inline bint numpy_fields_match(PyObject* expected_dtype, const vector[cnp.npy_intp]& expected_dims,

@@ -2,8 +2,9 @@
 
 The engine's ``call_function`` runs ``validate_outputs_impl`` for every
 node. A numpy gradient whose dtype, shape and device are its slot's passes
-in C (``numpy_gradient_matches``, inlined where it is cimported), as does
-any value a backend handles for a slot without metadata; everything else
+in C (``numpy_gradient_matches``, inlined where it is cimported), as does a
+numpy scalar of a 0-d slot's dtype (``numpy_scalar_matches``) and any value
+a backend handles for a slot without metadata; everything else
 (broadcast reductions, casts, moves, other value types, errors in PyTorch's
 words) goes through the shared ``validate_gradient``, or, for a node whose
 ``gradient_policy`` is ``"exact"``, ``validate_gradient_exact``: the fast

@@ -37,7 +37,11 @@ arrays as ``NUMPY`` does, and differs only for other operands). The
 compiled core keeps a C copy of that flag, which register_backend's (and
 unregister_backend's) listener refreshes, so that the check costs no
 dictionary lookup. Routing (``node_device``) still takes a numpy array to be
-on the CPU whatever backend handles it, in both cores.
+on the CPU whatever backend handles it, in both cores. A numpy scalar (or
+any other value) takes a fast path only where ``backend_of``'s cache maps
+its type to ``NUMPY`` itself (``has_numpy_backend`` in
+pyengine/_pure/node.py, pyengine/_node.pyx), so that a backend registered
+for its type or a base is always asked.
 """
 
 from __future__ import annotations
@@ -185,6 +189,13 @@ class NumpyBackend(ArrayBackend):
         if type(b) is IndexedGradient:
             dense = np.array(a, dtype=np.result_type(a, b.dtype), copy=True)
             return b.add_to_(dense)
+        if isinstance(a, np.generic) and isinstance(b, np.generic):
+            # numpy's scalar arithmetic: np.add's value and type for two
+            # numpy scalars (tests/test_sum_types.py checks every pair of
+            # numeric types), without the ufunc's dispatch (See
+            # benchmarks/RESULTS.md, "Issue 19: gradients that are numpy
+            # scalars"). The InputBuffers' fast path calls it too.
+            return a + b
         total = np.add(a, b)
         if isinstance(total, np.generic) and (isinstance(a, np.ndarray)
                                               or isinstance(b, np.ndarray)):

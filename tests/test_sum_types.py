@@ -193,3 +193,34 @@ def test_every_backend_add_keeps_the_type(rank, make):
 def test_numpy_scalars_still_sum_to_scalars():
     # The rule is "the type the operands had": two numpy scalars stay one.
     assert type(NUMPY.add(np.float64(1.0), np.float64(2.0))) is np.float64
+
+
+_SCALAR_TYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+                 np.uint64, np.float16, np.float32, np.float64, np.longdouble, np.complex64,
+                 np.complex128, np.clongdouble]
+_SCALAR_VALUES = [0, 1, 3, 127, 250, -2.5, 1e300, float("nan"), float("inf")]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("left", _SCALAR_TYPES, ids=lambda t: t.__name__)
+def test_two_numpy_scalars_sum_as_np_add_does(left):
+    # The numpy backend sums two numpy scalars with numpy's scalar
+    # arithmetic: np.add's type and value (nan where np.add gives nan), or
+    # np.add's error, for every pair of numeric scalar types.
+    for right in _SCALAR_TYPES:
+        for a_value in _SCALAR_VALUES:
+            for b_value in _SCALAR_VALUES:
+                try:
+                    a, b = left(a_value), right(b_value)
+                except (OverflowError, ValueError):
+                    continue  # a value its type cannot hold
+                try:
+                    expected = np.add(a, b)
+                except TypeError as error:
+                    with pytest.raises(type(error)):
+                        NUMPY.add(a, b)
+                    continue
+                total = NUMPY.add(a, b)
+                assert type(total) is type(expected), (a, b)
+                np.testing.assert_array_equal(np.asarray(total), np.asarray(expected),
+                                              err_msg=f"{a!r} + {b!r}")

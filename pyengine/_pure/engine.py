@@ -366,7 +366,15 @@ from .graph_task import (
     task_should_execute,
 )
 from .input_buffer import InputBuffer
-from .node import Edge, NodeBase, _checked_field, _not_list, _read_only_field, new_node_base
+from .node import (
+    Edge,
+    NodeBase,
+    _checked_field,
+    _not_list,
+    _read_only_field,
+    has_numpy_backend,
+    new_node_base,
+)
 from .ready_queue import ReadyQueue, is_main_thread, make_record
 from .static_types import as_c_int, c_int_attribute, c_type_name, check_argument, check_new, refuse_write
 from .thread_pool import _ThreadPoolShared, add_thread_pool_task, stop_thread_pool
@@ -975,7 +983,8 @@ class Engine:
             return graph_task.cpu_ready_queue_
         if node._on_cpu_:
             for gradient in gradients:
-                if gradient is not None and type(gradient) is not np.ndarray:
+                if (gradient is not None and type(gradient) is not np.ndarray
+                        and not has_numpy_backend(gradient)):
                     break
             else:
                 return graph_task.cpu_ready_queue_

@@ -31,7 +31,7 @@ from .._shared.messages import (
     initialized_once_message,
 )
 from ..backends import backend_of, check_same_device, no_backend_to_add
-from .node import is_numpy_array
+from .node import is_numpy_array, numpy_scalars
 from .static_types import as_ssize_t, c_type_name, check_new, final
 
 
@@ -128,6 +128,10 @@ class InputBuffer:
                     # A 0-d sum is a numpy scalar: keep the operands' type,
                     # as the numpy backend's add does.
                     total = np.asarray(total)
+        elif numpy_scalars(old, value):
+            # numpy's scalar arithmetic, as the built-in numpy backend's add
+            # calls it for two numpy scalars.
+            total = old + value
         else:
             backend = backend_of(old)
             if backend is None:  # the slot's name is made only for an error

@@ -1149,6 +1149,29 @@ def is_numpy_array(value) -> bool:
     return type(value) is np.ndarray and backends.numpy_backend_is_builtin
 
 
+def has_numpy_backend(value) -> bool:
+    """Whether ``backend_of(value)`` is known to be the built-in ``NUMPY``:
+    the entry of ``value``'s type in ``backend_of``'s cache, filled by the
+    first lookup of a type (a numpy scalar, such as the ``np.float64``
+    numpy gives for arithmetic on 0-d arrays, or an ndarray subclass).
+    Such a value is on the CPU (``NUMPY.device``), so routing needs no
+    ``node_device`` for it; the compiled core's validate_outputs passes a
+    numpy scalar of a 0-d slot's dtype as it is, which is what the slow
+    path does with it. A type not in the cache yet, or one a backend was
+    registered for, takes the slow path. The compiled core also remembers
+    the first few types it found (forgotten on every registration), which
+    answers the same."""
+    return backends._backend_cache.get(type(value)) is backends.NUMPY
+
+
+def numpy_scalars(value, other) -> bool:
+    """Whether ``value`` and ``other`` are both numpy scalars that
+    ``has_numpy_backend``: their sum is then ``value + other``, as the
+    built-in numpy backend's ``add`` computes it."""
+    return (isinstance(value, np.generic) and isinstance(other, np.generic)
+            and has_numpy_backend(value) and has_numpy_backend(other))
+
+
 def can_steal(value, extra_references=0) -> bool:
     """Whether nothing outside the engine can see ``value``, so that it may
     become ``.grad`` without a copy; ``extra_references``: the engine's own
