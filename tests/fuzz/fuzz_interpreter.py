@@ -105,6 +105,11 @@ def odd_return(action, values):
         return [np.ones(SHAPE, dtype=np.int64) for _ in values]
     if action == "scalar":
         return [1.0 for _ in values]
+    if action == "np_scalar":
+        # What numpy gives for arithmetic on 0-d arrays: the numpy-scalar
+        # paths (routing, the InputBuffers' sums) and the refusal of a ()
+        # gradient for a (2,) slot.
+        return [np.float64(1.5) for _ in values]
     if action == "str":
         return ["x" for _ in values]
     if action == "bare_str":
@@ -378,6 +383,8 @@ class Program:
             return "x"
         if kind == "scalar":
             return 1.0
+        if kind == "np_scalar":
+            return np.float64(1.5)
         return None
 
     def roots(self, call):

@@ -21,7 +21,7 @@ An edge is ``{"to": ["node", j] | ["leaf", j] | ["object"] | ["none"], "nr":
 ["int", n] | ["str", s] | ["float", f] | ["bool", b] | ["np", n] | ["none"]}``
 (or ``"object"``: not an Edge at all); a root gradient ``["ok", [a, b]]``
 or an odd one (``["shape"]``, ``["f32"]``, ``["i64"]``, ``["str"]``,
-``["scalar"]``, ``["none"]``). An *owner program* (``{"kind": "owner"}``)
+``["scalar"]``, ``["np_scalar"]``, ``["none"]``). An *owner program* (``{"kind": "owner"}``)
 is a graph of values with ``children`` collections of any kind, a method
 name, and collections that change while the walk reads them or while the
 methods run.
@@ -39,8 +39,8 @@ WEIGHTS = [-2.0, -1.0, 0.5, 1.0, 2.0, 3.0]
 MUTATIONS = ["shorten", "extend", "cycle", "private_edges", "private_meta", "clear_meta",
              "remove_hooks", "raise", "task_captured_none", "task_leaf_streams_none",
              "task_exception"]
-RETURNS = ["none", "nones", "more", "fewer", "shape", "f32", "i64", "scalar", "str", "bare_str",
-           "int", "tuple", "generator", "nan", "indexed", "indexed_shape"]
+RETURNS = ["none", "nones", "more", "fewer", "shape", "f32", "i64", "scalar", "np_scalar", "str",
+           "bare_str", "int", "tuple", "generator", "nan", "indexed", "indexed_shape"]
 # What a node, hook or release_variables may do besides changing the graph:
 # final callbacks (that raise, queue more, or run a backward), reentrant
 # backward (on a fresh graph, or on the program's own up to three levels),
@@ -67,7 +67,7 @@ ODD_METADATA = ["none", "tuple", "list_object", "list_spec", "list_none", "empty
 ODD_INPUT_NRS = [["int", -1], ["int", -2], ["int", -1000], ["int", 5], ["int", 2 ** 31],
                  ["int", 2 ** 40], ["int", 2 ** 63], ["int", -(2 ** 63) - 1], ["str", "0"],
                  ["float", 1.5], ["float", 0.0], ["bool", True], ["np", 1], ["none"]]
-ODD_GRADS = [["shape"], ["f32"], ["i64"], ["str"], ["scalar"], ["none"]]
+ODD_GRADS = [["shape"], ["f32"], ["i64"], ["str"], ["scalar"], ["np_scalar"], ["none"]]
 
 grad_values = st.lists(st.sampled_from([-1.0, 0.5, 1.0, 2.0]), min_size=2, max_size=2)
 
