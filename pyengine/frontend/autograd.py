@@ -10,6 +10,7 @@ from __future__ import annotations
 import pyengine
 from pyengine.autograd import _grad
 
+from .graph import refuse_stale_views
 from .tensor import Tensor, zeros_like
 
 __all__ = ["backward", "grad"]
@@ -17,7 +18,11 @@ __all__ = ["backward", "grad"]
 
 def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
     """Accumulate gradients of ``tensors`` into the leaves' ``.grad``
-    (``torch.autograd.backward``)."""
+    (``torch.autograd.backward``). A view taken before its base's in-place
+    operation is refused as an output or input (See Note [Views and the
+    version counter] in ``pyengine/frontend/tensor.py``)."""
+    refuse_stale_views(tensors)
+    refuse_stale_views(inputs)
     pyengine.backward(tensors, grad_tensors, retain_graph, create_graph, inputs)
 
 
@@ -29,7 +34,9 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     ``pyengine/indexed.py``) as it is, as torch returns a sparse tensor.
     ``materialize_grads`` gives an unused input zeros that require grad
     under ``create_graph``, as torch's ``zeros_like(input,
-    requires_grad=create_graph)``."""
+    requires_grad=create_graph)``. A stale view is refused as in ``backward``."""
+    refuse_stale_views(outputs)
+    refuse_stale_views(inputs)
     results = _grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused,
                     materialize_grads,
                     _zeros_requiring_grad if create_graph else _zeros_not_requiring_grad)

@@ -82,15 +82,36 @@ def needs_graph(*inputs) -> bool:
     needed = False
     for value in inputs:
         if isinstance(value, Tensor):
-            if value._base is not None and value._base.grad_fn is not value._base_grad_fn:
-                raise RuntimeError(
-                    "this view was taken before its base was modified by an in-place operation "
-                    "that gave the base a new history; the reference frontend does not "
-                    "regenerate a view's history (PyTorch does): take the view again after the "
-                    "in-place operation. See Note [Views and the version counter].")
+            refuse_stale_view(value)
             if value._requires_grad:
                 needed = True
     return needed
+
+
+STALE_VIEW = ("this view was taken before its base was modified by an in-place operation that "
+              "gave the base a new history; the reference frontend does not regenerate a view's "
+              "history (PyTorch does): take the view again after the in-place operation. See "
+              "Note [Views and the version counter].")
+
+
+def refuse_stale_view(value):
+    """Raise where ``value`` is a view taken before its base got a new
+    history from an in-place operation: its ``grad_fn`` is the old one,
+    where PyTorch's would be regenerated (See Note [Views and the version
+    counter])."""
+    if isinstance(value, Tensor) and value._base is not None \
+            and value._base.grad_fn is not value._base_grad_fn:
+        raise RuntimeError(STALE_VIEW)
+
+
+def refuse_stale_views(values):
+    """``refuse_stale_view`` for a Tensor, or for each item of a list or
+    tuple (anything else, an iterator included, is left to the engine)."""
+    if isinstance(values, (list, tuple)):
+        for value in values:
+            refuse_stale_view(value)
+    else:
+        refuse_stale_view(values)
 
 
 def edge_of(value):

@@ -61,7 +61,11 @@ its base (CopySlices) and regenerates the history of views whose base was
 modified in place. This frontend does neither: it refuses an in-place
 operation on a view when autograd is involved, and refuses to use a view
 whose base got a new history from an in-place operation after the view was
-taken. Both raise instead of giving a silently wrong gradient.
+taken: in an operation, as an output or input of ``backward`` or ``grad``
+(PyTorch's regenerated history may not reach the output at all, where the
+old one does), or for ``register_hook`` and ``retain_grad``. Each raises
+instead of giving a silently wrong gradient; ``grad_fn`` read directly is
+the old node.
 
 Note [In-place operations]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -333,10 +337,15 @@ class Tensor:
     # -- autograd, as torch.Tensor spells it -------------------------------------
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        # A view taken before its base's in-place operation: See Note
+        # [Views and the version counter].
+        _graph.refuse_stale_view(self)
+        _graph.refuse_stale_views(inputs)
         pyengine.backward(self, gradient, retain_graph, create_graph, inputs)
 
     def register_hook(self, fn):
         """``fn(grad) -> new grad or None`` with Tensors; returns a handle."""
+        _graph.refuse_stale_view(self)
         return pyengine.register_tensor_hook(self, _tensor_hook(fn))
 
     def register_post_accumulate_grad_hook(self, fn):
@@ -344,6 +353,7 @@ class Tensor:
         return pyengine.register_post_accumulate_grad_hook(self, fn)
 
     def retain_grad(self):
+        _graph.refuse_stale_view(self)
         pyengine.retain_grad(self)
 
     def detach(self):

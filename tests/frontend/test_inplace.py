@@ -294,6 +294,53 @@ def test_stale_view_is_refused():
     np.testing.assert_array_equal(w.grad.data, [4.0, 0.0])
 
 
+def _stale_broadcast_view(x, broadcast_to, amax):
+    """``x / 2``, a broadcast view of it whose maximum is taken, then the
+    base multiplied in place: the frontend fuzz's program (seed 777) that
+    found the refusal missing for ``backward``'s inputs. Returns the base,
+    the view and an output that reaches the view's old history."""
+    base = x / 2.0
+    view = broadcast_to(base, (2, 3))
+    out = (amax(view) * 0.5).sum()
+    base.mul_(0.5)
+    return base, view, out
+
+
+def test_a_stale_view_as_an_input_of_backward_or_grad_is_refused(torch):
+    x, tx = pair(torch, [1.25, 0.25, 1.0])
+    # PyTorch regenerates the view's history from the base's new one, which
+    # the output does not reach: nothing runs, and no gradient is given.
+    tbase, tview, tout = _stale_broadcast_view(tx, torch.broadcast_to, torch.amax)
+    tout.backward(inputs=[tbase, tview])
+    assert tview.grad is None and tbase.grad is None
+    # The frontend's view keeps its old history, which the output reaches:
+    # it refuses rather than give a gradient PyTorch would not.
+    base, view, out = _stale_broadcast_view(x, F.broadcast_to, F.max)
+    with pytest.raises(RuntimeError, match="take the view again"):
+        out.backward(inputs=[base, view])
+    with pytest.raises(RuntimeError, match="take the view again"):
+        F.autograd.backward([out], inputs=view)
+    with pytest.raises(RuntimeError, match="take the view again"):
+        F.grad(out, [view], allow_unused=True)
+    assert view.grad is None and base.grad is None and x.grad is None
+    # A view taken after the in-place operation is fine, and agrees.
+    (F.max(F.broadcast_to(base, (2, 3))) * 0.5).sum().backward(inputs=[x])
+    (torch.amax(torch.broadcast_to(tbase, (2, 3))) * 0.5).sum().backward(inputs=[tx])
+    assert_close(x.grad, tx.grad)
+
+
+def test_a_stale_view_is_refused_as_an_output_and_for_its_hooks():
+    w = F.tensor([1.0, 2.0], requires_grad=True)
+    y = w * 1.0
+    view = y[0:1]
+    y.mul_(w)
+    for use in (lambda: view.backward(F.ones(1)), lambda: view.register_hook(lambda g: g),
+                view.retain_grad, lambda: F.grad(view, [w], F.ones(1))):
+        with pytest.raises(RuntimeError, match="take the view again"):
+            use()
+    assert w.grad is None
+
+
 # -- random programs, in-place ops included, against PyTorch ---------------------------
 
 OUT_OF_PLACE = ["exp", "tanh", "sigmoid", "mul", "add", "div", "sqrt"]
