@@ -186,7 +186,9 @@ class Run:
         self.values = [lib.tensor(leaf["data"], leaf["shape"], bool(leaf["rg"]))
                        for leaf in program["leaves"]]
         self.out = None
-        self.gradient = None
+        # The shape of the gradient an "out" statement gives its output
+        # (0.5 everywhere), or None for the implicit one.
+        self.gradient_shape = None
 
     def value(self, v, flag=False):
         """``v`` as JSON: None, a list, or ``{"shape", "v"[, "rg"]}``."""
@@ -285,10 +287,10 @@ class Run:
             self.log("v", k, self.value(result, True), result.is_leaf)
             return
         if s == "out":
-            self.out = self.gradient = None
+            self.out = self.gradient_shape = None
             if "value" in stmt:
                 out = self.values[stmt["value"]]
-                self.gradient = self.lib.full(out.shape, 0.5)
+                self.gradient_shape = tuple(out.shape)
             else:
                 out = sum((self.values[i] * w).sum() for i, w in stmt["terms"])
             self.out = out
@@ -296,11 +298,19 @@ class Run:
             self.log("v", k, self.value(out, True), out.is_leaf)
             return
         inputs = stmt["inputs"] and [self.values[i] for i in stmt["inputs"]]
+        # A new gradient tensor for each call: torch's AccumulateGrad may
+        # keep a view of the one it was given as a leaf's .grad (a view's
+        # own use count is 1), and a later backward's in-place sum into that
+        # .grad then changes the tensor a program passes again. pyengine
+        # never aliases it (tests/test_api.py,
+        # test_first_gradient_does_not_alias_grad_tensors); the fuzz
+        # compares the engines, not that.
+        gradient = None if self.gradient_shape is None else self.lib.full(self.gradient_shape, 0.5)
         if s == "backward":
-            self.out.backward(self.gradient, retain_graph=stmt["retain"],
+            self.out.backward(gradient, retain_graph=stmt["retain"],
                               create_graph=stmt["create"], inputs=inputs)
             return
-        grads = self.lib.grad(self.out, inputs, self.gradient, retain_graph=stmt["retain"],
+        grads = self.lib.grad(self.out, inputs, gradient, retain_graph=stmt["retain"],
                               create_graph=stmt["create"], allow_unused=stmt["unused"],
                               materialize_grads=stmt["materialize"])
         self.log("grad", k, self.value(grads, True))
