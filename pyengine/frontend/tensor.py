@@ -338,9 +338,12 @@ class Tensor:
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         # A view taken before its base's in-place operation: See Note
-        # [Views and the version counter].
-        _graph.refuse_stale_view(self)
-        _graph.refuse_stale_views(inputs)
+        # [Views and the version counter]. Asked only of a view and of given
+        # inputs: loss.backward() is part of every step's fixed cost.
+        if self._base is not None:
+            _graph.refuse_stale_view(self)
+        if inputs is not None:
+            _graph.refuse_stale_views(inputs)
         pyengine.backward(self, gradient, retain_graph, create_graph, inputs)
 
     def register_hook(self, fn):
