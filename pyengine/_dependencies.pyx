@@ -41,6 +41,10 @@ cdef extern from "_frame_stack.h":
         DependencyFrameStackLease()
         DependencyFrameStack& stack()
 
+cdef extern from "_stride_prefetch.h":
+    void prefetch_along_stride "pyengine_prefetch_along_stride"(
+        PyObject* node, PyObject* next_node, size_t fields_offset) noexcept nogil
+
 cdef extern from "Python.h":
     # On the frames' borrowed pointers, without a reference per use.
     Py_ssize_t tuple_size "PyTuple_GET_SIZE"(PyObject* tuple) nogil
@@ -70,6 +74,15 @@ cdef inline int push_dependency_frame(DependencyFrameStack& stack, NodeBase node
     Py_INCREF(node)
     Py_INCREF(edges)
     return 0
+
+
+cdef inline void prefetch_ahead(NodeBase node, PyObject* next_node) noexcept:
+    """Ask for the node that ``next_node``'s step from ``node`` would reach
+    a few nodes further on (See Note [Prefetching along a chain's stride]
+    in pyengine/_stride_prefetch.h): its head and its count's fields,
+    which lie around ``_dependency_slot_``."""
+    prefetch_along_stride(<PyObject*>node, next_node,
+                          <char*>&node._dependency_slot_ - <char*><PyObject*>node)
 
 
 cdef inline void pop_dependency_frame(DependencyFrameStack& stack):
@@ -176,6 +189,7 @@ cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task) except -
             # which may set the node's next edges.
             next_node = node._only_next_node
             if next_node is not None:
+                prefetch_ahead(node, <PyObject*>next_node)
                 let_others_run(&work_left)
                 if not count_edge(graph_task, node, next_node, stack):
                     return False
@@ -267,6 +281,7 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
                 if frame.only_edge:
                     next_node = edges  # the only next edge's node
                     index += 1
+                    prefetch_ahead(<NodeBase>frame.node, next_node)
                 else:
                     edge = tuple_item(edges, index)
                     index += 1

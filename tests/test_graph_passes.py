@@ -375,6 +375,50 @@ def test_edges_cut_by_another_thread_while_the_pass_yields(call):
     assert len(lines) == 3 and set(lines) <= allowed, proc.stdout
 
 
+# -- chains whose nodes lie in any order ------------------------------------------------------------
+
+# The count and the search ask the memory system for the node a chain's
+# step would reach a few nodes further on, a guess never read (See Note
+# [Prefetching along a chain's stride] in pyengine/_stride_prefetch.h). On
+# chains linked in another order than their nodes were made, the guesses
+# land on other nodes, on other objects and past the heap: the passes
+# count as on any chain. Linked backwards or shuffled, an edge leads to a
+# node made later, so the count gives way to the search (See Note [Cycles
+# in the backward graph] in pyengine/_pure/dependencies.py): both run.
+
+
+def chain_linked_in(order, n=3000):
+    """``n`` pass-through nodes made first and linked afterwards, in
+    ``order``, above leaf ``x``: ``(x, root edge, nodes)``."""
+    x = leaf(np.arange(3.0))
+    nodes = [Counter(input_metadata=[x.data]) for _ in range(n)]
+    if order == "reversed":
+        nodes.reverse()
+    elif order == "shuffled":
+        nodes = [nodes[i] for i in np.random.default_rng(19).permutation(n)]
+    edge = pyengine.gradient_edge(x)
+    for node in nodes:
+        node.next_edges = [edge]
+        edge = Edge(node, 0)
+    return x, edge, nodes
+
+
+@pytest.mark.parametrize("order", ["made", "reversed", "shuffled"])
+@pytest.mark.parametrize("call", ["backward", "grad"])
+def test_a_chain_whose_nodes_lie_in_any_order(order, call):
+    x, root, nodes = chain_linked_in(order)
+    gradient = np.array([1.0, -2.0, 0.5])
+    if call == "backward":
+        engine().execute([root], [gradient], False, False, True)
+        np.testing.assert_array_equal(x.grad, gradient)
+    else:
+        (result,) = engine().execute([root], [gradient], False, False, False,
+                                     [pyengine.gradient_edge(x)])
+        np.testing.assert_array_equal(result, gradient)
+        assert x.grad is None
+    assert [node.calls for node in nodes] == [1] * len(nodes)
+
+
 # -- owner graphs -----------------------------------------------------------------------------------
 
 
