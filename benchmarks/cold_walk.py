@@ -22,6 +22,10 @@ is built outside the timed region; then, alternately, repeats of:
 - ``cold backward`` (only with ``--evict-mb``): the backward after a pass
   over a buffer of that many megabytes, so that the graph starts out of
   the caches (only the backward is timed).
+- ``backward after`` and ``count after`` (only with ``--after-chain``):
+  one backward, and one count, each timed alone just after the backward of
+  another chain of that many nodes, as a sample of ``python -m pyengine
+  bench`` follows the samples of the other workloads.
 
 Prints, per size, the median (min-max) of each in microseconds per node,
 and each size's excess over the smallest size. Every backward's gradient is
@@ -42,6 +46,7 @@ engine cheaper than that per node cannot reach the goal on these graphs.
 See benchmarks/RESULTS.md, "Issue 19: the least 1M / 10k ratio".
 
     PYTHONPATH=. python benchmarks/cold_walk.py --sizes 10000 100000 1000000 --repeats 7 --evict-mb 256
+    PYTHONPATH=. python benchmarks/cold_walk.py --sizes 10000 100000 --repeats 7 --after-chain 1000000
 
 ``PYTHONPATH`` selects the build.
 """
@@ -106,7 +111,7 @@ def _per_node_us(call, calls, nodes):
     return (time.perf_counter() - start) / (calls * nodes) * 1e6
 
 
-def measure(n, repeats, evict_mb, bare_walk):
+def measure(n, repeats, evict_mb, bare_walk, other=None):
     graph = chain(n)
     graph.run_checked()
     engine = pyengine.get_default_engine()
@@ -145,6 +150,14 @@ def measure(n, repeats, evict_mb, bare_walk):
             total += time.perf_counter() - start
         return total / (max(1, 20_000 // n) * n) * 1e6
 
+    def after_other(call):
+        # Timed alone: the other chain's backward is what comes before.
+        other.reset()
+        other.run()
+        start = time.perf_counter()
+        call()
+        return (time.perf_counter() - start) / n * 1e6
+
     root = graph.root_edge.node
     walked = []
 
@@ -155,7 +168,7 @@ def measure(n, repeats, evict_mb, bare_walk):
     gc.collect()
     gc.freeze()
     times = {"backward": [], "count": [], "search": [], "apply": [], "walk": [],
-             "cold backward": []}
+             "cold backward": [], "backward after": [], "count after": []}
     for _ in range(repeats):
         times["backward"].append(_per_node_us(backward, calls, n))
         times["count"].append(_per_node_us(count, calls, n))
@@ -164,7 +177,12 @@ def measure(n, repeats, evict_mb, bare_walk):
         times["walk"].append(_per_node_us(walk, calls, n))
         if buffer is not None:
             times["cold backward"].append(cold_backward())
+        if other is not None:
+            times["backward after"].append(after_other(backward))
+            times["count after"].append(after_other(count))
     gc.unfreeze()
+    if other is not None:
+        other.check()
     graph.check()
     floor.check()
     if set(walked) != {n + 1}:  # the chain's nodes and the leaf's AccumulateGrad
@@ -178,6 +196,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--evict-mb", type=int, default=0,
                         help="also time a backward after a pass over this many MB (0: not)")
+    parser.add_argument("--after-chain", type=int, default=0,
+                        help="also time a backward and a count just after the backward of a "
+                             "chain of this many nodes (0: not)")
     parser.add_argument("--goal", type=float, default=1.2,
                         help="the largest / smallest ratio the last line's bound is for (issue 19's 1.2)")
     args = parser.parse_args(argv)
@@ -186,11 +207,15 @@ def main(argv=None):
         parser.error("the bare walk reads the compiled core's nodes: run it without PYENGINE_PURE")
     with tempfile.TemporaryDirectory() as build_dir:
         bare_walk = build_bare_walk(build_dir)
+    other = None
+    if args.after_chain:
+        other = chain(args.after_chain)
+        other.run_checked()
     first = medians = None
     for n in args.sizes:
         medians = {}
         cells = []
-        for kind, samples in measure(n, args.repeats, args.evict_mb, bare_walk).items():
+        for kind, samples in measure(n, args.repeats, args.evict_mb, bare_walk, other).items():
             medians[kind] = statistics.median(samples)
             cells.append(f"{kind} {medians[kind]:.4f} ({min(samples):.4f}-{max(samples):.4f})")
         first = first or medians
