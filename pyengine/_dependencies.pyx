@@ -76,13 +76,13 @@ cdef inline int push_dependency_frame(DependencyFrameStack& stack, NodeBase node
     return 0
 
 
-cdef inline void prefetch_ahead(NodeBase node, PyObject* next_node) noexcept:
+cdef inline void prefetch_ahead(PyObject* node, PyObject* next_node) noexcept:
     """Ask for the node that ``next_node``'s step from ``node`` would reach
     a few nodes further on (See Note [Prefetching along a chain's stride]
     in pyengine/_stride_prefetch.h): its head and its count's fields,
     which lie around ``_dependency_slot_``."""
-    prefetch_along_stride(<PyObject*>node, next_node,
-                          <char*>&node._dependency_slot_ - <char*><PyObject*>node)
+    prefetch_along_stride(node, next_node,
+                          <char*>&(<NodeBase>node)._dependency_slot_ - <char*>node)
 
 
 cdef inline void pop_dependency_frame(DependencyFrameStack& stack):
@@ -189,7 +189,7 @@ cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task) except -
             # which may set the node's next edges.
             next_node = node._only_next_node
             if next_node is not None:
-                prefetch_ahead(node, <PyObject*>next_node)
+                prefetch_ahead(<PyObject*>node, <PyObject*>next_node)
                 let_others_run(&work_left)
                 if not count_edge(graph_task, node, next_node, stack):
                     return False
@@ -281,7 +281,7 @@ cdef int search_dependencies(NodeBase graph_root, GraphTask graph_task) except -
                 if frame.only_edge:
                     next_node = edges  # the only next edge's node
                     index += 1
-                    prefetch_ahead(<NodeBase>frame.node, next_node)
+                    prefetch_ahead(frame.node, next_node)
                 else:
                     edge = tuple_item(edges, index)
                     index += 1
