@@ -205,6 +205,10 @@ def _reentrant_thread_main(_ThreadPoolShared pool not None, engine_ref, list slo
                     else:
                         next_graph_task = pool.graph_tasks.front()
                         pool.graph_tasks.pop_front()
+                        # Marked as it leaves the queue, under the lock its
+                        # caller reads the mark with: See Note [A pool thread
+                        # is back before its caller] in the twin.
+                        (<GraphTask>next_graph_task).on_pool_thread = True
                 lock.unlock()
             if idle_check_due:
                 # Out of the nogil block, not in a ``with gil``: that takes
@@ -220,7 +224,6 @@ def _reentrant_thread_main(_ThreadPoolShared pool not None, engine_ref, list slo
                 return
             graph_task = <GraphTask>next_graph_task
             Py_DECREF(graph_task)  # the pool's reference; graph_task holds one
-            graph_task.on_pool_thread = True
             try:
                 run_pool_task(engine_ref, graph_task)
             except BaseException as error:

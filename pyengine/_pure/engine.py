@@ -86,8 +86,8 @@ again, since what runs nested in the cancelled graph task may take as
 long as it likes, and Ctrl-C must end that wait too. So pyengine ends
 every backward the thread drives with the interruption: where a hand-off's
 wait raises while a pool thread still runs its cancelled graph task
-(``on_pool_thread``; a pool thread that took the task and has not marked
-it yet finds it completed and never pops), ``fail_driven_graph_tasks``,
+(``on_pool_thread``, which a pool thread sets as it takes the task from
+the pool's queue; one that finds the task completed never pops), ``fail_driven_graph_tasks``,
 before the node sees the error, sets it on each graph task whose loop runs
 on this thread (``driven_graph_tasks``, outermost first; the task keeps
 the error so that its ``execute`` raises it, taking it off first: See

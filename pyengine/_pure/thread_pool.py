@@ -56,9 +56,13 @@ returns and hands off again at once (the next backward, or the next level)
 can find that thread not yet idle: PyTorch's unbounded pool would start one
 more thread, but a pool at ``max_pool_threads`` raises "all N threads ...
 are busy" although none is (See Note [Bounds on reentrant backward]). So
-the thread marks its task ``on_pool_thread`` while it runs it, and clears
-the mark in the same critical section that counts it idle again; the
-caller, once its task completed, waits for the mark to clear. The wait is
+the thread marks its task ``on_pool_thread`` in the critical section
+that takes it from the queue, and clears the mark in the one that counts
+it idle again; the caller, once its task completed, waits for the mark to
+clear. Marked any later, the caller of a task that completed before its
+thread marked it (another thread ran its last node) returned at once,
+reading the mark while the thread wrote it outside the lock: a data race
+the ThreadSanitizer stage's thread fuzz reported (seed 4, 2026-12-05). The wait is
 short (the thread needs only the GIL, which the caller does not hold), and
 a backward that returns has every pool thread it used idle again. A caller
 that cancels its task (Ctrl-C, a thread that did not start) does not wait;
@@ -299,6 +303,10 @@ def _reentrant_thread_main(pool, engine_ref, slot):
                     if pool.stopping:
                         return
                     graph_task = pool.graph_tasks.pop(0)
+                    # Marked as it leaves the queue, under the lock its
+                    # caller reads the mark with: See Note [A pool thread is
+                    # back before its caller].
+                    graph_task.on_pool_thread = True
             if idle_check_due:
                 # Out of the lock, as the compiled core looks out of its
                 # nogil block: See Note [An engine's threads hold it weakly]
@@ -306,7 +314,6 @@ def _reentrant_thread_main(pool, engine_ref, slot):
                 if engine_ref() is None:
                     return
                 continue
-            graph_task.on_pool_thread = True
             try:
                 run_pool_task(engine_ref, graph_task)
             except BaseException as error:
