@@ -87,9 +87,9 @@ long as it likes, and Ctrl-C must end that wait too. So pyengine ends
 every backward the thread drives with the interruption: where a hand-off's
 wait raises while a pool thread still runs its cancelled graph task
 (``on_pool_thread``, which a pool thread sets as it takes the task from
-the pool's queue; one that finds the task completed never pops), ``fail_driven_graph_tasks``,
-before the node sees the error, sets it on each graph task whose loop runs
-on this thread (``driven_graph_tasks``, outermost first; the task keeps
+the pool's queue; one that finds the task completed never pops),
+``fail_driven_graph_tasks``, before the node sees the error, sets it on
+each graph task whose loop runs on this thread (``driven_graph_tasks``, outermost first; the task keeps
 the error so that its ``execute`` raises it, taking it off first: See
 Note [A raised error must not name itself in its frame]), drops their
 tasks from the queue, and sets ``handoff_interrupted``. A node that

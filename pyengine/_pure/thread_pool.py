@@ -62,8 +62,8 @@ it idle again; the caller, once its task completed, waits for the mark to
 clear. Marked any later, the caller of a task that completed before its
 thread marked it (another thread ran its last node) returned at once,
 reading the mark while the thread wrote it outside the lock: a data race
-the ThreadSanitizer stage's thread fuzz reported (seed 4, 2026-12-05). The wait is
-short (the thread needs only the GIL, which the caller does not hold), and
+the ThreadSanitizer stage's thread fuzz reported. The wait is short (the
+thread needs only the GIL, which the caller does not hold), and
 a backward that returns has every pool thread it used idle again. A caller
 that cancels its task (Ctrl-C, a thread that did not start) does not wait;
 if a pool thread still runs the task, the caller's backward ends: See Note
