@@ -89,16 +89,16 @@ wait raises while a pool thread still runs its cancelled graph task
 (``on_pool_thread``, which a pool thread sets as it takes the task from
 the pool's queue; one that finds the task completed never pops),
 ``fail_driven_graph_tasks``, before the node sees the error, sets it on
-each graph task whose loop runs on this thread (``driven_graph_tasks``, outermost first; the task keeps
-the error so that its ``execute`` raises it, taking it off first: See
-Note [A raised error must not name itself in its frame]), drops their
-tasks from the queue, and sets ``handoff_interrupted``. A node that
-catches the error and returns finds its loop's graph task completed, and
-the loop ends without popping again; each level's ``execute`` raises the
-same KeyboardInterrupt into the node that called it, and the outermost one
-raises it to the caller, leaves the queue and clears
-``handoff_interrupted`` (a pool thread clears it as its task ends). Until
-then, a reentrant backward started on the thread (a node that caught the
+each graph task whose loop runs on this thread (``driven_graph_tasks``,
+outermost first; the task keeps the error so that its ``execute`` raises
+it, taking it off first: See Note [A raised error must not name itself in
+its frame]), drops their tasks from the queue, and sets
+``handoff_interrupted``. A node that catches the error and returns finds
+its loop's graph task completed, and the loop ends without popping again;
+each level's ``execute`` raises the same KeyboardInterrupt into the node
+that called it, and the outermost one raises it to the caller, leaves the
+queue and clears ``handoff_interrupted`` (a pool thread clears it as its
+task ends). Until then, a reentrant backward started on the thread (a node that caught the
 error and tries again) raises RuntimeError before it queues anything. A
 node that catches the KeyboardInterrupt can clean up, as in a ``finally``,
 but the backward ends with it: Ctrl-C stays a KeyboardInterrupt up to the
