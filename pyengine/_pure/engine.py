@@ -98,8 +98,8 @@ its loop's graph task completed, and the loop ends without popping again;
 each level's ``execute`` raises the same KeyboardInterrupt into the node
 that called it, and the outermost one raises it to the caller, leaves the
 queue and clears ``handoff_interrupted`` (a pool thread clears it as its
-task ends). Until then, a reentrant backward started on the thread (a node that caught the
-error and tries again) raises RuntimeError before it queues anything. A
+task ends). Until then, a reentrant backward started on the thread (a
+node that caught the error and tries again) raises RuntimeError before it queues anything. A
 node that catches the KeyboardInterrupt can clean up, as in a ``finally``,
 but the backward ends with it: Ctrl-C stays a KeyboardInterrupt up to the
 caller (rather than an error chained from it), whose handler for it runs.
