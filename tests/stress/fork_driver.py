@@ -20,6 +20,7 @@ import argparse
 import faulthandler
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -117,7 +118,16 @@ def main(argv=None):
     warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
     directory = tempfile.mkdtemp(prefix="pyengine-fork-")
     _dump_path = os.path.join(directory, "stacks")
+    try:
+        return _fork_while_running(args)
+    finally:
+        # Every child was waited on (or killed): no one writes here any more.
+        shutil.rmtree(directory, ignore_errors=True)
 
+
+def _fork_while_running(args) -> int:
+    """Fork ``args.forks`` times while the threads run backward; 0 when every
+    child passed, no thread failed, and none hung."""
     shared_x, shared_root = chain()
     backward(shared_root, retain=True)
     stop = threading.Event()
