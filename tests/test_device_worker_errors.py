@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 import pytest
-from test_devices import F0, cross_device_chain, host, on
+from test_devices import F0, F1, Leaf, Scale, cross_device_chain, host, on
 
 import pyengine
 from pyengine._shared.engine_registry import IDLE_CHECK_S
@@ -143,6 +143,59 @@ def test_an_error_after_a_node_fails_its_backward_and_the_device_serves_on(
     x, root = cross_device_chain()
     error = backward_within(engine, root)
     assert planted and error is planted[0], repr(error)
+    # It failed its backward, whose caller raised it: not reported again.
+    assert reported == []
+    assert worker.is_alive()
+    x, root = cross_device_chain()
+    assert backward_within(engine, root) is None
+    np.testing.assert_array_equal(host(x.grad), np.full(3, 30.0))
+    assert worker_thread(before, device) is worker
+    engine.stop()
+
+
+class FailsUnnamed(Scale):
+    """A Scale whose ``apply`` raises NodeError and whose ``name()`` raises
+    PlantedError: under anomaly mode, the note the worker's loop adds to the
+    node's error, outside the node, fails."""
+
+    def apply(self, grads):
+        raise NodeError("the node fails")
+
+    def name(self):
+        raise PlantedError("the node's name() fails")
+
+
+class NodeError(Exception):
+    """What FailsUnnamed.apply raises."""
+
+
+@pytest.mark.parametrize("device", ["fake:0", "fake:1"])
+def test_an_error_in_the_loop_while_a_node_fails_fails_its_backward_and_the_device_serves_on(
+        no_anomaly_warning, reported, device):
+    # The worker's loop names a failing node in anomaly mode (its error
+    # handler, outside the node), and name() raises there, before the graph
+    # task has the node's error: the graph task of the task in flight fails
+    # with name()'s error, the node's error its context, as Python chains
+    # an error raised while another is handled. The only route to the
+    # compiled core's fail_in_flight_graph_task that no allocation failure
+    # takes (checked under gdb on the compiled core, both devices).
+    before = set(threading.enumerate())
+    engine = pyengine.Engine()
+    x, root = cross_device_chain()
+    assert backward_within(engine, root) is None
+    worker = worker_thread(before, device)
+    # leaf <- cpu node <- fake:0 node <- fake:1 node, the one on `device` failing.
+    n_cpu = Scale(pyengine.gradient_edge(Leaf(np.ones(3))), pyengine.CPU, 2.0, pyengine.CPU)
+    if device == "fake:0":
+        n0 = FailsUnnamed(pyengine.Edge(n_cpu, 0), F0, 3.0, pyengine.CPU)
+        root = Scale(pyengine.Edge(n0, 0), F1, 5.0, F0)
+    else:
+        n0 = Scale(pyengine.Edge(n_cpu, 0), F0, 3.0, pyengine.CPU)
+        root = FailsUnnamed(pyengine.Edge(n0, 0), F1, 5.0, F0)
+    with pyengine.detect_anomaly():
+        error = backward_within(engine, root)
+    assert type(error) is PlantedError, repr(error)
+    assert type(error.__context__) is NodeError, repr(error.__context__)
     # It failed its backward, whose caller raised it: not reported again.
     assert reported == []
     assert worker.is_alive()

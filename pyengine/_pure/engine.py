@@ -181,8 +181,12 @@ drives a graph task (a caller's, a pool thread's, a reentrant backward's)
 fails that graph task instead and raises, as before. In the compiled
 core, the loop's bookkeeping is C, which raises only where a C++
 allocation fails (dropping a failed graph task's tasks from its owner's
-queue); the Python around the loop (the wait, the engine's weak
-reference) raises where the twin's would.
+queue, by then completed); the Python around the loop (the wait, the
+engine's weak reference) raises where the twin's would, and so does the
+anomaly note the loop puts on a node's error before it fails the graph
+task with it, which calls the node's ``name()``: a ``name()`` that raises
+there fails the task in flight, in both cores, with its own error, the
+node's as its context.
 
 Note [The owner's queue is the graph task's]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
