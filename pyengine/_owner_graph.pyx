@@ -17,7 +17,9 @@ written once (See Note [Slow paths are shared]).
 
 cimport cython
 cimport numpy as cnp
+from cpython.long cimport PyLong_FromVoidPtr
 from cpython.object cimport PyObject
+from cpython.pystate cimport PyThreadState_Get
 from cpython.ref cimport Py_INCREF
 from libcpp.vector cimport vector
 
@@ -25,7 +27,7 @@ from pyengine._graph_task cimport (DependencyMap, GraphTask, link_enclosing_grap
                                    new_graph_task, running_thread_state)
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
-from pyengine._node cimport InputMetadata
+from pyengine._node cimport GradLock, InputMetadata
 from pyengine._validate_outputs cimport known_value_type, numpy_gradient_matches
 from pyengine._state cimport ThreadState, anomaly_check_nan, anomaly_enabled, profiler, thread_state
 
@@ -35,7 +37,8 @@ from pyengine._shared.owner_graph_checks import (EXACT, GRADIENTS_CHANGED, REDUC
                                                 OwnerRun, accumulate_grad, add_owner_note,
                                                 check_hook_result, check_nan, check_options,
                                                 check_reader, cycle_error, format_owner_error,
-                                                format_root_error, mark_needed, owner_name,
+                                                format_root_error, leaf_lock_taken_again_message,
+                                                mark_needed, owner_name,
                                                 read_returned, reduce_owner_graph)
 from pyengine._shared.owner_graph_checks import check_input_nr as check_input_nr_slow
 from pyengine._shared.owner_graph_checks import count_slots as count_slots_slow
@@ -707,7 +710,7 @@ cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, 
     thread[0] = running
     try:
         if accumulate is not None:
-            accumulate(owner, grads[0] if len(grads) == 1 else grads)
+            accumulate_into_leaf(accumulate, owner, grads[0] if len(grads) == 1 else grads)
         else:
             if <size_t>sequence_nr < items_of.owners():
                 evaluate_owner(graph, owner, grads, items_of.of(sequence_nr),
@@ -724,6 +727,54 @@ cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, 
             callback(OwnerRun(owner, sequence_nr), start, _perf_counter_ns())
         thread[0] = previous
     return 0
+
+
+@cython.final
+cdef class LeafLock:
+    """An owner leaf's entry in ``leaf_locks``: See Note [An owner leaf
+    accumulates under a lock] in the twin."""
+    # Immutable after construction.
+    cdef GradLock lock
+    # The threads that hold or wait for the lock; guarded by the GIL.
+    cdef Py_ssize_t users
+
+    def __cinit__(self):
+        self.lock = GradLock()
+
+
+# id(leaf) -> LeafLock, guarded by the GIL: no update of it runs Python code.
+cdef dict leaf_locks = {}
+
+
+cdef int accumulate_into_leaf(object accumulate, object leaf, object gradient) except -1:
+    """``accumulate(leaf, gradient)`` holding the leaf's lock: See Note [An
+    owner leaf accumulates under a lock] in the twin."""
+    cdef object key = PyLong_FromVoidPtr(<PyObject*>leaf)
+    cdef LeafLock entry = leaf_locks.get(key)
+    if entry is None:
+        # Made before it goes in: making it may collect, and a __del__ run
+        # then may accumulate into this leaf and enter one first.
+        entry = leaf_locks.setdefault(key, LeafLock())
+    entry.users += 1
+    try:
+        if entry.lock.lock_.held_by(PyThreadState_Get()):
+            raise RuntimeError(leaf_lock_taken_again_message(leaf))
+        entry.lock.lock()
+        try:
+            accumulate(leaf, gradient)
+        finally:
+            entry.lock.unlock()
+    finally:
+        entry.users -= 1
+        if entry.users == 0:
+            del leaf_locks[key]
+    return 0
+
+
+def leaf_locks_in_use():
+    """How many owner leaves have an accumulation lock now (a thread holds
+    or waits for it): for the tests."""
+    return len(leaf_locks)
 
 
 cdef inline bint plain_writes(OwnerGraph graph) noexcept:

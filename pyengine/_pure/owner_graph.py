@@ -37,7 +37,9 @@ owner of it, with no pyengine Node made at forward or at backward.
     ``metadata(parent)[input_nr]`` by validate_outputs' rules when the
     framework gives ``metadata``), then summed into the parent's slot.
     ``num_inputs(owner)`` (default 1) is an owner's number of slots. A leaf
-    gets its summed gradient by ``accumulate(leaf, gradient)``, default:
+    gets its summed gradient by ``accumulate(leaf, gradient)``, called
+    holding a lock of that leaf's (See Note [An owner leaf accumulates
+    under a lock]), default:
     ``leaf.grad`` set to it, or summed into a ``.grad`` that is not None,
     out of place (the first gradient is stored as it is and never written
     into). An owner at which no gradient arrived (all its slots None) does
@@ -169,6 +171,7 @@ one honours Ctrl-C, as it goes (See Note [Long passes let other threads
 run] in ``pyengine/_interrupts.pxd``).
 """
 
+import threading
 import time
 
 import numpy as np
@@ -193,6 +196,7 @@ from .._shared.owner_graph_checks import (
     cycle_error,
     format_owner_error,
     format_root_error,
+    leaf_lock_taken_again_message,
     mark_needed,
     owner_name,
     read_returned,
@@ -202,7 +206,7 @@ from .._shared.owner_graph_checks import (
 from . import state
 from .graph_task import GraphTask, link_enclosing_graph_task
 from .input_buffer import InputBuffer
-from .node import InputMetadata, _not_writable, as_input_metadata
+from .node import GradLock, InputMetadata, _not_writable, as_input_metadata
 from .static_types import c_type_name, check_argument, check_new
 from .validate_outputs import known_value_type
 
@@ -643,7 +647,7 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
     previous_checkpoint_valid = state.swap_checkpoint_valid(checkpoint_valid)
     try:
         if accumulate is not None:
-            accumulate(owner, grads[0] if len(grads) == 1 else grads)
+            accumulate_into_leaf(accumulate, owner, grads[0] if len(grads) == 1 else grads)
         else:
             evaluate_owner(graph, owner, grads, items, buffers, slots, metadata_of, exec_info)
     except BaseException as error:
@@ -657,6 +661,83 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
         state.swap_checkpoint_valid(previous_checkpoint_valid)
         state.set_grad_enabled(previous_grad_mode)
         state.set_current_graph_task(previous_graph_task)
+
+
+# Note [An owner leaf accumulates under a lock]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Threads may walk owner graphs that share leaves (a model's parameters)
+# at once, as they may run backward on Node graphs that do. A leaf's
+# ``accumulate`` reads the leaf's gradient, adds and writes the sum (the
+# default ``accumulate_grad`` and the adapters' alike), and the Python code
+# in between lets other threads run (a large numpy add gives the GIL
+# away): two walks that accumulated into one leaf together kept one of the
+# two gradients. PyTorch's AccumulateGrad accumulates holding a mutex of
+# its own, as a Node graph's leaf here holds its GradLock (See Note [The
+# lock of a leaf's .grad] in pyengine/_pure/node.py). An owner leaf is the
+# framework's object, with no room for a lock, so each core keeps a
+# GradLock per leaf that a thread accumulates into, with the count of the
+# threads that hold it or wait for it, in a table keyed by the leaf's
+# identity (``id``: every such thread's walk holds the leaf, so no other
+# object can take its address while the entry is there), made by the
+# first of them and dropped by the last. ``accumulate_into_leaf`` runs
+# ``accumulate`` holding that lock, so that accumulations into one leaf
+# follow one another and those into different leaves do not wait for each
+# other. As for a Node graph's leaf:
+# - an accumulation that starts another into the same leaf on its own
+#   thread (which would wait for itself) is refused with RuntimeError;
+# - a thread that waits for the lock lets the others run and honours
+#   Ctrl-C; an error in ``accumulate`` lets go of it.
+# Writes mode accumulates nothing of the engine's (a framework's backward
+# writes its parents' gradients itself, as safely as its own code does),
+# and what ``grad(inputs=)`` captures is the walk's own: neither locks.
+# The compiled core's table is guarded by the GIL (nothing in its updates
+# runs Python code); the twin's by a lock of its own, never held while
+# Python code runs (an entry is made before it is taken: making one may
+# collect, which may run a __del__ that accumulates).
+
+
+class LeafLock:
+    """An owner leaf's entry in ``_leaf_locks``: See Note [An owner leaf
+    accumulates under a lock]."""
+
+    __slots__ = ("lock", "users")
+
+    def __init__(self):
+        self.lock = GradLock()
+        # The threads that hold or wait for the lock; guarded by
+        # _leaf_locks_guard.
+        self.users = 0
+
+
+# id(leaf) -> LeafLock, guarded by _leaf_locks_guard.
+_leaf_locks = {}
+_leaf_locks_guard = threading.Lock()
+
+
+def accumulate_into_leaf(accumulate, leaf, gradient):
+    """``accumulate(leaf, gradient)`` holding the leaf's lock: See Note [An
+    owner leaf accumulates under a lock]."""
+    key = id(leaf)
+    made = LeafLock()
+    with _leaf_locks_guard:
+        entry = _leaf_locks.setdefault(key, made)
+        entry.users += 1
+    try:
+        if entry.lock.held():
+            raise RuntimeError(leaf_lock_taken_again_message(leaf))
+        with entry.lock:
+            accumulate(leaf, gradient)
+    finally:
+        with _leaf_locks_guard:
+            entry.users -= 1
+            if entry.users == 0:
+                del _leaf_locks[key]
+
+
+def leaf_locks_in_use():
+    """How many owner leaves have an accumulation lock now (a thread holds
+    or waits for it): for the tests."""
+    return len(_leaf_locks)
 
 
 def plain_writes(graph):

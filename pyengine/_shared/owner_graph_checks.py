@@ -29,6 +29,16 @@ def owner_name(owner):
     return type(owner).__name__
 
 
+def leaf_lock_taken_again_message(leaf):
+    """A thread asked for an owner leaf's accumulation lock while it held
+    it: See Note [An owner leaf accumulates under a lock] in
+    pyengine/_pure/owner_graph.py."""
+    return (f"a thread asked for the accumulation lock of a {owner_name(leaf)} while it held "
+            "it: Python code that ran while a gradient was accumulated into that leaf (the "
+            "owner graph's accumulate, a backend's add) started another accumulation into the "
+            "same leaf, which would wait for itself")
+
+
 def check_reader(what, reader):
     """``reader`` if it is an attribute name or a callable; else TypeError."""
     if isinstance(reader, str) or callable(reader):

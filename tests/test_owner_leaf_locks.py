@@ -1,0 +1,232 @@
+"""Threads that walk owner graphs into shared leaves, in both cores: each
+leaf's accumulation holds a lock of that leaf's. See Note [An owner leaf
+accumulates under a lock] in pyengine/_pure/owner_graph.py.
+
+Before, two threads that accumulated into one leaf at once each read the
+leaf's gradient, added their own and wrote the sum: one of the two was
+lost (with the default accumulate and large arrays, about half of them).
+
+Oracles: the exact sum of every walk's gradient in each leaf (every
+gradient a small integer, exact in float64); the refusal's words where an
+accumulation starts another into its own leaf; Ctrl-C reaching a thread
+that waits for a leaf; no lock left in the cores' tables after the walks.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import signals_not_swallowed
+
+from pyengine._pure import owner_graph as pure_owner_graph
+
+try:
+    from pyengine import _owner_graph as compiled_owner_graph
+except ImportError:  # the twin alone, without a build
+    compiled_owner_graph = None
+
+WAIT_S = 30.0
+
+
+def owner_graph_module(core):
+    """The OwnerGraph module of ``core``; skips where the compiled one is not built."""
+    if core == "compiled" and compiled_owner_graph is None:
+        pytest.skip("no compiled build")
+    return compiled_owner_graph if core == "compiled" else pure_owner_graph
+
+
+class Value:
+    """An owner of a framework's own graph: its parents and a gradient."""
+
+    def __init__(self, *parents):
+        self.parents = list(parents)
+        self.grad = None
+
+
+def passes_on(owner, grads):
+    """Returns mode's backward: the owner's gradient to each of its parents."""
+    return [grads[0]] * len(owner.parents)
+
+
+def slow_accumulate(leaf, gradient):
+    """``leaf.grad += gradient`` in two steps, letting other threads run
+    between the read and the write: where two threads accumulate into one
+    leaf at once without a lock, one of the two sums is lost."""
+    old = leaf.grad
+    time.sleep(0.001)
+    leaf.grad = gradient if old is None else old + gradient
+
+
+def in_threads(*targets):
+    """Run each target on a thread of its own; re-raise the first error."""
+    errors = []
+
+    def guarded(target):
+        def run():
+            try:
+                target()
+            except BaseException as error:  # noqa: BLE001 - re-raised on the test's thread
+                errors.append(error)
+        return run
+
+    threads = [threading.Thread(target=guarded(target)) for target in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT_S * 2)
+        assert not thread.is_alive(), "a thread did not end (a hang)"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+@pytest.mark.parametrize("accumulate, shape, walks",
+                         [(None, (200_000,), 40), (slow_accumulate, (3,), 25)],
+                         ids=["the default accumulate", "an accumulate that lets threads run"])
+def test_threads_that_walk_into_one_leaf_add_every_gradient(core, accumulate, shape, walks):
+    module = owner_graph_module(core)
+    graph = module.OwnerGraph("parents", passes_on, mode="returns", accumulate=accumulate)
+    shared, own = Value(), [Value(), Value(), Value()]
+
+    def walker(k):
+        def run():
+            for _ in range(walks):
+                # A chain of two owners into the shared leaf and this thread's own.
+                graph.backward(Value(Value(shared, own[k])), np.ones(shape))
+        return run
+
+    in_threads(*(walker(k) for k in range(3)))
+    np.testing.assert_array_equal(shared.grad, np.full(shape, 3.0 * walks))
+    for leaf in own:
+        np.testing.assert_array_equal(leaf.grad, np.full(shape, float(walks)))
+    assert module.leaf_locks_in_use() == 0
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_an_accumulation_into_its_own_leaf_is_refused_and_frees_the_lock(core):
+    module = owner_graph_module(core)
+    reenter = [True]
+
+    def accumulate(leaf, gradient):
+        if reenter[0]:
+            reenter[0] = False
+            graph.backward(Value(leaf), np.ones(3))  # the same leaf, on this thread
+        slow_accumulate(leaf, gradient)
+
+    graph = module.OwnerGraph("parents", passes_on, mode="returns", accumulate=accumulate)
+    leaf, other = Value(), Value()
+    with pytest.raises(RuntimeError, match="asked for the accumulation lock of a Value while it "
+                                           "held it"):
+        graph.backward(Value(leaf), np.ones(3))
+    assert leaf.grad is None
+    assert module.leaf_locks_in_use() == 0
+    # The lock is free: the leaf accumulates again, exactly; an accumulation
+    # into another leaf from inside one is no accumulation into its own.
+    graph.backward(Value(leaf), np.ones(3))
+    np.testing.assert_array_equal(leaf.grad, np.ones(3))
+
+    def into_other(accumulated, gradient):
+        if accumulated is leaf:
+            graph_other.backward(Value(other), np.full(3, 2.0))
+        slow_accumulate(accumulated, gradient)
+
+    graph_other = module.OwnerGraph("parents", passes_on, mode="returns", accumulate=into_other)
+    graph_other.backward(Value(leaf), np.ones(3))
+    np.testing.assert_array_equal(leaf.grad, np.full(3, 2.0))
+    np.testing.assert_array_equal(other.grad, np.full(3, 2.0))
+    assert module.leaf_locks_in_use() == 0
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_accumulations_into_different_leaves_do_not_wait_for_each_other(core):
+    # The first thread's accumulation into its leaf waits, holding that
+    # leaf's lock, until the second thread's walk into another leaf has
+    # ended: a lock for all leaves would leave both waiting.
+    module = owner_graph_module(core)
+    first_holds, second_done = threading.Event(), threading.Event()
+
+    def accumulate(leaf, gradient):
+        if leaf is first_leaf:
+            first_holds.set()
+            assert second_done.wait(WAIT_S), "the other leaf's walk waited for this one"
+        slow_accumulate(leaf, gradient)
+
+    graph = module.OwnerGraph("parents", passes_on, mode="returns", accumulate=accumulate)
+    first_leaf, second_leaf = Value(), Value()
+
+    def first():
+        graph.backward(Value(first_leaf), np.ones(3))
+
+    def second():
+        assert first_holds.wait(WAIT_S)
+        assert module.leaf_locks_in_use() == 1
+        graph.backward(Value(second_leaf), np.full(3, 2.0))
+        second_done.set()
+
+    in_threads(first, second)
+    np.testing.assert_array_equal(first_leaf.grad, np.ones(3))
+    np.testing.assert_array_equal(second_leaf.grad, np.full(3, 2.0))
+    assert module.leaf_locks_in_use() == 0
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_an_error_in_accumulate_frees_the_lock(core):
+    module = owner_graph_module(core)
+    fail = [True]
+
+    def accumulate(leaf, gradient):
+        if fail[0]:
+            fail[0] = False
+            raise ValueError("the framework's accumulate fails")
+        slow_accumulate(leaf, gradient)
+
+    graph = module.OwnerGraph("parents", passes_on, mode="returns", accumulate=accumulate)
+    leaf = Value()
+    with pytest.raises(ValueError, match="the framework's accumulate fails"):
+        graph.backward(Value(leaf), np.ones(3))
+    assert module.leaf_locks_in_use() == 0
+    in_threads(lambda: graph.backward(Value(leaf), np.ones(3)))
+    np.testing.assert_array_equal(leaf.grad, np.ones(3))
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs signal.pthread_kill")
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_ctrl_c_reaches_a_thread_that_waits_for_a_leaf(core):
+    assert threading.current_thread() is threading.main_thread()
+    module = owner_graph_module(core)
+    holds, done = threading.Event(), threading.Event()
+
+    def accumulate(leaf, gradient):
+        if threading.current_thread() is not threading.main_thread():
+            holds.set()
+            time.sleep(0.2)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            assert done.wait(WAIT_S)
+        slow_accumulate(leaf, gradient)
+
+    graph = module.OwnerGraph("parents", passes_on, mode="returns", accumulate=accumulate)
+    leaf = Value()
+    # SIGINT as Ctrl-C gives it, even in a background job: See
+    # signals_not_swallowed in conftest.py.
+    with signals_not_swallowed():
+        holder = threading.Thread(target=lambda: graph.backward(Value(leaf), np.ones(3)))
+        holder.start()
+        try:
+            assert holds.wait(WAIT_S)
+            start = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                graph.backward(Value(leaf), np.full(3, 2.0))
+            assert time.monotonic() - start < WAIT_S / 3
+            assert module.leaf_locks_in_use() == 1  # the holder's
+        finally:
+            done.set()
+            holder.join(WAIT_S)
+    assert not holder.is_alive()
+    np.testing.assert_array_equal(leaf.grad, np.ones(3))
+    assert module.leaf_locks_in_use() == 0
+    graph.backward(Value(leaf), np.full(3, 2.0))
+    np.testing.assert_array_equal(leaf.grad, np.full(3, 3.0))
