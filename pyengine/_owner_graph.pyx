@@ -729,7 +729,14 @@ cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, 
     return 0
 
 
+# The most entries leaf_locks keeps before it drops those not in use.
+LEAF_LOCKS_KEPT = 4096
+cdef Py_ssize_t leaf_locks_kept = LEAF_LOCKS_KEPT
+
+
+# Not tracked by the GC: it holds no Python object but its GradLock.
 @cython.final
+@cython.no_gc
 cdef class LeafLock:
     """An owner leaf's entry in ``leaf_locks``: See Note [An owner leaf
     accumulates under a lock] in the twin."""
@@ -754,7 +761,10 @@ cdef int accumulate_into_leaf(object accumulate, object leaf, object gradient) e
     if entry is None:
         # Made before it goes in: making it may collect, and a __del__ run
         # then may accumulate into this leaf and enter one first.
-        entry = leaf_locks.setdefault(key, LeafLock())
+        entry = LeafLock()
+        if len(leaf_locks) >= leaf_locks_kept:
+            drop_unused_leaf_locks()
+        entry = leaf_locks.setdefault(key, entry)
     entry.users += 1
     try:
         if entry.lock.lock_.held_by(PyThreadState_Get()):
@@ -766,15 +776,23 @@ cdef int accumulate_into_leaf(object accumulate, object leaf, object gradient) e
             entry.lock.unlock()
     finally:
         entry.users -= 1
-        if entry.users == 0:
-            del leaf_locks[key]
+    return 0
+
+
+cdef int drop_unused_leaf_locks() except -1:
+    """Drop the entries of ``leaf_locks`` that no thread holds or waits
+    for. Runs no Python code: a LeafLock's deallocation is C."""
+    cdef list unused = [key for key, entry in leaf_locks.items()
+                        if (<LeafLock>entry).users == 0]
+    for key in unused:
+        del leaf_locks[key]
     return 0
 
 
 def leaf_locks_in_use():
-    """How many owner leaves have an accumulation lock now (a thread holds
-    or waits for it): for the tests."""
-    return len(leaf_locks)
+    """How many owner leaves' locks a thread holds or waits for now, and how
+    many entries the table keeps: for the tests."""
+    return sum((<LeafLock>entry).users > 0 for entry in leaf_locks.values()), len(leaf_locks)
 
 
 cdef inline bint plain_writes(OwnerGraph graph) noexcept:

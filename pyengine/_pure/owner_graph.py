@@ -675,25 +675,31 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
 # its own, as a Node graph's leaf here holds its GradLock (See Note [The
 # lock of a leaf's .grad] in pyengine/_pure/node.py). An owner leaf is the
 # framework's object, with no room for a lock, so each core keeps a
-# GradLock per leaf that a thread accumulates into, with the count of the
-# threads that hold it or wait for it, in a table keyed by the leaf's
-# identity (``id``: every such thread's walk holds the leaf, so no other
-# object can take its address while the entry is there), made by the
-# first of them and dropped by the last. ``accumulate_into_leaf`` runs
-# ``accumulate`` holding that lock, so that accumulations into one leaf
-# follow one another and those into different leaves do not wait for each
-# other. As for a Node graph's leaf:
+# GradLock per leaf, with the count of the threads that hold it or wait for
+# it, in a table keyed by the leaf's identity (``id``).
+# ``accumulate_into_leaf`` runs ``accumulate`` holding that lock, so that
+# accumulations into one leaf follow one another and those into different
+# leaves do not wait for each other. As for a Node graph's leaf:
 # - an accumulation that starts another into the same leaf on its own
 #   thread (which would wait for itself) is refused with RuntimeError;
 # - a thread that waits for the lock lets the others run and honours
 #   Ctrl-C; an error in ``accumulate`` lets go of it.
+# An entry stays in the table after its last user, so that the same leaves
+# accumulated into at every step make nothing: an entry whose leaf has
+# gone is a lock of no one's, and a new object at its address shares it
+# harmlessly (a lock of its own, since only one object lies there at a
+# time). The table is bounded: at LEAF_LOCKS_KEPT entries, those no thread
+# holds or waits for are dropped before one more is made.
 # Writes mode accumulates nothing of the engine's (a framework's backward
 # writes its parents' gradients itself, as safely as its own code does),
 # and what ``grad(inputs=)`` captures is the walk's own: neither locks.
 # The compiled core's table is guarded by the GIL (nothing in its updates
 # runs Python code); the twin's by a lock of its own, never held while
-# Python code runs (an entry is made before it is taken: making one may
-# collect, which may run a __del__ that accumulates).
+# Python code runs (an entry is made before the lock is taken: making one
+# may collect, which may run a __del__ that accumulates).
+
+# The most entries the table keeps before it drops those not in use.
+LEAF_LOCKS_KEPT = 4096
 
 
 class LeafLock:
@@ -718,10 +724,19 @@ def accumulate_into_leaf(accumulate, leaf, gradient):
     """``accumulate(leaf, gradient)`` holding the leaf's lock: See Note [An
     owner leaf accumulates under a lock]."""
     key = id(leaf)
-    made = LeafLock()
-    with _leaf_locks_guard:
-        entry = _leaf_locks.setdefault(key, made)
-        entry.users += 1
+    made = None
+    while True:
+        with _leaf_locks_guard:
+            entry = _leaf_locks.get(key)
+            if entry is None and made is not None:
+                if len(_leaf_locks) >= LEAF_LOCKS_KEPT:
+                    drop_unused_leaf_locks()
+                entry = _leaf_locks[key] = made
+            if entry is not None:
+                entry.users += 1
+                break
+        # Made without the guard, then looked for again under it.
+        made = LeafLock()
     try:
         if entry.lock.held():
             raise RuntimeError(leaf_lock_taken_again_message(leaf))
@@ -730,14 +745,20 @@ def accumulate_into_leaf(accumulate, leaf, gradient):
     finally:
         with _leaf_locks_guard:
             entry.users -= 1
-            if entry.users == 0:
-                del _leaf_locks[key]
+
+
+def drop_unused_leaf_locks():
+    """Drop the entries of ``_leaf_locks`` that no thread holds or waits
+    for (guarded by _leaf_locks_guard, held)."""
+    for key in [key for key, entry in _leaf_locks.items() if entry.users == 0]:
+        del _leaf_locks[key]
 
 
 def leaf_locks_in_use():
-    """How many owner leaves have an accumulation lock now (a thread holds
-    or waits for it): for the tests."""
-    return len(_leaf_locks)
+    """How many owner leaves' locks a thread holds or waits for now, and how
+    many entries the table keeps: for the tests."""
+    with _leaf_locks_guard:
+        return sum(entry.users > 0 for entry in _leaf_locks.values()), len(_leaf_locks)
 
 
 def plain_writes(graph):
