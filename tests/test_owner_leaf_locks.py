@@ -247,3 +247,98 @@ def test_the_table_keeps_a_bounded_number_of_locks(core):
         assert in_use == 0 and 0 < kept <= module.LEAF_LOCKS_KEPT
     for leaf in leaves:
         np.testing.assert_array_equal(leaf.grad, np.full(1, 2.0))
+
+
+class Weighted(Value):
+    """An owner whose backward passes its gradient times a weight to each
+    parent (``weighted_vjp``)."""
+
+    def __init__(self, parents, weights):
+        super().__init__(*parents)
+        self.weights = weights
+
+
+def weighted_vjp(owner, grads):
+    return [grads[0] * weight for weight in owner.weights]
+
+
+def random_graph(rng):
+    """Leaves, and a root over a random DAG of Weighted owners above them
+    (an owner may name a parent twice); weights small dyadic numbers, so
+    that every sum is exact in any order."""
+    leaves = [Weighted([], []) for _ in range(rng.randint(1, 4))]
+    owners = list(leaves)
+    for _ in range(rng.randint(1, 30)):
+        parents = [rng.choice(owners) for _ in range(rng.randint(1, 3))]
+        owners.append(Weighted(parents, [rng.choice([0.5, 1.0, 2.0, -1.0]) for _ in parents]))
+    return leaves, owners[-1]
+
+
+def path_sums(root, leaves):
+    """Each leaf's gradient from a unit gradient at ``root``, by a walk in
+    Python (the sum over paths of the product of weights); None for a leaf
+    not reached."""
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:
+        owner, finished = stack.pop()
+        if finished:
+            order.append(owner)
+        elif id(owner) not in seen:
+            seen.add(id(owner))
+            stack.append((owner, True))
+            stack.extend((parent, False) for parent in owner.parents)
+    total = {id(root): 1.0}
+    for owner in reversed(order):
+        for parent, weight in zip(owner.parents, owner.weights):
+            total[id(parent)] = total.get(id(parent), 0.0) + weight * total[id(owner)]
+    return [total[id(leaf)] if id(leaf) in seen else None for leaf in leaves]
+
+
+def threads_on_a_random_graph(module, rng):
+    """One drawn graph and the calls of two to five threads on it; checks
+    every outcome against the path sums."""
+    leaves, root = random_graph(rng)
+    expected = path_sums(root, leaves)
+    graph = module.OwnerGraph("parents", weighted_vjp, mode="returns",
+                              accumulate=slow_accumulate if rng.random() < 0.5 else None,
+                              pre_hook=(lambda owner, grads: None) if rng.random() < 0.5 else None)
+    shape = (rng.choice([1, 20_000]),)
+    plans = [[rng.random() < 0.3 for _ in range(rng.randint(3, 15))]
+             for _ in range(rng.randint(2, 5))]
+
+    def caller(plan):
+        def run():
+            for is_grad in plan:
+                if not is_grad:
+                    graph.backward(root, np.ones(shape))
+                    continue
+                got = graph.grad(root, np.ones(shape), leaves, allow_unused=True)
+                for gradient, path_sum in zip(got, expected):
+                    assert (gradient is None) == (path_sum is None)
+                    if gradient is not None:
+                        np.testing.assert_array_equal(gradient, np.full(shape, path_sum))
+        return run
+
+    in_threads(*(caller(plan) for plan in plans))
+    backward_calls = sum(not is_grad for plan in plans for is_grad in plan)
+    for leaf, path_sum in zip(leaves, expected):
+        if path_sum is None or backward_calls == 0:
+            assert leaf.grad is None
+        else:
+            np.testing.assert_array_equal(leaf.grad, np.full(shape, backward_calls * path_sum))
+    assert module.leaf_locks_in_use()[0] == 0
+
+
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_threads_that_walk_random_graphs_sharing_leaves_add_every_gradient(core, seed):
+    # Two to five threads each run a drawn sequence of backward and
+    # grad(inputs=) calls on one random graph (the default accumulate, or
+    # slow_accumulate): every grad() gives the path sums, and each leaf ends
+    # with the path sum times the number of backward calls of all threads.
+    import random
+
+    module = owner_graph_module(core)
+    rng = random.Random(seed)
+    for _ in range(12):
+        threads_on_a_random_graph(module, rng)
