@@ -1,0 +1,85 @@
+"""What an owner leaf's accumulation costs, lock included: builds against
+each other on a returns-mode OwnerGraph whose root has ``k`` leaves as its
+parents (See Note [An owner leaf accumulates under a lock] in
+pyengine/_pure/owner_graph.py).
+
+Each tree is a checkout with its compiled core built in place (a ``git
+worktree`` of the commit to compare with, and this checkout). One process
+per tree per round, alternating; each times ``--calls`` backward calls of
+the same graph (the leaves' gradients cleared before each) in ``--repeats``
+repeats, checks the leaves' gradients against the root's, and reports the
+median of its repeats in microseconds per backward. Over the rounds this
+prints, per tree and leaf count, the median of the per-process medians and
+their spread; the difference between two trees over the leaf count's
+difference is the cost per leaf.
+
+    python benchmarks/owner_leaf_cost.py --trees /tmp/base . --leaves 1 6 --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+_ONE_PROCESS = """
+import statistics, sys, timeit
+import numpy as np
+import pyengine
+
+class Value:
+    def __init__(self, *parents):
+        self.parents, self.grad = list(parents), None
+
+def passes_on(owner, grads):
+    return [grads[0]] * len(owner.parents)
+
+graph = pyengine.OwnerGraph("parents", passes_on, mode="returns")
+calls, repeats = int(sys.argv[1]), int(sys.argv[2])
+for k in map(int, sys.argv[3:]):
+    leaves = [Value() for _ in range(k)]
+    root = Value(*leaves)
+    grad = np.ones(3)
+
+    def run():
+        for leaf in leaves:
+            leaf.grad = None
+        graph.backward(root, grad)
+
+    times = timeit.repeat(run, number=calls, repeat=repeats)
+    assert all((leaf.grad == grad).all() for leaf in leaves)
+    print(k, statistics.median(times) / calls * 1e6)
+"""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trees", nargs="+", default=["."])
+    parser.add_argument("--leaves", type=int, nargs="+", default=[1, 6])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    medians = {(tree, k): [] for tree in args.trees for k in args.leaves}
+    for _ in range(args.rounds):
+        for tree in args.trees:
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+            env.pop("PYENGINE_PURE", None)
+            out = subprocess.run([sys.executable, "-c", _ONE_PROCESS, str(args.calls),
+                                  str(args.repeats), *map(str, args.leaves)],
+                                 env=env, check=True, capture_output=True, text=True).stdout
+            for line in out.splitlines():
+                k, microseconds = line.split()
+                medians[(tree, int(k))].append(float(microseconds))
+    for tree in args.trees:
+        for k in args.leaves:
+            values = medians[(tree, k)]
+            print(f"{tree}: {k} leaves: median {statistics.median(values):.3f} us per backward "
+                  f"({min(values):.3f}-{max(values):.3f} over {len(values)} processes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
