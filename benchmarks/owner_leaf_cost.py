@@ -14,15 +14,23 @@ their spread; the difference between two trees over the leaf count's
 difference is the cost per leaf.
 
     python benchmarks/owner_leaf_cost.py --trees /tmp/base . --leaves 1 6 --rounds 4
+
+With ``--instructions`` it counts instructions instead, under callgrind:
+per tree and leaf count, one process with ``--calls`` and one with ten
+times as many calls (``PYTHONHASHSEED=0``, the cyclic GC off, the
+addresses fixed by ``setarch -R``), and the difference over the extra
+calls per backward (about two minutes; needs valgrind and setarch).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 
 _ONE_PROCESS = """
 import statistics, sys, timeit
@@ -48,10 +56,31 @@ for k in map(int, sys.argv[3:]):
             leaf.grad = None
         graph.backward(root, grad)
 
+    if repeats == 0:  # counted under callgrind: the calls alone, no collection among them
+        import gc
+        gc.disable()
+        for _ in range(calls):
+            run()
+        continue
     times = timeit.repeat(run, number=calls, repeat=repeats)
     assert all((leaf.grad == grad).all() for leaf in leaves)
     print(k, statistics.median(times) / calls * 1e6)
 """
+
+
+def instructions(tree, calls, leaves):
+    """Instructions callgrind counted in one process of ``calls`` backward
+    calls with ``leaves`` leaves, on ``tree``."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), PYTHONHASHSEED="0")
+    env.pop("PYENGINE_PURE", None)
+    with tempfile.TemporaryDirectory() as folder:
+        # setarch -R: the same addresses in every process, so that the
+        # tables keyed by address probe alike.
+        out = subprocess.run(["setarch", "-R", "valgrind", "--tool=callgrind",
+                              f"--callgrind-out-file={os.path.join(folder, 'out')}",
+                              sys.executable, "-c", _ONE_PROCESS, str(calls), "0", str(leaves)],
+                             env=env, check=True, capture_output=True, text=True).stderr
+    return int(re.search(r"Collected : (\d+)", out).group(1))
 
 
 def main(argv=None) -> int:
@@ -61,7 +90,17 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions under callgrind instead of timing")
     args = parser.parse_args(argv)
+    if args.instructions:
+        for tree in args.trees:
+            for k in args.leaves:
+                few = instructions(tree, args.calls, k)
+                many = instructions(tree, 10 * args.calls, k)
+                print(f"{tree}: {k} leaves: {(many - few) / (9 * args.calls):,.0f} "
+                      "instructions per backward")
+        return 0
     medians = {(tree, k): [] for tree in args.trees for k in args.leaves}
     for _ in range(args.rounds):
         for tree in args.trees:
