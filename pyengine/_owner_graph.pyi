@@ -40,4 +40,11 @@ class OwnerGraph:
 def split_root(graph: OwnerGraph, root: Any, what: str) -> tuple[Any, int]: ...
 def run_owner_graph(graph: OwnerGraph, root: Any, grad: Any, inputs: list[Any] | None,
                     allow_unused: bool) -> list[Any] | None: ...
+
+LEAF_LOCKS_KEPT: int
+
+class LeafLock:
+    """An owner leaf's accumulation lock: See Note [An owner leaf
+    accumulates under a lock] in pyengine/_pure/owner_graph.py."""
+
 def leaf_locks_in_use() -> tuple[int, int]: ...
