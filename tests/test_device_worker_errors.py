@@ -92,13 +92,30 @@ def planted_in_chain(error):
     return False
 
 
-def test_an_error_between_tasks_is_reported_and_the_device_serves_on(reported):
+def started_worker(device):
+    """A new Engine, after one exact backward on the cross-device chain,
+    and its worker thread for ``device``; and the threads before it."""
     before = set(threading.enumerate())
     engine = pyengine.Engine()
     x, root = cross_device_chain()
     assert backward_within(engine, root) is None
     np.testing.assert_array_equal(host(x.grad), np.full(3, 30.0))
-    worker = worker_thread(before, F0)
+    return engine, worker_thread(before, device), before
+
+
+def assert_serves_on(engine, worker, before, device):
+    """The device's worker is the same thread, alive, and the next backward
+    is exact; then the engine stops."""
+    assert worker.is_alive()
+    x, root = cross_device_chain()
+    assert backward_within(engine, root) is None
+    np.testing.assert_array_equal(host(x.grad), np.full(3, 30.0))
+    assert worker_thread(before, device) is worker and worker.is_alive()
+    engine.stop()
+
+
+def test_an_error_between_tasks_is_reported_and_the_device_serves_on(reported):
+    engine, worker, before = started_worker(F0)
     # Idle, the worker waits without the GIL and wakes every IDLE_CHECK_S;
     # the error lands in its loop's Python code when the wait returns.
     raise_in_thread(worker, PlantedError)
@@ -109,12 +126,7 @@ def test_an_error_between_tasks_is_reported_and_the_device_serves_on(reported):
     error, thread = reported[0]
     assert planted_in_chain(error), repr(error)
     assert thread is worker
-    assert worker.is_alive()
-    x, root = cross_device_chain()
-    assert backward_within(engine, root) is None
-    np.testing.assert_array_equal(host(x.grad), np.full(3, 30.0))
-    assert worker_thread(before, F0) is worker and worker.is_alive()
-    engine.stop()
+    assert_serves_on(engine, worker, before, F0)
 
 
 @pytest.mark.skipif(pyengine.IMPLEMENTATION != "pure",
@@ -125,11 +137,7 @@ def test_an_error_after_a_node_fails_its_backward_and_the_device_serves_on(
         monkeypatch, reported, device):
     from pyengine._pure import engine as twin_engine
 
-    before = set(threading.enumerate())
-    engine = pyengine.Engine()
-    x, root = cross_device_chain()
-    assert backward_within(engine, root) is None
-    worker = worker_thread(before, device)
+    engine, worker, before = started_worker(device)
     keep_spare_list = twin_engine.keep_spare_list
     planted = []
 
@@ -145,12 +153,7 @@ def test_an_error_after_a_node_fails_its_backward_and_the_device_serves_on(
     assert planted and error is planted[0], repr(error)
     # It failed its backward, whose caller raised it: not reported again.
     assert reported == []
-    assert worker.is_alive()
-    x, root = cross_device_chain()
-    assert backward_within(engine, root) is None
-    np.testing.assert_array_equal(host(x.grad), np.full(3, 30.0))
-    assert worker_thread(before, device) is worker
-    engine.stop()
+    assert_serves_on(engine, worker, before, device)
 
 
 class FailsUnnamed(Scale):
@@ -179,11 +182,7 @@ def test_an_error_in_the_loop_while_a_node_fails_fails_its_backward_and_the_devi
     # an error raised while another is handled. The only route to the
     # compiled core's fail_in_flight_graph_task that no allocation failure
     # takes (checked under gdb on the compiled core, both devices).
-    before = set(threading.enumerate())
-    engine = pyengine.Engine()
-    x, root = cross_device_chain()
-    assert backward_within(engine, root) is None
-    worker = worker_thread(before, device)
+    engine, worker, before = started_worker(device)
     # leaf <- cpu node <- fake:0 node <- fake:1 node, the one on `device` failing.
     n_cpu = Scale(pyengine.gradient_edge(Leaf(np.ones(3))), pyengine.CPU, 2.0, pyengine.CPU)
     if device == "fake:0":
@@ -198,9 +197,4 @@ def test_an_error_in_the_loop_while_a_node_fails_fails_its_backward_and_the_devi
     assert type(error.__context__) is NodeError, repr(error.__context__)
     # It failed its backward, whose caller raised it: not reported again.
     assert reported == []
-    assert worker.is_alive()
-    x, root = cross_device_chain()
-    assert backward_within(engine, root) is None
-    np.testing.assert_array_equal(host(x.grad), np.full(3, 30.0))
-    assert worker_thread(before, device) is worker
-    engine.stop()
+    assert_serves_on(engine, worker, before, device)
