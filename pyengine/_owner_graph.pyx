@@ -31,6 +31,7 @@ from pyengine._node cimport GradLock, InputMetadata
 from pyengine._validate_outputs cimport known_value_type, numpy_gradient_matches
 from pyengine._state cimport ThreadState, anomaly_check_nan, anomaly_enabled, profiler, thread_state
 
+import os
 from time import perf_counter_ns as _perf_counter_ns
 
 from pyengine._shared.owner_graph_checks import (EXACT, GRADIENTS_CHANGED, REDUCE, RETURNS, WRITES,
@@ -793,6 +794,21 @@ def leaf_locks_in_use():
     """How many owner leaves' locks a thread holds or waits for now, and how
     many entries the table keeps: for the tests."""
     return sum((<LeafLock>entry).users > 0 for entry in leaf_locks.values()), len(leaf_locks)
+
+
+# The tables of the parents of this process, kept: See Note [An owner leaf
+# accumulates under a lock] in the twin.
+cdef list leaf_locks_before_fork = []
+
+
+def _reset_leaf_locks_after_fork():
+    global leaf_locks
+    leaf_locks_before_fork.append(leaf_locks)
+    leaf_locks = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_leaf_locks_after_fork)
 
 
 cdef inline bint plain_writes(OwnerGraph graph) noexcept:

@@ -14,9 +14,12 @@ that waits for a leaf; no lock left in the cores' tables after the walks.
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import signal
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -342,3 +345,46 @@ def test_threads_that_walk_random_graphs_sharing_leaves_add_every_gradient(core,
     rng = random.Random(seed)
     for _ in range(12):
         threads_on_a_random_graph(module, rng)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("core", ["compiled", "pure"])
+def test_a_forked_child_accumulates_into_a_leaf_another_thread_held(core):
+    # A thread of the parent holds the leaf's lock (its accumulate waits)
+    # when the main thread forks: the child, which has only the main
+    # thread, walks into that leaf and gets the exact gradient, where it
+    # would wait for a lock no thread of its own holds.
+    module = owner_graph_module(core)
+    holds, done = threading.Event(), threading.Event()
+
+    def accumulate(leaf, gradient):
+        if threading.current_thread() is not threading.main_thread():
+            holds.set()
+            assert done.wait(WAIT_S)
+        slow_accumulate(leaf, gradient)
+
+    graph = module.OwnerGraph("parents", passes_on, mode="returns", accumulate=accumulate)
+    leaf = Value()
+    holder = threading.Thread(target=lambda: graph.backward(Value(leaf), np.ones(3)))
+    holder.start()
+    try:
+        assert holds.wait(WAIT_S)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                # A hang in the child ends it with an error, not the test.
+                faulthandler.dump_traceback_later(WAIT_S / 3, exit=True)
+                graph.backward(Value(leaf), np.full(3, 2.0))
+                code = 0 if (leaf.grad == 2.0).all() else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        done.set()
+        holder.join(WAIT_S)
+    np.testing.assert_array_equal(leaf.grad, np.ones(3))
+    assert module.leaf_locks_in_use()[0] == 0

@@ -171,6 +171,7 @@ one honours Ctrl-C, as it goes (See Note [Long passes let other threads
 run] in ``pyengine/_interrupts.pxd``).
 """
 
+import os
 import threading
 import time
 
@@ -690,6 +691,12 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
 # harmlessly (a lock of its own, since only one object lies there at a
 # time). The table is bounded: at LEAF_LOCKS_KEPT entries, those no thread
 # holds or waits for are dropped before one more is made.
+# A forked child starts on an empty table (and, in the twin, a new
+# guard), as Note [Locks after fork] in pyengine/node.py has every
+# process-wide lock replaced: a leaf whose lock a thread of the parent held
+# at the fork would otherwise wait in the child for good. The parent's
+# entries are kept, unused, for the child's life, not freed: a lock that
+# other threads waited for at the fork is not one to destroy.
 # Writes mode accumulates nothing of the engine's (a framework's backward
 # writes its parents' gradients itself, as safely as its own code does),
 # and what ``grad(inputs=)`` captures is the walk's own: neither locks.
@@ -759,6 +766,22 @@ def leaf_locks_in_use():
     many entries the table keeps: for the tests."""
     with _leaf_locks_guard:
         return sum(entry.users > 0 for entry in _leaf_locks.values()), len(_leaf_locks)
+
+
+# The tables of the parents of this process, kept: See Note [An owner leaf
+# accumulates under a lock].
+_leaf_locks_before_fork = []
+
+
+def _reset_leaf_locks_after_fork():
+    global _leaf_locks, _leaf_locks_guard
+    _leaf_locks_before_fork.append(_leaf_locks)
+    _leaf_locks = {}
+    _leaf_locks_guard = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_leaf_locks_after_fork)
 
 
 def plain_writes(graph):
