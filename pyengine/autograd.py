@@ -21,9 +21,10 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from . import node as _node
 from .backends import backend_of, backend_to_add
 from .engine import get_default_engine
-from .node import HOOK_LISTS_LOCK, AccumulateGrad, Edge, Node, RemovableHandle, leaf_state
+from .node import AccumulateGrad, Edge, Node, RemovableHandle, leaf_state
 
 __all__ = [
     "backward",
@@ -100,13 +101,13 @@ def register_tensor_hook(tensor, fn) -> RemovableHandle:
 
     # See Note [Hook lists are rebound under one lock] in pyengine/node.py.
     def remove(handle_id):
-        with HOOK_LISTS_LOCK:
+        with _node.HOOK_LISTS_LOCK:
             hooks.tensor_pre_hooks = [entry for entry in hooks.tensor_pre_hooks or ()
                                       if entry[0] != handle_id] or None
             _sync_accumulator_hooks(tensor, hooks)
 
     handle = RemovableHandle(remove)
-    with HOOK_LISTS_LOCK:
+    with _node.HOOK_LISTS_LOCK:
         hooks.tensor_pre_hooks = (hooks.tensor_pre_hooks or []) + [(handle.id, 0, fn)]
         _sync_accumulator_hooks(tensor, hooks)
     return handle
@@ -128,13 +129,13 @@ def register_post_accumulate_grad_hook(tensor, fn) -> RemovableHandle:
 
     # See Note [Hook lists are rebound under one lock] in pyengine/node.py.
     def remove(handle_id):
-        with HOOK_LISTS_LOCK:
+        with _node.HOOK_LISTS_LOCK:
             hooks.post_accumulate_grad_hooks = [
                 entry for entry in hooks.post_accumulate_grad_hooks or ()
                 if entry[0] != handle_id] or None
 
     handle = RemovableHandle(remove)
-    with HOOK_LISTS_LOCK:
+    with _node.HOOK_LISTS_LOCK:
         hooks.post_accumulate_grad_hooks = ((hooks.post_accumulate_grad_hooks or [])
                                             + [(handle.id, fn)])
     return handle

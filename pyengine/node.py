@@ -334,13 +334,17 @@ def leaf_state(variable) -> LeafState:
 # engine replaces its pool and device threads (``Engine._reset_after_fork``).
 # Per-object locks (a leaf's ``LeafState.lock``, a graph task's) are not: a
 # graph that another thread was running at the fork is that thread's, and the
-# child cannot know what it left half-done.
+# child cannot know what it left half-done. Code that takes such a lock reads
+# it from its module each time (``node.HOOK_LISTS_LOCK``), never from a name
+# imported before the fork.
 
 
-def _reset_leaf_state_lock_after_fork():
-    global _leaf_state_lock
+def _reset_locks_after_fork():
+    global _leaf_state_lock, HOOK_LISTS_LOCK
     _leaf_state_lock = threading.Lock()
+    # A hook or a node may register a hook while backward runs.
+    HOOK_LISTS_LOCK = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_leaf_state_lock_after_fork)
+    os.register_at_fork(after_in_child=_reset_locks_after_fork)

@@ -8,6 +8,8 @@
 - ``run_on_this_core``: code in a subprocess on the test's core, which must
   exit normally (for what once crashed or hung the interpreter).
 - ``engine_with_depth``: swaps in an Engine with a given max_recursion_depth.
+- ``in_a_fork_while_held``: a forked child's work, while another thread of
+  the parent holds a lock (See Note [Locks after fork] in pyengine/node.py).
 - ``Counter`` / ``make_logger``: nodes that count their calls or log their
   names, to check which nodes ran and in what order.
 - an autouse fixture that checks, after every test, that the global state
@@ -90,6 +92,47 @@ def signals_not_swallowed():
             gc.enable()
         if previous_handler is not signal.default_int_handler:
             signal.signal(signal.SIGINT, previous_handler)
+
+
+def in_a_fork_while_held(lock, in_child, timeout: float = 10.0) -> int:
+    """Fork while another thread holds ``lock``, and run ``in_child()`` in
+    the child, which ends when it returns: exit status 0 where it returned
+    True, 1 where it raised, 2 where it returned something else, and
+    faulthandler's (1, with the child's stacks on stderr) where it did not
+    return within ``timeout`` seconds (a hang). Returns that status; the
+    thread lets go of the lock after the child ended."""
+    import faulthandler
+    import threading
+
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            done.wait(timeout * 3)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(timeout)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                faulthandler.dump_traceback_later(timeout, exit=True)
+                code = 0 if in_child() is True else 2
+            except BaseException:
+                import traceback
+                traceback.print_exc()  # on the test's captured stderr
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+    finally:
+        done.set()
+        holder.join(timeout)
 
 
 def run_on_this_core(code: str, timeout: float) -> list[str]:

@@ -78,6 +78,7 @@ it reentrantly, one graph task deeper, as a PyTorch node would.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -281,6 +282,17 @@ _lock = threading.RLock()
 # guarded by _lock. Empty while not installed.
 _replaced: dict = {}
 _registered_count = [0]
+
+
+def _reset_lock_after_fork():
+    # A backward takes it, for a vspace type met since the last one: See
+    # Note [Locks after fork] in pyengine/node.py.
+    global _lock
+    _lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_after_fork)
 
 
 def _register(value_type, backend):

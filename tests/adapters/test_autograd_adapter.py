@@ -605,3 +605,21 @@ def test_readme_swap_in(capsys):
     assert not pyengine_autograd.is_installed()
     printed = capsys.readouterr().out.splitlines()
     assert printed == re.findall(r"print\(.*\)  # (.*)", code) == ["1.209464"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_installs_and_differentiates_while_a_thread_held_the_lock():
+    # The adapter's lock, which a backward takes for a vspace type it has
+    # not met, held by another thread at the fork: the child takes its own
+    # (See Note [Locks after fork] in pyengine/node.py).
+    from conftest import in_a_fork_while_held
+
+    def in_child():
+        pyengine_autograd.install()
+        try:
+            return float(grad(lambda x: 3.0 * x * x)(2.0)) == 12.0
+        finally:
+            pyengine_autograd.uninstall()
+
+    assert in_a_fork_while_held(pyengine_autograd._lock, in_child) == 0
+    assert in_child()

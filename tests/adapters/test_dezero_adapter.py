@@ -1006,3 +1006,27 @@ def test_cupy_arrays():
         return {"x": cupy.asnumpy(x.grad.data), "w": cupy.asnumpy(w.grad.data)}
 
     differential(program)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_makes_a_leaf_state_while_a_thread_held_the_lock():
+    # The lock a backward takes to make a leaf Variable's LeafState, held
+    # by another thread at the fork: the child takes its own (See Note
+    # [Locks after fork] in pyengine/node.py).
+    from conftest import in_a_fork_while_held
+
+    from pyengine.adapters.dezero import nodes
+
+    def in_child():
+        state = nodes._leaf_state(Variable(np.ones(2)))
+        pyengine_dezero.install()
+        try:
+            x = Variable(np.array([1.0, 2.0]))
+            y = x * x
+            y.backward()
+            return state is not None and bool((x.grad.data == 2.0 * x.data).all())
+        finally:
+            pyengine_dezero.uninstall()
+
+    assert in_a_fork_while_held(nodes._leaf_states_lock, in_child) == 0
+    assert in_child()

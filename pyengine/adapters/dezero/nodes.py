@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import threading
 import weakref
 
@@ -398,6 +399,16 @@ def _leaf_state(variable):
             if state is None:
                 state = _leaf_states[variable] = LeafState()
     return state
+
+
+def _reset_leaf_states_lock_after_fork():
+    # A backward takes it: See Note [Locks after fork] in pyengine/node.py.
+    global _leaf_states_lock
+    _leaf_states_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_leaf_states_lock_after_fork)
 
 
 def _grad_accumulator(variable):
