@@ -782,11 +782,13 @@ cdef int accumulate_into_leaf(object accumulate, object leaf, object gradient) e
 
 cdef int drop_unused_leaf_locks() except -1:
     """Drop the entries of ``leaf_locks`` that no thread holds or waits
-    for. Runs no Python code: a LeafLock's deallocation is C."""
-    cdef list unused = [key for key, entry in leaf_locks.items()
-                        if (<LeafLock>entry).users == 0]
-    for key in unused:
-        del leaf_locks[key]
+    for; a LeafLock's deallocation is C. From a list of the keys, as the
+    twin's."""
+    cdef LeafLock entry
+    for key in list(leaf_locks):
+        entry = leaf_locks.get(key)
+        if entry is not None and entry.users == 0:
+            del leaf_locks[key]
     return 0
 
 

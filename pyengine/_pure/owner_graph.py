@@ -701,9 +701,10 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
 # writes its parents' gradients itself, as safely as its own code does),
 # and what ``grad(inputs=)`` captures is the walk's own: neither locks.
 # The compiled core's table is guarded by the GIL (nothing in its updates
-# runs Python code); the twin's by a lock of its own, never held while
-# Python code runs (an entry is made before the lock is taken: making one
-# may collect, which may run a __del__ that accumulates).
+# runs Python code); the twin's by a reentrant lock of its own, under which
+# no Python code of the framework's runs, only, at worst, a collection's
+# __del__ (an entry is made before the lock is taken; the sweep reads a list
+# of the keys, made first).
 
 # The most entries the table keeps before it drops those not in use.
 LEAF_LOCKS_KEPT = 4096
@@ -722,9 +723,10 @@ class LeafLock:
         self.users = 0
 
 
-# id(leaf) -> LeafLock, guarded by _leaf_locks_guard.
+# id(leaf) -> LeafLock, guarded by _leaf_locks_guard: reentrant, for a
+# __del__ that accumulates, run by a collection while the guard is held.
 _leaf_locks = {}
-_leaf_locks_guard = threading.Lock()
+_leaf_locks_guard = threading.RLock()
 
 
 def accumulate_into_leaf(accumulate, leaf, gradient):
@@ -738,7 +740,7 @@ def accumulate_into_leaf(accumulate, leaf, gradient):
             if entry is None and made is not None:
                 if len(_leaf_locks) >= LEAF_LOCKS_KEPT:
                     drop_unused_leaf_locks()
-                entry = _leaf_locks[key] = made
+                entry = _leaf_locks.setdefault(key, made)
             if entry is not None:
                 entry.users += 1
                 break
@@ -756,9 +758,12 @@ def accumulate_into_leaf(accumulate, leaf, gradient):
 
 def drop_unused_leaf_locks():
     """Drop the entries of ``_leaf_locks`` that no thread holds or waits
-    for (guarded by _leaf_locks_guard, held)."""
-    for key in [key for key, entry in _leaf_locks.items() if entry.users == 0]:
-        del _leaf_locks[key]
+    for (_leaf_locks_guard held). From a list of the keys: making the list
+    may collect, and a __del__ that accumulates may add an entry meanwhile."""
+    for key in list(_leaf_locks):
+        entry = _leaf_locks.get(key)
+        if entry is not None and entry.users == 0:
+            del _leaf_locks[key]
 
 
 def leaf_locks_in_use():
@@ -777,7 +782,7 @@ def _reset_leaf_locks_after_fork():
     global _leaf_locks, _leaf_locks_guard
     _leaf_locks_before_fork.append(_leaf_locks)
     _leaf_locks = {}
-    _leaf_locks_guard = threading.Lock()
+    _leaf_locks_guard = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):
