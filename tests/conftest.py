@@ -8,8 +8,9 @@
 - ``run_on_this_core``: code in a subprocess on the test's core, which must
   exit normally (for what once crashed or hung the interpreter).
 - ``engine_with_depth``: swaps in an Engine with a given max_recursion_depth.
-- ``in_a_fork_while_held``: a forked child's work, while another thread of
-  the parent holds a lock (See Note [Locks after fork] in pyengine/node.py).
+- ``in_a_fork_while_held`` / ``in_a_fork_while``: a forked child's work,
+  while another thread of the parent holds a lock (See Note [Locks after
+  fork] in pyengine/node.py).
 - ``Counter`` / ``make_logger``: nodes that count their calls or log their
   names, to check which nodes ran and in what order.
 - an autouse fixture that checks, after every test, that the global state
@@ -95,23 +96,30 @@ def signals_not_swallowed():
 
 
 def in_a_fork_while_held(lock, in_child, timeout: float = 10.0) -> int:
-    """Fork while another thread holds ``lock``, and run ``in_child()`` in
-    the child, which ends when it returns: exit status 0 where it returned
-    True, 1 where it raised, 2 where it returned something else, and
-    faulthandler's (1, with the child's stacks on stderr) where it did not
-    return within ``timeout`` seconds (a hang). Returns that status; the
-    thread lets go of the lock after the child ended."""
-    import faulthandler
-    import threading
-
-    held, done = threading.Event(), threading.Event()
-
-    def hold():
+    """Fork while another thread holds ``lock`` (any context manager), and
+    run ``in_child()`` in the child: See ``in_a_fork_while``."""
+    def hold(held, done):
         with lock:
             held.set()
             done.wait(timeout * 3)
 
-    holder = threading.Thread(target=hold)
+    return in_a_fork_while(hold, in_child, timeout)
+
+
+def in_a_fork_while(hold, in_child, timeout: float = 10.0) -> int:
+    """Fork while another thread runs ``hold(held, done)`` (which sets the
+    Event ``held`` once it holds what it holds, then waits for ``done``),
+    and run ``in_child()`` in the child, which ends when it returns: exit
+    status 0 where it returned True, 1 where it raised (its traceback on
+    stderr), 2 where it returned something else, and faulthandler's (1,
+    with the child's stacks on stderr) where it did not return within
+    ``timeout`` seconds (a hang). Returns that status; ``done`` is set, and
+    the thread joined, after the child ended."""
+    import faulthandler
+    import threading
+
+    held, done = threading.Event(), threading.Event()
+    holder = threading.Thread(target=hold, args=(held, done))
     holder.start()
     try:
         assert held.wait(timeout)
@@ -133,6 +141,7 @@ def in_a_fork_while_held(lock, in_child, timeout: float = 10.0) -> int:
     finally:
         done.set()
         holder.join(timeout)
+        assert not holder.is_alive()
 
 
 def run_on_this_core(code: str, timeout: float) -> list[str]:

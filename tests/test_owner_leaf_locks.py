@@ -14,16 +14,14 @@ that waits for a leaf; no lock left in the cores' tables after the walks.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 import threading
 import time
-import warnings
 
 import numpy as np
 import pytest
-from conftest import signals_not_swallowed
+from conftest import in_a_fork_while, signals_not_swallowed
 
 from pyengine._pure import owner_graph as pure_owner_graph
 
@@ -355,36 +353,22 @@ def test_a_forked_child_accumulates_into_a_leaf_another_thread_held(core):
     # thread, walks into that leaf and gets the exact gradient, where it
     # would wait for a lock no thread of its own holds.
     module = owner_graph_module(core)
-    holds, done = threading.Event(), threading.Event()
-
-    def accumulate(leaf, gradient):
-        if threading.current_thread() is not threading.main_thread():
-            holds.set()
-            assert done.wait(WAIT_S)
-        slow_accumulate(leaf, gradient)
-
-    graph = module.OwnerGraph("parents", passes_on, mode="returns", accumulate=accumulate)
     leaf = Value()
-    holder = threading.Thread(target=lambda: graph.backward(Value(leaf), np.ones(3)))
-    holder.start()
-    try:
-        assert holds.wait(WAIT_S)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
-            pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                # A hang in the child ends it with an error, not the test.
-                faulthandler.dump_traceback_later(WAIT_S / 3, exit=True)
-                graph.backward(Value(leaf), np.full(3, 2.0))
-                code = 0 if (leaf.grad == 2.0).all() else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        done.set()
-        holder.join(WAIT_S)
+
+    def hold(held, done):
+        def accumulate(accumulated, gradient):
+            held.set()
+            assert done.wait(WAIT_S)
+            slow_accumulate(accumulated, gradient)
+
+        graph = module.OwnerGraph("parents", passes_on, mode="returns", accumulate=accumulate)
+        graph.backward(Value(leaf), np.ones(3))
+
+    def in_child():
+        graph = module.OwnerGraph("parents", passes_on, mode="returns")
+        graph.backward(Value(leaf), np.full(3, 2.0))
+        return bool((leaf.grad == 2.0).all())
+
+    assert in_a_fork_while(hold, in_child, WAIT_S / 3) == 0
     np.testing.assert_array_equal(leaf.grad, np.ones(3))
     assert module.leaf_locks_in_use()[0] == 0
