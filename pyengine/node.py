@@ -334,9 +334,9 @@ def leaf_state(variable) -> LeafState:
 # engine replaces its pool and device threads (``Engine._reset_after_fork``).
 # Per-object locks (a leaf's ``LeafState.lock``, a graph task's) are not: a
 # graph that another thread was running at the fork is that thread's, and the
-# child cannot know what it left half-done. Code that takes such a lock reads
-# it from its module each time (``node.HOOK_LISTS_LOCK``), never from a name
-# imported before the fork.
+# child cannot know what it left half-done. Code that takes a lock replaced
+# so reads it from its module each time (``node.HOOK_LISTS_LOCK``), never
+# from a name imported before the fork.
 
 
 def _reset_locks_after_fork():
