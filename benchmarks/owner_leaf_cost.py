@@ -33,9 +33,13 @@ import sys
 import tempfile
 
 _ONE_PROCESS = """
-import statistics, sys, timeit
+import os, statistics, sys, timeit
 import numpy as np
 import pyengine
+
+# The tree's own compiled core, not another checkout's.
+assert pyengine.__file__.startswith(os.environ["PYTHONPATH"]), pyengine.__file__
+assert pyengine.IMPLEMENTATION == "compiled"
 
 class Value:
     def __init__(self, *parents):
@@ -79,7 +83,9 @@ def instructions(tree, calls, leaves):
         out = subprocess.run(["setarch", "-R", "valgrind", "--tool=callgrind",
                               f"--callgrind-out-file={os.path.join(folder, 'out')}",
                               sys.executable, "-c", _ONE_PROCESS, str(calls), "0", str(leaves)],
-                             env=env, check=True, capture_output=True, text=True).stderr
+                             # In the tree: ``-c`` puts the working directory first on sys.path.
+                             cwd=tree, env=env, check=True, capture_output=True,
+                             text=True).stderr
     return int(re.search(r"Collected : (\d+)", out).group(1))
 
 
@@ -106,9 +112,11 @@ def main(argv=None) -> int:
         for tree in args.trees:
             env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
             env.pop("PYENGINE_PURE", None)
+            # In the tree: ``-c`` puts the working directory first on sys.path.
             out = subprocess.run([sys.executable, "-c", _ONE_PROCESS, str(args.calls),
                                   str(args.repeats), *map(str, args.leaves)],
-                                 env=env, check=True, capture_output=True, text=True).stdout
+                                 cwd=tree, env=env, check=True, capture_output=True,
+                                 text=True).stdout
             for line in out.splitlines():
                 k, microseconds = line.split()
                 medians[(tree, int(k))].append(float(microseconds))
