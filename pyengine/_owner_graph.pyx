@@ -17,17 +17,17 @@ written once (See Note [Slow paths are shared]).
 
 cimport cython
 cimport numpy as cnp
-from cpython.long cimport PyLong_FromVoidPtr
 from cpython.object cimport PyObject
-from cpython.pystate cimport PyThreadState_Get
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from libc.stdint cimport uintptr_t
 from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport (DependencyMap, GraphTask, link_enclosing_graph_task,
                                    new_graph_task, running_thread_state)
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run, yield_to_other_threads
-from pyengine._node cimport GradLock, InputMetadata
+from pyengine._locks cimport GILGuardedLock
+from pyengine._node cimport InputMetadata
 from pyengine._validate_outputs cimport known_value_type, numpy_gradient_matches
 from pyengine._state cimport ThreadState, anomaly_check_nan, anomaly_enabled, profiler, thread_state
 
@@ -730,83 +730,111 @@ cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, 
     return 0
 
 
-# The most entries leaf_locks keeps before it drops those not in use.
-LEAF_LOCKS_KEPT = 4096
-cdef Py_ssize_t leaf_locks_kept = LEAF_LOCKS_KEPT
-
-
-# Not tracked by the GC: it holds no Python object but its GradLock.
+# Not tracked by the GC: it holds no Python object. A few freed ones are
+# kept: one is made at each accumulation.
 @cython.final
 @cython.no_gc
+@cython.freelist(8)
 cdef class LeafLock:
-    """An owner leaf's entry in ``leaf_locks``: See Note [An owner leaf
-    accumulates under a lock] in the twin."""
-    # Immutable after construction.
-    cdef GradLock lock
+    """An owner leaf's accumulation in flight, its entry in ``leaf_locks``:
+    See Note [An owner leaf accumulates under a lock] in the twin."""
+    # The leaf's address, set before the entry goes in the list and not
+    # changed after: the leaf lives while its accumulation runs, so no other
+    # object has that address while the entry is there.
+    cdef uintptr_t leaf
+    # The twin's GradLock, a GILGuardedLock held here, not behind an object
+    # of its own (See Note [A lock the GIL guards] in _gil_guarded_lock.h).
+    cdef GILGuardedLock lock_
     # The threads that hold or wait for the lock; guarded by the GIL.
     cdef Py_ssize_t users
 
-    def __cinit__(self):
-        self.lock = GradLock()
+    cdef int lock(self, object leaf) except -1:
+        """Wait for the lock (letting other threads run, honouring Ctrl-C)
+        and take it; RuntimeError where this thread holds it."""
+        cdef int result = self.lock_.lock()
+        if result > 0:
+            raise RuntimeError(leaf_lock_taken_again_message(leaf))
+        return result  # -1: a signal handler raised while it waited (its exception is set)
 
 
-# id(leaf) -> LeafLock, guarded by the GIL: no update of it runs Python code.
-cdef dict leaf_locks = {}
+# The LeafLock of each accumulation in flight (a reference each), about one
+# a thread, so scanned for the leaf's address; guarded by the GIL: no update
+# of it runs Python code. A vector, not the twin's list: its room stays
+# from one accumulation to the next, where a list's was freed each time its
+# last entry went.
+cdef vector[PyObject*] leaf_locks
+
+
+cdef LeafLock find_leaf_lock(uintptr_t leaf):
+    """The entry of ``leaf_locks`` for the leaf at ``leaf``, or None."""
+    cdef PyObject* entry
+    for entry in leaf_locks:
+        if (<LeafLock>entry).leaf == leaf:
+            return <LeafLock>entry
+    return None
+
+
+cdef void drop_leaf_lock(LeafLock entry) noexcept:
+    """Take ``entry`` out of ``leaf_locks`` (the last entry fills its
+    place) and let go of its reference; nothing where it is not there (a
+    fork replaced the list since it went in)."""
+    cdef size_t i
+    for i in range(leaf_locks.size()):
+        if leaf_locks[i] == <PyObject*>entry:
+            leaf_locks[i] = leaf_locks.back()
+            leaf_locks.pop_back()
+            Py_DECREF(entry)  # the caller holds another
+            return
 
 
 cdef int accumulate_into_leaf(object accumulate, object leaf, object gradient) except -1:
     """``accumulate(leaf, gradient)`` holding the leaf's lock: See Note [An
     owner leaf accumulates under a lock] in the twin."""
-    cdef object key = PyLong_FromVoidPtr(<PyObject*>leaf)
-    cdef LeafLock entry = leaf_locks.get(key)
+    cdef uintptr_t address = <uintptr_t><PyObject*>leaf
+    cdef LeafLock entry = find_leaf_lock(address)
+    cdef LeafLock made
     if entry is None:
-        # Made before it goes in: making it may collect, and a __del__ run
-        # then may accumulate into this leaf and enter one first.
-        entry = LeafLock()
-        if len(leaf_locks) >= leaf_locks_kept:
-            drop_unused_leaf_locks()
-        entry = leaf_locks.setdefault(key, entry)
+        # Made, then looked for again: making it may collect, and a __del__
+        # run then may accumulate into this leaf and put one in first.
+        made = LeafLock.__new__(LeafLock)
+        made.leaf = address
+        entry = find_leaf_lock(address)
+        if entry is None:
+            leaf_locks.push_back(<PyObject*>made)
+            Py_INCREF(made)
+            entry = made
     entry.users += 1
     try:
-        if entry.lock.lock_.held_by(PyThreadState_Get()):
-            raise RuntimeError(leaf_lock_taken_again_message(leaf))
-        entry.lock.lock()
+        entry.lock(leaf)
         try:
             accumulate(leaf, gradient)
         finally:
-            entry.lock.unlock()
+            entry.lock_.unlock()
     finally:
         entry.users -= 1
-    return 0
-
-
-cdef int drop_unused_leaf_locks() except -1:
-    """Drop the entries of ``leaf_locks`` that no thread holds or waits
-    for; a LeafLock's deallocation is C. From a list of the keys, as the
-    twin's."""
-    cdef LeafLock entry
-    for key in list(leaf_locks):
-        entry = leaf_locks.get(key)
-        if entry is not None and entry.users == 0:
-            del leaf_locks[key]
+        if entry.users == 0:
+            drop_leaf_lock(entry)
     return 0
 
 
 def leaf_locks_in_use():
-    """How many owner leaves' locks a thread holds or waits for now, and how
-    many entries the table keeps: for the tests."""
-    return sum((<LeafLock>entry).users > 0 for entry in leaf_locks.values()), len(leaf_locks)
+    """How many owner leaves' locks a thread holds or waits for now (the
+    entries of the list): for the tests."""
+    return leaf_locks.size()
 
 
-# The tables of the parents of this process, kept: See Note [An owner leaf
+# The lists of the parents of this process, kept: See Note [An owner leaf
 # accumulates under a lock] in the twin.
 cdef list leaf_locks_before_fork = []
 
 
 def _reset_leaf_locks_after_fork():
-    global leaf_locks
-    leaf_locks_before_fork.append(leaf_locks)
-    leaf_locks = {}
+    cdef PyObject* entry
+    # What may fail first, with the vector as it was.
+    leaf_locks_before_fork.append([<object>entry for entry in leaf_locks])
+    for entry in leaf_locks:
+        Py_DECREF(<object>entry)  # the kept list's now
+    leaf_locks.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -675,58 +675,88 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
 # two gradients. PyTorch's AccumulateGrad accumulates holding a mutex of
 # its own, as a Node graph's leaf here holds its GradLock (See Note [The
 # lock of a leaf's .grad] in pyengine/_pure/node.py). An owner leaf is the
-# framework's object, with no room for a lock, so each core keeps a
-# GradLock per leaf, with the count of the threads that hold it or wait for
-# it, in a table keyed by the leaf's identity (``id``).
-# ``accumulate_into_leaf`` runs ``accumulate`` holding that lock, so that
+# framework's object, with no room for a lock, so each core keeps one
+# aside for each accumulation in flight: a LeafLock, with the leaf's
+# identity (``id``), a GradLock and the count of the threads that hold it
+# or wait for it, in a process-wide list.
+# ``accumulate_into_leaf`` looks for the leaf's entry there (making one
+# where there is none) and runs ``accumulate`` holding its lock, so that
 # accumulations into one leaf follow one another and those into different
 # leaves do not wait for each other. As for a Node graph's leaf:
 # - an accumulation that starts another into the same leaf on its own
 #   thread (which would wait for itself) is refused with RuntimeError;
 # - a thread that waits for the lock lets the others run and honours
 #   Ctrl-C; an error in ``accumulate`` lets go of it.
-# An entry stays in the table after its last user, so that the same leaves
-# accumulated into at every step make nothing: an entry whose leaf has
-# gone is a lock of no one's, and a new object at its address shares it
-# harmlessly (a lock of its own, since only one object lies there at a
-# time). The table is bounded: at LEAF_LOCKS_KEPT entries, those no thread
-# holds or waits for are dropped before one more is made.
-# A forked child starts on an empty table (and, in the twin, a new
+# An entry goes with its last user. So the list holds the accumulations in
+# flight and no more (about one a thread: a scan finds an entry sooner
+# than a dict's hash of a new int would), a process keeps nothing for the
+# leaves it once accumulated into, and an entry's identity is always its
+# live leaf's (the leaf lives while its accumulation runs). An entry a
+# step, not one kept per leaf: a table kept across steps grew with every
+# leaf a process ever accumulated into, up to a bound, and the leak checks
+# of tests/stress/test_error_path_leaks.py saw that as a leak;
+# benchmarks/RESULTS.md has what each costs.
+# A forked child starts on an empty list (and, in the twin, a new
 # guard), as Note [Locks after fork] in pyengine/node.py has every
 # process-wide lock replaced: a leaf whose lock a thread of the parent held
 # at the fork would otherwise wait in the child for good. The parent's
-# entries are kept, unused, for the child's life, not freed: a lock that
-# other threads waited for at the fork is not one to destroy.
+# entries (its accumulations in flight at the fork) are kept, unused, for
+# the child's life, not freed: a lock that other threads waited for at the
+# fork is not one to destroy. An accumulation the forking thread was
+# running ends in the child on an entry that is not in the child's list,
+# and leaves that list alone.
 # Writes mode accumulates nothing of the engine's (a framework's backward
 # writes its parents' gradients itself, as safely as its own code does),
 # and what ``grad(inputs=)`` captures is the walk's own: neither locks.
-# The compiled core's table is guarded by the GIL (nothing in its updates
+# The compiled core's list is guarded by the GIL (nothing in its updates
 # runs Python code); the twin's by a reentrant lock of its own, under which
 # no Python code of the framework's runs, only, at worst, a collection's
-# __del__ (an entry is made before the lock is taken; the sweep reads a list
-# of the keys, made first).
-
-# The most entries the table keeps before it drops those not in use.
-LEAF_LOCKS_KEPT = 4096
-
+# __del__ (an entry is made before the guard is taken). The compiled
+# LeafLock holds its GILGuardedLock itself, not a GradLock object, and keeps
+# a few freed ones for the next accumulations.
 
 class LeafLock:
-    """An owner leaf's entry in ``_leaf_locks``: See Note [An owner leaf
-    accumulates under a lock]."""
+    """An owner leaf's accumulation in flight, its entry in ``_leaf_locks``:
+    See Note [An owner leaf accumulates under a lock]."""
 
-    __slots__ = ("lock", "users")
+    __slots__ = ("leaf", "lock", "users")
 
-    def __init__(self):
+    def __init__(self, leaf):
+        # The leaf's id, set before the entry goes in the list and not
+        # changed after: the leaf lives while its accumulation runs, so no
+        # other object has that id while the entry is there.
+        self.leaf = leaf
         self.lock = GradLock()
         # The threads that hold or wait for the lock; guarded by
         # _leaf_locks_guard.
         self.users = 0
 
 
-# id(leaf) -> LeafLock, guarded by _leaf_locks_guard: reentrant, for a
+# The LeafLock of each accumulation in flight, about one a thread, so a list
+# scanned for the leaf's id; guarded by _leaf_locks_guard: reentrant, for a
 # __del__ that accumulates, run by a collection while the guard is held.
-_leaf_locks = {}
+_leaf_locks = []
 _leaf_locks_guard = threading.RLock()
+
+
+def find_leaf_lock(leaf):
+    """The entry of ``_leaf_locks`` for the leaf of id ``leaf``, or None
+    (_leaf_locks_guard held)."""
+    for entry in _leaf_locks:
+        if entry.leaf == leaf:
+            return entry
+    return None
+
+
+def drop_leaf_lock(entry):
+    """Take ``entry`` out of ``_leaf_locks`` (the last entry fills its
+    place; _leaf_locks_guard held); nothing where it is not there (a fork
+    replaced the list since it went in)."""
+    for i, other in enumerate(_leaf_locks):
+        if other is entry:
+            _leaf_locks[i] = _leaf_locks[-1]
+            del _leaf_locks[-1]
+            return
 
 
 def accumulate_into_leaf(accumulate, leaf, gradient):
@@ -736,16 +766,15 @@ def accumulate_into_leaf(accumulate, leaf, gradient):
     made = None
     while True:
         with _leaf_locks_guard:
-            entry = _leaf_locks.get(key)
+            entry = find_leaf_lock(key)
             if entry is None and made is not None:
-                if len(_leaf_locks) >= LEAF_LOCKS_KEPT:
-                    drop_unused_leaf_locks()
-                entry = _leaf_locks.setdefault(key, made)
+                _leaf_locks.append(made)
+                entry = made
             if entry is not None:
                 entry.users += 1
                 break
         # Made without the guard, then looked for again under it.
-        made = LeafLock()
+        made = LeafLock(key)
     try:
         if entry.lock.held():
             raise RuntimeError(leaf_lock_taken_again_message(leaf))
@@ -754,26 +783,18 @@ def accumulate_into_leaf(accumulate, leaf, gradient):
     finally:
         with _leaf_locks_guard:
             entry.users -= 1
-
-
-def drop_unused_leaf_locks():
-    """Drop the entries of ``_leaf_locks`` that no thread holds or waits
-    for (_leaf_locks_guard held). From a list of the keys: making the list
-    may collect, and a __del__ that accumulates may add an entry meanwhile."""
-    for key in list(_leaf_locks):
-        entry = _leaf_locks.get(key)
-        if entry is not None and entry.users == 0:
-            del _leaf_locks[key]
+            if entry.users == 0:
+                drop_leaf_lock(entry)
 
 
 def leaf_locks_in_use():
-    """How many owner leaves' locks a thread holds or waits for now, and how
-    many entries the table keeps: for the tests."""
+    """How many owner leaves' locks a thread holds or waits for now (the
+    entries of the list): for the tests."""
     with _leaf_locks_guard:
-        return sum(entry.users > 0 for entry in _leaf_locks.values()), len(_leaf_locks)
+        return len(_leaf_locks)
 
 
-# The tables of the parents of this process, kept: See Note [An owner leaf
+# The lists of the parents of this process, kept: See Note [An owner leaf
 # accumulates under a lock].
 _leaf_locks_before_fork = []
 
@@ -781,7 +802,7 @@ _leaf_locks_before_fork = []
 def _reset_leaf_locks_after_fork():
     global _leaf_locks, _leaf_locks_guard
     _leaf_locks_before_fork.append(_leaf_locks)
-    _leaf_locks = {}
+    _leaf_locks = []
     _leaf_locks_guard = threading.RLock()
 
 
