@@ -688,14 +688,15 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
 # - a thread that waits for the lock lets the others run and honours
 #   Ctrl-C; an error in ``accumulate`` lets go of it.
 # An entry goes with its last user. So the list holds the accumulations in
-# flight and no more (about one a thread: a scan finds an entry sooner
-# than a dict's hash of a new int would), a process keeps nothing for the
-# leaves it once accumulated into, and an entry's identity is always its
-# live leaf's (the leaf lives while its accumulation runs). An entry a
-# step, not one kept per leaf: a table kept across steps grew with every
-# leaf a process ever accumulated into, up to a bound, and the leak checks
-# of tests/stress/test_error_path_leaks.py saw that as a leak;
-# benchmarks/RESULTS.md has what each costs.
+# flight and no more (about one a thread, so a scan, cheaper than a dict
+# keyed by the identity as an int), a process keeps nothing for the leaves
+# it once accumulated into, and an entry's identity is always its live
+# leaf's (the leaf lives while its accumulation runs). An entry per
+# accumulation, not one kept per leaf: a table kept across backward calls
+# grew with every leaf a process ever accumulated into, up to a bound, and
+# the leak checks of tests/stress/test_error_path_leaks.py saw that as a
+# leak; benchmarks/RESULTS.md ("An owner leaf's lock entry a step") has
+# what each costs.
 # A forked child starts on an empty list (and, in the twin, a new
 # guard), as Note [Locks after fork] in pyengine/node.py has every
 # process-wide lock replaced: a leaf whose lock a thread of the parent held
