@@ -46,9 +46,9 @@
 // waited for in the same slices without the thread state; its holder is
 // an atomic field.
 //
-// The twin's graph task lock is a threading.RLock asked its owner
-// (refuse_lock_taken_again in pyengine/_pure/graph_task.py), and its
-// GradLock a threading.Lock with a holder field: the same two answers,
+// The twin's graph task lock and GradLock are threading.RLocks asked their
+// owner (refuse_lock_taken_again in pyengine/_pure/graph_task.py, and
+// GradLock in pyengine/_pure/node.py): the same two answers,
 // since a threading lock's wait runs signal handlers; held_, waiters_ and
 // the wake-ups are this data structure's own, with no counterpart there.
 #pragma once

@@ -140,13 +140,9 @@ places, one at a time, with a trace function. Not covered: a second
 interrupt while the first is being handled; threading.Condition's own
 methods, which are Python code too (``__exit__``, ``wait``, ``notify``): by
 their source, an interrupt as one is entered can leave its lock held or a
-waiter registered (not exercised); the same for the twin's GradLock
-(``pyengine/_pure/node.py``), a threading.Lock and a holder field that
-its Python ``acquire`` writes after the lock's own acquire returns: an
-interrupt that comes out between the two leaves the lock held by no one,
-and a later accumulation into that leaf waits for it (honouring Ctrl-C;
-the compiled core's GradLock is C, and the twin's graph task lock an
-RLock whose owner C records); and a heap push or pop cut short on a queue that other
+waiter registered (not exercised) (the twin's GradLock, Python code
+around a lock too, closes its own: See Note [An interrupt in the twin's
+GradLock] in ``pyengine/_pure/node.py``); and a heap push or pop cut short on a queue that other
 threads' tasks share (a device's), which can leave a task there twice.
 
 Note [A shutdown task is the device worker's]

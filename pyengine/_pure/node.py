@@ -921,15 +921,47 @@ def add_values(grad, new_grad):
 # The compiled core's is a GILGuardedLock, which AccumulateGrad takes in C,
 # where a threading.Lock's acquire and release were Python method calls at
 # every accumulation (benchmarks/RESULTS.md, "Issue 19: the fixed cost of
-# one call", has what they cost). The twin's is a threading.Lock that
-# knows its holder.
+# one call", has what they cost). The twin's is a threading.RLock asked
+# its owner (See Note [An interrupt in the twin's GradLock]).
+
+# Note [An interrupt in the twin's GradLock]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# On the main thread, Ctrl-C's KeyboardInterrupt comes out of Python code
+# between its steps (See Note [Where the twin's main thread sees an
+# interrupt] in pyengine/_pure/engine.py), and a lock is two steps of
+# state: taken, and known taken. The twin's GradLock was a threading.Lock
+# and a holder field that ``acquire`` wrote after the lock's acquire
+# returned, and that ``__exit__`` cleared before its release: an interrupt
+# between the two, or at ``__exit__``'s entry, left the lock taken, and
+# every later accumulation into that leaf waited for it (honouring Ctrl-C,
+# but for good). So:
+# - the lock is a threading.RLock, whose C acquire and release record its
+#   owner as they take and let go of it: ``held()`` asks it
+#   (``_is_owned``, as the twin's graph task mutex is asked), and no holder
+#   field lags behind the lock;
+# - ``acquire`` (and so ``__enter__``) takes it inside a ``try``, and
+#   returns on that line: an interrupt that comes out as the RLock's
+#   acquire returns finds the lock taken, and the ``except`` lets go of it
+#   before the error goes on;
+# - ``__exit__`` is the RLock's own, a C method: a with block lets go of
+#   the lock with no Python frame of the twin's first.
+# What it changes: a with block whose body released the lock itself ends
+# with the RLock's RuntimeError ("cannot release un-acquired lock") where
+# the compiled core's names the leaf's lock; both refuse. Left: a second
+# interrupt while the ``except`` runs (Note [Where the twin's main thread
+# sees an interrupt] leaves second interrupts out), and an interrupt at the
+# entry of an explicit ``release()``, a Python method (the engine and the
+# adapters take the lock with ``with``).
+# tests/test_grad_lock.py raises KeyboardInterrupt at each line the twin's
+# GradLock runs in a with block and an accumulation, and checks that the
+# lock is free after each.
 
 @final
 class GradLock:
     """The lock of a leaf's ``.grad``: See Note [The lock of a leaf's .grad].
     Python code takes it with ``with`` or ``acquire``/``release``."""
 
-    __slots__ = ("_lock", "_holder")
+    __slots__ = ("_lock",)
 
     def __new__(cls, *args, **kwargs):
         # Fields in __new__, as the compiled class has its lock from its
@@ -937,10 +969,11 @@ class GradLock:
         if cls.__new__ is not GradLock.__new__:
             check_new(GradLock, cls)
         self = object.__new__(cls)
-        self._lock = threading.Lock()
-        # The ident of the thread that holds it, or None. Only the holder
-        # writes its own ident here, so a thread that reads its own holds it.
-        self._holder = None
+        # An RLock only to be asked its owner, which its C acquire and
+        # release record as they take and let go of it; no thread takes it
+        # twice (acquire refuses). See Note [An interrupt in the twin's
+        # GradLock].
+        self._lock = threading.RLock()
         return self
 
     def __init__(self):
@@ -950,29 +983,40 @@ class GradLock:
     def acquire(self):
         """Wait for the lock (letting other threads run, and honouring
         Ctrl-C) and take it; RuntimeError where this thread holds it."""
-        me = threading.get_ident()
-        if self._holder == me:
+        lock = self._lock
+        if lock._is_owned():
             raise RuntimeError(grad_lock_taken_again_message())
-        self._lock.acquire()
-        self._holder = me
-        return True
+        try:
+            # One line, a return: nothing runs between the lock's acquire and
+            # this function's return where an interrupt could come out
+            # beyond the except.
+            return lock.acquire()
+        except BaseException:
+            # An interrupt that came out as the lock's acquire returned:
+            # the lock is taken, and no one would let go of it.
+            if lock._is_owned():
+                lock.release()
+            raise
 
     def release(self):
         """Let go of the lock; RuntimeError where this thread does not hold it."""
-        if self._holder != threading.get_ident():
+        lock = self._lock
+        if not lock._is_owned():
             raise RuntimeError(grad_lock_not_held_message())
-        self._holder = None
-        self._lock.release()
+        lock.release()
 
     def held(self):
         """Whether this thread holds the lock."""
-        return self._holder == threading.get_ident()
+        return self._lock._is_owned()
 
     def __enter__(self):
         return self.acquire()
 
-    def __exit__(self, *exc_info):
-        self.release()
+    @property
+    def __exit__(self):
+        # The RLock's own, C: a with block lets go of the lock with no
+        # Python frame first, at whose entry an interrupt could come out.
+        return self._lock.__exit__
 
     def __reduce__(self):
         # See Note [Copying and pickling the engine's objects].
