@@ -22,7 +22,9 @@ Places (where the action runs, once per backward): a node's ``apply``, a
 final callback, ``release_variables``, a node's pre and post hooks, a leaf's
 tensor and post-accumulate hooks, the profiler's callback, a node of a
 backward nested in a node and handed to a reentrant pool thread (an Engine
-with ``max_recursion_depth=0``), a node on a fake device's worker thread,
+with ``max_recursion_depth=0``), a node on a fake device's worker thread
+(once the caller's thread waits for it, or, with
+``PYENGINE_REACH_DEVICE_ORDER=caller_busy``, while that thread runs a node),
 and an owner graph's backward; each under ``backward`` and ``grad(inputs=)``
 (an owner graph: writes and returns modes). Objects (targets): the
 running graph task (``get_current_graph_task()``), its CPU ready queue and
@@ -37,6 +39,8 @@ import inspect
 import os
 import re
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -50,6 +54,20 @@ DEVICE = fd.device(0)
 FIRST = int(sys.argv[1]) if len(sys.argv) > 1 else 0
 ONLY = sys.argv[2] if len(sys.argv) > 2 else None
 FULL = os.environ.get("PYENGINE_REACH_FULL", "") not in ("", "0")
+# The device place's order (See Note [A case whose answer is a race] in
+# tests/test_running_backward_reach.py): Dev runs its case once the caller's
+# thread has run Other (and b) and waits for Dev's work; with
+# ``PYENGINE_REACH_DEVICE_ORDER=caller_busy``, while the caller's thread
+# runs Other, which waits for the case to have run.
+CALLER_BUSY = os.environ.get("PYENGINE_REACH_DEVICE_ORDER", "") == "caller_busy"
+OTHER_RAN = threading.Event()
+CASE_RAN = threading.Event()
+# How long the caller's thread gets, after Other's apply, to send Other's
+# gradient on and wait in its queue (microseconds, milliseconds in a debug
+# build under ASan); and how long a thread waits for the other's event
+# before it goes on (a case that keeps the other thread from getting there).
+SETTLE_SECONDS = 0.02
+WAIT_SECONDS = 2.0
 
 
 class Leaf:
@@ -112,13 +130,20 @@ class Mid(Node):
 
 class Other(Node):
     def apply(self, grads):
+        if PLACE == "device":
+            if CALLER_BUSY:
+                CASE_RAN.wait(WAIT_SECONDS)
+            OTHER_RAN.set()
         return [grads[0] * 5]
 
 
 class Dev(Node):
     def apply(self, grads):
         if PLACE == "device":
+            if not CALLER_BUSY and OTHER_RAN.wait(WAIT_SECONDS):
+                time.sleep(SETTLE_SECONDS)
             act()
+            CASE_RAN.set()
         return [grads[0].numpy() * 2]
 
 
@@ -594,6 +619,8 @@ def run_case(place, mode, action):
     PLACE, ACTION = place, action
     DONE.clear()
     RESULT.clear()
+    OTHER_RAN.clear()
+    CASE_RAN.clear()
     GRAPH = build(place)
     top, mid, other, a, b = GRAPH
     install(place, GRAPH)

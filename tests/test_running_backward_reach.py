@@ -304,11 +304,13 @@ def _lines(process, deadline):
         pending += chunk
 
 
-def sweep(pure, budget=600.0):
+def sweep(pure, budget=600.0, only=None, device_order=None):
     """Run the sweep on one core: ``{case: outcome}``, a crash or a hang
     being an outcome (``CRASH`` with the exit status, ``HANG``) after which
-    a new interpreter goes on with the next case. One case runs alone, with
-    its stderr, as ``python tests/running_backward_sweep.py 0 'KEY'``."""
+    a new interpreter goes on with the next case; only the cases whose key
+    holds ``only``, where given, and the device place in ``device_order``
+    (See CALLER_BUSY in the sweep). One case runs alone, with its stderr,
+    as ``python tests/running_backward_sweep.py 0 'KEY'``."""
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
@@ -316,13 +318,16 @@ def sweep(pure, budget=600.0):
         env["PYENGINE_PURE"] = "1"
     else:
         env.pop("PYENGINE_PURE", None)
+    if device_order is not None:
+        env["PYENGINE_REACH_DEVICE_ORDER"] = device_order
     deadline = time.monotonic() + budget
     outcomes = {}
     first = 0
     while True:
         # Its stderr apart: a thread's traceback (a pool thread's that a
         # case's write ended) must not break a line of the answers.
-        process = subprocess.Popen([sys.executable, _SWEEP, str(first)], stdout=subprocess.PIPE,
+        process = subprocess.Popen([sys.executable, _SWEEP, str(first)] + ([only] if only else []),
+                                   stdout=subprocess.PIPE,
                                    stderr=subprocess.DEVNULL, cwd=repo_root, env=env)
         begun, ended, hung, other = None, False, False, []
         for line in _lines(process, deadline):
@@ -360,22 +365,33 @@ def _count_words(outcome):
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # In the device place two threads run the backward at once: the caller's
 # runs Other and b's accumulation while the device thread runs Dev, whose
-# apply runs the case. A case that makes the two threads race answers as
-# the race goes, in either core, and is checked against every answer the
-# race can give, not against the other core's; no crash, no hang and a good
-# backward after it are asked of it as of every case. The debug build under
-# ASan, which slows the two threads unevenly, showed each race below (one
-# in 40 to 80 runs); a build at full speed ran them the same way each time.
+# apply runs the case. Left to the threads, a case that reads or changes
+# what the caller's thread is doing answers as their race goes (the state
+# of Other's saved values, the graph task's captured gradients, whether
+# the caller's queue has a task, a graph task completed or failed before
+# the caller's thread sent b its gradient), the same in both cores for
+# each order but not from run to run: the last stop's CI saw the cores
+# answer apart. So the sweep fixes the order: Dev runs its case once the
+# caller's thread has run Other and waits for Dev's work (and the test
+# below runs the device place's cases again with Dev's case run while the
+# caller's thread is in Other, and compares the cores there too).
+# Two cases race inside the engine, after the case, in either order, and
+# are checked against every answer their race can give, not against the
+# other core's (no crash, no hang and a good backward after them are asked
+# of them as of every case):
 # - decrement_outstanding_tasks() takes the count one below the truth: the
 #   backward ends when the count reaches zero (See Note [One thread
-#   completes a graph task] in pyengine/_pure/engine.py), and whether b's
-#   accumulation, and a's (queued by Dev after the call), ran by then is
-#   the race, as is the count the call returns.
+#   completes a graph task] in pyengine/_pure/engine.py), and whether a's
+#   accumulation (queued by Dev after the case) and b's ran by then is the
+#   race of the device thread's decrement with the caller's thread (and, in
+#   the busy order, so is the count the call returns).
 # - _device_thread_main(0, running queue) pushes a shutdown task to the
 #   caller's queue and serves that queue: whichever thread pops the shutdown
-#   first decides whether the loop returns False (it popped it) or True (the
-#   caller took it and holds it, and the loop found the queue empty). The
+#   first decides whether the loop returns False (it popped it) or True
+#   (the caller's thread took it, and the loop found the queue empty). The
 #   gradients do not race: each task runs once, on one thread or the other.
+# The debug build under ASan, which slows threads unevenly, showed each of
+# these apart in one run of 40 to 80.
 # (A backward answers a tuple of the leaves' ``.grad``, a grad(inputs=) the
 # engine's list.)
 _GRADIENTS = r"then returns (tuple|list)\[{a}, {b}\] \| after ok"
@@ -386,6 +402,27 @@ for _mode in ("backward", "grad"):
         r"returns [0-2] \| " + _GRADIENTS.format(a=f"(None|{_A})", b=f"(None|{_B})"))
     RACING_CASES[f"device/{_mode}: engine._device_thread_main(0, running queue)"] = (
         r"returns (True|False) \| " + _GRADIENTS.format(a=_A, b=_B))
+
+
+def _compare_cores(compiled, pure):
+    """The failures of a sweep run on both cores: crashes, hangs, a broken
+    engine after a case, racing cases answered out of their race, and the
+    other cases answered apart."""
+    assert compiled.keys() == pure.keys()
+    failures = [(case, outcome) for core_outcomes in (compiled, pure)
+                for case, outcome in core_outcomes.items()
+                if outcome == "HANG" or outcome.startswith("CRASH") or "BAD AFTER" in outcome]
+    assert failures == [], f"{len(failures)} cases crashed, hung or broke the engine: {failures[:5]}"
+    # See Note [A case whose answer is a race].
+    racing = [(case, outcome) for core_outcomes in (compiled, pure)
+              for case, outcome in core_outcomes.items()
+              if case in RACING_CASES and not re.fullmatch(RACING_CASES[case], outcome)]
+    assert racing == [], f"{len(racing)} racing cases answered out of their race: {racing[:5]}"
+    assert any(case in compiled for case in RACING_CASES)
+    differences = [(case, compiled[case], pure[case]) for case in compiled
+                   if case not in RACING_CASES
+                   and _count_words(compiled[case]) != _count_words(pure[case])]
+    assert differences == [], f"{len(differences)} differ, the first: {differences[:5]}"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pyengine._engine") is None,
@@ -409,17 +446,31 @@ def test_what_a_running_backward_reaches_never_crashes_and_answers_alike_in_both
     # times the root's): the sweep runs the backwards it means to.
     analytic = "array(2.0, 2.0, 2.0), array(50.0, 50.0, 50.0)]"
     assert sum(analytic in outcome for outcome in compiled.values()) > len(compiled) // 2
-    failures = [(case, outcome) for core_outcomes in (compiled, pure)
-                for case, outcome in core_outcomes.items()
-                if outcome == "HANG" or outcome.startswith("CRASH") or "BAD AFTER" in outcome]
-    assert failures == [], f"{len(failures)} cases crashed, hung or broke the engine: {failures[:5]}"
-    # See Note [A case whose answer is a race].
-    racing = [(case, outcome) for core_outcomes in (compiled, pure)
-              for case, outcome in core_outcomes.items()
-              if case in RACING_CASES and not re.fullmatch(RACING_CASES[case], outcome)]
-    assert racing == [], f"{len(racing)} racing cases answered out of their race: {racing[:5]}"
-    assert any(case in compiled for case in RACING_CASES)
-    differences = [(case, compiled[case], pure[case]) for case in compiled
-                   if case not in RACING_CASES
-                   and _count_words(compiled[case]) != _count_words(pure[case])]
-    assert differences == [], f"{len(differences)} differ, the first: {differences[:5]}"
+    _compare_cores(compiled, pure)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyengine._engine") is None,
+                    reason="no compiled core to compare with")
+@pytest.mark.skipif(sys.platform == "win32", reason="select() on a pipe is POSIX's")
+def test_a_device_thread_answers_alike_in_both_cores_while_the_caller_runs_a_node():
+    """The device place's cases of the sweep again, each run by Dev on the
+    device thread while the caller's thread is in Other's apply (which waits
+    for the case): in both cores no crash, no hang, a good backward after,
+    and the same answers. The order changes what some cases see: the cases
+    that would race if the threads were left to themselves (See Note [A
+    case whose answer is a race]) answer apart from the sweep's order."""
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        runs = {(order, pure): pool.submit(sweep, pure, only="device/", device_order=order)
+                for order in ("caller_busy", "caller_idle") for pure in (False, True)}
+        runs = {key: run.result() for key, run in runs.items()}
+    busy, idle = runs["caller_busy", False], runs["caller_idle", False]
+    assert len(busy) > 100 and all(case.startswith("device/") for case in busy)
+    _compare_cores(busy, runs["caller_busy", True])
+    _compare_cores(idle, runs["caller_idle", True])
+    # What the order shows: a completion from the device thread ends the
+    # backward before the caller's thread sends b its gradient (b None) only
+    # while that thread is busy.
+    completes = "device/backward: graph_task.mark_as_completed_and_run_post_processing()"
+    assert busy[completes] == "returns None | then returns tuple[None, None] | after ok"
+    assert idle[completes] == ("returns None | then returns tuple[array(2.0, 2.0, 2.0), "
+                               "array(5.0, 5.0, 5.0)] | after ok")
