@@ -56,18 +56,30 @@ ONLY = sys.argv[2] if len(sys.argv) > 2 else None
 FULL = os.environ.get("PYENGINE_REACH_FULL", "") not in ("", "0")
 # The device place's order (See Note [A case whose answer is a race] in
 # tests/test_running_backward_reach.py): Dev runs its case once the caller's
-# thread has run Other (and b) and waits for Dev's work; with
+# thread has run Other and sent b its gradient (its graph task's count of
+# outstanding tasks down to Dev's own) and waits for Dev's work; with
 # ``PYENGINE_REACH_DEVICE_ORDER=caller_busy``, while the caller's thread
 # runs Other, which waits for the case to have run.
 CALLER_BUSY = os.environ.get("PYENGINE_REACH_DEVICE_ORDER", "") == "caller_busy"
-OTHER_RAN = threading.Event()
 CASE_RAN = threading.Event()
-# How long the caller's thread gets, after Other's apply, to send Other's
-# gradient on and wait in its queue (microseconds, milliseconds in a debug
-# build under ASan); and how long a thread waits for the other's event
-# before it goes on (a case that keeps the other thread from getting there).
+# How long the caller's thread gets, after its last decrement, to go back
+# to its queue and wait there (a few steps: the compiled core's are C, with
+# the GIL held, which Dev needs); and how long a thread waits for the other
+# to get where the order says before it goes on (a case that keeps the
+# other thread from getting there).
 SETTLE_SECONDS = 0.02
 WAIT_SECONDS = 2.0
+
+
+def wait_for_the_caller():
+    """Until the running graph task's one task left is Dev's own (the
+    caller's thread has run Other, and b's accumulation where there is one),
+    then SETTLE_SECONDS."""
+    graph_task = state.get_current_graph_task()
+    deadline = time.monotonic() + WAIT_SECONDS
+    while graph_task.outstanding_tasks > 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(SETTLE_SECONDS)
 
 
 class Leaf:
@@ -130,18 +142,16 @@ class Mid(Node):
 
 class Other(Node):
     def apply(self, grads):
-        if PLACE == "device":
-            if CALLER_BUSY:
-                CASE_RAN.wait(WAIT_SECONDS)
-            OTHER_RAN.set()
+        if PLACE == "device" and CALLER_BUSY:
+            CASE_RAN.wait(WAIT_SECONDS)
         return [grads[0] * 5]
 
 
 class Dev(Node):
     def apply(self, grads):
         if PLACE == "device":
-            if not CALLER_BUSY and OTHER_RAN.wait(WAIT_SECONDS):
-                time.sleep(SETTLE_SECONDS)
+            if not CALLER_BUSY:
+                wait_for_the_caller()
             act()
             CASE_RAN.set()
         return [grads[0].numpy() * 2]
@@ -619,7 +629,6 @@ def run_case(place, mode, action):
     PLACE, ACTION = place, action
     DONE.clear()
     RESULT.clear()
-    OTHER_RAN.clear()
     CASE_RAN.clear()
     GRAPH = build(place)
     top, mid, other, a, b = GRAPH

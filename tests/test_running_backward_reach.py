@@ -372,9 +372,12 @@ def _count_words(outcome):
 # the caller's thread sent b its gradient), the same in both cores for
 # each order but not from run to run: the last stop's CI saw the cores
 # answer apart. So the sweep fixes the order: Dev runs its case once the
-# caller's thread has run Other and waits for Dev's work (and the test
-# below runs the device place's cases again with Dev's case run while the
-# caller's thread is in Other, and compares the cores there too).
+# caller's thread has run Other and b (the graph task's count is down to
+# Dev's own task) and has had time to wait for Dev's work; the test below
+# runs the device place's cases again with Dev's case run while the
+# caller's thread is in Other, and compares the cores there too. (A wait
+# of a fixed time after Other's apply would leave the order to the machine's
+# load: CI runs two stages at once on two cores.)
 # Two cases race inside the engine, after the case, in either order, and
 # are checked against every answer their race can give, not against the
 # other core's (no crash, no hang and a good backward after them are asked
