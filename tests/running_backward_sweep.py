@@ -54,13 +54,17 @@ DEVICE = fd.device(0)
 FIRST = int(sys.argv[1]) if len(sys.argv) > 1 else 0
 ONLY = sys.argv[2] if len(sys.argv) > 2 else None
 FULL = os.environ.get("PYENGINE_REACH_FULL", "") not in ("", "0")
-# The device place's order (See Note [A case whose answer is a race] in
-# tests/test_running_backward_reach.py): Dev runs its case once the caller's
-# thread has run Other and sent b its gradient (its graph task's count of
-# outstanding tasks down to Dev's own) and waits for Dev's work; with
-# ``PYENGINE_REACH_DEVICE_ORDER=caller_busy``, while the caller's thread
-# runs Other, which waits for the case to have run.
-CALLER_BUSY = os.environ.get("PYENGINE_REACH_DEVICE_ORDER", "") == "caller_busy"
+# The device place's order, ``PYENGINE_REACH_DEVICE_ORDER`` (See Note [A
+# case whose answer is a race] in tests/test_running_backward_reach.py):
+# ``caller_idle`` (the default), Dev runs its case once the caller's thread
+# has run Other and sent b its gradient (its graph task's count of
+# outstanding tasks down to Dev's own) and waits for Dev's work;
+# ``caller_busy``, while the caller's thread runs Other, which waits for the
+# case to have run.
+DEVICE_ORDER = os.environ.get("PYENGINE_REACH_DEVICE_ORDER") or "caller_idle"
+if DEVICE_ORDER not in ("caller_idle", "caller_busy"):
+    raise SystemExit(f"PYENGINE_REACH_DEVICE_ORDER: caller_idle or caller_busy, not {DEVICE_ORDER!r}")
+CALLER_BUSY = DEVICE_ORDER == "caller_busy"
 CASE_RAN = threading.Event()
 # How long the caller's thread gets, after its last decrement, to go back
 # to its queue and wait there (a few steps: the compiled core's are C, with

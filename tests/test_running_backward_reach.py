@@ -309,7 +309,7 @@ def sweep(pure, budget=600.0, only=None, device_order=None):
     being an outcome (``CRASH`` with the exit status, ``HANG``) after which
     a new interpreter goes on with the next case; only the cases whose key
     holds ``only``, where given, and the device place in ``device_order``
-    (See CALLER_BUSY in the sweep). One case runs alone, with its stderr,
+    (See DEVICE_ORDER in the sweep). One case runs alone, with its stderr,
     as ``python tests/running_backward_sweep.py 0 'KEY'``."""
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(pyengine.__file__)))
     env = dict(os.environ)
