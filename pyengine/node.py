@@ -169,6 +169,11 @@ class Node(NodeBase):
             checked_gradient_policy(cls.gradient_policy, f"Node class {cls.__qualname__}")
 
     def name(self) -> str:
+        """The node's name in the engine's errors, anomaly notes, profiler
+        events and graph drawings: its class's, as PyTorch's. Where an
+        override raises, those name the node by its class and say so,
+        keeping their own words: See Note [A name() that raises] in
+        pyengine/_shared/messages.py."""
         return type(self).__name__
 
     @property

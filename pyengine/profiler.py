@@ -87,6 +87,7 @@ from typing import NamedTuple
 
 from . import _core
 from . import engine as _engine_module
+from ._shared.messages import node_name
 
 __all__ = ["profile", "NodeEvent", "BackwardSpan", "ThreadInfo", "NodeTypeSummary"]
 
@@ -309,11 +310,8 @@ def _node_name(node) -> str:
         name = _names_by_type[node_type] = _fixed_name(node_type)
     if name is not None:
         return name
-    try:
-        name = getattr(node, "name", None)
-        return str(name()) if callable(name) else node_type.__name__
-    except Exception as error:  # a name() that fails must not lose the event
-        return f"{node_type.__name__} (name() raised {type(error).__name__})"
+    # A name() that fails must not lose the event: See Note [A name() that raises].
+    return node_name(node)
 
 
 def _node_device(node) -> str:

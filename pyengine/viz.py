@@ -71,6 +71,7 @@ import subprocess
 from collections import deque
 
 from ._core import NodeBase
+from ._shared.messages import node_name
 from .autograd import _try_get_grad_accumulator
 from .backends import backend_of
 from .device import CPU
@@ -143,12 +144,6 @@ def _input_edge(value, index):
                     f"(got {type(value).__name__})")
 
 
-def _node_name(node):
-    try:
-        name = getattr(node, "name", None)
-        return str(name()) if callable(name) else type(node).__name__
-    except Exception as error:
-        return f"{type(node).__name__} (name() raised {type(error).__name__})"
 
 
 _texts = {}
@@ -507,7 +502,7 @@ def _graph_to_dot(roots, inputs, accumulate_grad, params, collapse, collapse_abo
         for name, tensor in dict(params).items():
             leaf_names[id(tensor)] = str(name)
 
-    names = [_node_name(node) for node in graph.nodes]
+    names = [node_name(node) for node in graph.nodes]
     slots = [_metadata_key(node) for node in graph.nodes]
     is_accumulate = [isinstance(node, AccumulateGrad) for node in graph.nodes]
 

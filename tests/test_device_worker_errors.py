@@ -156,10 +156,20 @@ def test_an_error_after_a_node_fails_its_backward_and_the_device_serves_on(
     assert_serves_on(engine, worker, before, device)
 
 
+class FailsUnnoted(Scale):
+    """A Scale whose ``apply`` raises a NodeError that takes no note: its
+    ``__notes__`` is not a list, so anomaly mode's note on it, which the
+    worker's loop adds outside the node, fails (TypeError)."""
+
+    def apply(self, grads):
+        error = NodeError("the node fails")
+        error.__notes__ = "not a list"
+        raise error
+
+
 class FailsUnnamed(Scale):
     """A Scale whose ``apply`` raises NodeError and whose ``name()`` raises
-    PlantedError: under anomaly mode, the note the worker's loop adds to the
-    node's error, outside the node, fails."""
+    PlantedError."""
 
     def apply(self, grads):
         raise NodeError("the node fails")
@@ -169,32 +179,55 @@ class FailsUnnamed(Scale):
 
 
 class NodeError(Exception):
-    """What FailsUnnamed.apply raises."""
+    """What FailsUnnoted.apply and FailsUnnamed.apply raise."""
+
+
+def failing_cross_device_chain(device, failing_type):
+    """leaf <- cpu node <- fake:0 node <- fake:1 node, the one on ``device``
+    of ``failing_type``; the root."""
+    n_cpu = Scale(pyengine.gradient_edge(Leaf(np.ones(3))), pyengine.CPU, 2.0, pyengine.CPU)
+    if device == "fake:0":
+        n0 = failing_type(pyengine.Edge(n_cpu, 0), F0, 3.0, pyengine.CPU)
+        return Scale(pyengine.Edge(n0, 0), F1, 5.0, F0)
+    n0 = Scale(pyengine.Edge(n_cpu, 0), F0, 3.0, pyengine.CPU)
+    return failing_type(pyengine.Edge(n0, 0), F1, 5.0, F0)
 
 
 @pytest.mark.parametrize("device", ["fake:0", "fake:1"])
 def test_an_error_in_the_loop_while_a_node_fails_fails_its_backward_and_the_device_serves_on(
         no_anomaly_warning, reported, device):
-    # The worker's loop names a failing node in anomaly mode (its error
-    # handler, outside the node), and name() raises there, before the graph
-    # task has the node's error: the graph task of the task in flight fails
-    # with name()'s error, the node's error its context, as Python chains
-    # an error raised while another is handled. The only route to the
-    # compiled core's fail_in_flight_graph_task that no allocation failure
-    # takes (checked under gdb on the compiled core, both devices).
+    # The worker's loop adds anomaly mode's note to a failing node's error
+    # (its error handler, outside the node), and that fails there, before
+    # the graph task has the node's error: the graph task of the task in
+    # flight fails with the TypeError, the node's error its context, as
+    # Python chains an error raised while another is handled. The only
+    # route to the compiled core's fail_in_flight_graph_task that no
+    # allocation failure takes (checked under gdb on the compiled core,
+    # both devices).
     engine, worker, before = started_worker(device)
-    # leaf <- cpu node <- fake:0 node <- fake:1 node, the one on `device` failing.
-    n_cpu = Scale(pyengine.gradient_edge(Leaf(np.ones(3))), pyengine.CPU, 2.0, pyengine.CPU)
-    if device == "fake:0":
-        n0 = FailsUnnamed(pyengine.Edge(n_cpu, 0), F0, 3.0, pyengine.CPU)
-        root = Scale(pyengine.Edge(n0, 0), F1, 5.0, F0)
-    else:
-        n0 = Scale(pyengine.Edge(n_cpu, 0), F0, 3.0, pyengine.CPU)
-        root = FailsUnnamed(pyengine.Edge(n0, 0), F1, 5.0, F0)
+    root = failing_cross_device_chain(device, FailsUnnoted)
     with pyengine.detect_anomaly():
         error = backward_within(engine, root)
-    assert type(error) is PlantedError, repr(error)
+    assert type(error) is TypeError and "__notes__" in str(error), repr(error)
     assert type(error.__context__) is NodeError, repr(error.__context__)
     # It failed its backward, whose caller raised it: not reported again.
+    assert reported == []
+    assert_serves_on(engine, worker, before, device)
+
+
+@pytest.mark.parametrize("device", ["fake:0", "fake:1"])
+def test_a_name_that_raises_leaves_the_nodes_error_to_its_backward(
+        no_anomaly_warning, reported, device):
+    # Anomaly mode's note names the node by its type where its name()
+    # raises, and the backward fails with the node's own error: See Note [A
+    # name() that raises] in pyengine/_shared/messages.py.
+    engine, worker, before = started_worker(device)
+    root = failing_cross_device_chain(device, FailsUnnamed)
+    with pyengine.detect_anomaly():
+        error = backward_within(engine, root)
+    assert type(error) is NodeError and str(error).startswith("the node fails"), repr(error)
+    notes = getattr(error, "__notes__", [])
+    assert len(notes) == 1, notes
+    assert notes[0].startswith("Error detected in FailsUnnamed (its name() raised PlantedError)."), notes
     assert reported == []
     assert_serves_on(engine, worker, before, device)

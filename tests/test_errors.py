@@ -176,6 +176,48 @@ def test_shape_not_broadcastable():
     assert x.grad is None
 
 
+class BadShapeUnnamed(Returns):
+    def name(self):
+        raise LookupError("no name")
+
+
+class BadName(Returns):
+    """A name() that returns an object whose str() raises."""
+
+    def name(self):
+        class Unprintable:
+            def __str__(self):
+                raise ValueError("unprintable")
+        return Unprintable()
+
+
+@pytest.mark.parametrize("node_type", [BadShapeUnnamed, BadName])
+def test_a_name_that_raises_leaves_the_error_it_was_asked_to_word(node_type):
+    # The shape error still comes out, naming the node by its type: See Note
+    # [A name() that raises] in pyengine/_shared/messages.py.
+    x = leaf([1.0, 2.0, 3.0])
+    node = node_type([x], lambda grads: [np.ones(4)])
+    raised = "LookupError" if node_type is BadShapeUnnamed else "ValueError"
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"Function {node_type.__name__} (its name() raised {raised}) returned an invalid "
+            "gradient at index 0 - got (4,) but expected shape compatible with (3,)")):
+        run(node)
+    assert x.grad is None
+
+
+def test_a_name_that_raises_keyboard_interrupt_is_not_caught():
+    class Interrupting(Returns):
+        def name(self):
+            raise KeyboardInterrupt
+
+    x = leaf([1.0, 2.0, 3.0])
+    with pytest.raises(KeyboardInterrupt):
+        run(Interrupting([x], lambda grads: [np.ones(4)]))
+    assert x.grad is None
+    run(Returns([x], lambda grads: [np.ones(3)]))  # the engine works on
+    assert_close(x.grad, np.ones(3))
+
+
 def test_broadcastable_gradient_is_reduced_with_sum_to():
     x = leaf([1.0, 2.0, 3.0])
     g = np.arange(6.0).reshape(2, 3)

@@ -186,9 +186,11 @@ allocation fails (dropping a failed graph task's tasks from its owner's
 queue, by then completed); the Python around the loop (the wait, the
 engine's weak reference) raises where the twin's would, and so does the
 anomaly note the loop puts on a node's error before it fails the graph
-task with it, which calls the node's ``name()``: a ``name()`` that raises
-there fails the task in flight, in both cores, with its own error, the
-node's as its context.
+task with it: where the note cannot be added (the node's error has a
+``__notes__`` that is not a list) the task in flight fails, in both cores,
+with that TypeError, the node's error as its context. (A ``name()`` that
+raises does not: See Note [A name() that raises] in
+``pyengine/_shared/messages.py``.)
 
 Note [The owner's queue is the graph task's]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -7,11 +7,29 @@ See Note [Edge input_nr].
 """
 
 
+# Note [A name() that raises]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A node's name() is Python code of the framework's, and the engine calls it
+# only to word something else: an error's message (a gradient of the wrong
+# shape, anomaly mode's note on a node's error), a profiler event, a graph
+# drawing. One that raises must not put its own error in the place of what
+# it was asked to name: the wrong shape would be lost behind a bug in a
+# name(). So where name() (or the ``str`` of what it returns) raises an
+# Exception, the node goes by its type's name, and the words say that its
+# name() raised and what. KeyboardInterrupt and SystemExit are not
+# Exceptions: they go up. PyTorch's name() is C++ and cannot raise.
+
+
 def node_name(node):
-    """``node.name()`` (a :class:`pyengine.Node`'s), or the type's name for
-    a node without one (a core node type used as it is)."""
-    name = getattr(node, "name", None)
-    return name() if callable(name) else type(node).__name__
+    """``str(node.name())`` (a :class:`pyengine.Node`'s), or the type's name
+    for a node without one (a core node type used as it is), or for one whose
+    name() raises an Exception: See Note [A name() that raises]."""
+    node_type = type(node)
+    try:
+        name = getattr(node, "name", None)
+        return str(name()) if callable(name) else node_type.__name__
+    except Exception as error:
+        return f"{node_type.__name__} (its name() raised {type(error).__name__})"
 
 
 def not_initialized_message(node):
