@@ -202,8 +202,9 @@ def test_an_error_in_the_loop_while_a_node_fails_fails_its_backward_and_the_devi
     # flight fails with the TypeError, the node's error its context, as
     # Python chains an error raised while another is handled. The only
     # route to the compiled core's fail_in_flight_graph_task that no
-    # allocation failure takes (checked under gdb on the compiled core,
-    # both devices).
+    # allocation failure takes: the TypeError comes out of the device
+    # worker's loop, outside every node, so only that function can hand it
+    # to the caller.
     engine, worker, before = started_worker(device)
     root = failing_cross_device_chain(device, FailsUnnoted)
     with pyengine.detect_anomaly():
