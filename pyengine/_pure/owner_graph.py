@@ -716,6 +716,51 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
 # LeafLock holds its GILGuardedLock itself, not a GradLock object, and keeps
 # a few freed ones for the next accumulations.
 
+# Note [An interrupt in an owner graph's walk]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each owner runs with the thread's grad mode off, its current graph task
+# the walk's and its checkpoint flag set (``run_one``), and gets them back
+# after. In the twin those are three Python calls each way, and Ctrl-C's
+# KeyboardInterrupt comes out between them (See Note [Where the twin's main
+# thread sees an interrupt] in pyengine/_pure/engine.py): an interrupt
+# before ``run_one``'s ``try`` or in its ``finally`` left grad mode off for
+# good, so the thread's next forward recorded no graph. So the walk puts
+# all three back as they were outside it when it raises, as the outermost
+# Node backward does (Note [A backward that raises leaves its ready queue]
+# there). The compiled core saves and restores the thread's state as one C
+# struct, which no interrupt cuts; it needs no such step.
+# tests/test_owner_leaf_locks.py's random interrupts check grad mode after
+# each interrupted walk.
+
+# Note [An interrupt in the twin's leaf locks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# On the main thread, Ctrl-C's KeyboardInterrupt comes out of the twin
+# between its steps (See Note [Where the twin's main thread sees an
+# interrupt] in pyengine/_pure/engine.py): on entering a Python function,
+# on a loop's back edge, after a call returns, in a blocking wait. An
+# entry of ``_leaf_locks`` is two steps of state each way (in the list, and
+# counted a user of), and an interrupt between them left an entry in the
+# list for good: one counted by a call whose ``try`` had not begun, or
+# counted by no one (put in the list, or its last user gone, with the
+# interrupt before its ``drop``). Nothing hung (a later accumulation into
+# the leaf finds the entry and its free lock), but the list is meant to
+# hold the accumulations in flight and no more. Under random SIGINTs, one
+# interrupt in about fifteen left one. So:
+# - the ``try`` begins before the entry is looked for, and a call counts
+#   itself a user of an entry and says so (``entry``) with no call between
+#   the two; a new entry is counted before it goes in the list, so an
+#   interrupt as the list's ``append`` returns finds it counted;
+# - the ``finally`` lets go of the entry with the list's own C methods,
+#   with no Python call first (the compiled core's ``drop_leaf_lock`` is
+#   inline there).
+# The compiled core does these steps in C, which no interrupt cuts.
+# tests/test_owner_leaf_locks.py interrupts a thread's accumulations at
+# random moments, hundreds of times, and checks that the list is empty after
+# each. Left: a second interrupt while the first is handled (as the Note in
+# engine.py leaves out), and an interrupt while another thread holds
+# ``_leaf_locks_guard`` just as the ``finally`` asks for it, whose wait
+# honours Ctrl-C.
+
 class LeafLock:
     """An owner leaf's accumulation in flight, its entry in ``_leaf_locks``:
     See Note [An owner leaf accumulates under a lock]."""
@@ -749,43 +794,43 @@ def find_leaf_lock(leaf):
     return None
 
 
-def drop_leaf_lock(entry):
-    """Take ``entry`` out of ``_leaf_locks`` (the last entry fills its
-    place; _leaf_locks_guard held); nothing where it is not there (a fork
-    replaced the list since it went in)."""
-    for i, other in enumerate(_leaf_locks):
-        if other is entry:
-            _leaf_locks[i] = _leaf_locks[-1]
-            del _leaf_locks[-1]
-            return
-
-
 def accumulate_into_leaf(accumulate, leaf, gradient):
     """``accumulate(leaf, gradient)`` holding the leaf's lock: See Note [An
-    owner leaf accumulates under a lock]."""
+    owner leaf accumulates under a lock]. Its steps are ordered for Ctrl-C:
+    See Note [An interrupt in the twin's leaf locks]."""
     key = id(leaf)
     made = None
-    while True:
-        with _leaf_locks_guard:
-            entry = find_leaf_lock(key)
-            if entry is None and made is not None:
-                _leaf_locks.append(made)
-                entry = made
-            if entry is not None:
-                entry.users += 1
-                break
-        # Made without the guard, then looked for again under it.
-        made = LeafLock(key)
+    entry = None  # the entry this call counts itself a user of
     try:
+        while entry is None:
+            with _leaf_locks_guard:
+                found = find_leaf_lock(key)
+                if found is None and made is not None:
+                    # Counted, and known counted, before it is in the list:
+                    # no call between the two, so no interrupt.
+                    made.users += 1
+                    entry = made
+                    _leaf_locks.append(made)
+                elif found is not None:
+                    found.users += 1
+                    entry = found
+            if entry is None:
+                # Made without the guard, then looked for again under it.
+                made = LeafLock(key)
         if entry.lock.held():
             raise RuntimeError(leaf_lock_taken_again_message(leaf))
         with entry.lock:
             accumulate(leaf, gradient)
     finally:
-        with _leaf_locks_guard:
-            entry.users -= 1
-            if entry.users == 0:
-                drop_leaf_lock(entry)
+        if entry is not None:
+            with _leaf_locks_guard:
+                entry.users -= 1
+                # The compiled core's drop_leaf_lock, here with no Python
+                # call before the list's own methods: by identity (LeafLock
+                # has no __eq__), and nothing where the entry is not there
+                # (a fork replaced the list since it went in).
+                if entry.users == 0 and entry in _leaf_locks:
+                    _leaf_locks.remove(entry)
 
 
 def leaf_locks_in_use():
@@ -885,57 +930,69 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
         buffers[id(root_owner)].add(root_nr, grad, False)
     accumulate = graph.accumulate if graph.accumulate is not None else accumulate_grad
     backward = graph.backward_
-    i = len(order) - 1
-    if plain_writes(graph) and type(backward) is str:
-        # run_one without what is off: See Note [Owner graphs].
+    # What run_one changes per owner, as it is out here: put back where the
+    # walk raises. See Note [An interrupt in an owner graph's walk].
+    outside = (state.is_grad_enabled(), state.get_current_graph_task(),
+               state.is_checkpoint_valid())
+    try:
+        i = len(order) - 1
+        if plain_writes(graph) and type(backward) is str:
+            # run_one without what is off: See Note [Owner graphs].
+            while i >= 0:
+                if not is_leaf[i]:
+                    previous_graph_task = state.set_current_graph_task(graph_task)
+                    previous_grad_mode = state.is_grad_enabled()
+                    state.set_grad_enabled(False)
+                    previous_checkpoint_valid = state.swap_checkpoint_valid(True)
+                    try:
+                        getattr(order[i], backward)()
+                    finally:
+                        state.swap_checkpoint_valid(previous_checkpoint_valid)
+                        state.set_grad_enabled(previous_grad_mode)
+                        state.set_current_graph_task(previous_graph_task)
+                i -= 1
         while i >= 0:
-            if not is_leaf[i]:
-                previous_graph_task = state.set_current_graph_task(graph_task)
-                previous_grad_mode = state.is_grad_enabled()
-                state.set_grad_enabled(False)
-                previous_checkpoint_valid = state.swap_checkpoint_valid(True)
-                try:
-                    getattr(order[i], backward)()
-                finally:
-                    state.swap_checkpoint_valid(previous_checkpoint_valid)
-                    state.set_grad_enabled(previous_grad_mode)
-                    state.set_current_graph_task(previous_graph_task)
+            owner = order[i]
+            if not returns:
+                if not is_leaf[i]:
+                    run_one(graph, graph_task, True, owner, i, None, None, None, None, None, None,
+                            None)
+                i -= 1
+                continue
+            buffer = buffers.pop(id(owner), None)
+            if buffer is None:
+                i -= 1
+                continue
+            grads = [buffer[0]] if type(buffer) is tuple else buffer.buffer
+            if wanted is not None and id(owner) in wanted:
+                for k, (input_owner, input_nr) in enumerate(inputs):
+                    if input_owner is owner and input_nr < len(grads):
+                        captured[k] = grads[input_nr]
+            if is_leaf[i]:
+                if inputs is None:
+                    run_one(graph, graph_task, True, owner, i, grads, None, None, None, None,
+                            accumulate, None)
+            elif needed is None or id(owner) in needed:
+                run_one(graph, graph_task, checkpoint_valid, owner, i, grads, items_of[i], buffers,
+                        slots, metadata_of, None, exec_info)
             i -= 1
-    while i >= 0:
-        owner = order[i]
-        if not returns:
-            if not is_leaf[i]:
-                run_one(graph, graph_task, True, owner, i, None, None, None, None, None, None,
-                        None)
-            i -= 1
-            continue
-        buffer = buffers.pop(id(owner), None)
-        if buffer is None:
-            i -= 1
-            continue
-        grads = [buffer[0]] if type(buffer) is tuple else buffer.buffer
-        if wanted is not None and id(owner) in wanted:
-            for k, (input_owner, input_nr) in enumerate(inputs):
-                if input_owner is owner and input_nr < len(grads):
-                    captured[k] = grads[input_nr]
-        if is_leaf[i]:
-            if inputs is None:
-                run_one(graph, graph_task, True, owner, i, grads, None, None, None, None,
-                        accumulate, None)
-        elif needed is None or id(owner) in needed:
-            run_one(graph, graph_task, checkpoint_valid, owner, i, grads, items_of[i], buffers,
-                    slots, metadata_of, None, exec_info)
-        i -= 1
-    graph_task.mark_as_completed_and_run_post_processing()
-    if graph_task.exception is not None:
-        # A final callback's error; taken off the task, as execute does.
-        error, graph_task.exception_ = graph_task.exception, None
-        try:
-            raise error
-        finally:
-            # See Note [A raised error must not name itself in its frame] in
-            # pyengine/_pure/engine.py.
-            del error
+        graph_task.mark_as_completed_and_run_post_processing()
+        if graph_task.exception is not None:
+            # A final callback's error (or an interrupt as the callbacks'
+            # state was put back); taken off the task, as execute does.
+            error, graph_task.exception_ = graph_task.exception, None
+            try:
+                raise error
+            finally:
+                # See Note [A raised error must not name itself in its frame] in
+                # pyengine/_pure/engine.py.
+                del error
+    except BaseException:
+        grad_mode, current_graph_task, current_checkpoint_valid = outside
+        state.set_current_graph_task(current_graph_task)
+        state.swap_checkpoint_valid(current_checkpoint_valid)
+        state.set_grad_enabled(grad_mode)
+        raise
     if captured is None:
         return None
     if not allow_unused:
