@@ -695,6 +695,16 @@ cdef int route_gradients(object owner, object outputs, PyObject** items, Py_ssiz
     return 0
 
 
+cdef inline void set_thread_state(ThreadState* thread, ThreadState state) noexcept:
+    """``thread[0] = state`` (an owner's running state, or the state from
+    before it ran), but for the thread's WorkerState, the thread's for good
+    once made: a backward an owner ran may have made it (See Note [The
+    worker state's thread-local pointer] in pyengine/_engine.pyx), and the
+    pointer holds a reference, which a copy from before would drop."""
+    state.worker_state = thread.worker_state
+    thread[0] = state
+
+
 cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, object owner,
                  Py_ssize_t sequence_nr, list grads, OwnerItems* items_of, OwnerTable* owners,
                  dict metadata_of, object accumulate, object exec_info) except -1:
@@ -708,7 +718,7 @@ cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, 
     cdef ThreadState previous = thread[0]
     cdef ThreadState running = running_thread_state(graph_task)
     running.checkpoint_valid = checkpoint_valid
-    thread[0] = running
+    set_thread_state(thread, running)
     try:
         if accumulate is not None:
             accumulate_into_leaf(accumulate, owner, grads[0] if len(grads) == 1 else grads)
@@ -723,10 +733,14 @@ cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, 
             add_owner_note(error, owner)
         raise
     finally:
-        if callback is not None:
-            # In the running state, as the engine reports a node.
-            callback(OwnerRun(owner, sequence_nr), start, _perf_counter_ns())
-        thread[0] = previous
+        try:
+            if callback is not None:
+                # In the running state, as the engine reports a node.
+                callback(OwnerRun(owner, sequence_nr), start, _perf_counter_ns())
+        finally:
+            # Even where the callback raised: See Note [An owner's thread
+            # state comes back] in the twin.
+            set_thread_state(thread, previous)
     return 0
 
 
@@ -949,6 +963,9 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
     accumulate = graph.accumulate if graph.accumulate is not None else accumulate_grad
     cdef ThreadState previous, running
     cdef object backward = graph.backward_
+    # The twin puts the thread's state back here too where the walk raises,
+    # for an interrupt between its steps; here each owner's comes back whole
+    # (See Note [An owner's thread state comes back] in the twin).
     i = <Py_ssize_t>order.size() - 1
     if plain_writes(graph) and type(backward) is str:
         # run_one without what is off: no object per owner. See Note [Owner graphs].
@@ -956,11 +973,11 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
         running = running_thread_state(graph_task)
         while i >= 0:
             if not is_leaf[i]:
-                thread[0] = running
+                set_thread_state(thread, running)
                 try:
                     PyObject_CallMethodNoArgs(<object>order[i], backward)
                 finally:
-                    thread[0] = previous
+                    set_thread_state(thread, previous)
             i -= 1
     while i >= 0:
         owner = <object>order[i]

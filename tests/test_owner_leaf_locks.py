@@ -353,8 +353,8 @@ def test_interrupts_at_random_moments_leave_no_entry_in_the_table(core):
     # the twin, about one interrupt in fifteen left an entry in the table
     # before its steps were ordered for Ctrl-C (Note [An interrupt in the
     # twin's leaf locks] in pyengine/_pure/owner_graph.py), and grad mode
-    # was left off within the first ten interrupts (Note [An interrupt in
-    # an owner graph's walk] there).
+    # was left off within the first ten interrupts (Note [An owner's thread
+    # state comes back] there).
     assert threading.current_thread() is threading.main_thread()
     module = owner_graph_module(core)
     state = pure_state if core == "pure" else compiled_state
@@ -392,7 +392,7 @@ def test_interrupts_at_random_moments_leave_no_entry_in_the_table(core):
                 except KeyboardInterrupt:
                     interrupted += 1
                 assert module.leaf_locks_in_use() == 0, f"after {interrupted} interrupts"
-                # See Note [An interrupt in an owner graph's walk].
+                # See Note [An owner's thread state comes back] in pyengine/_pure/owner_graph.py.
                 assert (state.is_grad_enabled(), state.get_current_graph_task(),
                         state.is_checkpoint_valid()) == (True, None, True), interrupted
         finally:

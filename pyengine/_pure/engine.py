@@ -135,7 +135,7 @@ ones that must both happen or neither. Each such pair is made safe:
 - the reentrant pool's slots and queue: See Note [A slot taken for a pool
   thread] in ``pyengine/_pure/thread_pool.py``;
 - an owner graph's walk, and its leaves' lock entries: See Note [An
-  interrupt in an owner graph's walk] and Note [An interrupt in the twin's
+  owner's thread state comes back] and Note [An interrupt in the twin's
   leaf locks] in ``pyengine/_pure/owner_graph.py``.
 
 ``tests/test_interrupt_windows.py`` raises KeyboardInterrupt at these

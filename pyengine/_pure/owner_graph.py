@@ -656,12 +656,16 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
             add_owner_note(error, owner)
         raise
     finally:
-        if profiler is not None:
-            # In the running state, as the engine reports a node.
-            profiler(OwnerRun(owner, sequence_nr), start, time.perf_counter_ns())
-        state.swap_checkpoint_valid(previous_checkpoint_valid)
-        state.set_grad_enabled(previous_grad_mode)
-        state.set_current_graph_task(previous_graph_task)
+        try:
+            if profiler is not None:
+                # In the running state, as the engine reports a node.
+                profiler(OwnerRun(owner, sequence_nr), start, time.perf_counter_ns())
+        finally:
+            # Even where the callback raised: See Note [An owner's thread
+            # state comes back].
+            state.swap_checkpoint_valid(previous_checkpoint_valid)
+            state.set_grad_enabled(previous_grad_mode)
+            state.set_current_graph_task(previous_graph_task)
 
 
 # Note [An owner leaf accumulates under a lock]
@@ -716,21 +720,35 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
 # LeafLock holds its GILGuardedLock itself, not a GradLock object, and keeps
 # a few freed ones for the next accumulations.
 
-# Note [An interrupt in an owner graph's walk]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Note [An owner's thread state comes back]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Each owner runs with the thread's grad mode off, its current graph task
-# the walk's and its checkpoint flag set (``run_one``), and gets them back
-# after. In the twin those are three Python calls each way, and Ctrl-C's
-# KeyboardInterrupt comes out between them (See Note [Where the twin's main
-# thread sees an interrupt] in pyengine/_pure/engine.py): an interrupt
-# before ``run_one``'s ``try`` or in its ``finally`` left grad mode off for
-# good, so the thread's next forward recorded no graph. So the walk puts
-# all three back as they were outside it when it raises, as the outermost
-# Node backward does (Note [A backward that raises leaves its ready queue]
-# there). The compiled core saves and restores the thread's state as one C
-# struct, which no interrupt cuts; it needs no such step.
-# tests/test_owner_leaf_locks.py's random interrupts check grad mode after
-# each interrupted walk.
+# the walk's and its checkpoint flag set (``run_one``, as thread_main sets
+# them around a node), and the thread gets them back after, whatever the
+# owner did. Two ways out skipped that:
+# - A profiler callback that raised (a foreign one set with
+#   ``set_profiler``, or the profiler's own, cut by Ctrl-C or out of
+#   memory) raised from ``run_one``'s ``finally`` before the state was put
+#   back: grad mode stayed off, so the thread's next forward recorded no
+#   graph, and in the compiled core the thread's current graph task stayed a
+#   borrowed pointer to the walk's graph task, freed once the walk ended: a
+#   later ``queue_callback`` (or any query of the running backward)
+#   crashed the process. The state now comes back in a ``finally`` of its
+#   own, after the callback; the compiled core also keeps the thread's
+#   WorkerState, which a backward run by an owner may have made, out of
+#   the copy it puts back (``set_thread_state``).
+# - In the twin, the state is three Python calls each way, and Ctrl-C's
+#   KeyboardInterrupt comes out between them (See Note [Where the twin's
+#   main thread sees an interrupt] in pyengine/_pure/engine.py): an
+#   interrupt before ``run_one``'s ``try``, or in its ``finally``, or in
+#   the final callbacks' own restore, left grad mode off. So the twin's
+#   walk also puts all three back as they were outside it when it raises,
+#   as its outermost Node backward does (Note [A backward that raises
+#   leaves its ready queue] there). The compiled core's state is one C
+#   struct, copied whole, which no interrupt cuts.
+# tests/test_owner_graph_thread_state.py raises from a profiler callback,
+# and interrupts walks at random moments (tests/test_owner_leaf_locks.py),
+# and checks the thread's state after each.
 
 # Note [An interrupt in the twin's leaf locks]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -931,7 +949,7 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
     accumulate = graph.accumulate if graph.accumulate is not None else accumulate_grad
     backward = graph.backward_
     # What run_one changes per owner, as it is out here: put back where the
-    # walk raises. See Note [An interrupt in an owner graph's walk].
+    # walk raises. See Note [An owner's thread state comes back].
     outside = (state.is_grad_enabled(), state.get_current_graph_task(),
                state.is_checkpoint_valid())
     try:

@@ -1,0 +1,147 @@
+"""The thread's state around an owner graph's walk: what each owner runs
+under comes back after it, whatever raised. See Note [An owner's thread
+state comes back] in ``pyengine/_pure/owner_graph.py``.
+
+Oracles: the thread's grad mode, current graph task and checkpoint flag
+(``queue_callback`` refuses where no backward runs) as they were before the
+walk; exact gradients from the backward calls after it; the count of live
+WorkerStates (one a thread that ran a backward, none left by a thread that
+ended).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import pyengine
+from pyengine import _core
+from pyengine.bench import graphs
+
+
+class Value:
+    """An owner: its parents and a gradient; ``back`` is writes mode's method."""
+
+    def __init__(self, *parents):
+        self.parents = list(parents)
+        self.grad = None
+
+    def back(self):
+        for parent in self.parents:
+            parent.grad = self.grad if parent.grad is None else parent.grad + self.grad
+
+
+def passes_on(owner, grads):
+    return [grads[0]] * len(owner.parents)
+
+
+class CallbackError(Exception):
+    """What the profiler callback raises."""
+
+
+def assert_outside_a_backward():
+    assert pyengine.is_grad_enabled()
+    assert pyengine.is_checkpoint_valid()
+    with pytest.raises(RuntimeError, match="only be installed during backward pass"):
+        pyengine.queue_callback(lambda: None)
+
+
+WALKS = {
+    "returns": lambda leaf: pyengine.OwnerGraph("parents", passes_on, mode="returns")
+    .backward(Value(Value(leaf)), np.ones(3)),
+    "grad(inputs=)": lambda leaf: pyengine.OwnerGraph("parents", passes_on, mode="returns")
+    .grad(Value(Value(leaf)), np.ones(3), [(leaf, 0)]),
+    # A pre-hook: not the plain writes loop, which calls no profiler.
+    "writes": lambda leaf: pyengine.OwnerGraph("parents", "back", pre_hook=lambda owner, grads: None)
+    .backward(_with_grad(Value(Value(leaf)))),
+}
+
+
+def _with_grad(root):
+    root.grad = np.ones(3)
+    return root
+
+
+@pytest.mark.parametrize("walk", sorted(WALKS))
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_profiler_callback_that_raises_leaves_the_threads_state_as_it_was(walk, at):
+    # The callback raised from run_one's finally before the state came back:
+    # grad mode stayed off, and in the compiled core the current graph task
+    # stayed a pointer to the freed walk's, which queue_callback then used
+    # (a crash).
+    calls = []
+
+    def callback(node, start_ns, end_ns):
+        calls.append(node)
+        if len(calls) == at:
+            raise CallbackError(f"callback {at}")
+
+    leaf = Value()
+    previous = _core.set_profiler(callback)
+    try:
+        with pytest.raises(CallbackError, match=f"callback {at}"):
+            WALKS[walk](leaf)
+    finally:
+        _core.set_profiler(previous)
+    gc.collect()
+    assert_outside_a_backward()
+    # The walk works on, exactly: a fresh leaf takes the one gradient.
+    fresh = Value()
+    result = WALKS[walk](fresh)
+    got = result[0] if walk == "grad(inputs=)" else fresh.grad
+    np.testing.assert_array_equal(got, np.ones(3))
+    assert_outside_a_backward()
+    graphs.chain(3).run_checked()
+
+
+def test_grad_mode_inside_an_owner_is_off_and_comes_back_after_a_raising_callback():
+    # The callback sees the owner's running state (grad mode off), as a
+    # node's profiler event does; the thread gets its own back.
+    seen = []
+
+    def callback(node, start_ns, end_ns):
+        seen.append(pyengine.is_grad_enabled())
+        raise CallbackError("after the owner")
+
+    previous = _core.set_profiler(callback)
+    try:
+        with pytest.raises(CallbackError):
+            WALKS["returns"](Value())
+    finally:
+        _core.set_profiler(previous)
+    assert seen == [False]
+    assert_outside_a_backward()
+
+
+def _worker_states():
+    gc.collect()
+    return sum(1 for value in gc.get_objects() if type(value).__name__ == "WorkerState")
+
+
+class RunsABackward(Value):
+    """An owner whose writes-mode method runs a Node graph's backward: on a
+    new thread, that backward makes the thread's WorkerState."""
+
+    def back(self):
+        graphs.chain(2).run_checked()
+
+
+def test_a_threads_first_backward_run_by_an_owner_keeps_its_worker_state():
+    # The compiled core put back a copy of the thread's state from before the
+    # owner ran, with no WorkerState: the one the owner's backward made (and
+    # its reference) was lost, one for every such thread, for good.
+    def on_a_new_thread():
+        pyengine.OwnerGraph("parents", "back").backward(RunsABackward(Value()))
+        graphs.chain(2).run_checked()
+
+    graphs.chain(2).run_checked()  # this thread's own
+    before = _worker_states()
+    for _ in range(10):
+        thread = threading.Thread(target=on_a_new_thread)
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive()
+    assert _worker_states() == before
