@@ -620,6 +620,16 @@ def reference_check(baseline_threads):
     if pyengine.is_anomaly_enabled():
         problems.append("anomaly mode left on")
         pyengine.set_detect_anomaly(False)
+    if not pyengine.is_checkpoint_valid():
+        problems.append("checkpoint flag left off")
+    try:
+        # No backward runs here, so none is the thread's current one (an
+        # owner graph's walk once left its freed graph task there: See Note
+        # [An owner's thread state comes back] in pyengine/_pure/owner_graph.py).
+        pyengine.queue_callback(lambda: None)
+        problems.append("a graph task left current: queue_callback took a callback")
+    except RuntimeError:
+        pass
     try:
         x = Leaf([1.0, 2.0])
         node = _Scale([pyengine.gradient_edge(x)], [(SHAPE, np.float64)])
