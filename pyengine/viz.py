@@ -469,8 +469,9 @@ def graph_to_dot(roots, inputs=None, *, accumulate_grad=False, params=None, coll
     # Tens of thousands of small tuples and no cycles: the cyclic GC would only
     # rescan the (large) graph over and over.
     gc_was_enabled = gc.isenabled()
-    gc.disable()
     try:
+        # Inside the try: Ctrl-C may come out as gc.disable() returns.
+        gc.disable()
         return _graph_to_dot(roots, inputs, accumulate_grad, params, collapse, collapse_above,
                              max_period, min_repeats, max_nodes, title)
     finally:

@@ -223,8 +223,8 @@ def _variable_backward(self, retain_grad=False, create_graph=False):
         # owner graph] in ``pyengine/adapters/dezero/owner_backward.py``.
         self.grad = None
         previous_config = Config.enable_backprop
-        Config.enable_backprop = False
         try:
+            Config.enable_backprop = False
             backward_on_owner_graph(self, seed, retain_grad)
             return
         except NeedsNodes:
@@ -238,11 +238,13 @@ def _variable_backward(self, retain_grad=False, create_graph=False):
     root = Edge(_node_of(creator), _output_nr(creator, self))
     self.grad = None
     previous_config = Config.enable_backprop
-    mode = _dezero_backward.set(bool(retain_grad))
-    # As DeZero's using_config around each backward formula, for the whole
-    # call (hooks see it too): nodes then need not switch it.
-    Config.enable_backprop = bool(create_graph)
+    previous_mode = _dezero_backward.get()
     try:
+        # See Note [Per-call state that Ctrl-C must not leave].
+        _dezero_backward.set(bool(retain_grad))
+        # As DeZero's using_config around each backward formula, for the whole
+        # call (hooks see it too): nodes then need not switch it.
+        Config.enable_backprop = bool(create_graph)
         with _on_calling_thread():
             pyengine.get_default_engine().execute([root], [seed], True, bool(create_graph), True)
     except BaseException:
@@ -251,7 +253,21 @@ def _variable_backward(self, retain_grad=False, create_graph=False):
         raise
     finally:
         Config.enable_backprop = previous_config
-        _dezero_backward.reset(mode)
+        _dezero_backward.set(previous_mode)
+
+
+# Note [Per-call state that Ctrl-C must not leave]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``Variable.backward`` and ``grad()`` set per-call state around the graph
+# task (``_dezero_backward``, DeZero's ``Config.enable_backprop``, the
+# thread's multithreading switch) and put it back in a ``finally``. On the
+# main thread Ctrl-C's KeyboardInterrupt comes out as any call returns, so
+# a state set by a call before the ``try`` (a ContextVar's ``set``, the
+# switch) could stay set after an interrupt, and one kept only as the token
+# that call returned could not be put back. So each previous value is read
+# before the ``try`` (an interrupt there has changed nothing) and every
+# change is made inside it, and the ``finally`` sets the values back rather
+# than resetting tokens.
 
 
 def _variable_unchain(self):

@@ -136,9 +136,12 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
             # pyengine would make for a leaf it meets first.
             _grad_accumulator(output)
     previous_config = Config.enable_backprop
-    mode = _dezero_backward.set(None)
-    Config.enable_backprop = bool(create_graph)
+    previous_mode = _dezero_backward.get()
     try:
+        # See Note [Per-call state that Ctrl-C must not leave] in
+        # pyengine/adapters/dezero/__init__.py.
+        _dezero_backward.set(None)
+        Config.enable_backprop = bool(create_graph)
         with _on_calling_thread():
             return pyengine.grad([_TensorView(output) for output in output_list],
                                  [_TensorView(variable) for variable in input_list],
@@ -147,7 +150,7 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
                                  materialize_grads=materialize_grads)
     finally:
         Config.enable_backprop = previous_config
-        _dezero_backward.reset(mode)
+        _dezero_backward.set(previous_mode)
 
 
 def grad_fn(variable):

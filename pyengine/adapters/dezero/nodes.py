@@ -108,8 +108,11 @@ def _on_calling_thread():
         yield
         return
     previous = is_enabled()
-    _core.set_multithreading_enabled(False)
     try:
+        # Inside the try: Ctrl-C may come out as the switch returns (See Note
+        # [Per-call state that Ctrl-C must not leave] in
+        # pyengine/adapters/dezero/__init__.py).
+        _core.set_multithreading_enabled(False)
         yield
     finally:
         _core.set_multithreading_enabled(previous)
