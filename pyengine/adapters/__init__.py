@@ -28,6 +28,20 @@ import threading
 # No names: ``from pyengine.adapters import *`` must not import a framework.
 __all__: list = []
 
+# Note [Per-call state that Ctrl-C must not leave]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An adapter's backward sets per-call state around its graph task (a
+# thread's stack of runs, a ContextVar, a framework's global flag, the
+# thread's multithreading switch) and puts it back in a ``finally``. On the
+# main thread Ctrl-C's KeyboardInterrupt comes out as any call returns, so
+# a state set by a call before the ``try`` (``append``, a ContextVar's
+# ``set``, the switch) could stay set after an interrupt, and one kept only
+# as the token that call returned could not be put back. So each previous
+# value (a stack's depth) is read before the ``try``, where an interrupt
+# has changed nothing, every change is made inside it, and the ``finally``
+# puts the values back (cuts the stack back to its depth) rather than
+# resetting tokens or popping once.
+
 
 class Patches:
     """The attributes an adapter replaces on a framework's classes, and what

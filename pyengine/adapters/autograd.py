@@ -257,11 +257,15 @@ def backward_pass(g, end_node):
     if stack is None:
         stack = _results.stack = []
     result = []
-    stack.append(result)
+    depth = len(stack)
     try:
+        # Inside the try, and the stack cut back to its depth: Ctrl-C may
+        # come out as append returns (See Note [Per-call state that Ctrl-C
+        # must not leave] in pyengine/adapters/__init__.py).
+        stack.append(result)
         _GRAPH.backward(end_node, g)
     finally:
-        stack.pop()
+        del stack[depth:]
     if not result:
         # No gradient reached the start node (every path gave None).
         return None

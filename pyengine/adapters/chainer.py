@@ -445,13 +445,17 @@ def _run_graph(graph, root, grad, inputs, retain_grad, loss_scale, is_grad):
     stack = getattr(_runs, "stack", None)
     if stack is None:
         stack = _runs.stack = []
-    stack.append(_Run(retain_grad, loss_scale, is_grad))
+    depth = len(stack)
     try:
+        # Inside the try, and the stack cut back to its depth: Ctrl-C may
+        # come out as append returns (See Note [Per-call state that Ctrl-C
+        # must not leave] in pyengine/adapters/__init__.py).
+        stack.append(_Run(retain_grad, loss_scale, is_grad))
         if inputs is None:
             return graph.backward(root, grad)
         return graph.grad(root, grad, inputs, allow_unused=True)
     finally:
-        stack.pop()
+        del stack[depth:]
 
 
 def _root_of(nodes_and_grads):
@@ -507,12 +511,14 @@ def _first_step_without_gradient(node, retain_grad, loss_scale):
     stack = getattr(_runs, "stack", None)
     if stack is None:
         stack = _runs.stack = []
-    stack.append(_Run(retain_grad, loss_scale, False))
+    depth = len(stack)
     try:
+        # As _run_graph's.
+        stack.append(_Run(retain_grad, loss_scale, False))
         gxs = _run_function(func, [None] * len(func.outputs), should_compute_output,
                             (None,) * len(items))
     finally:
-        stack.pop()
+        del stack[depth:]
     return [(func.inputs[i], gxs[i]) for i in range(len(items))
             if items[i] is not None and gxs[i] is not None]
 

@@ -240,7 +240,8 @@ def _variable_backward(self, retain_grad=False, create_graph=False):
     previous_config = Config.enable_backprop
     previous_mode = _dezero_backward.get()
     try:
-        # See Note [Per-call state that Ctrl-C must not leave].
+        # See Note [Per-call state that Ctrl-C must not leave] in
+        # pyengine/adapters/__init__.py.
         _dezero_backward.set(bool(retain_grad))
         # As DeZero's using_config around each backward formula, for the whole
         # call (hooks see it too): nodes then need not switch it.
@@ -254,20 +255,6 @@ def _variable_backward(self, retain_grad=False, create_graph=False):
     finally:
         Config.enable_backprop = previous_config
         _dezero_backward.set(previous_mode)
-
-
-# Note [Per-call state that Ctrl-C must not leave]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``Variable.backward`` and ``grad()`` set per-call state around the graph
-# task (``_dezero_backward``, DeZero's ``Config.enable_backprop``, the
-# thread's multithreading switch) and put it back in a ``finally``. On the
-# main thread Ctrl-C's KeyboardInterrupt comes out as any call returns, so
-# a state set by a call before the ``try`` (a ContextVar's ``set``, the
-# switch) could stay set after an interrupt, and one kept only as the token
-# that call returned could not be put back. So each previous value is read
-# before the ``try`` (an interrupt there has changed nothing) and every
-# change is made inside it, and the ``finally`` sets the values back rather
-# than resetting tokens.
 
 
 def _variable_unchain(self):

@@ -139,7 +139,7 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     previous_mode = _dezero_backward.get()
     try:
         # See Note [Per-call state that Ctrl-C must not leave] in
-        # pyengine/adapters/dezero/__init__.py.
+        # pyengine/adapters/__init__.py.
         _dezero_backward.set(None)
         Config.enable_backprop = bool(create_graph)
         with _on_calling_thread():

@@ -111,7 +111,7 @@ def _on_calling_thread():
     try:
         # Inside the try: Ctrl-C may come out as the switch returns (See Note
         # [Per-call state that Ctrl-C must not leave] in
-        # pyengine/adapters/dezero/__init__.py).
+        # pyengine/adapters/__init__.py).
         _core.set_multithreading_enabled(False)
         yield
     finally:
