@@ -23,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import random
 import signal
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -93,6 +95,52 @@ def signals_not_swallowed():
             gc.enable()
         if previous_handler is not signal.default_int_handler:
             signal.signal(signal.SIGINT, previous_handler)
+
+
+class RandomInterrupts:
+    """SIGINTs to the main thread at random moments (``low_s`` to ``high_s``
+    apart, from a seeded generator), from a thread of their own, while the
+    with block runs: Ctrl-C pressed at a moment nobody chose.
+
+    A SIGINT raises KeyboardInterrupt only while ``armed`` is True (the
+    test's own steps are left alone), and disarms it: one interrupt per
+    armed call, since a second interrupt while the first is handled is a
+    window the twin leaves open (Note [Where the twin's main thread sees an
+    interrupt] in pyengine/_pure/engine.py). Entered inside
+    ``signals_not_swallowed``, so no gc callback runs the handler."""
+
+    def __init__(self, seed: int, low_s: float, high_s: float):
+        self.armed = False
+        self._seed, self._low_s, self._high_s = seed, low_s, high_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._interrupt_at_random)
+        self._main = threading.main_thread().ident
+        self._stack = contextlib.ExitStack()
+
+    def _handler(self, signum, frame):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+    def _interrupt_at_random(self):
+        chance = random.Random(self._seed)
+        while not self._stop.wait(chance.uniform(self._low_s, self._high_s)):
+            signal.pthread_kill(self._main, signal.SIGINT)
+
+    def __enter__(self):
+        assert threading.current_thread() is threading.main_thread()
+        self._stack.enter_context(signals_not_swallowed())
+        previous = signal.signal(signal.SIGINT, self._handler)
+        self._stack.callback(signal.signal, signal.SIGINT, previous)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.armed = False
+        self._stop.set()
+        self._thread.join(30)
+        self._stack.close()
+        return False
 
 
 def in_a_fork_while_held(lock, in_child, timeout: float = 10.0) -> int:

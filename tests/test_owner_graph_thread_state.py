@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import random
 import signal
 import threading
 import time
@@ -21,7 +20,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import signals_not_swallowed
+from conftest import RandomInterrupts
 
 import pyengine
 from pyengine import _core
@@ -174,46 +173,23 @@ def test_interrupts_at_random_moments_of_every_kind_of_walk_leave_the_thread_out
         _with_grad(Value(Value(leaf), Value(leaf))))
     modes = {"plain": None, "anomaly": pyengine.detect_anomaly, "profiled": pyengine.profile}
     kinds = [(walk, mode) for walk in sorted(walks) for mode in sorted(modes)]
-    main, stop = threading.main_thread().ident, threading.Event()
-    armed = [False]
-
-    def handler(signum, frame):
-        # Once a walk, inside it only (See the same handler in
-        # tests/test_owner_leaf_locks.py).
-        if armed[0]:
-            armed[0] = False
-            raise KeyboardInterrupt
-
-    def interrupt_at_random():
-        chance = random.Random(4321)
-        while not stop.wait(chance.uniform(0.0001, 0.002)):
-            signal.pthread_kill(main, signal.SIGINT)
-
-    interrupter = threading.Thread(target=interrupt_at_random)
     interrupted, calls, deadline = {}, 0, time.monotonic() + 30.0
-    with warnings.catch_warnings(), signals_not_swallowed():
+    with warnings.catch_warnings(), RandomInterrupts(seed=4321, low_s=0.0001,
+                                                     high_s=0.002) as interrupts:
         warnings.simplefilter("ignore")  # anomaly mode's warning
-        previous = signal.signal(signal.SIGINT, handler)
-        interrupter.start()
-        try:
-            while sum(interrupted.values()) < RANDOM_INTERRUPTS and time.monotonic() < deadline:
-                walk, mode = kinds[calls % len(kinds)]
-                calls += 1
-                context = modes[mode]() if modes[mode] is not None else contextlib.nullcontext()
-                with context:
-                    try:
-                        armed[0] = True
-                        walks[walk](Value())
-                        armed[0] = False
-                    except KeyboardInterrupt:
-                        interrupted[walk, mode] = interrupted.get((walk, mode), 0) + 1
-                assert_outside_a_backward()
-                assert _core.owner_graph_module.leaf_locks_in_use() == 0, (walk, mode)
-        finally:
-            armed[0] = False
-            stop.set()
-            interrupter.join(30)
-            signal.signal(signal.SIGINT, previous)
+        while sum(interrupted.values()) < RANDOM_INTERRUPTS and time.monotonic() < deadline:
+            walk, mode = kinds[calls % len(kinds)]
+            calls += 1
+            context = modes[mode]() if modes[mode] is not None else contextlib.nullcontext()
+            with context:
+                try:
+                    interrupts.armed = True
+                    walks[walk](Value())
+                    interrupts.armed = False
+                except KeyboardInterrupt:
+                    interrupted[walk, mode] = interrupted.get((walk, mode), 0) + 1
+            assert_outside_a_backward()
+            assert _core.owner_graph_module.leaf_locks_in_use() == 0, (walk, mode)
     assert sum(interrupted.values()) >= RANDOM_INTERRUPTS // 3, interrupted
     # Most kinds were cut at least once (where each is cut is left to chance).
     assert len(interrupted) >= len(kinds) // 2, interrupted

@@ -23,7 +23,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import in_a_fork_while, signals_not_swallowed
+from conftest import RandomInterrupts, in_a_fork_while, signals_not_swallowed
 
 from pyengine._pure import owner_graph as pure_owner_graph
 from pyengine._pure import state as pure_state
@@ -360,46 +360,20 @@ def test_interrupts_at_random_moments_leave_no_entry_in_the_table(core):
     state = pure_state if core == "pure" else compiled_state
     graph = module.OwnerGraph("parents", passes_on, mode="returns")
     leaves = [Value() for _ in range(4)]
-    main, stop = threading.main_thread().ident, threading.Event()
-    armed = [False]
-
-    def handler(signum, frame):
-        # KeyboardInterrupt only inside a walk (the test's own steps are left
-        # alone), and once a walk: a second interrupt while the first is
-        # handled is a window the twin leaves open (Note [Where the twin's
-        # main thread sees an interrupt] in pyengine/_pure/engine.py).
-        if armed[0]:
-            armed[0] = False
-            raise KeyboardInterrupt
-
-    def interrupt_at_random():
-        chance = random.Random(1234)
-        while not stop.wait(chance.uniform(0.0002, 0.003)):
-            signal.pthread_kill(main, signal.SIGINT)
-
-    interrupter = threading.Thread(target=interrupt_at_random)
     interrupted, deadline = 0, time.monotonic() + WAIT_S
-    with signals_not_swallowed():  # no gc callback to run the handler in
-        previous = signal.signal(signal.SIGINT, handler)
-        interrupter.start()
-        try:
-            while interrupted < INTERRUPTS and time.monotonic() < deadline:
-                root = Value(*[Value(leaf) for leaf in leaves])
-                try:
-                    armed[0] = True
-                    graph.backward(root, np.ones(3))
-                    armed[0] = False
-                except KeyboardInterrupt:
-                    interrupted += 1
-                assert module.leaf_locks_in_use() == 0, f"after {interrupted} interrupts"
-                # See Note [An owner's thread state comes back] in pyengine/_pure/owner_graph.py.
-                assert (state.is_grad_enabled(), state.get_current_graph_task(),
-                        state.is_checkpoint_valid()) == (True, None, True), interrupted
-        finally:
-            armed[0] = False
-            stop.set()
-            interrupter.join(WAIT_S)
-            signal.signal(signal.SIGINT, previous)
+    with RandomInterrupts(seed=1234, low_s=0.0002, high_s=0.003) as interrupts:
+        while interrupted < INTERRUPTS and time.monotonic() < deadline:
+            root = Value(*[Value(leaf) for leaf in leaves])
+            try:
+                interrupts.armed = True
+                graph.backward(root, np.ones(3))
+                interrupts.armed = False
+            except KeyboardInterrupt:
+                interrupted += 1
+            assert module.leaf_locks_in_use() == 0, f"after {interrupted} interrupts"
+            # See Note [An owner's thread state comes back] in pyengine/_pure/owner_graph.py.
+            assert (state.is_grad_enabled(), state.get_current_graph_task(),
+                    state.is_checkpoint_valid()) == (True, None, True), interrupted
     # Fewer only where a slow build met the deadline: still many times the
     # interrupts that found each window.
     assert interrupted >= INTERRUPTS // 3, interrupted
@@ -416,7 +390,6 @@ def test_threads_that_walk_random_graphs_sharing_leaves_add_every_gradient(core,
     # grad(inputs=) calls on one random graph (the default accumulate, or
     # slow_accumulate): every grad() gives the path sums, and each leaf ends
     # with the path sum times the number of backward calls of all threads.
-    import random
 
     module = owner_graph_module(core)
     rng = random.Random(seed)
