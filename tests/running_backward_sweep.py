@@ -615,12 +615,21 @@ def stop(engine):
 
 
 def good_after():
+    """The thread outside a backward (as a case may not leave it: grad mode
+    on, no graph task current, the checkpoint flag on) and a good backward
+    giving its exact gradient: ``ok``, else ``BAD AFTER`` and what was not."""
+    left = [what for what, wrong in (
+        ("grad mode off", not state.is_grad_enabled()),
+        ("a graph task current", state.get_current_graph_task() is not None),
+        ("the checkpoint flag off", not state.is_checkpoint_valid())) if wrong]
+    state.set_grad_enabled(True)
     x = Leaf()
     good = Other([pyengine.gradient_edge(x)], [((3,), np.float64)])
     after = outcome(lambda: (pyengine.get_default_engine().execute(
         [Edge(good, 0)], [np.ones(3)], False, False, True), x.grad)[1])
-    state.set_grad_enabled(True)
-    return "ok" if after == "returns array(5.0, 5.0, 5.0)" else "BAD AFTER " + after
+    if after != "returns array(5.0, 5.0, 5.0)":
+        left.append(after)
+    return "ok" if not left else "BAD AFTER " + "; ".join(left)
 
 
 def run_case(place, mode, action):
