@@ -20,7 +20,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import RandomInterrupts
+from conftest import RandomInterrupts, random_interrupts_need_3_10
 
 import pyengine
 from pyengine import _core
@@ -159,6 +159,7 @@ RANDOM_INTERRUPTS = 300
 # profiler's table of runs, as a walk's graph task is freed) is CPython's to
 # report as unraisable, and is lost: that walk runs to its end.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@random_interrupts_need_3_10
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs signal.pthread_kill")
 def test_interrupts_at_random_moments_of_every_kind_of_walk_leave_the_thread_outside_a_backward():
     # SIGINTs at random moments of walks of each kind (returns, grad(inputs=),

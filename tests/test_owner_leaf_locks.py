@@ -23,7 +23,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import RandomInterrupts, in_a_fork_while, signals_not_swallowed
+from conftest import RandomInterrupts, in_a_fork_while, random_interrupts_need_3_10, signals_not_swallowed
 
 from pyengine._pure import owner_graph as pure_owner_graph
 from pyengine._pure import state as pure_state
@@ -344,6 +344,7 @@ def threads_on_a_random_graph(module, rng):
 INTERRUPTS = 300
 
 
+@random_interrupts_need_3_10
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs signal.pthread_kill")
 @pytest.mark.parametrize("core", ["compiled", "pure"])
 def test_interrupts_at_random_moments_leave_no_entry_in_the_table(core):
