@@ -144,8 +144,6 @@ def _input_edge(value, index):
                     f"(got {type(value).__name__})")
 
 
-
-
 _texts = {}
 
 

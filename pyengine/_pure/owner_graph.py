@@ -746,9 +746,11 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
 #   as its outermost Node backward does (Note [A backward that raises
 #   leaves its ready queue] there). The compiled core's state is one C
 #   struct, copied whole, which no interrupt cuts.
-# tests/test_owner_graph_thread_state.py raises from a profiler callback,
-# and interrupts walks at random moments (tests/test_owner_leaf_locks.py),
-# and checks the thread's state after each.
+# tests/test_owner_graph_thread_state.py raises from a profiler callback
+# and interrupts every kind of walk at random moments (from Python 3.10 on:
+# See random_interrupts_need_3_10 in tests/conftest.py), and
+# tests/test_owner_leaf_locks.py interrupts returns-mode walks; each checks
+# the thread's state after every walk.
 
 # Note [An interrupt in the twin's leaf locks]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
