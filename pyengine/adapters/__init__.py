@@ -28,8 +28,8 @@ import threading
 # No names: ``from pyengine.adapters import *`` must not import a framework.
 __all__: list = []
 
-# Note [Per-call state that Ctrl-C must not leave]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Note [What an adapter sets around a backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # An adapter's backward sets per-call state around its graph task (a
 # thread's stack of runs, a ContextVar, a framework's global flag, the
 # thread's multithreading switch) and puts it back in a ``finally``. On the

@@ -260,8 +260,8 @@ def backward_pass(g, end_node):
     depth = len(stack)
     try:
         # Inside the try, and the stack cut back to its depth: Ctrl-C may
-        # come out as append returns (See Note [Per-call state that Ctrl-C
-        # must not leave] in pyengine/adapters/__init__.py).
+        # come out as append returns (See Note [What an adapter sets around
+        # a backward] in pyengine/adapters/__init__.py).
         stack.append(result)
         _GRAPH.backward(end_node, g)
     finally:

@@ -448,8 +448,8 @@ def _run_graph(graph, root, grad, inputs, retain_grad, loss_scale, is_grad):
     depth = len(stack)
     try:
         # Inside the try, and the stack cut back to its depth: Ctrl-C may
-        # come out as append returns (See Note [Per-call state that Ctrl-C
-        # must not leave] in pyengine/adapters/__init__.py).
+        # come out as append returns (See Note [What an adapter sets around
+        # a backward] in pyengine/adapters/__init__.py).
         stack.append(_Run(retain_grad, loss_scale, is_grad))
         if inputs is None:
             return graph.backward(root, grad)

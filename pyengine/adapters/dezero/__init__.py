@@ -240,7 +240,7 @@ def _variable_backward(self, retain_grad=False, create_graph=False):
     previous_config = Config.enable_backprop
     previous_mode = _dezero_backward.get()
     try:
-        # See Note [Per-call state that Ctrl-C must not leave] in
+        # See Note [What an adapter sets around a backward] in
         # pyengine/adapters/__init__.py.
         _dezero_backward.set(bool(retain_grad))
         # As DeZero's using_config around each backward formula, for the whole

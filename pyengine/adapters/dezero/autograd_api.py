@@ -138,7 +138,7 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     previous_config = Config.enable_backprop
     previous_mode = _dezero_backward.get()
     try:
-        # See Note [Per-call state that Ctrl-C must not leave] in
+        # See Note [What an adapter sets around a backward] in
         # pyengine/adapters/__init__.py.
         _dezero_backward.set(None)
         Config.enable_backprop = bool(create_graph)

@@ -110,7 +110,7 @@ def _on_calling_thread():
     previous = is_enabled()
     try:
         # Inside the try: Ctrl-C may come out as the switch returns (See Note
-        # [Per-call state that Ctrl-C must not leave] in
+        # [What an adapter sets around a backward] in
         # pyengine/adapters/__init__.py).
         _core.set_multithreading_enabled(False)
         yield
