@@ -40,11 +40,13 @@ def until(condition, what):
 
 
 def condition_wait(thread, called_from):
-    """The frame of ``threading.Condition.wait`` that ``thread`` blocks in,
+    """The frame of the twin's ``Condition.wait`` that ``thread`` blocks in,
     called by a function named ``called_from``; None if it blocks elsewhere."""
+    from pyengine._pure.condition import Condition
+
     frame = sys._current_frames().get(thread.ident)
     while frame is not None:
-        if (frame.f_code.co_name == "wait" and isinstance(frame.f_locals.get("self"), threading.Condition)
+        if (frame.f_code.co_name == "wait" and isinstance(frame.f_locals.get("self"), Condition)
                 and frame.f_back is not None and frame.f_back.f_code.co_name == called_from):
             return frame
         frame = frame.f_back

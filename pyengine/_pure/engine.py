@@ -138,14 +138,16 @@ ones that must both happen or neither. Each such pair is made safe:
   owner's thread state comes back] and Note [An interrupt in the twin's
   leaf locks] in ``pyengine/_pure/owner_graph.py``.
 
+- the twin's condition variables and the leaf's GradLock, Python code
+  around C locks: See Note [An interrupt in the twin's condition variable]
+  in ``pyengine/_pure/condition.py`` and Note [An interrupt in the twin's
+  GradLock] in ``pyengine/_pure/node.py``.
+
 ``tests/test_interrupt_windows.py`` raises KeyboardInterrupt at these
-places, one at a time, with a trace function. Not covered: a second
-interrupt while the first is being handled; threading.Condition's own
-methods, which are Python code too (``__exit__``, ``wait``, ``notify``): by
-their source, an interrupt as one is entered can leave its lock held or a
-waiter registered (not exercised) (the twin's GradLock, Python code
-around a lock too, closes its own: See Note [An interrupt in the twin's
-GradLock] in ``pyengine/_pure/node.py``); and a heap push or pop cut short on a queue that other
+places, one at a time, with a trace function, and
+``tests/test_interrupt_sweep.py`` at every place of a backward where
+CPython can raise it. Not covered: a second interrupt while the first is
+being handled; and a heap push or pop cut short on a queue that other
 threads' tasks share (a device's), which can leave a task there twice.
 
 Note [A shutdown task is the device worker's]

@@ -19,6 +19,7 @@ from .._shared.messages import (
     waits_for_itself_message,
 )
 from . import state
+from .condition import Condition
 from .node import NodeBase, _checked_field, _free_field, _not_list, _read_only_field, _read_only_property
 from .ready_queue import is_main_thread, wait_honouring_signals
 from .static_types import as_ssize_t, c_int_attribute, check_argument, check_new, final
@@ -196,7 +197,7 @@ class GraphTask:
         self.planning = False
         self._outstanding_lock = threading.Lock()
         self._completing = False
-        self._completion = threading.Condition(threading.Lock())
+        self._completion = Condition()
         self.initialized_ = False
         return self
 

@@ -70,6 +70,7 @@ from .._shared.messages import (
     task_field_message,
     wait_timeout_message,
 )
+from .condition import Condition
 from .node import NodeBase, _not_writable
 from .static_types import as_c_double, check_argument, check_new, final
 
@@ -299,7 +300,7 @@ class ReadyQueue:
         # on its running graph task's queue) leaves the queued tasks and
         # the waiting thread's condition as they are. It emptied the heap
         # before, and the backward waited forever for the tasks it dropped.
-        self._not_empty = threading.Condition(threading.Lock())
+        self._not_empty = Condition()
         self._heap = []
         self._woken = False
         self._shutdown_pending = False

@@ -145,6 +145,7 @@ from .._shared.messages import (
     pool_full_message,
     pool_stopped_message,
 )
+from .condition import Condition
 from .graph_task import cancel_graph_task
 from .static_types import check_argument
 
@@ -160,10 +161,10 @@ class _ThreadPoolShared:
     a pool thread]."""
 
     def __init__(self):
-        lock = threading.Lock()
-        self.condition = threading.Condition(lock)
-        self.work = threading.Condition(lock)
-        self.released = threading.Condition(lock)
+        lock = threading.RLock()
+        self.condition = Condition(lock)
+        self.work = Condition(lock)
+        self.released = Condition(lock)
         self.graph_tasks = []
         self.num_idle = 0
         self.num_threads = 0
