@@ -1009,8 +1009,11 @@ class GradLock:
         """Whether this thread holds the lock."""
         return self._lock._is_owned()
 
-    def __enter__(self):
-        return self.acquire()
+    # acquire itself: a Python __enter__ around it returned after the
+    # lock's acquire, where an interrupt could come out with the lock taken
+    # and no with block begun to let go of it (See Note [An interrupt in the
+    # twin's GradLock]).
+    __enter__ = acquire
 
     @property
     def __exit__(self):
