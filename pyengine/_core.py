@@ -127,3 +127,4 @@ is_checkpoint_valid = state_module.is_checkpoint_valid
 is_multithreading_enabled = state_module.is_multithreading_enabled
 set_multithreading_enabled = state_module.set_multithreading_enabled
 set_profiler = state_module.set_profiler
+RestoreOnExit = state_module.RestoreOnExit

@@ -55,6 +55,27 @@ def set_anomaly_enabled(enabled, check_nan=True):
     pyengine_anomaly_check_nan = bool(check_nan)
 
 
+cdef class RestoreOnExit:
+    """A base for context managers that put something back on exit:
+    ``__exit__`` calls ``restore(*restore_args)`` (where ``restore`` is not
+    None) from C, so that no Python frame of the context manager's own
+    stands between a with block's end and the restore, where Ctrl-C could
+    come out first. See Note [A mode context under Ctrl-C] in
+    pyengine/grad_mode.py."""
+
+    cdef public object restore
+    cdef public object restore_args
+
+    def __cinit__(self, *args, **kwargs):
+        self.restore_args = ()
+
+    def __exit__(self, *exc_info):
+        restore = self.restore
+        if restore is not None:
+            restore(*self.restore_args)
+        return False
+
+
 def set_profiler(callback):
     """Call ``callback(node, start_ns, end_ns)`` on the thread that ran it,
     after every node any engine runs (``time.perf_counter_ns`` clock); None

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import warnings
 
-from ._core import is_anomaly_check_nan_enabled, is_anomaly_enabled, set_anomaly_enabled
+from ._core import (
+    RestoreOnExit,
+    is_anomaly_check_nan_enabled,
+    is_anomaly_enabled,
+    set_anomaly_enabled,
+)
 
 __all__ = ["detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
            "is_anomaly_check_nan_enabled"]
@@ -35,24 +40,27 @@ __all__ = ["detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
 #   restores the mode of each entry).
 
 
-class detect_anomaly:
+class detect_anomaly(RestoreOnExit):
     """Context manager (and decorator) that turns anomaly mode on, and on
-    exit restores the mode of before it was made (as torch's does)."""
+    exit restores the mode of before it was made (as torch's does). See
+    Note [A mode context under Ctrl-C] in pyengine/grad_mode.py."""
 
     def __init__(self, check_nan: bool = True):
         self.check_nan = check_nan
         # See Note [Where a mode context saves the previous mode].
-        self._previous = (is_anomaly_enabled(), is_anomaly_check_nan_enabled())
+        _record_restore(self)
         warnings.warn("Anomaly Detection has been enabled. This mode will increase the runtime "
                       "and should only be enabled for debugging.", stacklevel=2)
 
     def __enter__(self):
-        set_anomaly_enabled(True, self.check_nan)
+        try:
+            set_anomaly_enabled(True, self.check_nan)
+        except BaseException:
+            # Ctrl-C as the set returned: no with block began, so nothing
+            # else would put the mode back.
+            self.__exit__(None, None, None)
+            raise
         return self
-
-    def __exit__(self, *exc_info):
-        set_anomaly_enabled(*self._previous)
-        return False
 
     def __call__(self, function):
         def wrapper(*args, **kwargs):
@@ -62,18 +70,26 @@ class detect_anomaly:
         return wrapper
 
 
-class set_detect_anomaly:
+class set_detect_anomaly(RestoreOnExit):
     """``set_detect_anomaly(mode, check_nan=True)`` sets anomaly mode at once and,
-    used as a context manager, restores the previous mode on exit."""
+    used as a context manager, restores the previous mode on exit. See Note
+    [A mode context under Ctrl-C] in pyengine/grad_mode.py."""
 
     def __init__(self, mode: bool, check_nan: bool = True):
         # See Note [Where a mode context saves the previous mode].
-        self._previous = (is_anomaly_enabled(), is_anomaly_check_nan_enabled())
-        set_anomaly_enabled(mode, check_nan)
+        _record_restore(self)
+        try:
+            set_anomaly_enabled(mode, check_nan)
+        except BaseException:
+            # As in detect_anomaly.__enter__.
+            self.__exit__(None, None, None)
+            raise
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc_info):
-        set_anomaly_enabled(*self._previous)
-        return False
+
+def _record_restore(context):
+    """Record in ``context`` how its exit puts back today's anomaly mode."""
+    context.restore_args = (is_anomaly_enabled(), is_anomaly_check_nan_enabled())
+    context.restore = set_anomaly_enabled

@@ -11,7 +11,7 @@ mode (an owner graph runs on the core's own walk, not through ``execute``).
 
 from __future__ import annotations
 
-from ._core import Engine, OwnerGraph, is_multithreading_enabled
+from ._core import Engine, OwnerGraph, RestoreOnExit, is_multithreading_enabled
 from ._core import set_multithreading_enabled as _set_multithreading_enabled
 
 __all__ = ["Engine", "OwnerGraph", "get_default_engine", "set_default_engine", "queue_callback",
@@ -65,7 +65,7 @@ def execute_owner_graph(root, children, method):
     graph.backward(root)
 
 
-class set_multithreading_enabled:
+class set_multithreading_enabled(RestoreOnExit):
     """``set_multithreading_enabled(False)`` runs every node of the backward
     calls this thread makes on this thread, device nodes included, instead of
     on the devices' worker threads (streams are still synchronized). Takes
@@ -73,12 +73,16 @@ class set_multithreading_enabled:
     mode on exit; the mode is per thread, as in ``torch.autograd``."""
 
     def __init__(self, mode: bool):
-        self._previous = is_multithreading_enabled()
-        _set_multithreading_enabled(mode)
+        # See Note [A mode context under Ctrl-C] in pyengine/grad_mode.py.
+        self.restore_args = (is_multithreading_enabled(),)
+        self.restore = _set_multithreading_enabled
+        try:
+            _set_multithreading_enabled(mode)
+        except BaseException:
+            # Ctrl-C as the set returned: the caller never gets the context
+            # whose exit would put the mode back.
+            self.__exit__(None, None, None)
+            raise
 
     def __enter__(self):
         return self
-
-    def __exit__(self, *exc_info):
-        _set_multithreading_enabled(self._previous)
-        return False

@@ -17,27 +17,56 @@ from __future__ import annotations
 import functools
 import inspect
 
-from ._core import is_grad_enabled
+from ._core import RestoreOnExit, is_grad_enabled
 from ._core import set_grad_enabled as _set_grad_enabled
 
 __all__ = ["is_grad_enabled", "no_grad", "enable_grad", "set_grad_enabled"]
 
 
-class _GradModeContext:
-    """Sets grad mode on entry, restores the previous mode on exit."""
+# Note [A mode context under Ctrl-C]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# From Python 3.10 on, Ctrl-C comes out on the main thread at a Python
+# function's entry, after a call returns, or on a loop's back edge. A mode
+# context written in Python (torch's are) leaves the mode changed where it
+# comes out
+# - in ``__enter__``, just after the call that set the mode: the with
+#   block never began, so its ``__exit__`` never runs;
+# - at ``__exit__``'s entry, before the call that puts the mode back.
+# ``tests/test_interrupt_sweep.py`` raises KeyboardInterrupt at each such
+# place of a block under each mode context, and found both. So:
+# - ``__enter__`` (and ``__init__``, where a context sets its mode at once)
+#   records what to put back, then sets the mode inside a ``try`` that puts
+#   it back where the set raised or an interrupt came out as it returned;
+# - ``__exit__`` is ``RestoreOnExit``'s (pyengine/_state.pyx), C in the
+#   compiled core: it calls the recorded restore with no Python frame of
+#   its own first. The twin's is Python, so there the window at its entry
+#   is left.
+# Left in both: a context that sets its mode at once (``set_grad_enabled``,
+# ``set_detect_anomaly``, ``set_multithreading_enabled``) set it in the
+# call that made it, and an interrupt as that call returns, before the
+# with statement enters it, leaves the mode set (torch's semantics: the
+# mode is set by the call, not by ``with``); and a second interrupt while
+# ``__enter__`` puts the mode back after a first.
+
+
+class _GradModeContext(RestoreOnExit):
+    """Sets grad mode on entry, restores the previous mode on exit (See Note
+    [A mode context under Ctrl-C])."""
 
     _enabled: bool
 
     def __enter__(self):
         # See Note [Where a mode context saves the previous mode] in
         # pyengine/anomaly_mode.py.
-        self._previous = is_grad_enabled()
-        _set_grad_enabled(self._enabled)
+        _record_restore(self)
+        try:
+            _set_grad_enabled(self._enabled)
+        except BaseException:
+            # Ctrl-C as the set returned: no with block began, so nothing
+            # else would put the mode back.
+            self.__exit__(None, None, None)
+            raise
         return self
-
-    def __exit__(self, *exc_info):
-        _set_grad_enabled(self._previous)
-        return False
 
     def __call__(self, function):
         enabled = self._enabled
@@ -50,7 +79,7 @@ class _GradModeContext:
 
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
-            with set_grad_enabled(enabled):
+            with _SetOnEntry(enabled):
                 return function(*args, **kwargs)
 
         return wrapper
@@ -66,7 +95,7 @@ def _resumed_under(enabled, generator):
     argument = None
     while True:
         try:
-            with set_grad_enabled(enabled):
+            with _SetOnEntry(enabled):
                 value = step(argument)
         except StopIteration as stop:
             return stop.value
@@ -74,12 +103,23 @@ def _resumed_under(enabled, generator):
             argument = yield value
             step = generator.send
         except GeneratorExit:
-            with set_grad_enabled(enabled):
+            with _SetOnEntry(enabled):
                 generator.close()
             raise
         except BaseException as error:
             step = generator.throw
             argument = error
+
+
+class _SetOnEntry(_GradModeContext):
+    """Grad mode ``enabled`` for a with block, set as it is entered: how the
+    decorators run a function under their mode. ``set_grad_enabled`` would
+    set it in the call that makes it, before the with statement, where
+    Ctrl-C could come out with the mode set and no block to put it back
+    (See Note [A mode context under Ctrl-C])."""
+
+    def __init__(self, enabled: bool):
+        self._enabled = enabled
 
 
 class _NoArgumentGradModeContext(_GradModeContext):
@@ -112,18 +152,33 @@ class set_grad_enabled(_GradModeContext):
 
     def __init__(self, mode: bool):
         self._enabled = bool(mode)
-        self._previous = is_grad_enabled()
-        _set_grad_enabled(self._enabled)
+        _record_restore(self)
+        try:
+            _set_grad_enabled(self._enabled)
+        except BaseException:
+            # As in _GradModeContext.__enter__.
+            self.__exit__(None, None, None)
+            raise
 
     def __enter__(self):
-        # Set again, as torch's does.
-        # See Note [Where a mode context saves the previous mode] in
-        # pyengine/anomaly_mode.py.
-        _set_grad_enabled(self._enabled)
+        # Set again, as torch's does. See Note [Where a mode context saves
+        # the previous mode] in pyengine/anomaly_mode.py.
+        try:
+            _set_grad_enabled(self._enabled)
+        except BaseException:
+            # As in _GradModeContext.__enter__: the with statement failed.
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __call__(self, function):
         # Made for a decorator, not a call: the mode it set at once goes
         # back, as torch's does.
-        _set_grad_enabled(self._previous)
+        _set_grad_enabled(*self.restore_args)
         return super().__call__(function)
+
+
+def _record_restore(context):
+    """Record in ``context`` how its exit puts back today's grad mode."""
+    context.restore_args = (is_grad_enabled(),)
+    context.restore = _set_grad_enabled

@@ -20,6 +20,8 @@ whoever completes the task (True outside any backward).
 
 import threading
 
+from .static_types import check_new
+
 
 class _ThreadState(threading.local):
     # Each attribute is per thread: no lock needed.
@@ -81,6 +83,30 @@ def set_anomaly_enabled(enabled: bool, check_nan: bool = True) -> None:
     global _anomaly_enabled, _anomaly_check_nan
     _anomaly_enabled = bool(enabled)
     _anomaly_check_nan = bool(check_nan)
+
+
+class RestoreOnExit:
+    """A base for context managers that put something back on exit:
+    ``__exit__`` calls ``restore(*restore_args)`` where ``restore`` is not
+    None. The compiled class's ``__exit__`` is C; this one is a Python
+    frame, at whose entry Ctrl-C can still come out before the restore.
+    See Note [A mode context under Ctrl-C] in pyengine/grad_mode.py."""
+
+    restore = None
+    restore_args = ()
+
+    def __new__(cls, *args, **kwargs):
+        # See Note [A class's __new__ called with another class] in
+        # pyengine/_pure/static_types.py.
+        if cls.__new__ is not RestoreOnExit.__new__:
+            check_new(RestoreOnExit, cls)
+        return object.__new__(cls)
+
+    def __exit__(self, *exc_info):
+        restore = self.restore
+        if restore is not None:
+            restore(*self.restore_args)
+        return False
 
 
 def is_checkpoint_valid() -> bool:
