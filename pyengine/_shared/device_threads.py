@@ -8,13 +8,13 @@ either; each core passes its own ReadyQueue type.
 
 import sys
 import threading
-import weakref
 
 import numpy as np
 
 from ..backends import backend_of
 from ..device import CPU
 from .engine_registry import IDLE_CHECK_S
+from .weak_members import WeakMembers
 
 
 def node_device(node, gradients):
@@ -78,9 +78,11 @@ class _DeviceThreads:
     state calls it by its index in ``devices`` (its ``worker_device``).
 
     Guarded by ``lock``: ``ids``, ``devices``, ``queues``, ``threads``,
-    ``stopping``. ``graph_tasks`` (a WeakSet of graph tasks that sent work to
-    a device, so that ``stop`` can fail them rather than leave their callers
-    waiting forever) is guarded by ``lock`` too.
+    ``stopping``. ``graph_tasks`` (the graph tasks that sent work to a
+    device, held weakly, so that ``stop`` can fail them rather than leave
+    their callers waiting forever) is guarded by ``lock`` too; See Note [No
+    weak reference callback on an engine path] in
+    pyengine/_shared/weak_members.py.
     """
 
     def __init__(self, ready_queue_type):
@@ -90,7 +92,7 @@ class _DeviceThreads:
         self.queues = []
         self.threads = []
         self.stopping = False
-        self.graph_tasks = weakref.WeakSet()
+        self.graph_tasks = WeakMembers()
         self._ready_queue_type = ready_queue_type
 
     def queue_for(self, device, graph_task, engine_ref):
@@ -169,7 +171,7 @@ class _DeviceThreads:
         on device work, and the workers' queues and threads."""
         with self.lock:
             self.stopping = True
-            return (list(self.graph_tasks), [self._checked_queue(queue) for queue in self.queues],
+            return (self.graph_tasks.members(), [self._checked_queue(queue) for queue in self.queues],
                     list(self.threads))
 
 
