@@ -30,11 +30,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-import weakref
 
 import numpy as np
 
 from . import backends, streams
+from ._shared.weak_members import WeakMembers
 from .device import CPU, Device
 
 __all__ = ["FakeArray", "FakeStream", "FakeEvent", "FakeRuntime", "LOG_LENGTH", "RUNTIME", "device",
@@ -66,7 +66,8 @@ class FakeStream:
         self._launched = 0
         self._done = 0
         self._running = False
-        RUNTIME.streams.add(self)
+        with RUNTIME.streams_lock:
+            RUNTIME.streams.add(self)
 
     def launch(self, work) -> None:
         with RUNTIME.lock:
@@ -74,7 +75,11 @@ class FakeStream:
             # append, leaves the stream as it was, not an item that its
             # count misses, which no wait ran and a reader found unwritten.
             position = self._launched + 1
-            self._pending.append(work)
+            # An in-place add, not an append call: Ctrl-C comes out at a
+            # call's end, and there it left an item its count missed, which
+            # the next launch's wait took for its own (its reader found its
+            # buffer unwritten).
+            self._pending += [work]
             self._launched = position
             delayed = RUNTIME.delayed
         if not delayed:
@@ -182,9 +187,12 @@ class FakeRuntime(streams.DeviceRuntime):
     def __init__(self):
         self.lock = threading.Lock()
         # Every stream made, so that a fork can clear a running flag: added to
-        # without the lock (FakeStream may be made under it; one set add is
-        # atomic under the GIL), read only in a forked child, by its only thread.
-        self.streams: weakref.WeakSet = weakref.WeakSet()
+        # under a lock of its own (FakeStream may be made under ``lock``),
+        # read only in a forked child, by its only thread. Held weakly with
+        # no callback: See Note [No weak reference callback on an engine
+        # path] in pyengine/_shared/weak_members.py.
+        self.streams = WeakMembers()
+        self.streams_lock = threading.Lock()
         self.delayed = False
         self.log: list = []
         self._default_streams: dict[Device, FakeStream] = {}
@@ -231,6 +239,7 @@ class FakeRuntime(streams.DeviceRuntime):
         # A device worker of the parent may have held the lock at the fork.
         # See Note [Locks after fork] in pyengine/node.py.
         self.lock = threading.Lock()
+        self.streams_lock = threading.Lock()
         # The thread that ran an item is gone in the child: that item counts as
         # done (as a kernel in flight at the fork has run, or never will).
         for stream in list(self.streams):
