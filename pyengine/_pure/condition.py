@@ -53,16 +53,14 @@ interrupts out).
 from __future__ import annotations
 
 import threading
-from collections import deque
 
 from .._shared.messages import cannot_pickle_message
+from .._shared.uninterrupted import run_all
 
 __all__ = ["Condition"]
 
 _allocate_lock = threading.Lock
 _release = type(threading.Lock()).release
-# Consumes an iterator in C: ``deque(maxlen=0).extend``.
-_run_all = deque(maxlen=0).extend
 
 
 class Condition:
@@ -114,17 +112,18 @@ class Condition:
                 notified = waiter.acquire(True, -1 if timeout is None else timeout)
             finally:
                 lock.acquire()
+            # A notification took the waiter out; a timeout left it in.
+            self._withdraw(waiter)
         except BaseException:
-            # The wait was cut short, maybe at the lock's acquire: the lock
-            # comes back first, so that the with block around lets go of
-            # it; a notification taken for this waiter goes to another one.
+            # The wait was cut short, maybe at the lock's acquire, maybe
+            # after a notification came: the lock comes back first, so that
+            # the with block around lets go of it; a notification taken for
+            # this waiter goes to another one.
             if not lock._is_owned():
                 lock.acquire()
             self._withdraw(waiter)
             self.notify()
             raise
-        # A notification took the waiter out; a timeout left it in.
-        self._withdraw(waiter)
         return notified
 
     def _withdraw(self, waiter):
@@ -143,7 +142,7 @@ class Condition:
         # come out); nothing between the del and the one call that runs it.
         releases = map(_release, woken)
         del waiters[:n]
-        _run_all(releases)
+        run_all(releases)
 
     def notify_all(self):
         """Wake every waiting thread. This thread must hold the lock."""
