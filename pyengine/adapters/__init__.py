@@ -25,6 +25,8 @@ Adapters are frontends: they import the engine, never the reverse.
 import contextlib
 import threading
 
+from .._shared.uninterrupted import run_all
+
 # No names: ``from pyengine.adapters import *`` must not import a framework.
 __all__: list = []
 
@@ -41,6 +43,24 @@ __all__: list = []
 # has changed nothing, every change is made inside it, and the ``finally``
 # puts the values back (cuts the stack back to its depth) rather than
 # resetting tokens or popping once.
+
+
+# Note [Patches under Ctrl-C]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An adapter's install replaces several attributes of a framework's
+# classes and records the originals; uninstall puts them back. One setattr
+# call after another, Ctrl-C could come out between two (after a call
+# returns: See pyengine/_shared/uninterrupted.py): a class left half
+# patched, with no record to undo it by, or installed for good after an
+# ``installed()`` block. So each does all its setattr calls in one C call
+# (``run_all`` over a ``map`` made before), with the record changed just
+# before it and nothing between: the patches and the record change
+# together or not at all, and ``installed()`` installs inside its ``try``.
+# tests/adapters/test_adapters_interrupt_sweep.py found both. Left: an
+# interrupt as ``installed()``'s block ends, at the start of its uninstall
+# (Python code), before that changed anything, leaves the adapter
+# installed, as any with block's Python exit would; ``uninstall()`` puts
+# it right.
 
 
 class Patches:
@@ -72,17 +92,19 @@ class Patches:
                     raise RuntimeError(f"{self._adapter}: {cls.__module__}.{cls.__name__} has no "
                                        f"{name}; {self._unsupported()}")
             originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in self._patches]
-            for cls, name, replacement in self._patches:
-                setattr(cls, name, replacement)
+            # All patches or none, with the record: See Note [Patches under
+            # Ctrl-C].
+            patch_all = map(setattr, *zip(*self._patches))
             self._originals = originals
+            run_all(patch_all)
 
     def uninstall(self):
         with self._lock:
             if self._originals is None:
                 return
-            for cls, name, original in self._originals:
-                setattr(cls, name, original)
+            restore_all = map(setattr, *zip(*self._originals))
             self._originals = None
+            run_all(restore_all)
 
     def is_installed(self) -> bool:
         return self._originals is not None
@@ -99,8 +121,9 @@ def installed_while(is_installed, install, uninstall):
     adapter installed, and the previous state comes back after it (it
     stays installed if it was)."""
     was_installed = is_installed()
-    install()
     try:
+        # In the try: an install that Ctrl-C cut short is undone.
+        install()
         yield
     finally:
         if not was_installed:
