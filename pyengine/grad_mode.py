@@ -39,8 +39,9 @@ __all__ = ["is_grad_enabled", "no_grad", "enable_grad", "set_grad_enabled"]
 #   it back where the set raised or an interrupt came out as it returned;
 # - ``__exit__`` is ``RestoreOnExit``'s (pyengine/_state.pyx), C in the
 #   compiled core: it calls the recorded restore with no Python frame of
-#   its own first. The twin's is Python, so there the window at its entry
-#   is left.
+#   its own first. The twin's is Python, and so are its set functions
+#   that restore a mode, so there windows at their entries (and before
+#   their sets) are left.
 # Left in both: a context that sets its mode at once (``set_grad_enabled``,
 # ``set_detect_anomaly``, ``set_multithreading_enabled``) set it in the
 # call that made it, and an interrupt as that call returns, before the
