@@ -48,9 +48,12 @@ the call ran is tried too where C gives no way to tell it from a direct
 one (the engine calling a node's ``apply``): a place that CPython would
 not check, which can only find more.
 
-The sweep reads the exception table (Python 3.11 on; before 3.10 CPython
-checks for signals between almost any two bytecodes, CPython's
-bpo-29988), and runs on the main thread only, where signal handlers run.
+The places are CPython 3.11's: where its eval loop checks for signals,
+in its bytecode, read through its exception table (3.12 moved calls'
+inline caches and the events that ``sys.settrace`` gives; before 3.10
+CPython checked between almost any two bytecodes, bpo-29988). So the
+sweeps run on 3.11 only, the Python of ``.ci/run``'s stress runs. They
+run on the main thread only, where signal handlers run.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ import os
 import sys
 
 import pyengine
+
+SWEEP_PYTHON = "the sweep's places are CPython 3.11's (See tests/interrupt_sweep.py)"
 
 PACKAGE = os.path.dirname(os.path.abspath(pyengine.__file__)) + os.sep
 # The benchmark graphs' own code is not the engine's.

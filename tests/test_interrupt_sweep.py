@@ -29,15 +29,14 @@ import textwrap
 
 import pytest
 from conftest import run_on_this_core
+from interrupt_sweep import SWEEP_PYTHON
 
 import pyengine
 
 pytestmark = [
     # A few minutes on each core: a child per place.
     pytest.mark.stress,
-    pytest.mark.skipif(sys.version_info < (3, 11), reason=(
-        "the sweep reads the exception table (3.11 on); before 3.10 CPython checks for "
-        "signals between almost any two bytecodes (bpo-29988)")),
+    pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason=SWEEP_PYTHON),
     pytest.mark.skipif(not hasattr(os, "fork"), reason="the sweep forks a child per place"),
 ]
 

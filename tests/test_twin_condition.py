@@ -21,6 +21,7 @@ import time
 
 import pytest
 from conftest import run_on_core
+from interrupt_sweep import SWEEP_PYTHON
 
 from pyengine._pure.condition import Condition
 
@@ -86,7 +87,7 @@ def test_a_shared_lock_must_be_an_rlock():
         Condition(threading.Lock())
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="the sweep needs Python 3.11 or later")
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason=SWEEP_PYTHON)
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the sweep forks a child per place")
 def test_an_interrupt_at_each_place_of_a_wait_loses_no_notification():
     # The main thread and then another thread wait for one token; a third
