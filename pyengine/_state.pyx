@@ -60,7 +60,7 @@ cdef class RestoreOnExit:
     ``__exit__`` calls ``restore(*restore_args)`` (where ``restore`` is not
     None) from C, so that no Python frame of the context manager's own
     stands between a with block's end and the restore, where Ctrl-C could
-    come out first. See Note [A mode context under Ctrl-C] in
+    come out first. See Note [A mode context under an interrupt] in
     pyengine/grad_mode.py."""
 
     cdef public object restore

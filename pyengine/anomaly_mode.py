@@ -43,7 +43,7 @@ __all__ = ["detect_anomaly", "set_detect_anomaly", "is_anomaly_enabled",
 class detect_anomaly(RestoreOnExit):
     """Context manager (and decorator) that turns anomaly mode on, and on
     exit restores the mode of before it was made (as torch's does). See
-    Note [A mode context under Ctrl-C] in pyengine/grad_mode.py."""
+    Note [A mode context under an interrupt] in pyengine/grad_mode.py."""
 
     def __init__(self, check_nan: bool = True):
         self.check_nan = check_nan
@@ -73,7 +73,7 @@ class detect_anomaly(RestoreOnExit):
 class set_detect_anomaly(RestoreOnExit):
     """``set_detect_anomaly(mode, check_nan=True)`` sets anomaly mode at once and,
     used as a context manager, restores the previous mode on exit. See Note
-    [A mode context under Ctrl-C] in pyengine/grad_mode.py."""
+    [A mode context under an interrupt] in pyengine/grad_mode.py."""
 
     def __init__(self, mode: bool, check_nan: bool = True):
         # See Note [Where a mode context saves the previous mode].

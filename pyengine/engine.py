@@ -73,7 +73,7 @@ class set_multithreading_enabled(RestoreOnExit):
     mode on exit; the mode is per thread, as in ``torch.autograd``."""
 
     def __init__(self, mode: bool):
-        # See Note [A mode context under Ctrl-C] in pyengine/grad_mode.py.
+        # See Note [A mode context under an interrupt] in pyengine/grad_mode.py.
         self.restore_args = (is_multithreading_enabled(),)
         self.restore = _set_multithreading_enabled
         try:

@@ -23,8 +23,8 @@ from ._core import set_grad_enabled as _set_grad_enabled
 __all__ = ["is_grad_enabled", "no_grad", "enable_grad", "set_grad_enabled"]
 
 
-# Note [A mode context under Ctrl-C]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Note [A mode context under an interrupt]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # From Python 3.10 on, Ctrl-C comes out on the main thread at a Python
 # function's entry, after a call returns, or on a loop's back edge. A mode
 # context written in Python (torch's are) leaves the mode changed where it
@@ -52,7 +52,7 @@ __all__ = ["is_grad_enabled", "no_grad", "enable_grad", "set_grad_enabled"]
 
 class _GradModeContext(RestoreOnExit):
     """Sets grad mode on entry, restores the previous mode on exit (See Note
-    [A mode context under Ctrl-C])."""
+    [A mode context under an interrupt])."""
 
     _enabled: bool
 
@@ -117,7 +117,7 @@ class _SetOnEntry(_GradModeContext):
     decorators run a function under their mode. ``set_grad_enabled`` would
     set it in the call that makes it, before the with statement, where
     Ctrl-C could come out with the mode set and no block to put it back
-    (See Note [A mode context under Ctrl-C])."""
+    (See Note [A mode context under an interrupt])."""
 
     def __init__(self, enabled: bool):
         self._enabled = enabled

@@ -15,7 +15,7 @@ Allowed, and documented where they are (each an entry in ``OPEN``): a
 context that sets its mode in the call that makes it (torch's semantics)
 leaves it set where the interrupt comes out before the with statement
 enters it; and the twin's ``RestoreOnExit.__exit__``, a Python frame, can
-be interrupted before it restores (See Note [A mode context under Ctrl-C]
+be interrupted before it restores (See Note [A mode context under an interrupt]
 in pyengine/grad_mode.py).
 """
 

@@ -90,7 +90,7 @@ class RestoreOnExit:
     ``__exit__`` calls ``restore(*restore_args)`` where ``restore`` is not
     None. The compiled class's ``__exit__`` is C; this one is a Python
     frame, at whose entry Ctrl-C can still come out before the restore.
-    See Note [A mode context under Ctrl-C] in pyengine/grad_mode.py."""
+    See Note [A mode context under an interrupt] in pyengine/grad_mode.py."""
 
     restore = None
     restore_args = ()

@@ -45,8 +45,8 @@ __all__: list = []
 # resetting tokens or popping once.
 
 
-# Note [Patches under Ctrl-C]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Note [Patches under an interrupt]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # An adapter's install replaces several attributes of a framework's
 # classes and records the originals; uninstall puts them back. One setattr
 # call after another, Ctrl-C could come out between two (after a call

@@ -11,7 +11,7 @@ DeZero's ``Config.enable_backprop`` on and the adapter's per-call mode
 unset; and a clean run's gradients equal to the framework's own engine's
 (micrograd) or to the analytic ones (DeZero, first and second order).
 Left open, and allowed here: the start of ``installed()``'s uninstall (See
-Note [Patches under Ctrl-C]).
+Note [Patches under an interrupt]).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ SWEEP = textwrap.dedent('''
 ''')
 
 
-# Left open, as documented in Note [Patches under Ctrl-C]: an interrupt at
+# Left open, as documented in Note [Patches under an interrupt]: an interrupt at
 # the start of the uninstall that ``installed()`` runs as its block ends,
 # before the uninstall changed anything, leaves the adapter installed.
 UNINSTALL_NOT_BEGUN = re.compile(r"^adapters/__init__\.py:\d+ uninstall: ")
