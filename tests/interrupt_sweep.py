@@ -64,6 +64,8 @@ import json
 import os
 import sys
 
+from thread_state import thread_state_problems as state_problems  # noqa: F401 (the sweeps' check)
+
 import pyengine
 
 SWEEP_PYTHON = "the sweep's places are CPython 3.11's (See tests/interrupt_sweep.py)"
@@ -298,26 +300,3 @@ def sweep(scenario, check, timeout: float = 20.0, limit: int = 20000):
         if report["fired"] is None:
             return target - 1, failures
     raise AssertionError(f"more than {limit} places: the scenario never ends?")
-
-
-def state_problems():
-    """What an interrupted call left changed in the calling thread's state
-    (each put right, so that the next check starts clean)."""
-    problems = []
-    if not pyengine.is_grad_enabled():
-        problems.append("grad mode left off")
-        pyengine.set_grad_enabled(True)
-    if pyengine.is_anomaly_enabled():
-        problems.append("anomaly mode left on")
-        pyengine.set_detect_anomaly(False)
-    if not pyengine.is_checkpoint_valid():
-        problems.append("checkpoint flag left off")
-    if not pyengine.is_multithreading_enabled():
-        problems.append("multithreading left off")
-        pyengine.set_multithreading_enabled(True)
-    try:
-        pyengine.queue_callback(lambda: None)
-        problems.append("a graph task left current: queue_callback took a callback")
-    except RuntimeError:
-        pass
-    return problems

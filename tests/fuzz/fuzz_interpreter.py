@@ -36,6 +36,10 @@ import pyengine
 from pyengine import fake_device as fd
 from pyengine._core import state_module
 
+# tests/, after this folder: the checks shared with the interrupt sweep.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from thread_state import thread_state_problems  # noqa: E402
+
 SHAPE = (2,)
 
 
@@ -613,23 +617,7 @@ class _Scale(pyengine.Node):
 def reference_check(baseline_threads):
     """The engine still works: a fresh graph's exact gradient, global state
     as it was, no thread left behind."""
-    problems = []
-    if not pyengine.is_grad_enabled():
-        problems.append("grad mode left off")
-        pyengine.set_grad_enabled(True)
-    if pyengine.is_anomaly_enabled():
-        problems.append("anomaly mode left on")
-        pyengine.set_detect_anomaly(False)
-    if not pyengine.is_checkpoint_valid():
-        problems.append("checkpoint flag left off")
-    try:
-        # No backward runs here, so none is the thread's current one (an
-        # owner graph's walk once left its freed graph task there: See Note
-        # [An owner's thread state comes back] in pyengine/_pure/owner_graph.py).
-        pyengine.queue_callback(lambda: None)
-        problems.append("a graph task left current: queue_callback took a callback")
-    except RuntimeError:
-        pass
+    problems = thread_state_problems(multithreading=False)
     try:
         x = Leaf([1.0, 2.0])
         node = _Scale([pyengine.gradient_edge(x)], [(SHAPE, np.float64)])
