@@ -93,7 +93,7 @@ class Patches:
                                        f"{name}; {self._unsupported()}")
             originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in self._patches]
             # All patches or none, with the record: See Note [Patches under
-            # Ctrl-C].
+            # an interrupt].
             patch_all = map(setattr, *zip(*self._patches))
             self._originals = originals
             run_all(patch_all)

@@ -61,8 +61,8 @@ SWEEP = textwrap.dedent('''
 # before the uninstall changed anything, leaves the adapter installed.
 UNINSTALL_NOT_BEGUN = re.compile(r"^adapters/__init__\.py:\d+ uninstall: ")
 # And the twin's: its set_multithreading_enabled, which the DeZero adapter
-# restores its switch with, is Python (See Note [A mode context under
-# Ctrl-C] in pyengine/grad_mode.py).
+# restores its switch with, is Python (See Note [A mode context under an
+# interrupt] in pyengine/grad_mode.py).
 TWIN_RESTORE = re.compile(r"^_pure/state\.py:\d+ set_multithreading_enabled: (entry|after a call)$")
 
 
