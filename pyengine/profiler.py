@@ -82,13 +82,12 @@ import os
 import sys
 import threading
 import time
-import weakref
 from typing import NamedTuple
 
 from . import _core
 from . import engine as _engine_module
 from ._shared.messages import node_name
-from ._shared.weak_members import PRUNE_AT_LEAST
+from ._shared.weak_members import WeakMembers
 
 __all__ = ["profile", "NodeEvent", "BackwardSpan", "ThreadInfo", "NodeTypeSummary"]
 
@@ -281,7 +280,6 @@ def _remove_engine_proxy_locked():
 
 # -- resolving raw entries --------------------------------------------------------------
 
-
 _NOT_A_TASK = object()
 _STDOUT = object()  # table()'s default file: sys.stdout as it is when called
 _START, _END = operator.itemgetter(4), operator.itemgetter(5)
@@ -358,12 +356,11 @@ class profile:
         self._buffers: list[_ThreadBuffer] = []
         self._events: list[NodeEvent] = []
         self._spans: list[BackwardSpan] = []
-        # id(graph task) -> (weak reference to it, run index): a finished
-        # backward must not stay alive, and its death runs no Python code
-        # (See Note [No weak reference callback on an engine path] in
+        # Graph task -> run index, weakly: a finished backward must not stay
+        # alive, and its death runs no Python code (See Note [No weak
+        # reference callback on an engine path] in
         # pyengine/_shared/weak_members.py).
-        self._runs: dict = {}
-        self._prune_runs_at = PRUNE_AT_LEAST
+        self._runs = WeakMembers()
         self._run_count = 0
         # new -> recording -> stopping -> stopped; written under _Registry.lock
         # or _lock, read under the GIL alone.
@@ -526,18 +523,11 @@ class profile:
         if graph_task is None:
             return -1
         runs = self._runs
-        key = id(graph_task)
-        entry = runs.get(key)
-        # A dead task's id may be a new task's: its entry names another object.
-        if entry is not None and entry[0]() is graph_task:
-            return entry[1]
-        if len(runs) >= self._prune_runs_at:
-            for dead in [dead_key for dead_key, (task, _) in runs.items() if task() is None]:
-                del runs[dead]
-            self._prune_runs_at = max(PRUNE_AT_LEAST, 2 * len(runs))
-        run = self._run_count
-        runs[key] = (weakref.ref(graph_task), run)
-        self._run_count += 1
+        run = runs.get(graph_task)
+        if run is None:
+            run = self._run_count
+            runs.add(graph_task, run)
+            self._run_count += 1
         return run
 
     # -- results --

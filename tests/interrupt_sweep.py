@@ -42,11 +42,11 @@ place, having tried every one.
 A call whose callee makes no return event (a Cython function, a C type's
 call) has its place at the instruction after it, where an error is handled
 as one the call raised (the same exception table entry); where it is not
-(``return f()`` in a ``try``), the place is counted in ``unreachable`` and
-not tried. A return place of a Python callee that C code called back while
-the call ran is tried too where C gives no way to tell it from a direct
-one (the engine calling a node's ``apply``): a place that CPython would
-not check, which can only find more.
+(``return f()`` in a ``try``), the place is not tried. A return place of
+a Python callee that C code called back while the call ran is tried too
+where C gives no way to tell it from a direct one (the engine calling a
+node's ``apply``): a place that CPython would not check, which can only
+find more.
 
 The places are CPython 3.11's: where its eval loop checks for signals,
 in its bytecode, read through its exception table (3.12 moved calls'
@@ -164,7 +164,6 @@ class Injector:
         # marked (a Cython function, a C type's call): its place is then the
         # next instruction, where that raises as the call would.
         self._call_unmarked = {}
-        self.unreachable = 0  # such calls whose next instruction is handled otherwise
 
     def start(self):
         sys.settrace(self._trace)
@@ -234,8 +233,6 @@ class Injector:
                 if offset == following:  # the call returned, raising nothing
                     if handled_alike:
                         self._place(frame, "after a call")
-                    else:
-                        self.unreachable += 1
             opcode = frame.f_code.co_code[offset]
             if opcode in _CALLS:
                 self._call_unmarked[id(frame)] = after_calls(frame.f_code)[offset]

@@ -61,6 +61,7 @@ __all__ = ["Condition"]
 
 _allocate_lock = threading.Lock
 _release = type(threading.Lock()).release
+_RLock = type(threading.RLock())
 
 
 class Condition:
@@ -74,7 +75,7 @@ class Condition:
     def __init__(self, lock=None):
         if lock is None:
             lock = threading.RLock()
-        elif not isinstance(lock, type(threading.RLock())):
+        elif not isinstance(lock, _RLock):
             raise TypeError(f"a Condition's lock must be a threading.RLock, not "
                             f"{type(lock).__name__}")
         self._lock = lock

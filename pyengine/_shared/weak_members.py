@@ -20,43 +20,53 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["WeakMembers", "PRUNE_AT_LEAST"]
+__all__ = ["WeakMembers"]
 
 # The least table size at which a pass drops dead entries.
 PRUNE_AT_LEAST = 64
 
 
 class WeakMembers:
-    """A set of weakly held objects (by identity), as ``weakref.WeakSet``
-    without its callbacks: See Note [No weak reference callback on an engine
-    path]. Not thread-safe: its owner guards it."""
+    """Weakly held objects (by identity), each with a value (None unless
+    given): ``weakref.WeakSet`` and ``WeakKeyDictionary`` without their
+    callbacks (See Note [No weak reference callback on an engine path]).
+    Not thread-safe: its owner guards it."""
 
-    __slots__ = ("_references", "_prune_at")
+    __slots__ = ("_entries", "_prune_at")
 
     def __init__(self):
-        self._references: dict = {}
+        # id(member) -> (weak reference to it, its value)
+        self._entries: dict = {}
         self._prune_at = PRUNE_AT_LEAST
 
-    def add(self, member) -> None:
-        references = self._references
-        key = id(member)
-        reference = references.get(key)
+    def get(self, member, default=None):
+        """``member``'s value, or ``default`` where it is not a member."""
+        entry = self._entries.get(id(member))
         # A dead member's id may be a new object's: its entry names another.
-        if reference is not None and reference() is member:
+        if entry is not None and entry[0]() is member:
+            return entry[1]
+        return default
+
+    def add(self, member, value=None) -> None:
+        """Make ``member`` a member with ``value``; one already is keeps its own."""
+        entries = self._entries
+        entry = entries.get(id(member))
+        if entry is not None and entry[0]() is member:
             return
-        if len(references) >= self._prune_at:
-            self._references = references = {
-                live_key: live for live_key, live in references.items() if live() is not None}
-            self._prune_at = max(PRUNE_AT_LEAST, 2 * len(references))
-        references[key] = weakref.ref(member)
+        if len(entries) >= self._prune_at:
+            self._entries = entries = {
+                key: live for key, live in entries.items() if live[0]() is not None}
+            self._prune_at = max(PRUNE_AT_LEAST, 2 * len(entries))
+        entries[id(member)] = (weakref.ref(member), value)
 
     def members(self) -> list:
         """The members still alive."""
-        alive = [reference() for reference in self._references.values()]
+        alive = [reference() for reference, _ in self._entries.values()]
         return [member for member in alive if member is not None]
-
-    def __len__(self) -> int:
-        return len(self.members())
 
     def __iter__(self):
         return iter(self.members())
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._prune_at = PRUNE_AT_LEAST
