@@ -123,8 +123,12 @@ cpdef int init_to_execute(NodeBase graph_root, GraphTask graph_task, outputs,
     cdef Edge edge
     cdef ExecInfoEntry* entry
     graph_task.planning = True
+    # See Note [Long passes let other threads run] in _interrupts.pxd; another
+    # thread that plans this task meanwhile is refused (planning).
+    cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     try:
         for output_idx in range(PyTuple_GET_SIZE(output_edges)):
+            let_others_run(&work_left)
             edge = <Edge?><object>PyTuple_GET_ITEM(output_edges, output_idx)
             entry = &graph_task.exec_info_.make_entry(<PyObject*>edge.node)
             if accumulate_grad:
@@ -194,6 +198,9 @@ cdef bint count_dependencies(NodeBase graph_root, GraphTask graph_task) except -
                 if not count_edge(graph_task, node, next_node, stack):
                     return False
                 continue
+            # A unit for the node, and one per edge: a node with no next
+            # edges is work too (a million leaves below one node).
+            let_others_run(&work_left)
             edges = node._next_edges
             for i in range(PyTuple_GET_SIZE(edges)):
                 let_others_run(&work_left)

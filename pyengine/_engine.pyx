@@ -48,6 +48,7 @@ from pyengine._graph_task cimport (Capture, ExecInfoEntry, GraphTask, InputBuffe
                                    task_should_execute)
 from pyengine._dependencies cimport compute_dependencies, init_to_execute
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
+from pyengine._interrupts cimport NODES_BETWEEN_YIELDS, WORK_BETWEEN_YIELDS, let_others_run
 from pyengine._locks cimport is_main_thread, lock_releasing_gil
 from pyengine._node cimport Edge, GradientFreeNodeBase, InputMetadata, NodeBase, has_numpy_backend
 from pyengine._ready_queue cimport NodeTaskRecord, ReadyQueue, make_record, release_record
@@ -396,11 +397,15 @@ cdef class Engine:
         cdef bint grad_mode = create_graph
         if not root_edges:
             raise RuntimeError("execute needs at least one root edge")
+        # See Note [Long passes let other threads run] in _interrupts.pxd.
+        cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
         for i, root in enumerate(root_edges):
+            let_others_run(&work_left)
             if not isinstance(root, Edge):
                 raise TypeError(f"roots[{i}] must be an Edge, got {type(root).__name__}")
         if output_edges is not None:
             for i, output in enumerate(output_edges):
+                let_others_run(&work_left)
                 if not isinstance(output, Edge):
                     raise TypeError(f"outputs[{i}] must be an Edge, got {type(output).__name__}")
         validate_outputs_impl(root_edges, root_grads, plain_error_format, None, False)
@@ -540,6 +545,9 @@ cdef class Engine:
         cdef bint serve_on = False
         cdef bint not_owner
         cdef Py_ssize_t left, dropped
+        # Nodes of C alone (AccumulateGrad) run with no bytecode boundary:
+        # See Note [Long passes let other threads run] in _interrupts.pxd.
+        cdef Py_ssize_t work_left = NODES_BETWEEN_YIELDS
         try:
             while graph_task is None or not graph_task.future_completed_.load():
                 if worker.has_next_task:
@@ -583,6 +591,9 @@ cdef class Engine:
                                            and previous.checkpoint_valid)
                 try:
                     if not local_graph_task.has_error_.load():
+                        # In the try: an interrupt there fails the graph
+                        # task as one its node raised would.
+                        let_others_run(&work_left, NODES_BETWEEN_YIELDS)
                         # One check per node when nobody profiles.
                         if profiler() == NULL:
                             self.evaluate_function(worker, local_graph_task,
@@ -740,6 +751,11 @@ cdef class Engine:
         if num_outputs != num_edges:
             raise RuntimeError(f"Function {_hooks.node_name(node)} returned {num_outputs} "
                                f"gradients for {num_edges} next edges")
+        # A node with many edges routes them with no bytecode boundary: See
+        # Note [Long passes let other threads run] in _interrupts.pxd (under
+        # the lock too: a thread that wants it waits without the GIL, See
+        # Note [Accumulating under the graph task lock]).
+        cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
         # See Note [Accumulating under the graph task lock].
         lock_mutex(graph_task)
         try:
@@ -748,6 +764,7 @@ cdef class Engine:
                     next_node = only_next_node
                     next_input_nr = only_input_nr
                 else:
+                    let_others_run(&work_left)
                     edge_object = <object>PyTuple_GET_ITEM(next_edges, i)
                     if edge_object is None:
                         continue

@@ -16,6 +16,19 @@
 # they raise (KeyboardInterrupt) out of the pass. So another thread waits
 # at most about a switch interval plus the work between two calls.
 #
+# The run is such a pass too where its nodes' work is C alone: a node of
+# Python code reaches a bytecode boundary in its apply, but a million
+# leaves' AccumulateGrad nodes, or one node's million edges, would hold the
+# GIL for a second (benchmarks/RESULTS.md, "Long runs of C in the run").
+# So a worker's loop counts its nodes (NODES_BETWEEN_YIELDS between yields,
+# inside the node's try: an interrupt there fails the graph task as the
+# node raising would), and the routing of a node's gradients, their
+# validation, execute's and init_to_execute's loops over their arguments
+# and the checks of a node's next edges and input metadata count their
+# edges. What is left is the growth of a vector of a million entries (the
+# ready queue's heap, init_to_execute's captures): one copy of tens of
+# megabytes, 10 to 20 ms, once per doubling.
+#
 # Releasing the GIL for a moment (``with nogil: pass``) looks like the same
 # thing and is not: the waiting thread wakes up, finds the GIL taken back
 # already, and starts its switch interval again, so it rarely gets the GIL,
@@ -38,13 +51,20 @@ cdef int yield_to_other_threads() except -1
 cdef enum:
     WORK_BETWEEN_YIELDS = 4096
 
+# Nodes a worker's loop runs between two yields: about a millisecond of nodes
+# of C alone (an AccumulateGrad's, about 2 us).
+cdef enum:
+    NODES_BETWEEN_YIELDS = 512
 
-cdef inline int let_others_run(Py_ssize_t* work_left) except -1:
+
+cdef inline int let_others_run(Py_ssize_t* work_left,
+                               Py_ssize_t between=WORK_BETWEEN_YIELDS) except -1:
     """Count one unit of a long pass's work in ``work_left`` (start it at
-    WORK_BETWEEN_YIELDS); once it runs out, let other threads take the GIL
-    and run signal handlers. See Note [Long passes let other threads run]."""
+    ``between``, the units between two yields); once it runs out, let other
+    threads take the GIL and run signal handlers. See Note [Long passes let
+    other threads run]."""
     work_left[0] -= 1
     if work_left[0] > 0:
         return 0
-    work_left[0] = WORK_BETWEEN_YIELDS
+    work_left[0] = between
     return yield_to_other_threads()

@@ -22,6 +22,7 @@ from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.weakref cimport PyWeakref_GET_OBJECT, PyWeakref_NewRef
 from libc.stdint cimport INT32_MAX, int32_t, uint64_t, UINT64_MAX
 
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run
 from pyengine._state cimport ThreadState, anomaly_enabled, thread_state
 
 import operator
@@ -241,7 +242,11 @@ cdef bint on_cpu(tuple input_metadata) noexcept:
 
 cdef tuple _check_next_edges(next_edges):
     next_edges = tuple(next_edges)
+    # A node of a million edges (a GraphRoot of a million roots): See Note
+    # [Long passes let other threads run] in _interrupts.pxd.
+    cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     for i, edge in enumerate(next_edges):
+        let_others_run(&work_left)
         if edge is not None and not isinstance(edge, Edge):
             raise TypeError(f"next_edges[{i}] must be an Edge or None, got {type(edge).__name__}")
     return next_edges
@@ -249,7 +254,9 @@ cdef tuple _check_next_edges(next_edges):
 
 cdef tuple _check_input_metadata(input_metadata):
     input_metadata = tuple(input_metadata)
+    cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     for i, metadata in enumerate(input_metadata):
+        let_others_run(&work_left)
         if metadata is not None and not isinstance(metadata, InputMetadata):
             raise TypeError(f"input_metadata[{i}] must be an InputMetadata or None, got "
                             f"{type(metadata).__name__}")

@@ -21,6 +21,7 @@ from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
 cimport numpy as cnp
 
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, let_others_run
 from pyengine._node cimport Edge, InputMetadata, NodeBase
 
 from pyengine import backends as _backends
@@ -76,10 +77,14 @@ cdef int validate_outputs_impl(tuple edges, list grads, object format_error,
     if PyList_GET_SIZE(grads) != num_edges:
         raise RuntimeError(error_format(format_error, node)(
             f"invalid number of gradients - expected {num_edges}, but got {len(grads)}"))
+    # See Note [Long passes let other threads run] in _interrupts.pxd.
+    cdef Py_ssize_t work_left = WORK_BETWEEN_YIELDS
     for i in range(num_edges):
+        let_others_run(&work_left)
         # The node may keep ``grads``, and the slow path runs Python code
-        # (a cast, a backend, a replaced gradient's __del__), which may
-        # shorten it: each read and write looks at its size again.
+        # (a cast, a backend, a replaced gradient's __del__; other threads,
+        # at let_others_run), which may shorten it: each read and write
+        # looks at its size again.
         if i >= PyList_GET_SIZE(grads):
             raise RuntimeError(gradients_changed_message(node))
         edge_object = <object>PyTuple_GET_ITEM(edges, i)

@@ -26,13 +26,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import traceback
 
 import numpy as np
 import pytest
 from conftest import Counter
 from minitensor import leaf
+from stalls import longest_stall_while
 
 import pyengine
 from pyengine import Edge, Node
@@ -252,35 +252,6 @@ def test_ctrl_c_during_compute_dependencies(fan_graph):
     # No thread left that was not there before (an earlier test's engine may
     # end its threads meanwhile: not an equality of counts).
     assert not set(threading.enumerate()) - threads_before
-
-
-def longest_stall_while(work):
-    """Run ``work()`` while a thread counts in pure Python; returns
-    ``(longest gap between the counter's steps, work's duration)``."""
-    started = threading.Event()
-    done = threading.Event()
-    longest = [0.0]
-
-    def count():
-        last = time.perf_counter()
-        started.set()
-        while not done.is_set():
-            now = time.perf_counter()
-            if now - last > longest[0]:
-                longest[0] = now - last
-            last = now
-
-    counter = threading.Thread(target=count)
-    counter.start()
-    started.wait()
-    begin = time.perf_counter()
-    try:
-        work()
-    finally:
-        elapsed = time.perf_counter() - begin
-        done.set()
-        counter.join()
-    return longest[0], elapsed
 
 
 def test_other_threads_run_during_compute_dependencies(fan_graph):
