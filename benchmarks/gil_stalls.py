@@ -2,7 +2,8 @@
 """How long backward keeps other Python threads waiting for the GIL.
 
     python benchmarks/gil_stalls.py [--chain 1000000] [--pruned 2000000] \\
-        [--owners 1000000] [--repeats 5] [--only chain,pruned,owners]
+        [--owners 1000000] [--fan 1000000] [--roots 1000000] [--grad-fan 1000000] \\
+        [--repeats 5] [--only chain,pruned,owners,fan,roots,grad-fan]
 
 A second thread counts in pure Python, noting the longest gap between two
 of its steps, while the main thread runs one backward:
@@ -13,7 +14,13 @@ of its steps, while the main thread runs one backward:
   chain of ``--pruned`` Python nodes: compute_dependencies, then the
   pruning pass init_to_execute, then the nodes;
 - ``owners``: ``pyengine.execute_owner_graph`` on a chain of ``--owners``
-  micrograd-style owners (each passes its ``grad`` on to its child).
+  micrograd-style owners (each passes its ``grad`` on to its child);
+- ``fan``: one Python node whose gradient goes to ``--fan`` leaves: the
+  count, the validation and routing of its edges, then the leaves'
+  AccumulateGrad nodes, all C;
+- ``roots``: ``Engine.execute`` with ``--roots`` root edges into leaves;
+- ``grad-fan``: ``fan``'s graph under ``grad(inputs=)`` of every leaf
+  (``--grad-fan``): init_to_execute's loop over its outputs.
 
 Printed per workload, over ``--repeats`` runs: the median (min-max) of the
 counter's rate relative to its idle rate (measured first, the main thread
@@ -39,7 +46,7 @@ import time
 import numpy as np
 
 import pyengine
-from pyengine.bench.graphs import build
+from pyengine.bench.graphs import DTYPE, SHAPE, Leaf, build
 
 
 class CountingThread(threading.Thread):
@@ -145,10 +152,76 @@ def owners_workload(n):
     return run, check
 
 
+class Split(pyengine.Node):
+    """Its one gradient to each of its next edges."""
+
+    def apply(self, grads):
+        return [grads[0]] * len(self.next_edges)
+
+
+def _leaves(n):
+    return [Leaf(np.zeros(SHAPE, DTYPE)) for _ in range(n)]
+
+
+def _all_got(leaves, value):
+    for leaf in leaves:
+        np.testing.assert_array_equal(leaf.grad, np.full(SHAPE, value, DTYPE))
+
+
+def fan_workload(n):
+    leaves = _leaves(n)
+    root = Split(next_edges=[pyengine.gradient_edge(leaf) for leaf in leaves],
+                 input_metadata=[pyengine.InputMetadata(SHAPE, DTYPE)])
+    engine = pyengine.get_default_engine()
+
+    def run():
+        for leaf in leaves:
+            leaf.grad = None
+        engine.execute([pyengine.Edge(root, 0)], [np.ones(SHAPE, DTYPE)], False, False, True)
+
+    return run, lambda: _all_got(leaves, 1.0)
+
+
+def roots_workload(n):
+    leaves = _leaves(n)
+    roots = [pyengine.gradient_edge(leaf) for leaf in leaves]
+    grads = [np.ones(SHAPE, DTYPE)] * n
+    engine = pyengine.get_default_engine()
+
+    def run():
+        for leaf in leaves:
+            leaf.grad = None
+        engine.execute(roots, grads, False, False, True)
+
+    return run, lambda: _all_got(leaves, 1.0)
+
+
+def grad_fan_workload(n):
+    leaves = _leaves(n)
+    edges = [pyengine.gradient_edge(leaf) for leaf in leaves]
+    root = Split(next_edges=edges, input_metadata=[pyengine.InputMetadata(SHAPE, DTYPE)])
+    engine = pyengine.get_default_engine()
+    captured = []
+
+    def run():
+        captured[:] = engine.execute([pyengine.Edge(root, 0)], [np.ones(SHAPE, DTYPE)], False,
+                                     False, False, outputs=edges)
+
+    def check():
+        assert len(captured) == n
+        for gradient in captured:
+            np.testing.assert_array_equal(gradient, np.ones(SHAPE, DTYPE))
+
+    return run, check
+
+
 WORKLOADS = {
     "chain": ("backward, chain of {n:,} Python nodes", chain_workload),
     "pruned": ("grad(inputs=), chain of {n:,} Python nodes", pruned_workload),
     "owners": ("owner graph, chain of {n:,} owners", owners_workload),
+    "fan": ("backward, one node into {n:,} leaves", fan_workload),
+    "roots": ("backward, {n:,} root edges into leaves", roots_workload),
+    "grad-fan": ("grad(inputs=), one node into {n:,} leaves", grad_fan_workload),
 }
 
 
@@ -163,6 +236,9 @@ def main(argv=None):
     parser.add_argument("--chain", type=int, default=1_000_000)
     parser.add_argument("--pruned", type=int, default=2_000_000)
     parser.add_argument("--owners", type=int, default=1_000_000)
+    parser.add_argument("--fan", type=int, default=1_000_000)
+    parser.add_argument("--roots", type=int, default=1_000_000)
+    parser.add_argument("--grad-fan", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", default=",".join(WORKLOADS))
     args = parser.parse_args(argv)
@@ -176,7 +252,8 @@ def main(argv=None):
     print(f"{'workload':<44} {'rate vs idle %':>20} {'longest stall ms':>22} {'backward s':>20}")
     for name in args.only.split(","):
         title, make = WORKLOADS[name]
-        run, check = make(getattr(args, name))
+        n = getattr(args, name.replace("-", "_"))
+        run, check = make(n)
         rates, stalls, walls = [], [], []
         for _ in range(args.repeats):
             gc.collect()
@@ -189,7 +266,7 @@ def main(argv=None):
             rates.append(rate / idle)
             stalls.append(stall)
             walls.append(wall)
-        print(f"{title.format(n=getattr(args, name)):<44} {summary(rates, 100):>20} "
+        print(f"{title.format(n=n):<44} {summary(rates, 100):>20} "
               f"{summary(stalls, 1e3):>22} {summary(walls, 1, 2):>20}", flush=True)
         del run, check
         gc.collect()
