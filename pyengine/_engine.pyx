@@ -1132,9 +1132,14 @@ cdef int fail_driven_graph_tasks(WorkerState worker, object error) except -1:
     cdef GraphTask graph_task
     worker.handoff_interrupted = True
     # A copy: set_exception may run Python code that starts or ends a level.
-    for driven in list(worker.driven_graph_tasks):
+    cdef list driven_graph_tasks = list(worker.driven_graph_tasks)
+    # All failed before any discard, which may raise: See Note [A failed
+    # graph task's queued tasks are let go of in slices] in
+    # pyengine/_pure/ready_queue.py.
+    for driven in driven_graph_tasks:
+        (<GraphTask>driven).set_exception(error)
+    for driven in driven_graph_tasks:
         graph_task = <GraphTask>driven
-        graph_task.set_exception(error)
         graph_task.cpu_ready_queue.discard_graph_task_records(graph_task)
     return 0
 

@@ -20,6 +20,7 @@ from libc.stdint cimport uint64_t
 from libcpp.mutex cimport mutex, unique_lock
 from libcpp.vector cimport vector
 
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, yield_to_other_threads
 from pyengine._locks cimport (is_main_thread, lock_releasing_gil, wait_for_honouring_signals,
                              wait_honouring_signals)
 from pyengine._node cimport NodeBase
@@ -54,6 +55,32 @@ cdef void release_record(NodeTaskRecord* record) noexcept:
     Py_XDECREF(record.node)
     Py_XDECREF(record.graph_task)
     record.inputs = record.node = record.graph_task = NULL
+
+
+cdef int release_dropped_tasks(vector[NodeTaskRecord]& records) except -1:
+    """Release every record of ``records``, which a queue dropped, letting
+    other threads run between slices of them. See Note [A failed graph
+    task's queued tasks are let go of in slices] in the twin,
+    ``pyengine/_pure/ready_queue.py``."""
+    cdef size_t start = 0
+    cdef size_t end
+    cdef size_t i
+    interrupt = None
+    while start < records.size():
+        end = min(start + WORK_BETWEEN_YIELDS, records.size())
+        for i in range(start, end):
+            release_record(&records[i])
+        start = end
+        if interrupt is None and start < records.size():
+            try:
+                yield_to_other_threads()
+            except BaseException as error:
+                # Raised once every record is released: the records own
+                # references that nothing else would drop.
+                interrupt = error
+    if interrupt is not None:
+        raise interrupt
+    return 0
 
 
 cdef inline size_t tasks_queued(ReadyQueue queue) noexcept nogil:
@@ -237,26 +264,39 @@ cdef class ReadyQueue:
 
     cdef Py_ssize_t discard_graph_task_records(self, object graph_task) except -1:
         """Drop every queued task of ``graph_task``; return how many."""
-        cdef vector[NodeTaskRecord] dropped
         cdef vector[NodeTaskRecord] kept
+        cdef vector[NodeTaskRecord] taken
+        cdef size_t keep = 0
+        cdef size_t dropped = 0
+        cdef size_t i
         lock_releasing_gil(self.mutex_)
         try:
-            # Copies: where a push_back raises MemoryError, the heap, which
-            # still owns every record, is as it was.
             for i in range(self.heap.size()):
-                if self.heap[i].graph_task == <PyObject*>graph_task:
-                    dropped.push_back(self.heap[i])
-                else:
+                keep += self.heap[i].graph_task != <PyObject*>graph_task
+            # Made before the heap changes: where it raises MemoryError, the
+            # heap, which still owns every record, is as it was. No more:
+            # the million records of a failed graph task would cost their
+            # new pages under the lock.
+            kept.reserve(keep)
+            for i in range(self.heap.size()):
+                if self.heap[i].graph_task != <PyObject*>graph_task:
                     kept.push_back(self.heap[i])
+            taken.swap(self.heap)
             self.heap.swap(kept)
             make_heap(self.heap.begin(), self.heap.end(), CompareNodeTaskTime())
             self.queued.store(tasks_queued(self))
         finally:
             self.mutex_.unlock()
+        # The dropped records to the front of the old heap, whose others the
+        # new heap owns now.
+        for i in range(taken.size()):
+            if taken[i].graph_task == <PyObject*>graph_task:
+                taken[dropped] = taken[i]
+                dropped += 1
+        taken.resize(dropped)
         # Release outside the lock: dropping a reference can run arbitrary code.
-        for i in range(dropped.size()):
-            release_record(&dropped[i])
-        return dropped.size()
+        release_dropped_tasks(taken)
+        return dropped
 
     def push(self, NodeTask task not None, increment_outstanding_tasks=True):
         """Queue ``task``; count it as outstanding in its graph task unless it is

@@ -291,8 +291,18 @@ def stop_thread_pool(_ThreadPoolShared pool not None):
         pool.mutex_.unlock()
         pool.work.notify_all()
     threads = list(pool.threads)
+    interrupt = None
     for orphan in orphans:
         graph_task = <GraphTask>orphan
-        graph_task.cpu_ready_queue.discard_graph_task_records(graph_task)
+        try:
+            graph_task.cpu_ready_queue.discard_graph_task_records(graph_task)
+        except BaseException as error:
+            # Raised once every orphan has failed: See Note [A failed graph
+            # task's queued tasks are let go of in slices] in
+            # pyengine/_pure/ready_queue.py.
+            if interrupt is None:
+                interrupt = error
         graph_task.set_exception(RuntimeError(pool_stopped_message(graph_task.reentrant_depth)))
+    if interrupt is not None:
+        raise interrupt
     return threads

@@ -1,8 +1,10 @@
 """Backward graphs whose work in C is long though their nodes are few (one
 node with a million edges, a million root edges, a million leaves, whose
-AccumulateGrad nodes run with no Python code): other threads run, and
-Ctrl-C comes out, while it goes. See Note [Long passes let other threads
-run] in ``pyengine/_interrupts.pxd``.
+AccumulateGrad nodes run with no Python code), and a failed graph task's
+queued tasks let go of: other threads run, and Ctrl-C comes out, while it
+goes. See Note [Long passes let other threads run] in
+``pyengine/_interrupts.pxd`` and Note [A failed graph task's queued tasks
+are let go of in slices] in ``pyengine/_pure/ready_queue.py``.
 
 Oracles:
 
@@ -14,7 +16,13 @@ Oracles:
   traceback) before the leaves all have their gradients, which they would
   if the engine only honoured it once it returned; afterwards the thread's
   state is as it was, and the same graph gives every leaf exactly one
-  more gradient of ones.
+  more gradient of ones;
+- a failed graph task's tasks: the counter thread's measure while a queue
+  drops them; a SIGALRM while they are let go of comes out of the discard
+  with every one of them let go of (weak references to their inputs dead)
+  and the other graph task's tasks still queued; and the loops that
+  discard several graph tasks' tasks fail every one of them though a
+  discard raises (the twin's, whose discard a test can replace).
 """
 
 from __future__ import annotations
@@ -22,10 +30,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
+import types
+import weakref
 
 import numpy as np
 import pytest
+from conftest import signals_not_swallowed
 from minitensor import leaf
 from stalls import longest_stall_while
 from test_graph_passes import interrupt_after, stop_interrupts
@@ -153,3 +165,181 @@ def test_ctrl_c_while_nodes_of_c_run():
     engine().execute([Edge(root, 0)], [np.ones(1)], False, False, True)
     for x, before in zip(xs, had):
         np.testing.assert_array_equal(x.grad, [2.0] if before else [1.0])
+
+
+# -- a failed graph task's queued tasks --
+
+# A graph task's queued tasks, dropped at once: about 0.1 s of letting go
+# of them on either core.
+QUEUED = 200_000 if COMPILED else 50_000
+
+
+def queue_of_two_graph_tasks():
+    """A ReadyQueue holding QUEUED tasks of one graph task, each with an input
+    of its own, between ten of another's. Returns the queue, the two graph
+    tasks, weak references to the first's inputs and the second's tasks."""
+    from pyengine._core import GraphTask, NodeTask, ReadyQueue
+
+    queue = ReadyQueue()
+    failed = GraphTask(False, False, 0, queue)
+    other = GraphTask(False, False, 0, queue)
+    node = Sink(input_metadata=[np.ones(1)])
+    inputs = []
+    others = []
+    for i in range(QUEUED):
+        gradient = np.ones(1)
+        inputs.append(weakref.ref(gradient))
+        queue.push(NodeTask(failed, node, [gradient]))
+        if i % (QUEUED // 10) == 0:
+            others.append(NodeTask(other, node, [np.ones(1)]))
+            queue.push(others[-1])
+    return queue, failed, other, inputs, others
+
+
+def assert_only_tasks_of(queue, graph_task, count):
+    assert len(queue) == count
+    for _ in range(count):
+        assert queue.pop().graph_task is graph_task
+
+
+def discard_measured():
+    """The counter thread's measure (``longest_stall_while``) of one discard
+    of QUEUED tasks, checked."""
+    queue, failed, other, inputs, others = queue_of_two_graph_tasks()
+    dropped = []
+    measure = longest_stall_while(lambda: dropped.append(queue.discard_graph_task(failed)))
+    assert dropped == [QUEUED]
+    assert all(ref() is None for ref in inputs)
+    assert_only_tasks_of(queue, other, len(others))
+    return measure
+
+
+def test_other_threads_run_while_a_failed_graph_task_drops_its_tasks():
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.001)
+    try:
+        # A stall of the OS's own can make one try fail: the best of three.
+        tries = [discard_measured() for _ in range(3)]
+    finally:
+        sys.setswitchinterval(interval)
+    stall, elapsed = min(tries)
+    # Letting go of them in one C step stalled the counter for all of it.
+    assert elapsed > 0.01, tries
+    assert stall < elapsed / 4, tries
+
+
+def discard_interrupted(queue, graph_task, delay):
+    """``queue.discard_graph_task(graph_task)`` with a SIGALRM after ``delay``
+    seconds that raises KeyboardInterrupt, as Ctrl-C would; returns it (or
+    None where it came only after the discard, which ends then)."""
+    fired = []
+
+    def handler(signum, frame):
+        fired.append(True)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, delay)
+        try:
+            queue.discard_graph_task(graph_task)
+            while not fired:  # the alarm comes here if the discard ended first
+                pass
+        except KeyboardInterrupt as error:
+            return error if not fired or len(fired) == 1 else None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return None
+
+
+def raised_letting_go(error):
+    # The compiled core's frames are named with their module.
+    return any(frame.name.rsplit(".", 1)[-1] == "release_dropped_tasks"
+               for frame in traceback.extract_tb(error.__traceback__))
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_ctrl_c_while_a_failed_graph_task_drops_its_tasks():
+    # How long a discard takes here; the alarm comes at fractions of that
+    # until it comes while the tasks are let go of (it may come before,
+    # while they are looked for, or after, on a busy machine).
+    queue, failed, other, inputs, others = queue_of_two_graph_tasks()
+    begin = time.perf_counter()
+    queue.discard_graph_task(failed)
+    duration = time.perf_counter() - begin
+    landed = []
+    for fraction in (0.6, 0.8, 0.4, 0.9, 0.2):
+        queue, failed, other, inputs, others = queue_of_two_graph_tasks()
+        with signals_not_swallowed():
+            error = discard_interrupted(queue, failed, duration * fraction)
+        if error is None or not raised_letting_go(error):
+            landed.append(None if error is None else traceback.format_tb(error.__traceback__))
+            continue
+        # It came out once every task was let go of, though its traceback
+        # holds the discard's frames.
+        assert all(ref() is None for ref in inputs)
+        assert_only_tasks_of(queue, other, len(others))
+        # Nothing of the failed graph task is left to drop.
+        assert queue.discard_graph_task(failed) == 0
+        return
+    pytest.fail(f"the alarm never came while the tasks were let go of: {landed}")
+
+
+def raising_discard(monkeypatch):
+    """The twin's discards raise KeyboardInterrupt, as one whose letting go
+    of its tasks a Ctrl-C interrupted; returns the graph tasks they were
+    called for."""
+    from pyengine._pure.ready_queue import ReadyQueue
+
+    called = []
+
+    def discard_graph_task(self, graph_task):
+        called.append(graph_task)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ReadyQueue, "discard_graph_task", discard_graph_task)
+    return called
+
+
+def twin_graph_tasks(n):
+    from pyengine._pure.graph_task import GraphTask
+    from pyengine._pure.ready_queue import ReadyQueue
+
+    return [GraphTask(False, False, 1, ReadyQueue()) for _ in range(n)]
+
+
+# The compiled core's loops are cdef functions, or take their graph tasks
+# from a C++ queue: twin only.
+@pytest.mark.skipif(COMPILED, reason="the compiled loops are cdef")
+def test_an_interrupted_hand_off_fails_every_driven_graph_task_though_a_discard_raises(
+        monkeypatch):
+    from pyengine._pure.engine import fail_driven_graph_tasks
+
+    graph_tasks = twin_graph_tasks(3)
+    called = raising_discard(monkeypatch)
+    worker = types.SimpleNamespace(handoff_interrupted=False, driven_graph_tasks=list(graph_tasks))
+    error = RuntimeError("the hand-off's interrupt")
+    with pytest.raises(KeyboardInterrupt):
+        fail_driven_graph_tasks(worker, error)
+    assert called == graph_tasks[:1]
+    assert worker.handoff_interrupted
+    assert all(g.future_completed_ and g.exception_ is error for g in graph_tasks)
+
+
+@pytest.mark.skipif(COMPILED, reason="the compiled pool's queue of graph tasks is C++")
+def test_stopping_the_pool_fails_every_orphan_though_a_discard_raises(monkeypatch):
+    from pyengine._pure import thread_pool
+
+    graph_tasks = twin_graph_tasks(3)
+    called = raising_discard(monkeypatch)
+    pool = thread_pool._ThreadPoolShared()
+    pool.graph_tasks.extend(graph_tasks)  # handed off, taken by no thread yet
+    with pytest.raises(KeyboardInterrupt):
+        thread_pool.stop_thread_pool(pool)
+    # Every orphan's discard ran, and each one failed with the pool's error.
+    assert called == graph_tasks
+    for graph_task in graph_tasks:
+        assert graph_task.future_completed_
+        assert "stopped" in str(graph_task.exception_), graph_task.exception_
+    assert pool.graph_tasks == []

@@ -37,7 +37,10 @@ A caller whose hand-off is interrupted while a pool thread still runs the
 graph task also fails every graph task it drives: See Note [A backward that
 raises leaves its ready queue].
 
-Only a wait raises in the compiled core; the twin's main thread may see
+Only a wait raises in the compiled core's loop (and letting go of the
+tasks a discard dropped, once they are all let go of: See Note [A failed
+graph task's queued tasks are let go of in slices] in
+``pyengine/_pure/ready_queue.py``); the twin's main thread may see
 KeyboardInterrupt between any two bytecodes, so ``thread_main`` cancels its
 graph task whatever escapes its loop, and ``discard_graph_task`` rebuilds
 the queue's heap. Pool and device threads never see a signal: they keep
@@ -1170,8 +1173,13 @@ def fail_driven_graph_tasks(worker, error):
     queue, and no new backward starts here until the outermost one raises.
     See Note [A backward that raises leaves its ready queue]."""
     worker.handoff_interrupted = True
-    for graph_task in list(worker.driven_graph_tasks):
+    driven = list(worker.driven_graph_tasks)
+    # All failed before any discard, which may raise: See Note [A failed
+    # graph task's queued tasks are let go of in slices] in
+    # pyengine/_pure/ready_queue.py.
+    for graph_task in driven:
         graph_task.set_exception(error)
+    for graph_task in driven:
         graph_task.cpu_ready_queue.discard_graph_task(graph_task)
 
 
