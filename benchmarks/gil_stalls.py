@@ -3,7 +3,7 @@
 
     python benchmarks/gil_stalls.py [--chain 1000000] [--pruned 2000000] \\
         [--owners 1000000] [--fan 1000000] [--roots 1000000] [--grad-fan 1000000] \\
-        [--repeats 5] [--only chain,pruned,owners,fan,roots,grad-fan]
+        [--failed 1000000] [--repeats 5] [--only chain,pruned,owners,fan,roots,grad-fan,failed]
 
 A second thread counts in pure Python, noting the longest gap between two
 of its steps, while the main thread runs one backward:
@@ -20,7 +20,10 @@ of its steps, while the main thread runs one backward:
   AccumulateGrad nodes, all C;
 - ``roots``: ``Engine.execute`` with ``--roots`` root edges into leaves;
 - ``grad-fan``: ``fan``'s graph under ``grad(inputs=)`` of every leaf
-  (``--grad-fan``): init_to_execute's loop over its outputs.
+  (``--grad-fan``): init_to_execute's loop over its outputs;
+- ``failed``: one Python node whose gradient goes to ``--failed`` Python
+  nodes that raise: the first to run fails the graph task, which drops
+  the others' tasks from its queue and lets go of them.
 
 Printed per workload, over ``--repeats`` runs: the median (min-max) of the
 counter's rate relative to its idle rate (measured first, the main thread
@@ -215,6 +218,37 @@ def grad_fan_workload(n):
     return run, check
 
 
+class Raises(pyengine.Node):
+    """Fails its graph task."""
+
+    def apply(self, grads):
+        raise PlantedError
+
+
+class PlantedError(Exception):
+    """What a ``Raises`` node raises."""
+
+
+def failed_workload(n):
+    raisers = [Raises(input_metadata=[pyengine.InputMetadata(SHAPE, DTYPE)]) for _ in range(n)]
+    root = Split(next_edges=[pyengine.Edge(node, 0) for node in raisers],
+                 input_metadata=[pyengine.InputMetadata(SHAPE, DTYPE)])
+    engine = pyengine.get_default_engine()
+    raised = []
+
+    def run():
+        try:
+            engine.execute([pyengine.Edge(root, 0)], [np.ones(SHAPE, DTYPE)], False, False, True)
+        except PlantedError as error:
+            raised.append(error)
+
+    def check():
+        assert len(raised) == 1, raised
+        raised.clear()
+
+    return run, check
+
+
 WORKLOADS = {
     "chain": ("backward, chain of {n:,} Python nodes", chain_workload),
     "pruned": ("grad(inputs=), chain of {n:,} Python nodes", pruned_workload),
@@ -222,6 +256,7 @@ WORKLOADS = {
     "fan": ("backward, one node into {n:,} leaves", fan_workload),
     "roots": ("backward, {n:,} root edges into leaves", roots_workload),
     "grad-fan": ("grad(inputs=), one node into {n:,} leaves", grad_fan_workload),
+    "failed": ("backward, one node into {n:,} that raise", failed_workload),
 }
 
 
@@ -239,6 +274,7 @@ def main(argv=None):
     parser.add_argument("--fan", type=int, default=1_000_000)
     parser.add_argument("--roots", type=int, default=1_000_000)
     parser.add_argument("--grad-fan", type=int, default=1_000_000)
+    parser.add_argument("--failed", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", default=",".join(WORKLOADS))
     args = parser.parse_args(argv)
