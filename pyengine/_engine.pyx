@@ -45,7 +45,7 @@ from libcpp.utility cimport pair
 from pyengine._graph_task cimport (Capture, ExecInfoEntry, GraphTask, InputBufferPtr, NodePtr,
                                    link_enclosing_graph_task,
                                    cancel_graph_task, lock_mutex, new_graph_task,
-                                   task_should_execute)
+                                   release_leftovers, task_should_execute)
 from pyengine._dependencies cimport compute_dependencies, init_to_execute
 from pyengine._input_buffer cimport InputBuffer, new_input_buffer
 from pyengine._interrupts cimport NODES_BETWEEN_YIELDS, WORK_BETWEEN_YIELDS, let_others_run
@@ -451,6 +451,10 @@ cdef class Engine:
             # Take the error off the task: the traceback must not keep the task alive.
             error = graph_task.exception_
             graph_task.exception_ = None
+            # Its gradients waiting for nodes that will not run, and those
+            # captured: See Note [What a failed graph task leaves is let go
+            # of in slices] in pyengine/_pure/graph_task.py.
+            release_leftovers(graph_task)
             if not isinstance(error, BaseException):
                 raise_error(error)
             raise error
@@ -1133,9 +1137,9 @@ cdef int fail_driven_graph_tasks(WorkerState worker, object error) except -1:
     worker.handoff_interrupted = True
     # A copy: set_exception may run Python code that starts or ends a level.
     cdef list driven_graph_tasks = list(worker.driven_graph_tasks)
-    # All failed before any discard, which may raise: See Note [A failed
-    # graph task's queued tasks are let go of in slices] in
-    # pyengine/_pure/ready_queue.py.
+    # All failed before any discard, which may raise: See Note [What a
+    # failed graph task leaves is let go of in slices] in
+    # pyengine/_pure/graph_task.py.
     for driven in driven_graph_tasks:
         (<GraphTask>driven).set_exception(error)
     for driven in driven_graph_tasks:

@@ -104,6 +104,26 @@ class pyengine_GILGuardedLock {
 #endif
     }
 
+    // With the GIL held: take the lock where it is free; never waits. False
+    // where any thread holds it, this one included.
+    bool try_lock() {
+        PyThreadState *self = PyThreadState_Get();
+#ifdef Py_GIL_DISABLED
+        if (holder_.load(std::memory_order_relaxed) == self || !fallback_.try_lock()) {
+            return false;
+        }
+        holder_.store(self, std::memory_order_relaxed);
+        return true;
+#else
+        if (held_) {
+            return false;
+        }
+        held_ = true;
+        holder_ = self;
+        return true;
+#endif
+    }
+
     // With the GIL held: whether the thread of `tstate` holds the lock (a
     // caller that lets Python code unlock checks this first).
     bool held_by(PyThreadState *tstate) const {

@@ -155,6 +155,8 @@ cdef GraphTask new_graph_task(bint keep_graph, bint grad_mode, int reentrant_dep
 
 cdef int cancel_graph_task(GraphTask graph_task, object error) except -1
 
+cdef int release_leftovers(GraphTask graph_task) except -1
+
 cdef int link_enclosing_graph_task(GraphTask graph_task, ThreadState* thread) except -1
 
 

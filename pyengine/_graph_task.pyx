@@ -9,7 +9,7 @@ cimport cython
 from cpython.list cimport PyList_GET_SIZE
 from cpython.long cimport PyLong_FromVoidPtr
 from cpython.object cimport PyObject
-from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_REFCNT, Py_XDECREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.weakref cimport PyWeakref_NewRef
 from cython.operator cimport dereference as deref
@@ -18,6 +18,7 @@ from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport ExecInfoEntry, InputBufferPtr, NodePtr, task_should_execute
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, yield_to_other_threads
 from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
 from pyengine._node cimport Edge, NodeBase
 from pyengine._ready_queue cimport ReadyQueue
@@ -404,6 +405,63 @@ cdef class GraphTask:
             lock = unique_lock[mutex](self.completion_mutex)
             while not self.future_completed_.load():
                 wait_honouring_signals(self.completed_cv, lock, on_main_thread)
+
+
+cdef int release_leftovers(GraphTask graph_task) except -1:
+    """Let go of what ``graph_task``, which failed, leaves: the InputBuffers
+    that wait in its not_ready (their nodes will not run) and the gradients
+    it captured for ``grad()``, letting other threads run between slices
+    of them. See Note [What a failed graph task leaves is let go of in
+    slices] in the twin."""
+    cdef unordered_map[NodePtr, InputBufferPtr] taken
+    cdef InputBufferPtr input_buffer
+    cdef size_t slice_left
+    cdef Py_ssize_t end
+    captured = None
+    if not graph_task.mutex_.try_lock():
+        # Another thread holds it, in a node of this task still running
+        # (an add that takes its time, or waits): what is left goes with
+        # the task, rather than this error wait for it.
+        return 0
+    try:
+        # A thread still running a node of it buffers into the task's new
+        # map, and captures into its new list (a capture out of its range
+        # fails that node, of a task that failed already).
+        taken.swap(graph_task.not_ready_)
+        captured = graph_task.captured_vars
+        graph_task.captured_vars = []
+    finally:
+        graph_task.mutex_.unlock()
+    interrupt = None
+    while not taken.empty():
+        slice_left = WORK_BETWEEN_YIELDS
+        while slice_left > 0 and not taken.empty():
+            input_buffer = deref(taken.begin()).second
+            taken.erase(taken.begin())
+            Py_XDECREF(input_buffer)
+            slice_left -= 1
+        if interrupt is None and not taken.empty():
+            try:
+                yield_to_other_threads()
+            except BaseException as error:
+                # Raised once everything is let go of: the map owns
+                # references that nothing else would drop.
+                interrupt = error
+    # Emptied only where nothing else holds it: Python code may have kept
+    # the list (or put one of its own in its place).
+    if type(captured) is list and Py_REFCNT(captured) == 1:
+        end = PyList_GET_SIZE(captured)
+        while end > 0:
+            del captured[max(end - WORK_BETWEEN_YIELDS, 0):end]
+            end = PyList_GET_SIZE(captured)
+            if interrupt is None and end > 0:
+                try:
+                    yield_to_other_threads()
+                except BaseException as error:
+                    interrupt = error
+    if interrupt is not None:
+        raise interrupt
+    return 0
 
 
 cdef int cancel_graph_task(GraphTask graph_task, object error) except -1:

@@ -24,6 +24,8 @@ cdef extern from "_gil_guarded_lock.h":
     cppclass GILGuardedLock "pyengine_GILGuardedLock":
         # 0 locked; 1 this thread holds it; -1 a signal handler raised.
         int lock()
+        # Never waits: false where any thread holds it, this one included.
+        bint try_lock()
         void unlock()
         bint held_by(PyThreadState* tstate)
 

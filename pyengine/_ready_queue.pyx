@@ -59,9 +59,9 @@ cdef void release_record(NodeTaskRecord* record) noexcept:
 
 cdef int release_dropped_tasks(vector[NodeTaskRecord]& records) except -1:
     """Release every record of ``records``, which a queue dropped, letting
-    other threads run between slices of them. See Note [A failed graph
-    task's queued tasks are let go of in slices] in the twin,
-    ``pyengine/_pure/ready_queue.py``."""
+    other threads run between slices of them. See Note [What a failed
+    graph task leaves is let go of in slices] in the twin,
+    ``pyengine/_pure/graph_task.py``."""
     cdef size_t start = 0
     cdef size_t end
     cdef size_t i

@@ -297,9 +297,9 @@ def stop_thread_pool(_ThreadPoolShared pool not None):
         try:
             graph_task.cpu_ready_queue.discard_graph_task_records(graph_task)
         except BaseException as error:
-            # Raised once every orphan has failed: See Note [A failed graph
-            # task's queued tasks are let go of in slices] in
-            # pyengine/_pure/ready_queue.py.
+            # Raised once every orphan has failed: See Note [What a failed
+            # graph task leaves is let go of in slices] in
+            # pyengine/_pure/graph_task.py.
             if interrupt is None:
                 interrupt = error
         graph_task.set_exception(RuntimeError(pool_stopped_message(graph_task.reentrant_depth)))

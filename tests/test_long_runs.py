@@ -1,10 +1,10 @@
 """Backward graphs whose work in C is long though their nodes are few (one
 node with a million edges, a million root edges, a million leaves, whose
-AccumulateGrad nodes run with no Python code), and a failed graph task's
-queued tasks let go of: other threads run, and Ctrl-C comes out, while it
+AccumulateGrad nodes run with no Python code), and what a failed graph
+task leaves let go of: other threads run, and Ctrl-C comes out, while it
 goes. See Note [Long passes let other threads run] in
-``pyengine/_interrupts.pxd`` and Note [A failed graph task's queued tasks
-are let go of in slices] in ``pyengine/_pure/ready_queue.py``.
+``pyengine/_interrupts.pxd`` and Note [What a failed graph task leaves is
+let go of in slices] in ``pyengine/_pure/graph_task.py``.
 
 Oracles:
 
@@ -22,11 +22,18 @@ Oracles:
   with every one of them let go of (weak references to their inputs dead)
   and the other graph task's tasks still queued; and the loops that
   discard several graph tasks' tasks fail every one of them though a
-  discard raises (the twin's, whose discard a test can replace).
+  discard raises (the twin's, whose discard a test can replace);
+- a failed graph task's gradients, waiting in not_ready (a node raised
+  before the second gradient of each of many two-input nodes came) or
+  captured by ``grad()`` (a node raised once many were): a SIGALRM that
+  the raising node starts comes out of the backward through
+  ``release_leftovers``, with weak references to every one of them dead,
+  and the graph fails alike once more.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -228,10 +235,11 @@ def test_other_threads_run_while_a_failed_graph_task_drops_its_tasks():
     assert stall < elapsed / 4, tries
 
 
-def discard_interrupted(queue, graph_task, delay):
-    """``queue.discard_graph_task(graph_task)`` with a SIGALRM after ``delay``
-    seconds that raises KeyboardInterrupt, as Ctrl-C would; returns it (or
-    None where it came only after the discard, which ends then)."""
+def interrupted_by_alarm(work, delay=None):
+    """Run ``work()`` while a SIGALRM raises KeyboardInterrupt, as Ctrl-C
+    would: one set ``delay`` seconds ahead here, or by ``work`` itself.
+    Returns the KeyboardInterrupt where it came out of ``work``; None where
+    ``work`` ended first (the alarm is then awaited, up to a second)."""
     fired = []
 
     def handler(signum, frame):
@@ -239,24 +247,30 @@ def discard_interrupted(queue, graph_task, delay):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGALRM, handler)
+    ended = False
     try:
-        signal.setitimer(signal.ITIMER_REAL, delay)
-        try:
-            queue.discard_graph_task(graph_task)
-            while not fired:  # the alarm comes here if the discard ended first
-                pass
-        except KeyboardInterrupt as error:
-            return error if not fired or len(fired) == 1 else None
+        with signals_not_swallowed():
+            try:
+                if delay is not None:
+                    signal.setitimer(signal.ITIMER_REAL, delay)
+                work()
+                ended = True
+                deadline = time.monotonic() + 1.0
+                while not fired and time.monotonic() < deadline:
+                    pass
+            except KeyboardInterrupt as error:
+                return None if ended else error
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     return None
 
 
-def raised_letting_go(error):
+def raised_in(error, function):
+    """Whether ``error`` came out through a function named ``function``."""
     # The compiled core's frames are named with their module.
-    return any(frame.name.rsplit(".", 1)[-1] == "release_dropped_tasks"
-               for frame in traceback.extract_tb(error.__traceback__))
+    return error is not None and any(frame.name.rsplit(".", 1)[-1] == function
+                                     for frame in traceback.extract_tb(error.__traceback__))
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
@@ -271,9 +285,9 @@ def test_ctrl_c_while_a_failed_graph_task_drops_its_tasks():
     landed = []
     for fraction in (0.6, 0.8, 0.4, 0.9, 0.2):
         queue, failed, other, inputs, others = queue_of_two_graph_tasks()
-        with signals_not_swallowed():
-            error = discard_interrupted(queue, failed, duration * fraction)
-        if error is None or not raised_letting_go(error):
+        error = interrupted_by_alarm(functools.partial(queue.discard_graph_task, failed),
+                                     duration * fraction)
+        if not raised_in(error, "release_dropped_tasks"):
             landed.append(None if error is None else traceback.format_tb(error.__traceback__))
             continue
         # It came out once every task was let go of, though its traceback
@@ -343,3 +357,87 @@ def test_stopping_the_pool_fails_every_orphan_though_a_discard_raises(monkeypatc
         assert graph_task.future_completed_
         assert "stopped" in str(graph_task.exception_), graph_task.exception_
     assert pool.graph_tasks == []
+
+
+# -- a failed graph task's gradients: waiting in not_ready, or captured --
+
+
+class Distinct(Node):
+    """A gradient of its own (ones) to each of its next edges, each noted
+    weakly in ``sent``."""
+
+    sent: list
+
+    def apply(self, grads):
+        gradients = [np.ones(1) for _ in self.next_edges]
+        self.sent.extend(weakref.ref(gradient) for gradient in gradients)
+        return gradients
+
+
+class AlarmThenRaise(Node):
+    """Starts a SIGALRM (``delay`` seconds) that raises KeyboardInterrupt, then
+    raises ValueError."""
+
+    delay: float = 0.0
+
+    def apply(self, grads):
+        if self.delay:
+            signal.setitimer(signal.ITIMER_REAL, self.delay)
+        raise ValueError("fails the graph task")
+
+
+def half_filled_pairs():
+    """A root whose gradients go to input 0 of WIDTH two-input nodes and to a
+    node that raises before input 1 of each could come (from a node after
+    it): the failed task's not_ready holds WIDTH buffers."""
+    pairs = [Sink(input_metadata=[np.ones(1), np.ones(1)]) for _ in range(WIDTH)]
+    second = Split(next_edges=[Edge(pair, 1) for pair in pairs], input_metadata=[np.ones(1)])
+    raiser = AlarmThenRaise(next_edges=[Edge(second, 0)], input_metadata=[np.ones(1)])
+    root = Distinct(next_edges=[Edge(pair, 0) for pair in pairs] + [Edge(raiser, 0)],
+                    input_metadata=[np.ones(1)])
+    return root, raiser, lambda: engine().execute([Edge(root, 0)], [np.ones(1)], False, False,
+                                                  True)
+
+
+def captured_leaves():
+    """``grad()`` of WIDTH leaves, whose gradients are all captured before a
+    node on the path to the first raises: the failed task holds WIDTH
+    captured gradients."""
+    xs = leaves(WIDTH)
+    edges = [pyengine.gradient_edge(x) for x in xs]
+    raiser = AlarmThenRaise(next_edges=edges[:1], input_metadata=[np.ones(1)])
+    root = Distinct(next_edges=edges + [Edge(raiser, 0)], input_metadata=[np.ones(1)])
+    return root, raiser, lambda: engine().execute([Edge(root, 0)], [np.ones(1)], False, False,
+                                                  False, outputs=edges)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+@pytest.mark.parametrize("build", [half_filled_pairs, captured_leaves])
+def test_ctrl_c_while_a_failed_graph_tasks_gradients_are_let_go_of(build):
+    root, raiser, run = build()
+
+    def backward():
+        with pytest.raises(ValueError, match="fails the graph task"):
+            run()
+
+    landed = []
+    # The alarm may come before the gradients are let go of (in the twin's
+    # Python code between) or after (on a busy machine): a few delays.
+    for delay in (0.002, 0.001, 0.0005, 0.0002, 0.0001, 0.004, 0.008):
+        root.sent = []
+        raiser.delay = delay
+        error = interrupted_by_alarm(backward)
+        if not raised_in(error, "release_leftovers"):
+            landed.append(None if error is None else traceback.format_tb(error.__traceback__))
+            continue
+        # It came out once every gradient was let go of (the root's are the
+        # only references), though its traceback holds execute's frame.
+        assert len(root.sent) == WIDTH + 1
+        assert all(ref() is None for ref in root.sent)
+        error = None
+        assert thread_state_problems() == []
+        # The engine works on: the same graph fails as before, with no alarm.
+        raiser.delay = 0.0
+        backward()
+        return
+    pytest.fail(f"the alarm never came while the gradients were let go of: {landed}")

@@ -38,9 +38,9 @@ graph task also fails every graph task it drives: See Note [A backward that
 raises leaves its ready queue].
 
 Only a wait raises in the compiled core's loop (and letting go of the
-tasks a discard dropped, once they are all let go of: See Note [A failed
-graph task's queued tasks are let go of in slices] in
-``pyengine/_pure/ready_queue.py``); the twin's main thread may see
+tasks a discard dropped, once they are all let go of: See Note [What a
+failed graph task leaves is let go of in slices] in
+``pyengine/_pure/graph_task.py``); the twin's main thread may see
 KeyboardInterrupt between any two bytecodes, so ``thread_main`` cancels its
 graph task whatever escapes its loop, and ``discard_graph_task`` rebuilds
 the queue's heap. Pool and device threads never see a signal: they keep
@@ -379,6 +379,7 @@ from .graph_task import (
     cancel_graph_task,
     link_enclosing_graph_task,
     refuse_lock_taken_again,
+    release_leftovers,
     task_should_execute,
 )
 from .input_buffer import InputBuffer
@@ -676,6 +677,10 @@ class Engine:
             # Take the error off the task: the traceback must not keep the task alive.
             error, graph_task.exception_ = graph_task.exception, None
             try:
+                # Its gradients waiting for nodes that will not run, and
+                # those captured: See Note [What a failed graph task leaves
+                # is let go of in slices] in pyengine/_pure/graph_task.py.
+                release_leftovers(graph_task)
                 raise error
             finally:
                 # See Note [A raised error must not name itself in its frame].
@@ -1174,9 +1179,9 @@ def fail_driven_graph_tasks(worker, error):
     See Note [A backward that raises leaves its ready queue]."""
     worker.handoff_interrupted = True
     driven = list(worker.driven_graph_tasks)
-    # All failed before any discard, which may raise: See Note [A failed
-    # graph task's queued tasks are let go of in slices] in
-    # pyengine/_pure/ready_queue.py.
+    # All failed before any discard, which may raise: See Note [What a
+    # failed graph task leaves is let go of in slices] in
+    # pyengine/_pure/graph_task.py.
     for graph_task in driven:
         graph_task.set_exception(error)
     for graph_task in driven:

@@ -4,6 +4,7 @@ Twin of ``pyengine/_graph_task.pyx``. A GraphTask lives from ``execute`` until
 its caller has read its result; NodeTasks point back to it.
 """
 
+import sys
 import threading
 import weakref
 
@@ -460,6 +461,85 @@ class GraphTask:
 # that no gradient reached at all has no buffer and is not an error, as in
 # PyTorch. The compiled core puts a buffer in ``not_ready`` for exactly the
 # nodes the twin does (for a None gradient too), so that both fail alike.
+
+
+# Note [What a failed graph task leaves is let go of in slices]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A graph task that fails (or is cancelled) may leave a million objects
+# behind: tasks queued (its root's gradient sent to a million nodes, one of
+# which raised), InputBuffers in ``not_ready`` (a million nodes that got
+# one of their two gradients), or gradients that ``grad()`` captured for a
+# million inputs before a node raised. Letting go of them frees their
+# gradients, a few hundred nanoseconds each: a third of a second of C with
+# the GIL held, in which other threads waited and after which Ctrl-C came
+# out. So:
+#
+# - ``discard_graph_task`` copies, under the queue's lock, only the tasks
+#   it keeps (into a new heap); the dropped ones stay in the old heap's
+#   storage, which the compiled core compacts outside the lock (new storage
+#   for a million records cost its fresh pages under the lock);
+#   ``release_leftovers``, which ``execute`` calls before it raises the
+#   task's error, takes the whole of not_ready and the list of captured
+#   gradients under the task's lock, if that is free: another thread may
+#   hold it as long as it likes (a node of the task still running on a
+#   device, in an add that waits), and the error must not wait for it;
+# - ``release_dropped_tasks`` and ``release_leftovers`` let them go outside
+#   the lock, letting other threads run and signal handlers between slices
+#   of them: Python loops in the twin, WORK_BETWEEN_YIELDS objects a slice
+#   in the compiled core (See Note [Long passes let other threads run] in
+#   ``pyengine/_interrupts.pxd``).
+#
+# What a signal handler raises there comes out once every object is let
+# go of: the compiled core's records and map own references that nothing
+# else would drop, and the twin's list or dict would live on in the
+# traceback's frames. The slices after it run with no yield between them
+# (a second Ctrl-C would be lost there). The caller then sees the error in
+# place of the number of tasks dropped, or of the task's own error: the
+# callers that go on to other graph tasks (``fail_driven_graph_tasks``,
+# ``stop_thread_pool``) fail them all before they raise it, and the one
+# that counts the tasks dropped runs on a device's worker thread, which
+# runs no signal handler (and where an error fails the graph task: See
+# Note [A device worker outlives its loop's errors] in
+# ``pyengine/_pure/engine.py``). A task whose not_ready still holds
+# buffers when its last reference goes (its lock was held, it was
+# cancelled while another thread ran it, or Python code made it) lets go
+# of them in its deallocation, at once: a deallocation cannot raise what a
+# signal handler raises.
+
+
+def release_leftovers(graph_task):
+    """Let go of what ``graph_task``, which failed, leaves: the InputBuffers
+    that wait in its not_ready (their nodes will not run) and the gradients
+    it captured for ``grad()``. See Note [What a failed graph task leaves is
+    let go of in slices]."""
+    # As the compiled core's try_lock: never waits, and false where any
+    # thread holds the lock, this one included.
+    if graph_task.mutex._is_owned() or not graph_task.mutex.acquire(blocking=False):
+        # Another thread holds it, in a node of this task still running
+        # (an add that takes its time, or waits): what is left goes with
+        # the task, rather than this error wait for it.
+        return
+    try:
+        # A thread still running a node of it buffers into the task's new
+        # dict, and captures into its new list (a capture out of its range
+        # fails that node, of a task that failed already).
+        taken, graph_task.not_ready = graph_task.not_ready, {}
+        captured, graph_task.captured_vars_ = graph_task.captured_vars_, []
+    finally:
+        graph_task.mutex.release()
+    # Emptied only where nothing else holds it (the count: this name and
+    # getrefcount's argument): Python code may have kept the list (or put
+    # one of its own in its place).
+    owned = type(captured) is list and sys.getrefcount(captured) == 2
+    try:
+        while taken:
+            taken.popitem()
+        while owned and captured:
+            captured.pop()
+    finally:
+        taken.clear()
+        if owned:
+            captured.clear()
 
 
 def check_not_ready_empty(graph_task):

@@ -114,39 +114,10 @@ def is_main_thread():
 # shutdown task (no node) is not run: anything goes.
 
 
-# Note [A failed graph task's queued tasks are let go of in slices]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A graph task that fails (or is cancelled) with a million tasks queued
-# (its root's gradient sent to a million nodes, one of which raised) has
-# them dropped from its queue by ``discard_graph_task``, and letting go of
-# them frees their inputs: a third of a second of C with the GIL held, in
-# which other threads waited and after which Ctrl-C came out. So:
-#
-# - under the queue's lock, only the tasks kept are copied out (into a new
-#   heap); the dropped ones stay where they were, in the old heap's
-#   storage, which the compiled core then compacts outside the lock (new
-#   storage for a million records cost its fresh pages under the lock);
-# - ``release_dropped_tasks`` lets them go outside the lock, letting other
-#   threads run and signal handlers between slices of them: a Python loop
-#   here, WORK_BETWEEN_YIELDS records a slice in the compiled core (See
-#   Note [Long passes let other threads run] in ``pyengine/_interrupts.pxd``).
-#
-# What a signal handler raises there comes out once every dropped task is
-# let go of: the compiled core's records own references that nothing else
-# would drop, and the twin's list would live on in the traceback's frames.
-# The slices after it run with no yield between them (a second Ctrl-C
-# would be lost there). The caller then sees the error in place of the
-# number dropped: those that go on to other graph tasks
-# (``fail_driven_graph_tasks``, ``stop_thread_pool``) fail them all before
-# they raise it, and the one that counts the tasks dropped runs on a
-# device's worker thread, which runs no signal handler (and where an error
-# fails the graph task: See Note [A device worker outlives its loop's
-# errors] in ``pyengine/_pure/engine.py``).
-
-
 def release_dropped_tasks(tasks):
     """Let go of ``tasks``, which a queue dropped, emptying the list. See
-    Note [A failed graph task's queued tasks are let go of in slices]."""
+    Note [What a failed graph task leaves is let go of in slices] in
+    ``pyengine/_pure/graph_task.py``."""
     try:
         while tasks:
             tasks.pop()
