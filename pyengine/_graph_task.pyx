@@ -13,6 +13,7 @@ from cpython.ref cimport Py_DECREF, Py_INCREF, Py_REFCNT, Py_XDECREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.weakref cimport PyWeakref_NewRef
 from cython.operator cimport dereference as deref
+from cython.operator cimport preincrement as inc
 from libcpp.mutex cimport mutex, unique_lock
 from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
@@ -433,20 +434,26 @@ cdef int release_leftovers(GraphTask graph_task) except -1:
     finally:
         graph_task.mutex_.unlock()
     interrupt = None
-    while not taken.empty():
+    cdef unordered_map[NodePtr, InputBufferPtr].iterator entry = taken.begin()
+    while entry != taken.end():
         slice_left = WORK_BETWEEN_YIELDS
-        while slice_left > 0 and not taken.empty():
-            input_buffer = deref(taken.begin()).second
-            taken.erase(taken.begin())
+        while slice_left > 0 and entry != taken.end():
+            input_buffer = deref(entry).second
+            deref(entry).second = NULL
             Py_XDECREF(input_buffer)
             slice_left -= 1
-        if interrupt is None and not taken.empty():
+            inc(entry)
+        if interrupt is None and entry != taken.end():
             try:
                 yield_to_other_threads()
             except BaseException as error:
                 # Raised once everything is let go of: the map owns
                 # references that nothing else would drop.
                 interrupt = error
+    # The map's own storage, without the GIL: See the Note.
+    with nogil:
+        taken.clear()
+        taken.rehash(0)
     # Emptied only where nothing else holds it: Python code may have kept
     # the list (or put one of its own in its place).
     if type(captured) is list and Py_REFCNT(captured) == 1:

@@ -487,7 +487,10 @@ class GraphTask:
 #   the lock, letting other threads run and signal handlers between slices
 #   of them: Python loops in the twin, WORK_BETWEEN_YIELDS objects a slice
 #   in the compiled core (See Note [Long passes let other threads run] in
-#   ``pyengine/_interrupts.pxd``).
+#   ``pyengine/_interrupts.pxd``). The compiled core then frees the map's
+#   own storage, a block per entry, without the GIL: glibc's malloc gathers
+#   a million freed small blocks up at its next large free
+#   (``malloc_consolidate``), which took 40 ms with the GIL held.
 #
 # What a signal handler raises there comes out once every object is let
 # go of: the compiled core's records and map own references that nothing
