@@ -3,7 +3,8 @@
 
     python benchmarks/gil_stalls.py [--chain 1000000] [--pruned 2000000] \\
         [--owners 1000000] [--fan 1000000] [--roots 1000000] [--grad-fan 1000000] \\
-        [--failed 1000000] [--repeats 5] [--only chain,pruned,owners,fan,roots,grad-fan,failed]
+        [--failed 1000000] [--half-filled 1000000] [--grad-failed 1000000] \\
+        [--repeats 5] [--only chain,pruned,owners,fan,roots,grad-fan,failed,half-filled,grad-failed]
 
 A second thread counts in pure Python, noting the longest gap between two
 of its steps, while the main thread runs one backward:
@@ -23,7 +24,14 @@ of its steps, while the main thread runs one backward:
   (``--grad-fan``): init_to_execute's loop over its outputs;
 - ``failed``: one Python node whose gradient goes to ``--failed`` Python
   nodes that raise: the first to run fails the graph task, which drops
-  the others' tasks from its queue and lets go of them.
+  the others' tasks from its queue and lets go of them;
+- ``half-filled``: one Python node whose gradients (one array each) go to
+  input 0 of ``--half-filled`` two-input Python nodes and to a node that
+  raises before their input 1 comes: the failed graph task lets go of
+  that many InputBuffers waiting in its not_ready;
+- ``grad-failed``: ``grad(inputs=)`` of ``--grad-failed`` leaves, each
+  sent an array of its own and captured, before a node on the path to
+  the first raises: the failed graph task lets go of the captured arrays.
 
 Printed per workload, over ``--repeats`` runs: the median (min-max) of the
 counter's rate relative to its idle rate (measured first, the main thread
@@ -249,6 +257,65 @@ def failed_workload(n):
     return run, check
 
 
+class Distinct(pyengine.Node):
+    """An array of its own to each of its next edges."""
+
+    def apply(self, grads):
+        return [np.ones(SHAPE, DTYPE) for _ in self.next_edges]
+
+
+class Sink(pyengine.Node):
+    def apply(self, grads):
+        return []
+
+
+def half_filled_workload(n):
+    metadata = pyengine.InputMetadata(SHAPE, DTYPE)
+    pairs = [Sink(input_metadata=[metadata, metadata]) for _ in range(n)]
+    second = Split(next_edges=[pyengine.Edge(pair, 1) for pair in pairs],
+                   input_metadata=[metadata])
+    raiser = Raises(next_edges=[pyengine.Edge(second, 0)], input_metadata=[metadata])
+    root = Distinct(next_edges=[pyengine.Edge(pair, 0) for pair in pairs]
+                    + [pyengine.Edge(raiser, 0)], input_metadata=[metadata])
+    engine = pyengine.get_default_engine()
+    raised = []
+
+    def run():
+        try:
+            engine.execute([pyengine.Edge(root, 0)], [np.ones(SHAPE, DTYPE)], False, False, True)
+        except PlantedError as error:
+            raised.append(error)
+
+    def check():
+        assert len(raised) == 1, raised
+        raised.clear()
+
+    return run, check
+
+
+def grad_failed_workload(n):
+    leaves = _leaves(n)
+    edges = [pyengine.gradient_edge(leaf) for leaf in leaves]
+    metadata = pyengine.InputMetadata(SHAPE, DTYPE)
+    raiser = Raises(next_edges=edges[:1], input_metadata=[metadata])
+    root = Distinct(next_edges=edges + [pyengine.Edge(raiser, 0)], input_metadata=[metadata])
+    engine = pyengine.get_default_engine()
+    raised = []
+
+    def run():
+        try:
+            engine.execute([pyengine.Edge(root, 0)], [np.ones(SHAPE, DTYPE)], False, False, False,
+                           outputs=edges)
+        except PlantedError as error:
+            raised.append(error)
+
+    def check():
+        assert len(raised) == 1, raised
+        raised.clear()
+
+    return run, check
+
+
 WORKLOADS = {
     "chain": ("backward, chain of {n:,} Python nodes", chain_workload),
     "pruned": ("grad(inputs=), chain of {n:,} Python nodes", pruned_workload),
@@ -257,6 +324,8 @@ WORKLOADS = {
     "roots": ("backward, {n:,} root edges into leaves", roots_workload),
     "grad-fan": ("grad(inputs=), one node into {n:,} leaves", grad_fan_workload),
     "failed": ("backward, one node into {n:,} that raise", failed_workload),
+    "half-filled": ("backward failing with {n:,} buffers half filled", half_filled_workload),
+    "grad-failed": ("grad(inputs=) failing, {n:,} captured", grad_failed_workload),
 }
 
 
@@ -275,6 +344,8 @@ def main(argv=None):
     parser.add_argument("--roots", type=int, default=1_000_000)
     parser.add_argument("--grad-fan", type=int, default=1_000_000)
     parser.add_argument("--failed", type=int, default=1_000_000)
+    parser.add_argument("--half-filled", type=int, default=1_000_000)
+    parser.add_argument("--grad-failed", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", default=",".join(WORKLOADS))
     args = parser.parse_args(argv)
