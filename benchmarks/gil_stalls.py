@@ -237,26 +237,6 @@ class PlantedError(Exception):
     """What a ``Raises`` node raises."""
 
 
-def failed_workload(n):
-    raisers = [Raises(input_metadata=[pyengine.InputMetadata(SHAPE, DTYPE)]) for _ in range(n)]
-    root = Split(next_edges=[pyengine.Edge(node, 0) for node in raisers],
-                 input_metadata=[pyengine.InputMetadata(SHAPE, DTYPE)])
-    engine = pyengine.get_default_engine()
-    raised = []
-
-    def run():
-        try:
-            engine.execute([pyengine.Edge(root, 0)], [np.ones(SHAPE, DTYPE)], False, False, True)
-        except PlantedError as error:
-            raised.append(error)
-
-    def check():
-        assert len(raised) == 1, raised
-        raised.clear()
-
-    return run, check
-
-
 class Distinct(pyengine.Node):
     """An array of its own to each of its next edges."""
 
@@ -269,51 +249,50 @@ class Sink(pyengine.Node):
         return []
 
 
+def failing(root, **execute_options):
+    """The run and check of a backward from ``root`` that must raise
+    PlantedError (``Engine.execute``'s keyword options: ``outputs``)."""
+    engine = pyengine.get_default_engine()
+    accumulate_grad = "outputs" not in execute_options
+    raised = []
+
+    def run():
+        try:
+            engine.execute([pyengine.Edge(root, 0)], [np.ones(SHAPE, DTYPE)], False, False,
+                           accumulate_grad, **execute_options)
+        except PlantedError as error:
+            raised.append(error)
+
+    def check():
+        assert len(raised) == 1, raised
+        raised.clear()
+
+    return run, check
+
+
+def failed_workload(n):
+    metadata = pyengine.InputMetadata(SHAPE, DTYPE)
+    raisers = [Raises(input_metadata=[metadata]) for _ in range(n)]
+    return failing(Split(next_edges=[pyengine.Edge(node, 0) for node in raisers],
+                         input_metadata=[metadata]))
+
+
 def half_filled_workload(n):
     metadata = pyengine.InputMetadata(SHAPE, DTYPE)
     pairs = [Sink(input_metadata=[metadata, metadata]) for _ in range(n)]
     second = Split(next_edges=[pyengine.Edge(pair, 1) for pair in pairs],
                    input_metadata=[metadata])
     raiser = Raises(next_edges=[pyengine.Edge(second, 0)], input_metadata=[metadata])
-    root = Distinct(next_edges=[pyengine.Edge(pair, 0) for pair in pairs]
-                    + [pyengine.Edge(raiser, 0)], input_metadata=[metadata])
-    engine = pyengine.get_default_engine()
-    raised = []
-
-    def run():
-        try:
-            engine.execute([pyengine.Edge(root, 0)], [np.ones(SHAPE, DTYPE)], False, False, True)
-        except PlantedError as error:
-            raised.append(error)
-
-    def check():
-        assert len(raised) == 1, raised
-        raised.clear()
-
-    return run, check
+    return failing(Distinct(next_edges=[pyengine.Edge(pair, 0) for pair in pairs]
+                            + [pyengine.Edge(raiser, 0)], input_metadata=[metadata]))
 
 
 def grad_failed_workload(n):
-    leaves = _leaves(n)
-    edges = [pyengine.gradient_edge(leaf) for leaf in leaves]
+    edges = [pyengine.gradient_edge(leaf) for leaf in _leaves(n)]
     metadata = pyengine.InputMetadata(SHAPE, DTYPE)
     raiser = Raises(next_edges=edges[:1], input_metadata=[metadata])
-    root = Distinct(next_edges=edges + [pyengine.Edge(raiser, 0)], input_metadata=[metadata])
-    engine = pyengine.get_default_engine()
-    raised = []
-
-    def run():
-        try:
-            engine.execute([pyengine.Edge(root, 0)], [np.ones(SHAPE, DTYPE)], False, False, False,
-                           outputs=edges)
-        except PlantedError as error:
-            raised.append(error)
-
-    def check():
-        assert len(raised) == 1, raised
-        raised.clear()
-
-    return run, check
+    return failing(Distinct(next_edges=edges + [pyengine.Edge(raiser, 0)],
+                            input_metadata=[metadata]), outputs=edges)
 
 
 WORKLOADS = {
