@@ -26,12 +26,12 @@
 # validation, execute's and init_to_execute's loops over their arguments
 # and the checks of a node's next edges and input metadata count their
 # edges, and what a failed graph task leaves (its queued tasks, its
-# gradients waiting for nodes that will not run) is let go of in slices
-# (See Note [What a failed graph task leaves is let go of in slices] in
-# ``pyengine/_pure/graph_task.py``). What is left: the growth of a vector
-# of a million entries (the ready queue's heap, init_to_execute's
-# captures), one copy of tens of megabytes, 10 to 20 ms, once per
-# doubling.
+# gradients waiting for nodes that will not run or captured) is let go of
+# in slices (See Note [What a failed graph task leaves is let go of in
+# slices] in ``pyengine/_pure/graph_task.py``). What is left: the growth
+# of a vector of a million entries (the ready queue's heap,
+# init_to_execute's captures), one copy of tens of megabytes, 10 to 20 ms,
+# once per doubling.
 #
 # Releasing the GIL for a moment (``with nogil: pass``) looks like the same
 # thing and is not: the waiting thread wakes up, finds the GIL taken back
