@@ -19,7 +19,7 @@ from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
 
 from pyengine._graph_task cimport ExecInfoEntry, InputBufferPtr, NodePtr, task_should_execute
-from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, yield_to_other_threads
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, yield_keeping_interrupt
 from pyengine._locks cimport is_main_thread, lock_releasing_gil, wait_honouring_signals
 from pyengine._node cimport Edge, NodeBase
 from pyengine._ready_queue cimport ReadyQueue
@@ -443,13 +443,8 @@ cdef int release_leftovers(GraphTask graph_task) except -1:
             Py_XDECREF(input_buffer)
             slice_left -= 1
             inc(entry)
-        if interrupt is None and entry != taken.end():
-            try:
-                yield_to_other_threads()
-            except BaseException as error:
-                # Raised once everything is let go of: the map owns
-                # references that nothing else would drop.
-                interrupt = error
+        if entry != taken.end():
+            interrupt = yield_keeping_interrupt(interrupt)
     # The map's own storage, without the GIL: See the Note.
     with nogil:
         taken.clear()
@@ -461,11 +456,10 @@ cdef int release_leftovers(GraphTask graph_task) except -1:
         while end > 0:
             del captured[max(end - WORK_BETWEEN_YIELDS, 0):end]
             end = PyList_GET_SIZE(captured)
-            if interrupt is None and end > 0:
-                try:
-                    yield_to_other_threads()
-                except BaseException as error:
-                    interrupt = error
+            if end > 0:
+                interrupt = yield_keeping_interrupt(interrupt)
+    # Raised once everything is let go of: the map owns references that
+    # nothing else would drop.
     if interrupt is not None:
         raise interrupt
     return 0

@@ -61,6 +61,20 @@ cdef enum:
     NODES_BETWEEN_YIELDS = 512
 
 
+cdef inline object yield_keeping_interrupt(object interrupt):
+    """A yield for a loop that must finish whatever a signal handler raises
+    (See Note [What a failed graph task leaves is let go of in slices] in
+    ``pyengine/_pure/graph_task.py``): with ``interrupt`` kept already, none
+    and ``interrupt`` back; else what the yield raised, or None."""
+    if interrupt is not None:
+        return interrupt
+    try:
+        yield_to_other_threads()
+    except BaseException as error:
+        return error
+    return None
+
+
 cdef inline int let_others_run(Py_ssize_t* work_left,
                                Py_ssize_t between=WORK_BETWEEN_YIELDS) except -1:
     """Count one unit of a long pass's work in ``work_left`` (start it at

@@ -20,7 +20,7 @@ from libc.stdint cimport uint64_t
 from libcpp.mutex cimport mutex, unique_lock
 from libcpp.vector cimport vector
 
-from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, yield_to_other_threads
+from pyengine._interrupts cimport WORK_BETWEEN_YIELDS, yield_keeping_interrupt
 from pyengine._locks cimport (is_main_thread, lock_releasing_gil, wait_for_honouring_signals,
                              wait_honouring_signals)
 from pyengine._node cimport NodeBase
@@ -71,13 +71,10 @@ cdef int release_dropped_tasks(vector[NodeTaskRecord]& records) except -1:
         for i in range(start, end):
             release_record(&records[i])
         start = end
-        if interrupt is None and start < records.size():
-            try:
-                yield_to_other_threads()
-            except BaseException as error:
-                # Raised once every record is released: the records own
-                # references that nothing else would drop.
-                interrupt = error
+        if start < records.size():
+            interrupt = yield_keeping_interrupt(interrupt)
+    # Raised once every record is released: the records own references
+    # that nothing else would drop.
     if interrupt is not None:
         raise interrupt
     return 0
