@@ -37,9 +37,13 @@ class OwnerGraph:
     def grad(self, root: Any, grad: Any, inputs: Iterable[Any],
              allow_unused: bool = ...) -> list[Any]: ...
 
-def split_root(graph: OwnerGraph, root: Any, what: str) -> tuple[Any, int]: ...
 def run_owner_graph(graph: OwnerGraph, root: Any, grad: Any, inputs: list[Any] | None,
                     allow_unused: bool) -> list[Any] | None: ...
+
+class HeldOwners:
+    """A reference to every owner a walk has seen, out of Python code's
+    reach: See Note [The walk's owners stay alive] in
+    pyengine/_pure/owner_graph.py."""
 
 class LeafLock:
     """An owner leaf's accumulation lock: See Note [An owner leaf

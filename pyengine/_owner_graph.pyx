@@ -40,7 +40,7 @@ from pyengine._shared.owner_graph_checks import (EXACT, GRADIENTS_CHANGED, REDUC
                                                 check_reader, cycle_error, format_owner_error,
                                                 format_root_error, leaf_lock_taken_again_message,
                                                 mark_needed, owner_name,
-                                                read_returned, reduce_owner_graph)
+                                                read_returned, reduce_owner_graph, split_root)
 from pyengine._shared.owner_graph_checks import check_input_nr as check_input_nr_slow
 from pyengine._shared.owner_graph_checks import count_slots as count_slots_slow
 from pyengine._shared.owner_graph_checks import split_item as split_item_slow
@@ -259,8 +259,29 @@ cdef tuple read_metadata(OwnerGraph graph, object owner):
     return tuple(specs)
 
 
+# Not tracked by the GC, so that Python code cannot reach it (a list can
+# be found with gc.get_referrers and emptied): See Note [The walk's owners
+# stay alive] in pyengine/_pure/owner_graph.py.
+@cython.final
+@cython.no_gc
+cdef class HeldOwners:
+    """A reference to every owner a walk has seen: the twin's ``held``
+    list, kept in C."""
+    cdef vector[PyObject*] owners
+
+    cdef inline int hold(self, object owner) except -1:
+        self.owners.push_back(<PyObject*>owner)  # MemoryError before the reference
+        Py_INCREF(owner)
+        return 0
+
+    def __dealloc__(self):
+        cdef size_t i
+        for i in range(self.owners.size()):
+            decref(self.owners[i])
+
+
 cdef struct Frame:
-    PyObject* owner  # borrowed: the held list owns it
+    PyObject* owner  # borrowed: HeldOwners owns it
     # The owner's items are arena[start:end]; the next to read is arena[next].
     size_t start
     size_t next
@@ -283,7 +304,7 @@ cdef int read_parents(object parents, object owner, vector[PyObject*]& arena) ex
 
 
 cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[char]& is_leaf,
-                OwnerItems* items_of, OwnerTable* owners, list held, bint keep_items,
+                OwnerItems* items_of, OwnerTable* owners, HeldOwners held, bint keep_items,
                 size_t expected) except -1:
     """Append to ``order`` the owners under ``root`` in the depth-first
     post-order of Note [Owner graphs] (borrowed: ``held`` keeps every owner
@@ -364,14 +385,15 @@ cdef int search(OwnerGraph graph, object root, vector[PyObject*]& order, vector[
     return 0
 
 
-cdef bint refuses(object needs_no_gradient, object owner, dict refusals, list held) except -1:
+cdef bint refuses(object needs_no_gradient, object owner, dict refusals,
+                   HeldOwners held) except -1:
     """``needs_no_gradient(owner)``, asked once per owner in a search: See
     the twin's ``refuses``."""
     key = address(<void*>owner)
     answer = refusals.get(key)
     if answer is None:
         answer = refusals[key] = bool(needs_no_gradient(owner))
-        held.append(owner)  # its address stays its own while refusals holds it
+        held.hold(owner)  # its address stays its own while refusals holds it
     return answer
 
 
@@ -413,13 +435,13 @@ cdef inline void finish_owner(bint returns, DependencyMap* seen, OwnerTable* own
 
 cdef int reach_owner(OwnerGraph graph, object owner, size_t slot, DependencyMap* seen,
                      vector[Frame]& stack, vector[PyObject*]& arena, vector[PyObject*]& order,
-                     vector[char]& is_leaf, OwnerItems* items_of, OwnerTable* owners, list held,
-                     bint keep_items) except -1:
+                     vector[char]& is_leaf, OwnerItems* items_of, OwnerTable* owners,
+                     HeldOwners held, bint keep_items) except -1:
     """Read an owner the search reaches first (on the path, at ``slot``:
     See enter_owner): a leaf finishes at once, another one starts a frame.
     Only the search adds entries, so Python code run here (reading the
     parents, num_inputs) leaves ``slot`` where it is."""
-    held.append(owner)  # before any Python code runs: its address stays its own
+    held.hold(owner)  # before any Python code runs: its address stays its own
     if graph.returns:
         owners.at(<PyObject*>owner, slot).slots = count_slots(graph, owner)
     cdef Frame frame
@@ -668,7 +690,10 @@ cdef int route_gradients(object owner, object outputs, PyObject** items, Py_ssiz
             # returns one gradient per item, but code that reached the list
             # (as above) may have lengthened it.
             raise IndexError("tuple index out of range")
-        split_item(<object>items[i], owner, &parent, &input_nr)
+        if not split_item(<object>items[i], owner, &parent, &input_nr):
+            # A gradient Python code wrote (as above) where no gradient
+            # flows: dropped, as check_outputs drops one.
+            continue
         # Found again for each gradient: the sum below runs Python code.
         entry = owners.find(parent)
         if entry == NULL:
@@ -717,7 +742,9 @@ cdef int run_one(OwnerGraph graph, GraphTask graph_task, bint checkpoint_valid, 
     cdef ThreadState* thread = thread_state()
     cdef ThreadState previous = thread[0]
     cdef ThreadState running = running_thread_state(graph_task)
-    running.checkpoint_valid = checkpoint_valid
+    # ANDed with the thread's: See Note [Checkpoint valid in nested backward]
+    # in pyengine/_pure/state.py.
+    running.checkpoint_valid = checkpoint_valid and previous.checkpoint_valid
     set_thread_state(thread, running)
     try:
         if accumulate is not None:
@@ -862,14 +889,6 @@ cdef inline bint plain_writes(OwnerGraph graph) noexcept:
             and profiler() == NULL and not anomaly_enabled())
 
 
-def split_root(graph, root, what):
-    pair = split_item_slow(root, None) if type(root) is tuple else (None if root is None
-                                                                    else (root, 0))
-    if pair is None:
-        raise TypeError(f"{what} must be an owner or a pair (owner, input_nr), got None")
-    return pair
-
-
 cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
     """Backward over the owner graph under ``root``: See Note [Owner graphs].
     Returns the captured gradients with ``inputs``, else None."""
@@ -882,7 +901,7 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
                         "their parents' gradients themselves")
     if returns and grad is None:
         raise TypeError(f"mode={RETURNS!r} needs the root's gradient")
-    root_owner, root_nr = split_root(graph, root, "root")
+    root_owner, root_nr = split_root(root, "the root")
     if graph.needs_no_gradient is not None and graph.needs_no_gradient(root_owner):
         raise RuntimeError(f"the root (a {owner_name(root_owner)}) needs no gradient: "
                            "needs_no_gradient says so")
@@ -894,7 +913,7 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
         # that fail] in pyengine/_engine.pyx.
         pairs = []
         for index, item in enumerate(inputs):
-            pairs.append(split_root(graph, item, f"inputs[{index}]"))
+            pairs.append(split_root(item, f"inputs[{index}]"))
         inputs = pairs
         wanted = {id(owner) for owner, _ in inputs}
 
@@ -906,7 +925,7 @@ cpdef run_owner_graph(OwnerGraph graph, root, grad, inputs, allow_unused):
     # on return or error: See Note [Tables kept between backward calls].
     cdef OwnerTable owners
     cdef OwnerEntry* entry
-    cdef list held = []
+    cdef HeldOwners held = HeldOwners()
     search(graph, root_owner, order, is_leaf, &items_of, &owners, held, returns,
            graph.owners_hint)
     graph.owners_hint = order.size()

@@ -56,11 +56,13 @@ def execute_owner_graph(root, children, method):
     their inputs' ``.grad`` in place (micrograd): no node is made at forward
     or at backward. ``OwnerGraph(children, method).backward(root)``; See
     Note [Owner graphs] in ``pyengine/_pure/owner_graph.py``."""
-    try:
-        graph = _writes_graphs[children, method]
-    except (KeyError, TypeError):  # TypeError: a callable that is no key
+    # Only plain names are kept: a str subclass's __eq__ and __hash__ are its
+    # own, and would find, or be found for, another pair of names.
+    names = type(children) is str and type(method) is str
+    graph = _writes_graphs.get((children, method)) if names else None
+    if graph is None:
         graph = OwnerGraph(children, method)
-        if len(_writes_graphs) < 64 and isinstance(children, str) and isinstance(method, str):
+        if names and len(_writes_graphs) < 64:
             _writes_graphs[children, method] = graph
     graph.backward(root)
 

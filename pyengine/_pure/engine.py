@@ -699,7 +699,7 @@ class Engine:
             # What thread_main changes per node, as it is out here: See Note
             # [A backward that raises leaves its ready queue].
             outside = (state.is_grad_enabled(), state.get_current_graph_task(),
-                       state.is_checkpoint_valid())
+                       state.is_checkpoint_valid(), state.is_multithreading_enabled())
             try:
                 worker.worker_device = CPU_DEVICE
                 graph_task.owner = CPU_DEVICE
@@ -806,6 +806,9 @@ class Engine:
                 # in nested backward] in pyengine/_pure/state.py.
                 previous_checkpoint_valid = state.swap_checkpoint_valid(
                     local_graph_task.can_checkpoint() and state.is_checkpoint_valid())
+                # Kept: a node may set it for good, and PyTorch's
+                # ThreadLocalStateGuard puts it back as the rest.
+                previous_multithreading = state.is_multithreading_enabled()
                 try:
                     if not local_graph_task.has_error_:
                         if state.profiler() is None:
@@ -819,6 +822,7 @@ class Engine:
                         add_anomaly_note(error, task.node)
                     local_graph_task.set_exception(error)
                 finally:
+                    state.set_multithreading_enabled(previous_multithreading)
                     state.swap_checkpoint_valid(previous_checkpoint_valid)
                     state.set_grad_enabled(previous_grad_mode)
                     state.set_current_node(*previous_node)
@@ -1153,8 +1157,8 @@ def leave_ready_queue(worker, outside):
     """Leave the thread's ReadyQueue to the pool threads that may still
     serve it, and put the engine's per-thread state back as it was outside
     the backward (``outside``: grad mode, current graph task, checkpoint
-    valid; no node runs there). See Note [A backward that raises leaves its
-    ready queue]."""
+    valid, multithreading; no node runs there). See Note [A backward that
+    raises leaves its ready queue]."""
     worker.local_ready_queue = None
     # The thread's next backward serves its new queue alone.
     worker.handoff_interrupted = False
@@ -1163,11 +1167,12 @@ def leave_ready_queue(worker, outside):
     worker.next_task = None
     worker.current_depth = 0
     worker.total_depth = 0
-    grad_mode, graph_task, checkpoint_valid = outside
+    grad_mode, graph_task, checkpoint_valid, multithreading = outside
     state.set_current_node(None, None)
     state.set_current_graph_task(graph_task)
     state.swap_checkpoint_valid(checkpoint_valid)
     state.set_grad_enabled(grad_mode)
+    state.set_multithreading_enabled(multithreading)
 
 
 def fail_driven_graph_tasks(worker, error):

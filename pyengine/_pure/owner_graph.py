@@ -203,6 +203,7 @@ from .._shared.owner_graph_checks import (
     read_returned,
     reduce_owner_graph,
     split_item,
+    split_root,
 )
 from . import state
 from .graph_task import GraphTask, link_enclosing_graph_task
@@ -362,12 +363,27 @@ def read_metadata(graph, owner):
     return tuple([as_input_metadata(spec) for spec in graph.metadata(owner)])
 
 
+# Note [The walk's owners stay alive]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A walk reads each owner's parents once and then runs the owners, which
+# may drop their own references to the others (an owner's backward that
+# clears its parents, as frameworks free their graph) before those run.
+# So the walk holds a reference to every owner it has seen until it
+# returns: ``held`` here, HeldOwners in the compiled core, whose ``order``
+# and search frames are borrowed pointers to the owners. Nothing else may
+# let go of them: a list can be found from Python code
+# (``gc.get_referrers`` of an owner) and emptied, which here only lets an
+# id be reused, but there would leave pointers to freed objects. So the
+# compiled core keeps them in a C++ vector in an object the cyclic GC does
+# not track, which no Python code can reach.
+
+
 def search(graph, root, order, is_leaf, items_of, slots, held, keep_items):
     """Append to ``order`` the owners under ``root`` in the depth-first
     post-order of Note [Owner graphs], with ``is_leaf`` beside it, each
     owner's items to ``items_of`` with ``keep_items``, and (in returns mode)
     its slot count to ``slots`` (by id). ``held`` keeps every owner seen alive, so that its id
-    stays its own. Iterative: any depth."""
+    stays its own (See Note [The walk's owners stay alive]). Iterative: any depth."""
     parents = graph.parents
     needs_no_gradient = graph.needs_no_gradient
     returns = graph.returns
@@ -618,7 +634,12 @@ def route_gradients(owner, outputs, items, buffers, slots):
         grad = outputs[i]
         if grad is None:
             continue
-        parent, input_nr = split_item(items[i], owner)
+        pair = split_item(items[i], owner)
+        if pair is None:
+            # A gradient Python code wrote (as above) where no gradient
+            # flows: dropped, as check_outputs drops one.
+            continue
+        parent, input_nr = pair
         buffer = buffers.get(id(parent))
         if buffer is None:
             if slots[id(parent)] == 1:
@@ -645,7 +666,13 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
     previous_graph_task = state.set_current_graph_task(graph_task)
     previous_grad_mode = state.is_grad_enabled()
     state.set_grad_enabled(False)
-    previous_checkpoint_valid = state.swap_checkpoint_valid(checkpoint_valid)
+    # ANDed with the thread's: See Note [Checkpoint valid in nested backward]
+    # in pyengine/_pure/state.py.
+    previous_checkpoint_valid = state.swap_checkpoint_valid(
+        checkpoint_valid and state.is_checkpoint_valid())
+    # Kept: an owner may set it for good (See Note [An owner's thread state
+    # comes back]).
+    previous_multithreading = state.is_multithreading_enabled()
     try:
         if accumulate is not None:
             accumulate_into_leaf(accumulate, owner, grads[0] if len(grads) == 1 else grads)
@@ -663,6 +690,7 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
         finally:
             # Even where the callback raised: See Note [An owner's thread
             # state comes back].
+            state.set_multithreading_enabled(previous_multithreading)
             state.swap_checkpoint_valid(previous_checkpoint_valid)
             state.set_grad_enabled(previous_grad_mode)
             state.set_current_graph_task(previous_graph_task)
@@ -724,8 +752,10 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Each owner runs with the thread's grad mode off, its current graph task
 # the walk's and its checkpoint flag set (``run_one``, as thread_main sets
-# them around a node), and the thread gets them back after, whatever the
-# owner did. Two ways out skipped that:
+# them around a node), and the thread gets them back after, with its
+# multithreading mode, whatever the owner did (an owner that sets a mode
+# for good sets it for itself, as a node does under PyTorch's
+# ThreadLocalStateGuard). Two ways out skipped that:
 # - A profiler callback that raised (a foreign one set with
 #   ``set_profiler``, or the profiler's own, cut by Ctrl-C or out of
 #   memory) raised from ``run_one``'s ``finally`` before the state was put
@@ -742,7 +772,7 @@ def run_one(graph, graph_task, checkpoint_valid, owner, sequence_nr, grads, item
 #   main thread sees an interrupt] in pyengine/_pure/engine.py): an
 #   interrupt before ``run_one``'s ``try``, or in its ``finally``, or in
 #   the final callbacks' own restore, left grad mode off. So the twin's
-#   walk also puts all three back as they were outside it when it raises,
+#   walk also puts all four back as they were outside it when it raises,
 #   as its outermost Node backward does (Note [A backward that raises
 #   leaves its ready queue] there). The compiled core's state is one C
 #   struct, copied whole, which no interrupt cuts.
@@ -883,13 +913,6 @@ def plain_writes(graph):
             and state.profiler() is None and not state.is_anomaly_enabled())
 
 
-def split_root(graph, root, what):
-    pair = split_item(root, None) if type(root) is tuple else (None if root is None else (root, 0))
-    if pair is None:
-        raise TypeError(f"{what} must be an owner or a pair (owner, input_nr), got None")
-    return pair
-
-
 def run_owner_graph(graph, root, grad, inputs, allow_unused):
     """Backward over the owner graph under ``root``: See Note [Owner graphs].
     Returns the captured gradients with ``inputs``, else None."""
@@ -900,7 +923,7 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
                         "their parents' gradients themselves")
     if returns and grad is None:
         raise TypeError(f"mode={RETURNS!r} needs the root's gradient")
-    root_owner, root_nr = split_root(graph, root, "root")
+    root_owner, root_nr = split_root(root, "the root")
     if graph.needs_no_gradient is not None and graph.needs_no_gradient(root_owner):
         raise RuntimeError(f"the root (a {owner_name(root_owner)}) needs no gradient: "
                            "needs_no_gradient says so")
@@ -908,7 +931,7 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
     if inputs is not None:
         if not inputs:
             raise RuntimeError("grad needs at least one input")
-        inputs = [split_root(graph, item, f"inputs[{i}]") for i, item in enumerate(inputs)]
+        inputs = [split_root(item, f"inputs[{i}]") for i, item in enumerate(inputs)]
         wanted = {id(owner) for owner, _ in inputs}
 
     # slots and (below) buffers, keyed by id(owner): the compiled core keeps
@@ -953,7 +976,7 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
     # What run_one changes per owner, as it is out here: put back where the
     # walk raises. See Note [An owner's thread state comes back].
     outside = (state.is_grad_enabled(), state.get_current_graph_task(),
-               state.is_checkpoint_valid())
+               state.is_checkpoint_valid(), state.is_multithreading_enabled())
     try:
         i = len(order) - 1
         if plain_writes(graph) and type(backward) is str:
@@ -963,10 +986,13 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
                     previous_graph_task = state.set_current_graph_task(graph_task)
                     previous_grad_mode = state.is_grad_enabled()
                     state.set_grad_enabled(False)
-                    previous_checkpoint_valid = state.swap_checkpoint_valid(True)
+                    # As run_one's: True ANDed with the thread's, which stays.
+                    previous_checkpoint_valid = state.is_checkpoint_valid()
+                    previous_multithreading = state.is_multithreading_enabled()
                     try:
                         getattr(order[i], backward)()
                     finally:
+                        state.set_multithreading_enabled(previous_multithreading)
                         state.swap_checkpoint_valid(previous_checkpoint_valid)
                         state.set_grad_enabled(previous_grad_mode)
                         state.set_current_graph_task(previous_graph_task)
@@ -1008,10 +1034,11 @@ def run_owner_graph(graph, root, grad, inputs, allow_unused):
                 # pyengine/_pure/engine.py.
                 del error
     except BaseException:
-        grad_mode, current_graph_task, current_checkpoint_valid = outside
+        grad_mode, current_graph_task, current_checkpoint_valid, multithreading = outside
         state.set_current_graph_task(current_graph_task)
         state.swap_checkpoint_valid(current_checkpoint_valid)
         state.set_grad_enabled(grad_mode)
+        state.set_multithreading_enabled(multithreading)
         raise
     if captured is None:
         return None

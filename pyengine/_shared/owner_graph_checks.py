@@ -15,7 +15,8 @@ __all__ = ["WRITES", "RETURNS", "REDUCE", "EXACT", "OwnerRun", "accumulate_grad"
            "check_hook_result", "check_input_nr", "check_nan", "check_options", "check_reader",
            "count_slots", "cycle_error",
            "format_owner_error", "format_root_error", "make_owner_graph", "mark_needed", "owner_name",
-           "read_returned", "reduce_owner_graph", "split_item"]
+           "qualified_type_name", "read_returned", "reduce_owner_graph", "split_item",
+           "split_root"]
 
 
 WRITES = "writes"
@@ -40,8 +41,13 @@ def leaf_lock_taken_again_message(leaf):
 
 
 def check_reader(what, reader):
-    """``reader`` if it is an attribute name or a callable; else TypeError."""
-    if isinstance(reader, str) or callable(reader):
+    """``reader`` if it is a callable, or the attribute name it is as a
+    plain str: a str subclass (an ``enum.StrEnum`` member) reads as the
+    string it holds, since the walks tell a name from a callable by
+    ``type(reader) is str``; else TypeError."""
+    if isinstance(reader, str):
+        return str.__str__(reader)
+    if callable(reader):
         return reader
     raise TypeError(f"{what} must be a str (an attribute or method name) or a callable, "
                     f"got {type(reader).__name__}")
@@ -54,8 +60,15 @@ def check_options(returns, should_compute_output, gradient_policy, accumulates, 
     for what, flag in (("should_compute_output", should_compute_output),
                        ("accumulates", accumulates), ("unpack_grads", unpack_grads)):
         if type(flag) is not bool:
-            raise TypeError(f"{what} must be a bool, got {type(flag).__name__}")
-    if gradient_policy != REDUCE and gradient_policy != EXACT:
+            raise TypeError(f"{what} must be a bool, got {qualified_type_name(flag)}")
+    # Compared as the str it holds, and kept as the constant: a str
+    # subclass's own __eq__ or __str__ could say one thing to the check and
+    # another to the walk.
+    if isinstance(gradient_policy, str) and str.__eq__(gradient_policy, REDUCE):
+        gradient_policy = REDUCE
+    elif isinstance(gradient_policy, str) and str.__eq__(gradient_policy, EXACT):
+        gradient_policy = EXACT
+    else:
         raise ValueError(f"gradient_policy must be {REDUCE!r} or {EXACT!r}, "
                          f"got {gradient_policy!r}")
     if not returns:
@@ -65,7 +78,14 @@ def check_options(returns, should_compute_output, gradient_policy, accumulates, 
             if value:
                 raise TypeError(f"{what} is for mode={RETURNS!r}: in mode={WRITES!r} the "
                                 "owners write their parents' gradients themselves")
-    return str(gradient_policy)
+    return gradient_policy
+
+
+def qualified_type_name(value):
+    """``value``'s type as an error names it: ``int``, or ``numpy.bool``
+    where another module's type has a builtin's name."""
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
 
 
 # OwnerGraph.__init__'s keyword-only arguments: each is kept as the field of
@@ -131,26 +151,57 @@ class OwnerRun:
         return owner_name(self.owner)
 
 
+# Note [An owner graph reads an int's value]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A slot number (a parent item's ``input_nr``, a root's) and a slot count
+# (``num_inputs``) may be any int, subclasses included, and an int
+# subclass may override its comparisons. The compiled walk reads the
+# number's value in C, which no override changes; so both cores check and
+# use that value (``int.__index__``, the int type's own method, as a plain
+# int), never the object's comparisons: a count of -3 that says it is not
+# below 1 is refused as -3 in both, and a slot of 2**70 that says it is in
+# range is named as 2**70 in both.
+
+
+def item_name(holder):
+    """How an error names an item: ``holder`` is a str that names it (the
+    root, ``inputs[k]``), or the owner it is a parent item of."""
+    return holder if isinstance(holder, str) else f"a parent item of a {owner_name(holder)}"
+
+
 def split_item(item, holder):
-    """``(parent, input_nr)`` of a parent item of ``holder``, or None where
-    no gradient flows (None, or a pair whose owner is None)."""
+    """``(parent, input_nr)`` of a parent item of ``holder`` (or of the item
+    ``holder`` names: See ``item_name``), or None where no gradient flows
+    (None, or a pair whose owner is None). ``input_nr`` is a plain int:
+    See Note [An owner graph reads an int's value]."""
     if item is None:
         return None
     if type(item) is tuple:
         if len(item) != 2 or not isinstance(item[1], int) or isinstance(item[1], bool):
-            raise TypeError(f"a parent item of a {owner_name(holder)} is a tuple of "
-                            f"{len(item)}: expected an owner, None, or a pair (owner, input_nr) "
-                            "with an int input_nr")
-        if not 0 <= item[1] < MAX_INPUT_NR:
+            expected = ("an owner or a pair" if isinstance(holder, str)
+                        else "an owner, None, or a pair")
+            raise TypeError(f"{item_name(holder)} is a tuple of {len(item)}: expected "
+                            f"{expected} (owner, input_nr) with an int input_nr")
+        input_nr = int.__index__(item[1])
+        if not 0 <= input_nr < MAX_INPUT_NR:
             # No owner has a slot there (count_slots' limit); and the
             # compiled walk keeps input_nr in a C integer.
-            holder = "the root" if holder is None else f"a parent item of a {owner_name(holder)}"
-            raise IndexError(f"{holder} names slot {item[1]}: a slot is at least 0 and "
-                             f"below {MAX_INPUT_NR}")
+            raise IndexError(f"{item_name(holder)} names slot {input_nr}: a slot is at least 0 "
+                             f"and below {MAX_INPUT_NR}")
         if item[0] is None:
             return None
-        return item
+        return item if type(item[1]) is int else (item[0], input_nr)
     return (item, 0)
+
+
+def split_root(root, what):
+    """``(owner, input_nr)`` of a root of a walk, or of one of ``grad()``'s
+    inputs (``what``: "the root", "inputs[k]"), checked as a parent item is."""
+    pair = None if root is None else split_item(root, what) if type(root) is tuple else (root, 0)
+    if pair is None:
+        got = "None" if root is None else "a pair whose owner is None"
+        raise TypeError(f"{what} must be an owner or a pair (owner, input_nr), got {got}")
+    return pair
 
 
 def count_slots(graph, owner):
@@ -158,7 +209,9 @@ def count_slots(graph, owner):
     if graph.num_inputs is None:
         return 1
     count = graph.num_inputs(owner)
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+    if isinstance(count, int) and not isinstance(count, bool):
+        count = int.__index__(count)  # See Note [An owner graph reads an int's value]
+    if type(count) is not int or count < 1:
         raise TypeError(f"num_inputs({owner_name(owner)}) must be an int of at least 1, "
                         f"got {count!r}")
     if count > MAX_INPUT_NR:
@@ -169,14 +222,12 @@ def count_slots(graph, owner):
 
 
 def check_input_nr(owner, input_nr, slots, where):
-    """That ``input_nr`` is a slot of ``owner``; ``where`` names the item in
-    the error (a str, or the owner whose parent item it is)."""
+    """That ``input_nr`` (a plain int, from ``split_item``) is a slot of
+    ``owner``; ``where`` names the item in the error (See ``item_name``)."""
     count = slots[id(owner)]
     if not 0 <= input_nr < count:
-        if not isinstance(where, str):
-            where = f"a parent item of a {owner_name(where)}"
-        raise IndexError(f"{where} names slot {input_nr} of a {owner_name(owner)}, which has "
-                         f"{count} slot{'s' if count != 1 else ''}")
+        raise IndexError(f"{item_name(where)} names slot {input_nr} of a {owner_name(owner)}, "
+                         f"which has {count} slot{'s' if count != 1 else ''}")
 
 
 def mark_needed(order, is_leaf, items_of, wanted):
