@@ -431,3 +431,44 @@ def test_a_flag_of_another_modules_bool_type_is_named_with_its_module():
     # "accumulates must be a bool, got bool": numpy 2 names np.True_'s type bool.
     with pytest.raises(TypeError, match=r"^accumulates must be a bool, got numpy\.bool_?$"):
         pyengine.OwnerGraph("parents", passes_on, mode="returns", accumulates=np.True_)
+
+
+@pytest.mark.parametrize("root, method, error, message", [
+    (None, "_backward", TypeError,
+     "the root must be an owner or a pair (owner, input_nr), got None"),
+    ((None, 0), "_backward", TypeError,
+     "the root must be an owner or a pair (owner, input_nr), got a pair whose owner is None"),
+    ("micro", lambda owner: None, TypeError,
+     "method must be a str (a method name) to translate an owner graph into nodes, got function"),
+])
+def test_translating_a_bad_root_or_method_is_refused_before_the_search(root, method, error,
+                                                                       message):
+    # An AttributeError on NoneType or tuple, or the whole search and then
+    # the first node's refusal.
+    read = []
+
+    class Counted(Micro):
+        @property
+        def _prev(self):
+            read.append(self)
+            return self.__dict__["_prev"]
+
+        @_prev.setter
+        def _prev(self, value):
+            self.__dict__["_prev"] = value
+
+    if root == "micro":
+        root = Counted(Counted())
+    with pytest.raises(error) as raised:
+        pyengine.translate_owner_graph(root, "_prev", method)
+    assert str(raised.value) == message
+    assert read == []
+
+
+def test_translating_a_pair_root_translates_its_owner():
+    x = Micro()
+    y = Micro(x)
+    root = Micro(y)
+    edge = pyengine.translate_owner_graph((root, 0), "_prev", "_backward")
+    assert edge.node.owner is root
+    assert [e.node.owner for e in edge.node.next_edges] == [y]

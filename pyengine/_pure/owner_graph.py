@@ -1058,8 +1058,15 @@ def owner_graph_edge(root, children, method, node_type, edge_type):
     edges go to its distinct non-leaf parents in item order; None when
     ``root`` is a leaf. For looking at a graph: ``node_type`` is a
     gradient-free node class taking ``(owner, method, next_edges)``,
-    ``edge_type`` the core's Edge."""
+    ``edge_type`` the core's Edge. ``root`` may be a pair ``(owner,
+    input_nr)``, as a walk's root: its owner is the root."""
     graph = OwnerGraph(children, method)
+    # Checked before the search, as a walk checks them: the nodes take a
+    # method's name only.
+    if type(graph.backward_) is not str:
+        raise TypeError(f"method must be a str (a method name) to translate an owner graph "
+                        f"into nodes, got {type(method).__name__}")
+    root = split_root(root, "the root")[0]
     order, is_leaf, items_of, held = [], [], [], []
     search(graph, root, order, is_leaf, items_of, {}, held, True)
     edge_of = {}  # id(owner) -> the Edge into its node
