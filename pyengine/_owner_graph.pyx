@@ -38,6 +38,8 @@ from pyengine._shared.owner_graph_checks import (EXACT, GRADIENTS_CHANGED, REDUC
                                                 OwnerRun, accumulate_grad, add_owner_note,
                                                 check_hook_result, check_nan, check_options,
                                                 check_reader, cycle_error, format_owner_error,
+                                                inputs_what, iterate, metadata_of_what,
+                                                parents_of_what,
                                                 format_root_error, leaf_lock_taken_again_message,
                                                 mark_needed, owner_name,
                                                 read_returned, reduce_owner_graph, split_root)
@@ -185,7 +187,8 @@ cdef class OwnerGraph:
     def grad(self, root, grad, inputs, allow_unused=False):
         """The gradients flowing into ``inputs`` (owners or pairs), in order;
         nothing is accumulated. Returns mode only."""
-        return run_owner_graph(self, root, grad, list(inputs), allow_unused)
+        return run_owner_graph(self, root, grad, list(iterate(inputs, inputs_what)),
+                               allow_unused)
 
     def __repr__(self):
         return f"OwnerGraph({self.parents!r}, {self.backward_!r}, mode={self.mode!r})"
@@ -254,7 +257,7 @@ cdef tuple read_metadata(OwnerGraph graph, object owner):
     # A loop, not a list comprehension: See Note [Python allocations that
     # fail] in pyengine/_engine.pyx.
     specs = []
-    for spec in graph.metadata(owner):
+    for spec in iterate(graph.metadata(owner), metadata_of_what, owner):
         specs.append(as_input_metadata(spec))
     return tuple(specs)
 
@@ -297,6 +300,8 @@ cdef int read_parents(object parents, object owner, vector[PyObject*]& arena) ex
                               else PyObject_CallOneArg(parents, owner))
     if collection is None or (is_builtin_collection(collection) and len(collection) == 0):
         return 0
+    if not is_builtin_collection(collection):
+        collection = iterate(collection, parents_of_what, parents, owner)
     for item in collection:
         Py_INCREF(item)
         arena.push_back(<PyObject*>item)

@@ -472,3 +472,37 @@ def test_translating_a_pair_root_translates_its_owner():
     edge = pyengine.translate_owner_graph((root, 0), "_prev", "_backward")
     assert edge.node.owner is root
     assert [e.node.owner for e in edge.node.next_edges] == [y]
+
+
+@pytest.mark.parametrize("make_graph, message", [
+    (lambda: pyengine.OwnerGraph(lambda owner: 3 if owner.parents else None, "back"),
+     "parents(Value) must be iterable, got int"),
+    (lambda: pyengine.OwnerGraph("count", "back"), "the 'count' of a Value must be iterable, got int"),
+    (lambda: pyengine.OwnerGraph("parents", passes_on, mode="returns",
+                                 metadata=lambda owner: None),
+     "metadata(Value) must be iterable, got NoneType"),
+])
+def test_a_collection_that_is_not_iterable_is_named(make_graph, message):
+    # Python's own words named only the type: "'int' object is not iterable".
+    x = Value()
+    root = Value(x)
+    root.count = 3
+    x.count = None
+    with pytest.raises(TypeError) as raised:
+        graph = make_graph()
+        if graph.returns:
+            graph.backward(root, np.ones(1))
+        else:
+            graph.backward(root)
+    assert str(raised.value) == message
+    assert x.grad is None
+
+
+def test_grad_inputs_that_are_not_iterable_are_named():
+    x = Value()
+    graph = pyengine.OwnerGraph("parents", passes_on, mode="returns")
+    with pytest.raises(TypeError) as raised:
+        graph.grad(Value(x), np.ones(1), x)
+    assert str(raised.value) == "inputs must be iterable, got Value"
+    # A generator is an iterable: read once.
+    assert graph.grad(Value(x), np.ones(1), (owner for owner in [x]))[0].tolist() == [1.0]

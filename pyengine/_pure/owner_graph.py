@@ -197,9 +197,13 @@ from .._shared.owner_graph_checks import (
     cycle_error,
     format_owner_error,
     format_root_error,
+    inputs_what,
+    iterate,
     leaf_lock_taken_again_message,
     mark_needed,
+    metadata_of_what,
     owner_name,
+    parents_of_what,
     read_returned,
     reduce_owner_graph,
     split_item,
@@ -334,7 +338,8 @@ class OwnerGraph:
     def grad(self, root, grad, inputs, allow_unused=False):
         """The gradients flowing into ``inputs`` (owners or pairs), in order;
         nothing is accumulated. Returns mode only."""
-        return run_owner_graph(self, root, grad, list(inputs), allow_unused)
+        return run_owner_graph(self, root, grad, list(iterate(inputs, inputs_what)),
+                               allow_unused)
 
     def __repr__(self):
         return f"OwnerGraph({self.parents!r}, {self.backward_!r}, mode={self.mode!r})"
@@ -349,6 +354,8 @@ def read_parents(parents, owner):
     collection = getattr(owner, parents) if type(parents) is str else parents(owner)
     if collection is None or (is_builtin_collection(collection) and len(collection) == 0):
         return ()
+    if not is_builtin_collection(collection):
+        collection = iterate(collection, parents_of_what, parents, owner)
     return tuple(collection)
 
 
@@ -360,7 +367,8 @@ def read_metadata(graph, owner):
     """``metadata(owner)`` as the Node API reads ``input_metadata``: each
     entry an InputMetadata, None, a ``(shape, dtype[, device])`` tuple or a
     value to read them from."""
-    return tuple([as_input_metadata(spec) for spec in graph.metadata(owner)])
+    return tuple([as_input_metadata(spec) for spec in
+                  iterate(graph.metadata(owner), metadata_of_what, owner)])
 
 
 # Note [The walk's owners stay alive]

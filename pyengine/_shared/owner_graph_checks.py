@@ -13,10 +13,10 @@ from .messages import MAX_INPUT_NR
 
 __all__ = ["WRITES", "RETURNS", "REDUCE", "EXACT", "OwnerRun", "accumulate_grad", "add_owner_note",
            "check_hook_result", "check_input_nr", "check_nan", "check_options", "check_reader",
-           "count_slots", "cycle_error",
-           "format_owner_error", "format_root_error", "make_owner_graph", "mark_needed", "owner_name",
-           "qualified_type_name", "read_returned", "reduce_owner_graph", "split_item",
-           "split_root"]
+           "count_slots", "cycle_error", "format_owner_error", "format_root_error",
+           "inputs_what", "iterate", "make_owner_graph", "mark_needed", "metadata_of_what",
+           "owner_name", "parents_of_what", "qualified_type_name", "read_returned",
+           "reduce_owner_graph", "split_item", "split_root"]
 
 
 WRITES = "writes"
@@ -167,6 +167,33 @@ def item_name(holder):
     """How an error names an item: ``holder`` is a str that names it (the
     root, ``inputs[k]``), or the owner it is a parent item of."""
     return holder if isinstance(holder, str) else f"a parent item of a {owner_name(holder)}"
+
+
+def iterate(collection, describe, *args):
+    """``iter(collection)``; where it is not iterable, TypeError naming what
+    it is (``describe(*args)``, called only then) rather than Python's bare
+    "'int' object is not iterable"."""
+    try:
+        return iter(collection)
+    except TypeError:
+        raise TypeError(f"{describe(*args)} must be iterable, got "
+                        f"{type(collection).__name__}") from None
+
+
+def metadata_of_what(owner):
+    return f"metadata({owner_name(owner)})"
+
+
+def inputs_what():
+    return "inputs"
+
+
+def parents_of_what(parents, owner):
+    """How an error names an owner's parents: its attribute, or what the
+    ``parents`` callable returned for it."""
+    if type(parents) is str:
+        return f"the {parents!r} of a {owner_name(owner)}"
+    return f"parents({owner_name(owner)})"
 
 
 def split_item(item, holder):
