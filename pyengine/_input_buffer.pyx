@@ -11,7 +11,7 @@ from cpython.ref cimport Py_INCREF
 
 from pyengine._shared.messages import (INPUT_BUFFER_INITIALIZED_WHY, cannot_pickle_message,
                                        initialized_once_message)
-from pyengine.backends import backend_of, check_same_device, no_backend_to_add
+from pyengine.backends import backend_of, bad_backend_result, check_same_device, no_backend_to_add
 
 cimport numpy as cnp
 
@@ -120,6 +120,11 @@ cdef class InputBuffer:
             except Exception:
                 check_same_device(f"InputBuffer slot {pos}", old, value)
                 raise
+            # Stored only once it is a value: See Note [What a backend
+            # returns] in pyengine/backends.py.
+            if backend_of(total) is None:
+                raise bad_backend_result(total, backend, "add_" if in_place else "add",
+                                         f"InputBuffer slot {pos}")
         # The sum ran Python code (a backend, an object array's elements'
         # __add__), which may have reached these lists and shortened them.
         if pos >= PyList_GET_SIZE(buffer) or pos >= PyList_GET_SIZE(self._owned):

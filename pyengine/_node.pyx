@@ -29,7 +29,7 @@ import operator
 import numpy as np
 
 from pyengine import backends as _backends
-from pyengine.backends import backend_of, backend_to_add
+from pyengine.backends import backend_of, backend_to_add, check_backend_result
 from pyengine.device import CPU, Device, as_device
 from pyengine.indexed import IndexedGradient
 
@@ -628,7 +628,9 @@ cdef object copy_value(object value):
     if is_numpy_array(value):
         # np.array(value, copy=True), the numpy backend's copy.
         return cnp.PyArray_NewCopy(<cnp.ndarray>value, cnp.NPY_KEEPORDER)
-    return backend_of(value).copy(value)
+    backend = backend_of(value)
+    # See Note [What a backend returns] in pyengine/backends.py.
+    return check_backend_result(backend.copy(value), backend, "copy", "the variable's .grad")
 
 
 cdef object add_arrays(object grad, object new_grad):
@@ -646,13 +648,19 @@ cdef object add_in_place(object grad, object new_grad):
             # np.add(grad, new_grad, out=grad), the numpy backend's add_.
             return PyNumber_InPlaceAdd(grad, new_grad)
         return add_arrays(grad, new_grad)
-    return backend_to_add(grad, "the variable's .grad").add_(grad, new_grad)
+    backend = backend_to_add(grad, "the variable's .grad")
+    # See Note [What a backend returns] in pyengine/backends.py.
+    return check_backend_result(backend.add_(grad, new_grad), backend, "add_",
+                                "the variable's .grad")
 
 
 cdef object add_values(object grad, object new_grad):
     if is_numpy_array(grad) and type(new_grad) is cnp.ndarray:
         return add_arrays(grad, new_grad)
-    return backend_to_add(grad, "the variable's .grad").add(grad, new_grad)
+    backend = backend_to_add(grad, "the variable's .grad")
+    # See Note [What a backend returns] in pyengine/backends.py.
+    return check_backend_result(backend.add(grad, new_grad), backend, "add",
+                                "the variable's .grad")
 
 
 @cython.final

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from . import node as _node
-from .backends import backend_of, backend_to_add
+from .backends import backend_of, backend_to_add, check_backend_result
 from .engine import get_default_engine
 from .node import AccumulateGrad, Edge, Node, RemovableHandle, leaf_state
 
@@ -171,10 +171,16 @@ def retain_grad(tensor) -> None:
             return
         with lock:
             old_grad = owner.grad
+            # Stored only once it is a value: See Note [What a backend
+            # returns] in pyengine/backends.py.
             if old_grad is None:
-                owner.grad = backend_of(new_grad).copy(new_grad)
+                backend = backend_of(new_grad)
+                owner.grad = check_backend_result(backend.copy(new_grad), backend, "copy",
+                                                  "the tensor's .grad")
             else:
-                owner.grad = backend_to_add(old_grad, "the tensor's .grad").add(old_grad, new_grad)
+                backend = backend_to_add(old_grad, "the tensor's .grad")
+                owner.grad = check_backend_result(backend.add(old_grad, new_grad), backend, "add",
+                                                  "the tensor's .grad")
 
     grad_fn.set_retains_grad_hook(getattr(tensor, "output_nr", 0), retains_grad_hook)
 

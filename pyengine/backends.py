@@ -67,6 +67,9 @@ class ArrayBackend:
 
     ``dtype_kind`` returns ``"f"`` (floating), ``"c"`` (complex) or anything
     else (not differentiable); the engine refuses gradients of other kinds.
+    ``add``, ``add_``, ``copy``, ``cast``, ``sum_to`` and ``to_device``
+    return a value of a registered backend, never None: the engine refuses
+    anything else with a TypeError (See Note [What a backend returns]).
     """
 
     name = "abstract"
@@ -393,6 +396,72 @@ def no_backend_to_add(value, holder):
     return TypeError(f"{holder} holds a {type(value).__name__}, which no registered backend "
                      "adds a gradient to: expected a value of a registered backend (see "
                      "pyengine.register_backend)")
+
+
+def backend_label(backend):
+    """``backend``'s ``name`` and class, as an error names it: "the backend
+    't' (TBackend)". A ``name`` that cannot be read (a property that raises
+    an Exception) is said so, and the class still names the backend: See
+    Note [A name() that raises] in pyengine/_shared/messages.py."""
+    try:
+        name = repr(backend.name)
+    except Exception as error:
+        name = f"(its name raised {type(error).__name__})"
+    return f"the backend {name} ({type(backend).__name__})"
+
+
+def backend_result_problem(result, backend, method):
+    """What is wrong with ``result``, which ``backend.<method>()`` returned
+    for the engine to keep: the words of ``check_backend_result``'s error
+    (See Note [What a backend returns])."""
+    if result is None:
+        what = "None"
+    else:
+        what = f"a {type(result).__name__}, which no registered backend handles"
+    hint = " (an add_ must return the sum: its first argument, or a new value)" if (
+        method == "add_") else ""
+    return (f"{method}() of {backend_label(backend)} returned {what}: expected a value of a "
+            f"registered backend{hint}")
+
+
+def check_backend_result(result, backend, method, holder):
+    """``result``, which ``backend.<method>()`` returned for the engine to
+    store into ``holder`` (a buffer slot, a ``.grad``), where it is a value
+    of a registered backend; TypeError (the value is of the wrong type) that
+    names ``holder``, the backend, the method and what came back, where it is
+    not: See Note [What a backend returns]."""
+    if backend_of(result) is None:
+        raise bad_backend_result(result, backend, method, holder)
+    return result
+
+
+def bad_backend_result(result, backend, method, holder):
+    """``check_backend_result``'s error, for a caller that builds
+    ``holder``'s name only once it is needed (an InputBuffer names its
+    slot)."""
+    return TypeError(f"{holder}: {backend_result_problem(result, backend, method)}")
+
+
+# Note [What a backend returns]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The engine keeps what a backend's ``add``, ``add_``, ``copy``, ``cast``,
+# ``sum_to`` and ``to_device`` return: as an InputBuffer's sum, as a leaf's
+# ``.grad``, as the gradient validate_outputs passes on. A backend is
+# Python code of a framework's, and one that returns None (an ``add_``
+# written without ``return a``) or a value no registered backend handles
+# would, stored as it is, make ``.grad`` None (losing every gradient
+# summed into it) or hand a node None for a gradient, without a word. So
+# each result the engine keeps is checked, in both cores, before it is
+# stored: where ``backend_of`` finds no backend for it, a TypeError (the
+# result is of the wrong type) names where it was going (the InputBuffer
+# slot, the variable's ``.grad``; validate_outputs' errors name the node
+# and the gradient's index), the backend (its ``name`` and class), the
+# method and what it returned. Nothing is stored then: the slot and
+# ``.grad`` still hold what they held before the sum (what an in-place
+# ``add_`` did to its first argument before it returned is the backend's
+# doing). The numpy fast paths, where the engine sums numpy arrays itself
+# (with numpy's operators, in C in the compiled core), call no backend and
+# check nothing.
 
 
 def check_same_device(holder, value, other):

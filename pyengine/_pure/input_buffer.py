@@ -30,7 +30,7 @@ from .._shared.messages import (
     cannot_pickle_message,
     initialized_once_message,
 )
-from ..backends import backend_of, check_same_device, no_backend_to_add
+from ..backends import backend_of, bad_backend_result, check_same_device, no_backend_to_add
 from .node import is_numpy_array, numpy_scalars
 from .static_types import as_ssize_t, c_type_name, check_new, final
 
@@ -145,6 +145,11 @@ class InputBuffer:
             except Exception:
                 check_same_device(f"InputBuffer slot {pos}", old, value)
                 raise
+            # Stored only once it is a value: See Note [What a backend
+            # returns] in pyengine/backends.py.
+            if backend_of(total) is None:
+                raise bad_backend_result(total, backend, "add_" if in_place else "add",
+                                         f"InputBuffer slot {pos}")
         # The sum ran Python code (a backend, an object array's elements'
         # __add__), which may have reached these lists and shortened them.
         if pos >= len(buffer) or pos >= len(owned):

@@ -34,7 +34,7 @@ from .._shared.messages import (
     uninitialized_metadata_message,
 )
 from .._shared.node_streams import _creation_stream
-from ..backends import backend_of, backend_to_add
+from ..backends import backend_of, backend_to_add, check_backend_result
 from ..device import CPU, Device, as_device
 from ..indexed import IndexedGradient
 from . import state
@@ -874,7 +874,9 @@ def _keep_input_metadata(node, input_metadata):
 def copy_value(value):
     if is_numpy_array(value):
         return np.array(value, copy=True)  # the numpy backend's copy
-    return backend_of(value).copy(value)
+    backend = backend_of(value)
+    # See Note [What a backend returns] in pyengine/backends.py.
+    return check_backend_result(backend.copy(value), backend, "copy", "the variable's .grad")
 
 
 def add_arrays(grad, new_grad):
@@ -892,13 +894,19 @@ def add_in_place(grad, new_grad):
             grad += new_grad  # np.add(grad, new_grad, out=grad), the numpy backend's add_
             return grad
         return add_arrays(grad, new_grad)
-    return backend_to_add(grad, "the variable's .grad").add_(grad, new_grad)
+    backend = backend_to_add(grad, "the variable's .grad")
+    # See Note [What a backend returns] in pyengine/backends.py.
+    return check_backend_result(backend.add_(grad, new_grad), backend, "add_",
+                                "the variable's .grad")
 
 
 def add_values(grad, new_grad):
     if is_numpy_array(grad) and type(new_grad) is np.ndarray:
         return add_arrays(grad, new_grad)
-    return backend_to_add(grad, "the variable's .grad").add(grad, new_grad)
+    backend = backend_to_add(grad, "the variable's .grad")
+    # See Note [What a backend returns] in pyengine/backends.py.
+    return check_backend_result(backend.add(grad, new_grad), backend, "add",
+                                "the variable's .grad")
 
 
 # Note [The lock of a leaf's .grad]

@@ -9,7 +9,7 @@ shared]): broadcast reductions, casts, moves, other value types and the
 errors, in PyTorch's words, are written once.
 """
 
-from ..backends import backend_of, is_expandable_to
+from ..backends import backend_of, backend_result_problem, is_expandable_to
 
 # The values of ``gradient_policy``: checked_gradient_policy returns one of
 # these very objects, which the compiled core compares by identity.
@@ -53,6 +53,18 @@ def value_backend(i, grad, format_error):
     return backend
 
 
+def result_backend(i, result, backend, method, format_error):
+    """The backend of ``result``, which ``backend.<method>()`` returned for
+    gradient ``i``; TypeError naming the backend, the method and what it
+    returned where no backend handles it (See Note [What a backend returns]
+    in pyengine/backends.py)."""
+    found = backend_of(result)
+    if found is None:
+        raise TypeError(format_error(
+            f"invalid gradient at index {i} - {backend_result_problem(result, backend, method)}"))
+    return found
+
+
 def validate_gradient(i, grad, metadata, format_error):
     """Gradient ``i`` checked against its slot's ``metadata`` (None: only
     that it is a value), reduced, cast or moved where that is allowed."""
@@ -68,7 +80,7 @@ def validate_gradient(i, grad, metadata, format_error):
         grad = backend.sum_to(grad, metadata.shape)
         # sum_to may return another type (an IndexedGradient reduces to a
         # dense array): the checks below ask the backend of what it returned.
-        backend = value_backend(i, grad, format_error)
+        backend = result_backend(i, grad, backend, "sum_to", format_error)
         shape = metadata.shape
     dtype = backend.dtype(grad)
     if dtype != metadata.dtype:
@@ -81,6 +93,8 @@ def validate_gradient(i, grad, metadata, format_error):
                 f"(a {'complex' if kind == 'c' else 'real'} gradient casts only to a "
                 f"{'complex' if kind == 'c' else 'real'} dtype)"))
         grad = backend.cast(grad, metadata.dtype)
+        # As after sum_to: the device is asked of the backend of what came back.
+        backend = result_backend(i, grad, backend, "cast", format_error)
     device = backend.device(grad)
     if device != metadata.device:
         # PyTorch moves only a 0-dim gradient, and asks the dim of the
@@ -90,6 +104,7 @@ def validate_gradient(i, grad, metadata, format_error):
             raise RuntimeError(format_error(
                 f"invalid gradient at index {i} - expected device {metadata.device} but got {device}"))
         grad = backend.to_device(grad, metadata.device)
+        result_backend(i, grad, backend, "to_device", format_error)
     return grad
 
 
