@@ -29,7 +29,7 @@ import operator
 import numpy as np
 
 from pyengine import backends as _backends
-from pyengine.backends import backend_of, backend_to_add, check_backend_result
+from pyengine.backends import backend_of, backend_to_add, check_backend_result, no_backend_to_copy
 from pyengine.device import CPU, Device, as_device
 from pyengine.indexed import IndexedGradient
 
@@ -629,6 +629,10 @@ cdef object copy_value(object value):
         # np.array(value, copy=True), the numpy backend's copy.
         return cnp.PyArray_NewCopy(<cnp.ndarray>value, cnp.NPY_KEEPORDER)
     backend = backend_of(value)
+    if backend is None:
+        # validate_outputs found one; Python code run since (a backend's
+        # method, a hook) may have unregistered it.
+        raise no_backend_to_copy(value, "the variable's .grad")
     # See Note [What a backend returns] in pyengine/backends.py.
     return check_backend_result(backend.copy(value), backend, "copy", "the variable's .grad")
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from . import node as _node
-from .backends import backend_of, backend_to_add, check_backend_result
+from .backends import backend_of, backend_to_add, check_backend_result, no_backend_to_copy
 from .engine import get_default_engine
 from .node import AccumulateGrad, Edge, Node, RemovableHandle, leaf_state
 
@@ -175,6 +175,8 @@ def retain_grad(tensor) -> None:
             # returns] in pyengine/backends.py.
             if old_grad is None:
                 backend = backend_of(new_grad)
+                if backend is None:
+                    raise no_backend_to_copy(new_grad, "the tensor's .grad")
                 owner.grad = check_backend_result(backend.copy(new_grad), backend, "copy",
                                                   "the tensor's .grad")
             else:

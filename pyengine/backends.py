@@ -464,6 +464,16 @@ def bad_backend_result(result, backend, method, holder):
 # check nothing.
 
 
+def no_backend_to_copy(value, holder):
+    """The TypeError for a gradient that no registered backend copies, on
+    its way into ``holder`` (a ``.grad``): validate_outputs found its
+    backend, and Python code the engine ran since (a backend's method, a
+    hook) unregistered it."""
+    return TypeError(f"the gradient for {holder} is a {type(value).__name__}, which no "
+                     "registered backend copies: expected a value of a registered backend "
+                     "(see pyengine.register_backend)")
+
+
 def check_same_device(holder, value, other):
     """Before a sum of ``value`` and ``other`` (of two array types) into
     ``holder``, or after one failed: a RuntimeError where the two are on

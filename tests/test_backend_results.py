@@ -271,3 +271,31 @@ def test_retain_grad_keeps_grad_when_the_backend_returns_no_value(register, meth
     assert tensor.grad is before
     if method == "add":
         assert type(before) is Value and before.a.tolist() == [1.0] * 3
+
+
+def test_a_backend_unregistered_before_accumulate_grad_copies_is_named(register):
+    # A pre-hook of the leaf's AccumulateGrad (an adapter's teardown, say)
+    # unregisters the backend after validate_outputs found it: the copy
+    # into .grad found no backend, and called .copy on None.
+    register(Backend())
+    x = Leaf(Value(np.zeros(3)))
+    edge = pyengine.gradient_edge(x)
+    edge.node.register_prehook(lambda grads: pyengine.unregister_backend(Value) and None)
+    with pytest.raises(TypeError, match=re.escape(
+            "the gradient for the variable's .grad is a Value, which no registered backend "
+            "copies: expected a value of a registered backend (see pyengine.register_backend)")):
+        _backward([edge], lambda: Value(np.ones(3)))
+    assert x.grad is None
+
+
+def test_a_backend_unregistered_before_retain_grad_copies_is_named(register):
+    # The same for retain_grad's copy: a tensor hook, which runs before it,
+    # unregisters the backend.
+    register(Backend())
+    tensor = Tensor(Pass([]))
+    pyengine.retain_grad(tensor)
+    pyengine.register_tensor_hook(tensor, lambda grad: pyengine.unregister_backend(Value) and None)
+    with pytest.raises(TypeError, match=re.escape(
+            "the gradient for the tensor's .grad is a Value, which no registered backend copies")):
+        pyengine.backward(Edge(tensor.grad_fn, 0), Value(np.ones(3)))
+    assert tensor.grad is None

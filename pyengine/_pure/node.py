@@ -34,7 +34,7 @@ from .._shared.messages import (
     uninitialized_metadata_message,
 )
 from .._shared.node_streams import _creation_stream
-from ..backends import backend_of, backend_to_add, check_backend_result
+from ..backends import backend_of, backend_to_add, check_backend_result, no_backend_to_copy
 from ..device import CPU, Device, as_device
 from ..indexed import IndexedGradient
 from . import state
@@ -875,6 +875,10 @@ def copy_value(value):
     if is_numpy_array(value):
         return np.array(value, copy=True)  # the numpy backend's copy
     backend = backend_of(value)
+    if backend is None:
+        # validate_outputs found one; Python code run since (a backend's
+        # method, a hook) may have unregistered it.
+        raise no_backend_to_copy(value, "the variable's .grad")
     # See Note [What a backend returns] in pyengine/backends.py.
     return check_backend_result(backend.copy(value), backend, "copy", "the variable's .grad")
 
