@@ -39,8 +39,9 @@ from pyengine._shared.hooks import call_post_accumulate_grad_hooks
 from pyengine._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
                                        accumulate_grad_grads_message, cannot_pickle_message,
                                        grad_lock_not_held_message, grad_lock_taken_again_message,
-                                       no_value_backend_message, node_name, not_initialized_message,
-                                       uninitialized_metadata_message)
+                                       negative_size_message, no_value_backend_message, node_name,
+                                       not_initialized_message, shape_not_sizes_message,
+                                       size_not_int_message, uninitialized_metadata_message)
 from pyengine._shared.node_streams import _creation_stream
 from pyengine._state import get_current_node
 
@@ -81,11 +82,20 @@ cdef class InputMetadata:
         if self.shape is not None:
             # Its fields and the fast path's copy of them must agree.
             raise TypeError("InputMetadata is immutable: its __init__ ran already")
+        # See Note [InputMetadata sizes] in pyengine/_shared/messages.py.
+        if isinstance(shape, (str, bytes, bytearray)):
+            raise TypeError(shape_not_sizes_message(shape))
         # A loop, not a list comprehension: See Note [Python allocations
         # that fail] in pyengine/_engine.pyx.
         sizes = []
+        cdef Py_ssize_t position = 0
         for size in shape:
-            sizes.append(int(size))
+            try:
+                index = PyNumber_Index(size)
+            except TypeError:
+                raise TypeError(size_not_int_message(size, position)) from None
+            sizes.append(index)
+            position += 1
         shape = tuple(sizes)
         dtype = _normalize_dtype(dtype)
         if type(device) is not Device:
@@ -99,6 +109,8 @@ cdef class InputMetadata:
         cdef vector[cnp.npy_intp] dims
         for size in shape:
             dims.push_back(size)
+            if dims.back() < 0:
+                raise ValueError(negative_size_message(shape, dims.size() - 1))
         if not fast_path:
             dims.clear()
         # Set once nothing can fail: an __init__ that raised leaves no field

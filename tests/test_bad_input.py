@@ -160,3 +160,38 @@ def test_a_metadata_device_of_another_type_is_refused_where_it_is_made(device):
     with pytest.raises(TypeError, match="device must be a pyengine.Device or a str such as "
                                         f"'cpu' or 'cuda:1', got {type(device).__name__}"):
         pyengine.InputMetadata((2,), np.float64, device)
+
+
+# See Note [InputMetadata sizes] in pyengine/_shared/messages.py. Each was
+# taken before: a float truncated (2.7 as 2), a str or bytes size parsed
+# ("3" as 3), a str shape split into digits ("12" as (1, 2)), a negative
+# size kept and blamed at backward on the node whose gradient could not
+# match it.
+BAD_SHAPES = [
+    ((2.7,), TypeError, "InputMetadata shape: the size at position 0 must be an int, got float 2.7"),
+    ((3, np.float64(3.0)), TypeError,
+     "InputMetadata shape: the size at position 1 must be an int, got float64"),
+    (("3",), TypeError, "InputMetadata shape: the size at position 0 must be an int, got str '3'"),
+    ((2, b"4"), TypeError,
+     "InputMetadata shape: the size at position 1 must be an int, got bytes b'4'"),
+    ("12", TypeError, "InputMetadata shape must be a sequence of ints, got str '12'"),
+    (b"12", TypeError, "InputMetadata shape must be a sequence of ints, got bytes b'12'"),
+    ((-1,), ValueError,
+     "InputMetadata shape (-1,): the size at position 0 is -1, expected a size of at least 0"),
+    ((2, np.int64(-3)), ValueError,
+     "InputMetadata shape (2, -3): the size at position 1 is -3, expected a size of at least 0"),
+    # In order: the negative size comes before the one too large for C.
+    ((-1, 2**64), ValueError, "the size at position 0 is -1, expected a size of at least 0"),
+]
+
+
+@pytest.mark.parametrize("shape, error_type, message", BAD_SHAPES,
+                         ids=[repr(case[0]) for case in BAD_SHAPES])
+def test_a_metadata_size_that_is_not_a_size_is_refused_where_it_is_made(shape, error_type, message):
+    with pytest.raises(error_type, match=re.escape(message)):
+        pyengine.InputMetadata(shape, np.float64)
+    with pytest.raises(error_type, match=re.escape(message)):
+        Returns.__base__(next_edges=(), input_metadata=[(shape, np.float64)])
+    # Sizes with __index__ still make a shape of ints: numpy's integers, a bool.
+    metadata = pyengine.InputMetadata((np.int64(3), np.uint8(0), True), np.float64)
+    assert metadata.shape == (3, 0, 1) and [type(size) for size in metadata.shape] == [int] * 3

@@ -28,9 +28,12 @@ from .._shared.messages import (
     cannot_pickle_message,
     grad_lock_not_held_message,
     grad_lock_taken_again_message,
+    negative_size_message,
     no_value_backend_message,
     node_name,
     not_initialized_message,
+    shape_not_sizes_message,
+    size_not_int_message,
     uninitialized_metadata_message,
 )
 from .._shared.node_streams import _creation_stream
@@ -40,7 +43,6 @@ from ..indexed import IndexedGradient
 from . import state
 from .static_types import (
     C_LONG_MAX,
-    C_LONG_MIN,
     c_bint_attribute,
     c_type_name,
     check_argument,
@@ -107,15 +109,27 @@ class InputMetadata:
         if self.shape is not None:
             # Its fields and the compiled fast path's copy of them must agree.
             raise TypeError("InputMetadata is immutable: its __init__ ran already")
-        shape = tuple(int(size) for size in shape)
+        # See Note [InputMetadata sizes] in pyengine/_shared/messages.py.
+        if isinstance(shape, (str, bytes, bytearray)):
+            raise TypeError(shape_not_sizes_message(shape))
+        sizes = []
+        for position, size in enumerate(shape):
+            try:
+                sizes.append(operator.index(size))
+            except TypeError:
+                raise TypeError(size_not_int_message(size, position)) from None
+        shape = tuple(sizes)
         dtype = _normalize_dtype(dtype)
         if type(device) is not Device:
             device = as_device(device)
         # The compiled core converts every size to a C size (its fast path
-        # keeps them): each must fit.
-        if shape and not (C_LONG_MIN <= min(shape) and max(shape) <= C_LONG_MAX):
-            for size in shape:
+        # keeps them): each must fit, and none may be negative, checked in
+        # order as the compiled core does.
+        if shape and not (0 <= min(shape) and max(shape) <= C_LONG_MAX):
+            for position, size in enumerate(shape):
                 check_c_long(size)
+                if size < 0:
+                    raise ValueError(negative_size_message(shape, position))
         is_cpu = device == CPU
         # Set once nothing can fail, as the compiled core's: an __init__
         # that raised leaves the metadata uninitialized. The code above ran

@@ -73,6 +73,42 @@ def no_value_backend_message(value):
             "pyengine.register_backend")
 
 
+# Note [InputMetadata sizes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A shape is a sequence of sizes, each an int: anything with ``__index__``
+# (``operator.index``; a numpy integer will do), as PyTorch's sizes. A
+# float (2.7 was kept as 2), a str ("3" was 3) or bytes is a TypeError
+# naming the size and its position, and a str or bytes shape ("12" was
+# (1, 2), b"12" was (49, 50)) is refused whole. A size below 0 is a
+# ValueError naming the shape, the size and its position, where it was
+# kept and blamed, at backward, on the node whose gradient could not match
+# it. Every size must also fit a C long (the compiled core's fast path
+# keeps them as C sizes): OverflowError. Both cores check the sizes in
+# order and stop at the first wrong one, so that a shape wrong twice gives
+# one error in both.
+
+
+def size_not_int_message(size, position):
+    """InputMetadata's TypeError for a size that is not an int: See Note
+    [InputMetadata sizes]."""
+    return (f"InputMetadata shape: the size at position {position} must be an int, got "
+            f"{type(size).__name__} {size!r}")
+
+
+def negative_size_message(shape, position):
+    """InputMetadata's ValueError for a size below 0: See Note
+    [InputMetadata sizes]."""
+    return (f"InputMetadata shape {shape}: the size at position {position} is "
+            f"{shape[position]}, expected a size of at least 0")
+
+
+def shape_not_sizes_message(shape):
+    """InputMetadata's TypeError for a str or bytes shape: See Note
+    [InputMetadata sizes]."""
+    return (f"InputMetadata shape must be a sequence of ints, got {type(shape).__name__} "
+            f"{shape!r}")
+
+
 def grad_lock_taken_again_message():
     """A thread asked for a leaf's ``.grad`` lock while it held it: See
     Note [The lock of a leaf's .grad] in pyengine/_pure/node.py."""
