@@ -1200,6 +1200,13 @@ cdef int accumulate_on_streams(InputBuffer input_buffer, Py_ssize_t input_nr, ob
     was written on is chosen here, off a CPU node's path."""
     if producer is not None:
         producer_stream = gradient_stream(producer, output_nr, producer_stream)
+    if producer_stream is None and consumer_stream is None:
+        # No stream to sync or to add on, as the twin: accumulation_stream
+        # would ask the gradient's backend its device for nothing (a root
+        # gradient of a framework's type on the CPU, a GraphRoot's root
+        # without a stream), one call more than the twin makes.
+        input_buffer.add(input_nr, gradient, grad_mode)
+        return 0
     # Not a ``with``: See Note [Python allocations that fail].
     guard = _streams.stream_guard(_streams.accumulation_stream(gradient, producer_stream,
                                                                consumer_stream))

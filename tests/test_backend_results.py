@@ -13,6 +13,7 @@ in pyengine/backends.py.
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import numpy as np
@@ -299,3 +300,56 @@ def test_a_backend_unregistered_before_retain_grad_copies_is_named(register):
             "the gradient for the tensor's .grad is a Value, which no registered backend copies")):
         pyengine.backward(Edge(tensor.grad_fn, 0), Value(np.ones(3)))
     assert tensor.grad is None
+
+
+def _core(name):
+    """The node and engine modules of one core, side by side in this process
+    (as tests/test_cross_core.py loads them); skips where the compiled core
+    is not built."""
+    prefix = "pyengine._" if name == "compiled" else "pyengine._pure."
+    try:
+        return (importlib.import_module(prefix + "node"),
+                importlib.import_module(prefix + "engine"))
+    except ImportError as error:
+        pytest.skip(f"the {name} core cannot be imported here: {error}")
+
+
+def test_a_root_gradient_of_a_framework_type_asks_its_backend_alike_in_both_cores(register):
+    # A root gradient that is not a numpy array takes accumulate_on_streams:
+    # the twin adds it at once where neither side has a stream, the compiled
+    # core asked accumulation_stream, and so the backend's device(), once
+    # more (a device() that fails on a later call failed on one core only).
+    # Oracles: the twin's calls, and the sink receiving the root gradient
+    # itself.
+    calls = []
+
+    class Counting(Backend):
+        pass
+
+    for method in ("shape", "dtype", "device", "dtype_kind", "add", "add_", "sum_to", "cast",
+                   "copy", "to_device"):
+        def counted(self, *args, _method=method):
+            calls.append(_method)
+            return getattr(Backend, _method)(self, *args)
+        setattr(Counting, method, counted)
+
+    register(Counting())
+    counts = {}
+    for name in ("pure", "compiled"):
+        node_module, engine_module = _core(name)
+        got = []
+
+        class Sink(node_module.NodeBase):
+            def apply(self, grads):
+                self.got.append(grads[0])
+                return []
+
+        sink = Sink(next_edges=(), input_metadata=[((3,), np.float64)])
+        sink.got = got
+        root = Value(np.full(3, 2.0))
+        del calls[:]
+        engine_module.Engine().execute([node_module.Edge(sink, 0)], [root], False, False, True,
+                                       None)
+        assert got == [root]
+        counts[name] = list(calls)
+    assert counts["compiled"] == counts["pure"], counts
