@@ -353,3 +353,28 @@ def test_a_root_gradient_of_a_framework_type_asks_its_backend_alike_in_both_core
         assert got == [root]
         counts[name] = list(calls)
     assert counts["compiled"] == counts["pure"], counts
+
+
+@pytest.mark.parametrize("shape, what", [(None, "None"), (3, "3 of type int"),
+                                         ("3", "'3' of type str")])
+@pytest.mark.parametrize("policy", ["reduce", "exact"])
+def test_a_backend_whose_shape_is_no_sequence_is_named(register, shape, what, policy):
+    # tuple(backend.shape(grad)) said "'NoneType' object is not iterable" or
+    # "'int' object is not iterable", naming neither backend nor node, and
+    # took "3" as ("3",), which then "got ('3',)" against (3,).
+    class Shapeless(Backend):
+        def shape(self, value):
+            return shape
+
+    register(Shapeless())
+
+    class Emits(Emit):
+        gradient_policy = policy
+
+    got = []
+    sink = Sink(InputMetadata((3,), np.float64), got)
+    words = ("Function Emits returned an invalid gradient at index 0 - shape() of the backend "
+             f"'values' (Shapeless) returned {what}: expected a tuple of ints")
+    with pytest.raises(TypeError, match=re.escape(words)):
+        pyengine.backward(Edge(Emits([Edge(sink, 0)], lambda: Value(np.ones(3))), 0), np.ones(()))
+    assert got == []

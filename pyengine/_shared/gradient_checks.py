@@ -9,7 +9,7 @@ shared]): broadcast reductions, casts, moves, other value types and the
 errors, in PyTorch's words, are written once.
 """
 
-from ..backends import backend_of, backend_result_problem, is_expandable_to
+from ..backends import backend_label, backend_of, backend_result_problem, is_expandable_to
 
 # The values of ``gradient_policy``: checked_gradient_policy returns one of
 # these very objects, which the compiled core compares by identity.
@@ -65,13 +65,33 @@ def result_backend(i, result, backend, method, format_error):
     return found
 
 
+def value_shape(i, grad, backend, format_error):
+    """``backend.shape(grad)`` as a tuple, for gradient ``i``; TypeError
+    naming the backend and what its shape() returned where that is no
+    sequence of sizes (None, an int, a str), where ``tuple()`` said only
+    "'NoneType' object is not iterable" and a str passed as its
+    characters."""
+    shape = backend.shape(grad)
+    if type(shape) is tuple:
+        return shape
+    if not isinstance(shape, (str, bytes, bytearray)):
+        try:
+            return tuple(shape)
+        except TypeError:
+            pass  # worded below, without the iteration's error as its cause
+    what = "None" if shape is None else f"{shape!r} of type {type(shape).__name__}"
+    raise TypeError(format_error(
+        f"invalid gradient at index {i} - shape() of {backend_label(backend)} returned {what}: "
+        "expected a tuple of ints"))
+
+
 def validate_gradient(i, grad, metadata, format_error):
     """Gradient ``i`` checked against its slot's ``metadata`` (None: only
     that it is a value), reduced, cast or moved where that is allowed."""
     backend = value_backend(i, grad, format_error)
     if metadata is None:
         return grad
-    shape = tuple(backend.shape(grad))
+    shape = value_shape(i, grad, backend, format_error)
     if shape != metadata.shape:
         if not is_expandable_to(metadata.shape, shape):
             raise RuntimeError(format_error(
@@ -117,7 +137,7 @@ def validate_gradient_exact(i, grad, metadata, format_error):
     backend = value_backend(i, grad, format_error)
     if metadata is None:
         return grad
-    shape = tuple(backend.shape(grad))
+    shape = value_shape(i, grad, backend, format_error)
     if shape != metadata.shape:
         raise RuntimeError(format_error(
             f"invalid gradient at index {i} - got shape {shape} but expected shape "
@@ -145,7 +165,7 @@ def validate_node_gradient(i, grad, metadata, format_error, node):
     if metadata is not None:
         backend = backend_of(grad)
         if backend is not None and not (
-                tuple(backend.shape(grad)) == metadata.shape
+                value_shape(i, grad, backend, format_error) == metadata.shape
                 and backend.dtype(grad) == metadata.dtype
                 and backend.device(grad) == metadata.device):
             if gradient_policy_of(node) is EXACT:
