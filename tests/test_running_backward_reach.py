@@ -254,8 +254,9 @@ def test_an_owner_graph_is_initialized_once():
     graph.backward(root)
     assert graph.mode == "writes" and len(answers) == 12 and set(answers) == {refused}
 
-    # One __init__ that runs another from inside (a gradient policy's
-    # __ne__): the inner one is refused, and the outer one's fields stand.
+    # A gradient policy is compared as the str it holds (check_options):
+    # its own __ne__, which would run an __init__ from inside this one, is
+    # never called, and the graph keeps the constant.
     class Policy(str):
         def __ne__(self, other):
             again(graph, "writes")
@@ -265,10 +266,14 @@ def test_an_owner_graph_is_initialized_once():
 
     graph = pyengine.OwnerGraph.__new__(pyengine.OwnerGraph)
     graph.__init__(parents, backward, mode="returns", gradient_policy=Policy("reduce"))
-    assert graph.returns and answers[-1] == refused and len(answers) == 13
-    # A mode that is a str subclass: the compiled field takes a str only.
+    assert graph.returns and type(graph.gradient_policy) is str and len(answers) == 12
+    # A mode that is a str subclass: its __ne__ (run by each of the mode's
+    # two comparisons) runs an __init__ of the same graph from inside this
+    # one, which is refused; then the compiled field takes a str only.
+    graph = pyengine.OwnerGraph.__new__(pyengine.OwnerGraph)
     with pytest.raises(TypeError, match="^Expected str, got Policy$"):
-        pyengine.OwnerGraph(parents, backward, mode=Policy("returns"))
+        graph.__init__(parents, backward, mode=Policy("returns"))
+    assert answers[-2:] == [refused, refused] and len(answers) == 14
 
 
 # -- the sweep -------------------------------------------------------------------------
