@@ -506,3 +506,35 @@ def test_grad_inputs_that_are_not_iterable_are_named():
     assert str(raised.value) == "inputs must be iterable, got Value"
     # A generator is an iterable: read once.
     assert graph.grad(Value(x), np.ones(1), (owner for owner in [x]))[0].tolist() == [1.0]
+
+
+class ForgetsToReturn(ValBackend):
+    """A backend whose add returns None: an add written without its return."""
+
+    inject_in = None
+
+    def add(self, a, b):
+        a.v += b.v
+
+
+def test_a_backend_add_that_returns_none_leaves_an_owner_leafs_grad_as_it_was():
+    # The default accumulate stored what the backend's add returned: the
+    # leaf's .grad became None, and every gradient summed into it was lost.
+    previous = pyengine.register_backend(Val, ForgetsToReturn())
+    try:
+        x = Value()
+        graph = pyengine.OwnerGraph("parents", lambda owner, grads: [Val(2.0)], mode="returns")
+        graph.backward(Value(x), Val(1.0))
+        first = x.grad
+        assert first.v == 2.0
+        with pytest.raises(TypeError) as raised:
+            graph.backward(Value(x), Val(1.0))
+        assert str(raised.value) == (
+            "the .grad of a Value: add() of the backend 'val' (ForgetsToReturn) returned None: "
+            "expected a value of a registered backend")
+        assert x.grad is first
+    finally:
+        if previous is None:
+            pyengine.unregister_backend(Val)
+        else:
+            pyengine.register_backend(Val, previous)

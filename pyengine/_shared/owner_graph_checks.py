@@ -7,7 +7,7 @@ protocol and the walk are in those two modules: See Note [Owner graphs] in
 
 from types import GeneratorType
 
-from ..backends import backend_of
+from ..backends import backend_of, check_backend_result
 from .hooks import add_note
 from .messages import MAX_INPUT_NR
 
@@ -279,7 +279,13 @@ def accumulate_grad(leaf, gradient):
         leaf.grad = gradient
     else:
         backend = backend_of(old)
-        leaf.grad = old + gradient if backend is None else backend.add(old, gradient)
+        if backend is None:
+            leaf.grad = old + gradient
+        else:
+            # Kept only once it is a value: See Note [What a backend returns]
+            # in pyengine/backends.py.
+            leaf.grad = check_backend_result(backend.add(old, gradient), backend, "add",
+                                             f"the .grad of a {owner_name(leaf)}")
 
 
 def format_root_error(message):
