@@ -236,6 +236,20 @@ def run_on_core(code: str, pure: bool, timeout: float) -> list[str]:
     return proc.stdout.splitlines()
 
 
+@contextlib.contextmanager
+def registered_backend(value_type, backend):
+    """``backend`` registered for ``value_type`` while the block runs; the
+    one before it (or none) put back after."""
+    previous = pyengine.register_backend(value_type, backend)
+    try:
+        yield backend
+    finally:
+        if previous is None:
+            pyengine.unregister_backend(value_type)
+        else:
+            pyengine.register_backend(value_type, previous)
+
+
 @pytest.fixture
 def engine_with_depth():
     """Swap in an Engine with a given max_recursion_depth; restore the default."""

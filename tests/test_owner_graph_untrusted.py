@@ -19,24 +19,11 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import run_on_this_core
+from conftest import registered_backend, run_on_this_core
+from test_owner_leaf_locks import Value, passes_on
 
 import pyengine
 from pyengine import CPU, Edge, Node
-
-
-class Value:
-    """An owner: its parent items, a gradient, and a writes-mode method."""
-
-    def __init__(self, *parents):
-        self.parents = list(parents)
-        self.grad = None
-
-
-def passes_on(owner, grads):
-    """Returns mode's backward: the owner's gradient to each parent item."""
-    return [grads[0]] * len(owner.parents)
-
 
 # -- the owners the walk holds ----------------------------------------------------------------
 
@@ -141,15 +128,8 @@ class ValBackend(pyengine.ArrayBackend):
 
 @pytest.fixture
 def val_backend():
-    backend = ValBackend()
-    previous = pyengine.register_backend(Val, backend)
-    try:
+    with registered_backend(Val, ValBackend()) as backend:
         yield backend
-    finally:
-        if previous is None:
-            pyengine.unregister_backend(Val)
-        else:
-            pyengine.register_backend(Val, previous)
 
 
 def test_a_gradient_python_code_writes_where_no_gradient_flows_is_dropped(val_backend):
@@ -520,8 +500,7 @@ class ForgetsToReturn(ValBackend):
 def test_a_backend_add_that_returns_none_leaves_an_owner_leafs_grad_as_it_was():
     # The default accumulate stored what the backend's add returned: the
     # leaf's .grad became None, and every gradient summed into it was lost.
-    previous = pyengine.register_backend(Val, ForgetsToReturn())
-    try:
+    with registered_backend(Val, ForgetsToReturn()):
         x = Value()
         graph = pyengine.OwnerGraph("parents", lambda owner, grads: [Val(2.0)], mode="returns")
         graph.backward(Value(x), Val(1.0))
@@ -533,8 +512,3 @@ def test_a_backend_add_that_returns_none_leaves_an_owner_leafs_grad_as_it_was():
             "the .grad of a Value: add() of the backend 'val' (ForgetsToReturn) returned None: "
             "expected a value of a registered backend")
         assert x.grad is first
-    finally:
-        if previous is None:
-            pyengine.unregister_backend(Val)
-        else:
-            pyengine.register_backend(Val, previous)
