@@ -36,6 +36,22 @@ cdef InputBuffer new_input_buffer(Py_ssize_t size):
     return input_buffer
 
 
+cdef inline bint sums_in_place(cnp.ndarray total, cnp.ndarray value) noexcept:
+    """The twin's sums_in_place (pyengine/backends.py), in C: ``value`` has
+    ``total``'s dtype and shape. See Note [InputBuffer ownership] in the
+    twin."""
+    if cnp.PyArray_NDIM(total) != cnp.PyArray_NDIM(value):
+        return False
+    cdef int axis
+    for axis in range(cnp.PyArray_NDIM(total)):
+        if cnp.PyArray_DIMS(total)[axis] != cnp.PyArray_DIMS(value)[axis]:
+            return False
+    # numpy's dtype ==, which the twin calls, after the identity that
+    # answers for every built-in dtype without a call into numpy.
+    return (<void*>cnp.PyArray_DESCR(total) == <void*>cnp.PyArray_DESCR(value)
+            or cnp.PyArray_EquivTypes(total.descr, value.descr))
+
+
 @cython.final
 @cython.freelist(64)
 cdef class InputBuffer:
@@ -94,7 +110,7 @@ cdef class InputBuffer:
         if is_numpy_array(old) and type(value) is cnp.ndarray:
             # numpy's own operators, as the built-in numpy backend would call
             # them; an array this buffer allocated is always writeable.
-            if in_place:
+            if in_place and sums_in_place(<cnp.ndarray>old, <cnp.ndarray>value):
                 total = old
                 total += value
             else:

@@ -168,6 +168,14 @@ def is_expandable_to(shape: tuple, target: tuple) -> bool:
     return True
 
 
+def sums_in_place(total, value):
+    """Whether numpy array ``value`` may be added into array ``total`` in
+    place: where it has ``total``'s dtype and shape, so that the in-place
+    sum is the one ``total + value`` would make. See Note [InputBuffer
+    ownership] in pyengine/_pure/input_buffer.py."""
+    return total.dtype == value.dtype and total.shape == value.shape
+
+
 class NumpyBackend(ArrayBackend):
     """numpy arrays and numpy scalars; always on the CPU."""
 
@@ -212,8 +220,9 @@ class NumpyBackend(ArrayBackend):
                 if np.can_cast(b.dtype, a.dtype, "same_kind"):
                     return b.add_to_(a)
                 return self.add(a, b)
-            np.add(a, b, out=a)
-            return a
+            if isinstance(b, np.ndarray) and sums_in_place(a, b):
+                np.add(a, b, out=a)
+                return a
         return self.add(a, b)
 
     def sum_to(self, value, shape):

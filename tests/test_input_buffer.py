@@ -9,6 +9,8 @@ in-place addition); the random test mixes in read-only ones, which a compiled
 fast path must not write into either.
 """
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -248,3 +250,48 @@ def test_without_create_graph_one_array_is_allocated_per_slot(n_adds, length):
         buffer.add(0, value, False)
         assert buffer.buffer[0] is owned
     assert (owned == n_adds * (n_adds + 1) // 2).all()
+
+
+# Gradients of an undeclared slot (no metadata: nothing cast or reduced them
+# to one dtype and shape), in every order. numpy's out-of-place sum, whose
+# promotion and broadcast do not depend on the order, is the oracle.
+MIXED_GRADIENTS = [
+    pytest.param([np.array([1, 2, 3]), np.array([1, 2, 3]), np.array([0.5, 0.5, 0.5])],
+                 id="int-int-float"),
+    pytest.param([np.ones(3), np.ones(3), np.ones((2, 3))], id="row-row-matrix"),
+    pytest.param([np.ones(3, np.float32), np.ones(3, np.float32), np.full(3, 1e-9)],
+                 id="float32-float32-float64"),
+]
+
+
+@pytest.mark.parametrize("gradients", MIXED_GRADIENTS)
+def test_a_slot_sums_alike_in_every_order(gradients):
+    # The third gradient was added in place into the sum the buffer owned:
+    # numpy refused to cast a float into the int sum or to grow the row, and
+    # cast a float64 into the float32 sum, where another order summed.
+    expected = gradients[0] + gradients[1] + gradients[2]
+    for order in itertools.permutations(range(3)):
+        buffer = InputBuffer(1)
+        for i in order:
+            buffer.add(0, gradients[i].copy(), False)
+        total = buffer.buffer[0]
+        assert total.dtype == expected.dtype and total.shape == expected.shape
+        np.testing.assert_array_equal(total, expected)
+    # Where dtype and shape agree, the third is still added in place.
+    buffer = InputBuffer(1)
+    for value in (gradients[0].copy(), gradients[0].copy()):
+        buffer.add(0, value, False)
+    owned = buffer.buffer[0]
+    buffer.add(0, gradients[0].copy(), False)
+    assert buffer.buffer[0] is owned
+
+
+def test_the_numpy_backends_add_is_in_place_only_where_it_sums_alike():
+    from pyengine.backends import NUMPY
+    total = np.array([1, 2, 3])
+    assert NUMPY.add_(total, np.array([1, 1, 1])) is total
+    result = NUMPY.add_(total, np.array([0.5, 0.5, 0.5]))
+    assert result is not total and result.dtype == np.float64
+    assert result.tolist() == [2.5, 3.5, 4.5] and total.tolist() == [2, 3, 4]
+    row = np.ones(3)
+    assert NUMPY.add_(row, np.ones((2, 3))).shape == (2, 3) and row.tolist() == [1.0] * 3

@@ -12,6 +12,18 @@ and therefore owns; from the third on, the buffer adds in place into that
 owned value. Under ``create_graph`` every sum is out of place, so that the
 frontend records it. The buffer remembers ownership per slot, by identity.
 
+An in-place sum must give what the out-of-place one would, or the slot's
+sum would depend on the order its gradients arrive in. A slot with
+metadata gets gradients validate_outputs cast and reduced to its dtype and
+shape, as PyTorch's InputBuffer always does. A slot without metadata (an
+undeclared slot) may get an int array, then a float one, or a row, then a
+matrix: added into the owned value in place, numpy would refuse to cast
+the float into the int array, refuse to grow the row, or cast a float64
+into a float32 array, where the same gradients in another order sum. So
+a numpy array is added in place only where it has the owned value's dtype
+and shape (``sums_in_place``; ``NumpyBackend.add_`` follows the same
+rule), and out of place otherwise, into a new owned value.
+
 Note [InputBuffer has no device]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 PyTorch 1.x's InputBuffer remembered the device of the first non-CPU
@@ -30,7 +42,7 @@ from .._shared.messages import (
     cannot_pickle_message,
     initialized_once_message,
 )
-from ..backends import backend_of, bad_backend_result, check_same_device, no_backend_to_add
+from ..backends import backend_of, bad_backend_result, check_same_device, no_backend_to_add, sums_in_place
 from .node import is_numpy_array, numpy_scalars
 from .static_types import as_ssize_t, c_type_name, check_new, final
 
@@ -119,7 +131,7 @@ class InputBuffer:
         if is_numpy_array(old) and type(value) is np.ndarray:
             # numpy's own operators, as the built-in numpy backend would call
             # them; an array this buffer allocated is always writeable.
-            if in_place:
+            if in_place and sums_in_place(old, value):
                 total = old
                 total += value
             else:
