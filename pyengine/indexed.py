@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
+
 from . import backends
 
 __all__ = ["IndexedGradient", "IndexedBackend", "densify", "keep_indexed_grad"]
@@ -88,6 +90,12 @@ class IndexedGradient:
         if len(shape) == 0 or any(size < 0 for size in shape):
             raise ValueError(f"IndexedGradient shape must have at least one axis and no "
                              f"negative size, got {shape}")
+        for what, array in (("indices", indices), ("values", values)):
+            if isinstance(array, np.ma.MaskedArray):
+                # Its min() and max() skip the masked entries, which np.add.at
+                # and densify would use all the same.
+                raise TypeError(f"IndexedGradient {what} must not be a masked array: every "
+                                "entry is used, masked or not")
         values_backend = _backend_for(values, "values")
         indices_backend = _backend_for(indices, "indices")
         if indices_backend is not values_backend:
@@ -116,7 +124,9 @@ class IndexedGradient:
                 raise IndexError(f"IndexedGradient index {bad} is out of bounds for axis 0 "
                                  f"with size {rows}")
             if low < 0:
-                indices = indices % rows
+                # In int64: the index dtype may not hold ``rows`` (int8
+                # indices of a 300-row table).
+                indices = indices_backend.cast(indices, np.int64) % rows
         self._indices = indices
         self._values = values
         self._shape = shape

@@ -473,3 +473,26 @@ def test_module_zero_grad_clears_an_indexed_grad():
     assert type(module.weight.grad) is IndexedGradient
     module.zero_grad(set_to_none=False)
     assert module.weight.grad is None
+
+
+@pytest.mark.parametrize("what", ["indices", "values"])
+def test_masked_arrays_are_refused(what):
+    # Masked entries passed the range check (min() and max() skip them) and
+    # were used all the same: np.add.at failed on index 99 at backward.
+    indices = np.array([0, 99])
+    values = np.ones((2, 2))
+    if what == "indices":
+        indices = np.ma.array(indices, mask=[False, True])
+    else:
+        values = np.ma.array(values, mask=[[False, False], [True, True]])
+    with pytest.raises(TypeError, match=f"^IndexedGradient {what} must not be a masked array"):
+        IndexedGradient(indices, values, (100, 2))
+
+
+def test_negative_indices_of_a_narrow_dtype_wrap_in_a_table_it_cannot_hold():
+    # indices % rows in int8 overflowed for a 300-row table.
+    values = np.arange(4.0).reshape(2, 2)
+    gradient = IndexedGradient(np.array([-1, 3], np.int8), values, (300, 2))
+    expected = np.zeros((300, 2))
+    np.add.at(expected, [299, 3], values)
+    np.testing.assert_array_equal(densify(gradient), expected)
