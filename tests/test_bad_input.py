@@ -95,6 +95,18 @@ CASES = [
     ("complex dtype", lambda: run_returning(lambda: [np.ones(3, dtype=np.complex64)]), RuntimeError,
      "Function Returns returned an invalid gradient at index 0 - expected dtype float64 but "
      "got complex64"),
+    # numpy cast a datetime into the float slot without a word, and a
+    # structured or str gradient failed with numpy's own error.
+    ("datetime dtype", lambda: run_returning(lambda: [np.array([7, 8, 9], dtype="M8[s]")]),
+     RuntimeError, "Function Returns returned an invalid gradient at index 0 - expected dtype "
+     "float64 but got datetime64[s] (only a numeric gradient casts)"),
+    ("structured dtype", lambda: run_returning(
+        lambda: [np.zeros(3, dtype=[("a", "f8"), ("b", "f8")])]),
+     RuntimeError, "Function Returns returned an invalid gradient at index 0 - expected dtype "
+     "float64 but got [('a', '<f8'), ('b', '<f8')] (only a numeric gradient casts)"),
+    ("str dtype", lambda: run_returning(lambda: [np.array(["a", "b", "c"])]), RuntimeError,
+     "Function Returns returned an invalid gradient at index 0 - expected dtype float64 but "
+     "got <U1 (only a numeric gradient casts)"),
     ("wrong device", wrong_device, RuntimeError,
      "Function Returns returned an invalid gradient at index 0 - expected device cpu but got "
      "fake:0"),

@@ -16,6 +16,9 @@ from ..backends import backend_label, backend_of, backend_result_problem, is_exp
 REDUCE = "reduce"
 EXACT = "exact"
 GRADIENT_POLICIES = (REDUCE, EXACT)
+# The dtype kinds a gradient may be cast from: floating, complex, integer
+# and bool, as PyTorch's dtypes.
+NUMERIC_KINDS = ("f", "c", "i", "u", "b")
 
 
 def checked_gradient_policy(policy, owner):
@@ -106,7 +109,13 @@ def validate_gradient(i, grad, metadata, format_error):
     if dtype != metadata.dtype:
         # PyTorch's rule: a floating gradient casts to any slot; another one
         # (integer, bool, complex) only to a slot that is complex as it is.
+        # PyTorch has no other kinds: a datetime, str, structured or object
+        # gradient casts to none (numpy would make a datetime a float).
         kind = backend.dtype_kind(dtype)
+        if kind not in NUMERIC_KINDS:
+            raise RuntimeError(format_error(
+                f"invalid gradient at index {i} - expected dtype {metadata.dtype} but got {dtype} "
+                "(only a numeric gradient casts)"))
         if kind != "f" and (kind == "c") != (backend.dtype_kind(metadata.dtype) == "c"):
             raise RuntimeError(format_error(
                 f"invalid gradient at index {i} - expected dtype {metadata.dtype} but got {dtype} "
