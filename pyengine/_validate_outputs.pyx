@@ -115,6 +115,10 @@ cdef object error_format(object format_error, object node):
 
 def validate_outputs(edges, list grads not None, format_error, gradient_policy="reduce", node=None):
     """Check and fix ``grads`` against ``edges``; see the twin's docstring."""
+    # Called where an error is found: checked before, in both cores (the
+    # compiled engine's own calls pass None for a node's words, made lazily).
+    if not callable(format_error):
+        raise TypeError(f"format_error must be a callable, got {type(format_error).__name__}")
     cdef bint exact = checked_gradient_policy(gradient_policy, "validate_outputs") is _EXACT
     edges = tuple(edges)
     # Only a caller from Python: the engine passes a node's checked edges.

@@ -207,3 +207,19 @@ def test_a_metadata_size_that_is_not_a_size_is_refused_where_it_is_made(shape, e
     # Sizes with __index__ still make a shape of ints: numpy's integers, a bool.
     metadata = pyengine.InputMetadata((np.int64(3), np.uint8(0), True), np.float64)
     assert metadata.shape == (3, 0, 1) and [type(size) for size in metadata.shape] == [int] * 3
+
+
+def test_validate_outputs_refuses_a_format_error_that_cannot_be_called():
+    # The compiled core took None as its engine's own "Function NoneType ...",
+    # the twin failed calling it; both refuse it now, before any check.
+    from pyengine._core import validate_outputs
+
+    class Sink(pyengine.Node):
+        def apply(self, grads):
+            return []
+
+    sink = Sink(next_edges=(), input_metadata=[pyengine.InputMetadata((3,), np.float64)])
+    with pytest.raises(TypeError, match="^format_error must be a callable, got NoneType$"):
+        validate_outputs([pyengine.Edge(sink, 0)], [np.ones(2)], None)
+    with pytest.raises(RuntimeError, match=r"^bad: invalid gradient at index 0 - got \(2,\)"):
+        validate_outputs([pyengine.Edge(sink, 0)], [np.ones(2)], lambda message: f"bad: {message}")

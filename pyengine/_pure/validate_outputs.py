@@ -44,6 +44,10 @@ def validate_outputs(edges, grads, format_error, gradient_policy="reduce", node=
     if type(grads) is not list:
         raise TypeError(f"Argument 'grads' has incorrect type (expected list, got "
                         f"{c_type_name(type(grads))})")
+    # Called where an error is found: checked before, in both cores (the
+    # compiled engine's own calls pass None for a node's words, made lazily).
+    if not callable(format_error):
+        raise TypeError(f"format_error must be a callable, got {type(format_error).__name__}")
     exact = checked_gradient_policy(gradient_policy, "validate_outputs") is EXACT
     edges = tuple(edges)
     # Only a caller from Python: the engine passes a node's checked edges.
