@@ -38,10 +38,9 @@ from pyengine._shared.owner_graph_checks import (EXACT, GRADIENTS_CHANGED, REDUC
                                                 OwnerRun, accumulate_grad, add_owner_note,
                                                 check_hook_result, check_nan, check_options,
                                                 check_reader, cycle_error, format_owner_error,
-                                                inputs_what, iterate, metadata_of_what,
-                                                parents_of_what,
-                                                format_root_error, leaf_lock_taken_again_message,
-                                                mark_needed, owner_name,
+                                                format_root_error, inputs_what, iterate,
+                                                leaf_lock_taken_again_message, mark_needed,
+                                                metadata_of_what, owner_name, parents_of_what,
                                                 read_returned, reduce_owner_graph, split_root)
 from pyengine._shared.owner_graph_checks import check_input_nr as check_input_nr_slow
 from pyengine._shared.owner_graph_checks import count_slots as count_slots_slow

@@ -512,3 +512,16 @@ def test_a_backend_add_that_returns_none_leaves_an_owner_leafs_grad_as_it_was():
             "the .grad of a Value: add() of the backend 'val' (ForgetsToReturn) returned None: "
             "expected a value of a registered backend")
         assert x.grad is first
+
+
+def test_a_collection_whose_own_iter_raises_keeps_its_words():
+    class Refuses:
+        def __iter__(self):
+            raise TypeError("not now")
+
+    x = Value()
+    root = Value()
+    root.parents = Refuses()
+    with pytest.raises(TypeError, match="^not now$"):
+        pyengine.OwnerGraph("parents", passes_on, mode="returns").backward(root, np.ones(1))
+    assert x.grad is None

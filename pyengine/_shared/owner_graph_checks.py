@@ -176,15 +176,19 @@ def iterate(collection, describe, *args):
     try:
         return iter(collection)
     except TypeError:
+        if hasattr(type(collection), "__iter__") or hasattr(type(collection), "__getitem__"):
+            raise  # its own __iter__ raised: in its own words
         raise TypeError(f"{describe(*args)} must be iterable, got "
                         f"{type(collection).__name__}") from None
 
 
 def metadata_of_what(owner):
+    """How an error names what ``metadata`` returned for ``owner``."""
     return f"metadata({owner_name(owner)})"
 
 
 def inputs_what():
+    """How an error names ``grad()``'s inputs."""
     return "inputs"
 
 
