@@ -39,9 +39,10 @@ from pyengine._shared.hooks import call_post_accumulate_grad_hooks
 from pyengine._shared.messages import (MAX_INPUT_NR, _cannot_delete, _input_nr_error, _leaf_state_error,
                                        accumulate_grad_grads_message, cannot_pickle_message,
                                        grad_lock_not_held_message, grad_lock_taken_again_message,
-                                       negative_size_message, no_value_backend_message, node_name,
+                                       metadata_size, negative_size_message,
+                                       no_value_backend_message, node_name,
                                        not_initialized_message, shape_not_sizes_message,
-                                       size_not_int_message, uninitialized_metadata_message)
+                                       uninitialized_metadata_message)
 from pyengine._shared.node_streams import _creation_stream
 from pyengine._state import get_current_node
 
@@ -90,11 +91,7 @@ cdef class InputMetadata:
         sizes = []
         cdef Py_ssize_t position = 0
         for size in shape:
-            try:
-                index = PyNumber_Index(size)
-            except TypeError:
-                raise TypeError(size_not_int_message(size, position)) from None
-            sizes.append(index)
+            sizes.append(metadata_size(size, position))
             position += 1
         shape = tuple(sizes)
         dtype = _normalize_dtype(dtype)

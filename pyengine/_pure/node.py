@@ -28,12 +28,12 @@ from .._shared.messages import (
     cannot_pickle_message,
     grad_lock_not_held_message,
     grad_lock_taken_again_message,
+    metadata_size,
     negative_size_message,
     no_value_backend_message,
     node_name,
     not_initialized_message,
     shape_not_sizes_message,
-    size_not_int_message,
     uninitialized_metadata_message,
 )
 from .._shared.node_streams import _creation_stream
@@ -114,10 +114,7 @@ class InputMetadata:
             raise TypeError(shape_not_sizes_message(shape))
         sizes = []
         for position, size in enumerate(shape):
-            try:
-                sizes.append(operator.index(size))
-            except TypeError:
-                raise TypeError(size_not_int_message(size, position)) from None
+            sizes.append(metadata_size(size, position))
         shape = tuple(sizes)
         dtype = _normalize_dtype(dtype)
         if type(device) is not Device:

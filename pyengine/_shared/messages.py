@@ -6,6 +6,7 @@ on an Edge's ``input_nr`` lives here with its message:
 See Note [Edge input_nr].
 """
 
+import operator
 
 # Note [A name() that raises]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -86,6 +87,18 @@ def no_value_backend_message(value):
 # keeps them as C sizes): OverflowError. Both cores check the sizes in
 # order and stop at the first wrong one, so that a shape wrong twice gives
 # one error in both.
+
+
+def metadata_size(size, position):
+    """``size``, the one at ``position`` of an InputMetadata's shape, as a
+    plain int: See Note [InputMetadata sizes]. ``operator.index``, and the
+    int's own value where that gives an int subclass back (a bool, on
+    Python 3.9, which later versions copy into an int)."""
+    try:
+        size = operator.index(size)
+    except TypeError:
+        raise TypeError(size_not_int_message(size, position)) from None
+    return size if type(size) is int else int.__index__(size)
 
 
 def size_not_int_message(size, position):
